@@ -1,0 +1,105 @@
+"""The Python-backend model every generated block and reference model runs.
+
+One instance is one stub process. ``initialize`` reads the model's spec from
+its config (parameter ``blockflow.spec``), builds the block on the instance's
+device and warms it up. ``execute`` runs every request of the call as one
+batch (this is where dynamic batching across tasks that share the block pays
+off) and gives each request its own rows; a request that cannot be read fails
+alone with a clear error.
+
+Tensors cross the stub boundary by DLPack in both directions: the Python
+backend mishandles numpy 2 arrays, and DLPack keeps GPU tensors on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from backend.runtime import BlockRunner
+from blockflow.errors import BlockError, RequestError
+from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, ModelSpec
+
+
+def _spec_from_config(config: dict[str, Any]) -> ModelSpec:
+    try:
+        raw = config["parameters"][SPEC_PARAMETER]["string_value"]
+        return ModelSpec.model_validate(json.loads(raw))
+    except (KeyError, ValueError) as exc:
+        raise BlockError(f"model {config.get('name')!r} has no valid {SPEC_PARAMETER!r} parameter "
+                         f"(regenerate the repository with `blockflow generate`): {exc}") from exc
+
+
+def _device(args: dict[str, str]) -> torch.device:
+    if args.get("model_instance_kind") == "GPU":
+        if not torch.cuda.is_available():
+            raise BlockError("Triton placed this instance on a GPU but torch sees no CUDA device")
+        return torch.device("cuda", int(args["model_instance_device_id"]))
+    return torch.device("cpu")
+
+
+class TritonPythonModel:
+    """Triton's entry points for one block instance."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        self.spec = _spec_from_config(config)
+        self.device = _device(args)
+        self.in_name = IMAGE if self.spec.takes_image else ACTIVATION_IN
+        self.out_name = LOGITS if self.spec.gives_logits else ACTIVATION_OUT
+        self.to_host = self.spec.transport == "triton-cpu"
+        self.logger = pb_utils.Logger
+        self.runner = BlockRunner(self.spec, self.device)
+        self.runner.warmup()
+        self.logger.log_info(
+            f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
+            f"(stages {self.spec.first_stage}-{self.spec.last_stage}, {self.spec.precision}, "
+            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={self.spec.transport})"
+        )
+
+    def _input(self, request: Any) -> torch.Tensor:
+        tensor = pb_utils.get_input_tensor_by_name(request, self.in_name)
+        if tensor is None:
+            raise RequestError(f"request has no input {self.in_name!r}")
+        x = torch.from_dlpack(tensor.to_dlpack())
+        if x.dtype != torch.float32 or tuple(x.shape[1:]) != self.spec.in_shape:
+            raise RequestError(f"input {self.in_name!r} is {x.dtype} {list(x.shape)}; "
+                               f"expected float32 [batch, {', '.join(map(str, self.spec.in_shape))}]")
+        return x
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        batch: list[torch.Tensor] = []
+        owners: list[int] = []
+        for i, request in enumerate(requests):
+            try:
+                batch.append(self._input(request))
+                owners.append(i)
+            except RequestError as exc:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+        if batch:
+            sizes = [int(t.shape[0]) for t in batch]
+            try:
+                joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
+                out = self.runner.run(joined)
+                if self.to_host:
+                    out = out.cpu()
+                elif out.is_cuda:
+                    # Triton reads the output once execute returns; the kernels must be done by then.
+                    torch.cuda.current_stream(out.device).synchronize()
+                for i, rows in zip(owners, out.split(sizes)):
+                    tensor = pb_utils.Tensor.from_dlpack(self.out_name, torch.utils.dlpack.to_dlpack(rows))
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
+            except Exception as exc:  # one failed batch must not take the stub down
+                self.logger.log_error(f"blockflow: {self.spec.name}: batch of {sum(sizes)} failed: {exc!r}")
+                for i in owners:
+                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
+        return responses
+
+    def finalize(self) -> None:
+        self.runner = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

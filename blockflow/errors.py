@@ -1,0 +1,87 @@
+"""The BlockFlow exception tree.
+
+Every error BlockFlow raises on purpose derives from :class:`BlockFlowError`,
+so a caller can catch one class; the CLI turns each into one line (never a
+traceback) and an exit code.
+
+::
+
+    BlockFlowError
+    ├── PlanError            a plan is malformed; lists every problem with its key path
+    ├── GenerateError        the model repository could not be written or is stale
+    ├── EnvironmentProblem   something BlockFlow needs is missing (server, stub, library)
+    ├── ServerError          tritonserver failed to start, stopped, or a model did not load
+    │   └── PortInUseError   a requested port is taken
+    ├── BlockError           a block failed to build or run (raised inside a block process)
+    │   └── RequestError     one request is invalid; it fails alone
+    └── ClientError          an inference call through the client failed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class BlockFlowError(Exception):
+    """Base class of every error BlockFlow raises on purpose."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class PlanIssue:
+    """One problem in a plan: where it is, what is wrong, how to fix it."""
+
+    loc: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.message}" if self.loc else self.message
+
+
+class PlanError(BlockFlowError):
+    """A plan failed validation. ``issues`` holds every problem found."""
+
+    exit_code = 2
+
+    def __init__(self, issues: Sequence[PlanIssue], source: str = "") -> None:
+        self.issues = list(issues)
+        self.source = source
+        head = f"invalid plan {source}" if source else "invalid plan"
+        lines = "\n".join(f"  {issue}" for issue in self.issues)
+        super().__init__(f"{head} ({len(self.issues)} problem(s)):\n{lines}")
+
+
+class GenerateError(BlockFlowError):
+    """The model repository could not be generated, or differs from the plan."""
+
+
+class EnvironmentProblem(BlockFlowError):
+    """A binary, library or package BlockFlow needs is missing or unusable."""
+
+    exit_code = 3
+
+
+class ServerError(BlockFlowError):
+    """tritonserver did not start, died, or did not load every model."""
+
+    exit_code = 4
+
+
+class PortInUseError(ServerError):
+    """A port BlockFlow was asked to bind is already taken."""
+
+
+class BlockError(BlockFlowError):
+    """A block could not be built or failed while running."""
+
+
+class RequestError(BlockError):
+    """One inference request is invalid; only that request fails."""
+
+
+class ClientError(BlockFlowError):
+    """An inference call made through :mod:`clients` failed."""
+
+    exit_code = 5

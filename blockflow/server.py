@@ -1,0 +1,216 @@
+"""Start, watch and stop a real ``tritonserver`` in explicit model-control mode.
+
+The server runs in its own process session, so stopping it (SIGTERM, then
+SIGKILL for the whole group after a grace period) also ends every Python-backend
+stub it started; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from blockflow.errors import PortInUseError, ServerError
+from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port(host: str, port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(f"{what} port {port} on {host} is already in use; "
+                                     f"stop what holds it or choose another with --{what.lower()}-port") from None
+            raise ServerError(f"cannot bind {what} port {port} on {host}: {exc.strerror}") from None
+
+
+def make_runtime_dir() -> Path:
+    """A private (0700) directory for the backend dir, sockets and logs of one server."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = Path(tempfile.mkdtemp(prefix="blockflow-", dir=base))
+    path.chmod(0o700)
+    return path
+
+
+@dataclass
+class ServerOptions:
+    repositories: Sequence[Path]
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    load: Sequence[str] = ("*",)
+    log_verbose: int = 0
+    extra_args: Sequence[str] = field(default_factory=list)
+
+
+class TritonServer:
+    """One ``tritonserver`` process. Use as a context manager, or call :meth:`start` / :meth:`stop`."""
+
+    def __init__(self, options: ServerOptions, runtime_dir: Path | None = None, install: TritonInstall | None = None) -> None:
+        self.options = options
+        self.install = install or locate()
+        self._own_runtime = runtime_dir is None
+        self.runtime_dir = runtime_dir or make_runtime_dir()
+        self.log_path = self.runtime_dir / "tritonserver.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        o = self.options
+        backends = prepare_backend_dir(self.install, self.runtime_dir)
+        cmd = [str(self.install.server)]
+        cmd += [f"--model-repository={r}" for r in o.repositories]
+        cmd += [
+            f"--backend-directory={backends}",
+            "--model-control-mode=explicit",
+            *[f"--load-model={m}" for m in o.load],
+            "--disable-auto-complete-config",
+            f"--http-address={o.host}", f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
+            f"--log-verbose={o.log_verbose}",
+            "--exit-timeout-secs=20",
+            # Named shm regions let us find (and remove) what a killed stub left in /dev/shm.
+            f"--backend-config=python,shm-region-prefix-name=blockflow{os.getpid()}_{self.runtime_dir.name}_",
+            "--backend-config=python,shm-default-byte-size=8388608",
+            "--backend-config=python,shm-growth-byte-size=33554432",
+            *o.extra_args,
+        ]
+        return cmd
+
+    def start(self, timeout: float = 300.0) -> None:
+        o = self.options
+        for what, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
+            check_port(o.host, port, what)
+        cmd = self.command()
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=server_env(self.install, self.runtime_dir), start_new_session=True)
+        log.close()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        return "\n".join(text[-lines:])
+
+    def errors_in_log(self) -> list[str]:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        keys = ("failed to load", "Error", "error:", "Traceback", "address already in use")
+        return [line for line in text if line.startswith("E") or any(k in line for k in keys)][-15:]
+
+    def _get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+                return int(r.status), bytes(r.read())
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), b""
+        except (urllib.error.URLError, OSError):
+            return 0, b""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                details = "\n".join(self.errors_in_log()) or self.log_tail()
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} during start-up "
+                                  f"(log: {self.log_path}):\n{details}")
+            if self._get("/v2/health/ready")[0] == 200:
+                return
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s (log: {self.log_path}):\n{self.log_tail()}")
+
+    def repository_index(self) -> list[dict[str, str]]:
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            data: list[dict[str, str]] = json.loads(r.read())
+        return data
+
+    def stop(self, grace: float = 25.0) -> None:
+        """SIGTERM the server (it unloads models and ends its stubs), then SIGKILL its whole process group."""
+        proc = self.process
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(proc.pid)
+        proc.wait()
+        self._remove_shm()
+        self.process = None
+        if self._own_runtime:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _remove_shm(self) -> None:
+        prefix = f"blockflow{os.getpid()}_{self.runtime_dir.name}_"
+        for path in Path("/dev/shm").glob(prefix + "*"):
+            path.unlink(missing_ok=True)
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_members(pgid: int) -> Iterable[int]:
+    """PIDs still in process group ``pgid`` (to check nothing was left behind)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    yield int(entry.name)
+            except (ProcessLookupError, PermissionError):
+                continue

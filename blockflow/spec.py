@@ -1,0 +1,85 @@
+"""What one generated Triton model runs: the contract between generator and block runtime.
+
+The generator writes a :class:`ModelSpec` as canonical JSON into the model's
+``config.pbtxt`` (parameter ``blockflow.spec``), so the server's own config API
+shows exactly what each model runs and ``blockflow apply`` can diff it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+TransportName = Literal["tensormq", "triton-gpu", "triton-cpu"]
+TRANSPORTS: tuple[TransportName, ...] = ("tensormq", "triton-gpu", "triton-cpu")
+
+SPEC_PARAMETER = "blockflow.spec"
+
+# Tensor names every generated model uses. Task ensembles take IMAGE and give LOGITS,
+# so a client never sees how a task is split.
+IMAGE = "IMAGE"
+LOGITS = "LOGITS"
+ACTIVATION_IN = "ACTIVATION_IN"
+ACTIVATION_OUT = "ACTIVATION_OUT"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WeightsSource(_Strict):
+    """Where a part's weights come from: a seed, or a state-dict file keyed like the full torchvision model."""
+
+    seed: int | None = None
+    file: str | None = None
+
+
+class Part(_Strict):
+    """Stages ``first..last`` (inclusive) of the base network, with their weights."""
+
+    block: str
+    first: int
+    last: int
+    weights: WeightsSource
+
+
+class ModelSpec(_Strict):
+    """Everything a block process needs to build and run its model."""
+
+    kind: Literal["block", "reference"]
+    name: str
+    arch: str
+    cut_points: tuple[str, ...]
+    num_classes: int
+    input_shape: tuple[int, ...]
+    parts: tuple[Part, ...] = Field(min_length=1)
+    precision: Precision
+    cuda_graphs: bool
+    max_batch_size: int
+    transport: TransportName
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+    @property
+    def first_stage(self) -> int:
+        return self.parts[0].first
+
+    @property
+    def last_stage(self) -> int:
+        return self.parts[-1].last
+
+    @property
+    def takes_image(self) -> bool:
+        return self.first_stage == 0
+
+    @property
+    def gives_logits(self) -> bool:
+        return self.last_stage == len(self.cut_points)
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no spaces): same spec, same bytes."""
+        import json
+
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,97 @@
+"""``config.pbtxt`` messages built through Triton's protobuf schema (``model_config_pb2``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from blockflow.plan import Block
+from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, ModelSpec
+
+# Triton's Python backend copies GPU inputs to host memory unless told otherwise.
+FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"
+
+
+def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput]) -> mc.ModelInput | mc.ModelOutput:
+    t = cls()
+    t.name = name
+    t.data_type = mc.TYPE_FP32
+    t.dims.extend(int(d) for d in dims)
+    return t
+
+
+def _instance_group(block: Block) -> mc.ModelInstanceGroup:
+    group = mc.ModelInstanceGroup()
+    group.count = block.instances
+    if block.placement == "cpu":
+        group.kind = mc.ModelInstanceGroup.KIND_CPU
+    elif block.placement == "gpu":
+        group.kind = mc.ModelInstanceGroup.KIND_GPU
+    elif block.placement == "auto":
+        # Triton resolves AUTO to one group per visible GPU, or to the CPU when there is none.
+        group.kind = mc.ModelInstanceGroup.KIND_AUTO
+    else:
+        group.kind = mc.ModelInstanceGroup.KIND_GPU
+        group.gpus.extend(block.placement)
+    return group
+
+
+def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelConfig:
+    """A Python-backend model that runs ``spec`` with ``block``'s deployment settings."""
+    cfg = mc.ModelConfig()
+    cfg.name = name
+    cfg.backend = "python"
+    cfg.max_batch_size = spec.max_batch_size
+    in_name = IMAGE if spec.takes_image else ACTIVATION_IN
+    out_name = LOGITS if spec.gives_logits else ACTIVATION_OUT
+    cfg.input.append(_tensor(in_name, spec.in_shape, mc.ModelInput))
+    cfg.output.append(_tensor(out_name, spec.out_shape, mc.ModelOutput))
+    cfg.instance_group.append(_instance_group(block))
+    cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
+    force_cpu = "yes" if spec.transport == "triton-cpu" else "no"
+    cfg.parameters[FORCE_CPU_PARAM].string_value = force_cpu
+    cfg.parameters[SPEC_PARAMETER].string_value = spec.to_json()
+    return cfg
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ensemble step: a model and the spec it runs (for its tensor names)."""
+
+    model: str
+    spec: ModelSpec
+
+
+def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int], logits_shape: Sequence[int]) -> mc.ModelConfig:
+    """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop."""
+    cfg = mc.ModelConfig()
+    cfg.name = name
+    cfg.platform = "ensemble"
+    cfg.max_batch_size = min(s.spec.max_batch_size for s in steps)
+    cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput))
+    cfg.output.append(_tensor(LOGITS, logits_shape, mc.ModelOutput))
+    carried = IMAGE
+    for i, s in enumerate(steps):
+        step = cfg.ensemble_scheduling.step.add()
+        step.model_name = s.model
+        step.model_version = -1
+        step.input_map[IMAGE if s.spec.takes_image else ACTIVATION_IN] = carried
+        if s.spec.gives_logits:
+            step.output_map[LOGITS] = LOGITS
+        else:
+            carried = f"hop{i}_{s.model}"
+            step.output_map[ACTIVATION_OUT] = carried
+    return cfg
+
+
+def to_pbtxt(cfg: mc.ModelConfig) -> str:
+    return str(text_format.MessageToString(cfg))
+
+
+def parse_pbtxt(text: str) -> mc.ModelConfig:
+    cfg = mc.ModelConfig()
+    text_format.Parse(text, cfg)
+    return cfg

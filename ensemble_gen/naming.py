@@ -1,0 +1,33 @@
+"""The one naming rule for generated Triton models.
+
+* A task's ensemble on its own transport is named after the task: ``cls_a``.
+* A block model on the plan's transport is named after the block: ``r50_s0``.
+* Any other transport variant appends ``__`` and the transport with ``-`` made
+  ``_``: ensemble ``cls_a__triton_cpu`` runs blocks ``r50_s0__triton_cpu`` ….
+* The monolithic reference of a task (same weights, unsplit) is
+  ``<task>__ref`` (eager) and ``<task>__ref_graph`` (CUDA graphs).
+
+Plan names may not contain ``__``, so generated names never collide with them.
+"""
+
+from __future__ import annotations
+
+from blockflow.spec import TransportName
+
+SEP = "__"
+
+
+def transport_suffix(transport: TransportName) -> str:
+    return SEP + transport.replace("-", "_")
+
+
+def block_model(block: str, transport: TransportName, default: TransportName) -> str:
+    return block if transport == default else block + transport_suffix(transport)
+
+
+def task_model(task: str, transport: TransportName, own: TransportName) -> str:
+    return task if transport == own else task + transport_suffix(transport)
+
+
+def reference_model(task: str, graph: bool) -> str:
+    return f"{task}{SEP}ref_graph" if graph else f"{task}{SEP}ref"
