@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from backend.runtime import BlockRunner
 from blockflow.errors import BlockError, RequestError
@@ -64,7 +65,7 @@ class TritonPythonModel:
         tensor = pb_utils.get_input_tensor_by_name(request, self.in_name)
         if tensor is None:
             raise RequestError(f"request has no input {self.in_name!r}")
-        x = torch.from_dlpack(tensor.to_dlpack())
+        x = from_dlpack(tensor.to_dlpack())
         if x.dtype != torch.float32 or tuple(x.shape[1:]) != self.spec.in_shape:
             raise RequestError(f"input {self.in_name!r} is {x.dtype} {list(x.shape)}; "
                                f"expected float32 [batch, {', '.join(map(str, self.spec.in_shape))}]")
@@ -90,8 +91,8 @@ class TritonPythonModel:
                 elif out.is_cuda:
                     # Triton reads the output once execute returns; the kernels must be done by then.
                     torch.cuda.current_stream(out.device).synchronize()
-                for i, rows in zip(owners, out.split(sizes)):
-                    tensor = pb_utils.Tensor.from_dlpack(self.out_name, torch.utils.dlpack.to_dlpack(rows))
+                for i, rows in zip(owners, torch.split(out, sizes)):
+                    tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
                     responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
             except Exception as exc:  # one failed batch must not take the stub down
                 self.logger.log_error(f"blockflow: {self.spec.name}: batch of {sum(sizes)} failed: {exc!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ class BlockRunner:
             torch.backends.cudnn.benchmark = True
         module = nn.Sequential(*(build_part(spec, p) for p in spec.parts)).eval()
         self.memory_format = torch.channels_last if self.is_cuda and len(spec.in_shape) == 3 else torch.contiguous_format
-        self.module = module.to(device=device, dtype=self.dtype, memory_format=self.memory_format)
+        self.module = module.to(device=device, dtype=self.dtype).to(memory_format=self.memory_format)
         self.buckets = batch_buckets(spec.max_batch_size)
         self.use_graphs = self.is_cuda and spec.cuda_graphs and os.environ.get("BLOCKFLOW_DISABLE_CUDA_GRAPHS") != "1"
         self._graphs: dict[int, _Graph] = {}
@@ -127,10 +128,10 @@ class BlockRunner:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
-    def _capture(self, batch: int, pool: tuple[int, int]) -> _Graph:
+    def _capture(self, batch: int, pool: Any) -> _Graph:
         static_in = torch.zeros((batch, *self.spec.in_shape), device=self.device, dtype=self.dtype)
         static_in = static_in.contiguous(memory_format=self.memory_format)
-        side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(3):  # cuDNN picks algorithms on the first calls; keep that out of the graph

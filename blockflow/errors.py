@@ -49,8 +49,11 @@ class PlanError(BlockFlowError):
         self.issues = list(issues)
         self.source = source
         head = f"invalid plan {source}" if source else "invalid plan"
-        lines = "\n".join(f"  {issue}" for issue in self.issues)
-        super().__init__(f"{head} ({len(self.issues)} problem(s)):\n{lines}")
+        if len(self.issues) == 1:
+            super().__init__(f"{head}: {self.issues[0]}")
+        else:
+            lines = "\n".join(f"  {issue}" for issue in self.issues)
+            super().__init__(f"{head} ({len(self.issues)} problems):\n{lines}")
 
 
 class GenerateError(BlockFlowError):

@@ -38,7 +38,7 @@ class ModelDef(_Strict):
 
     arch: str
     cut_points: list[str] = Field(default_factory=list)
-    input_shape: tuple[int, int, int] = (3, 224, 224)
+    input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
     num_classes: int = Field(default=1000, ge=1, le=100_000)
 
     @field_validator("arch")
@@ -50,8 +50,8 @@ class ModelDef(_Strict):
 
     @field_validator("input_shape")
     @classmethod
-    def _sane_input(cls, v: tuple[int, int, int]) -> tuple[int, int, int]:
-        if v[0] != 3 or not (32 <= v[1] <= 4096 and 32 <= v[2] <= 4096):
+    def _sane_input(cls, v: list[int]) -> list[int]:
+        if len(v) != 3 or v[0] != 3 or not (32 <= v[1] <= 4096 and 32 <= v[2] <= 4096):
             raise ValueError(f"input_shape {list(v)} is not [3, H, W] with 32 <= H, W <= 4096")
         return v
 

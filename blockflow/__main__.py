@@ -1,0 +1,5 @@
+"""``python -m blockflow`` is the ``blockflow`` command."""
+
+from blockflow.cli import main
+
+main()

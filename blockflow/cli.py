@@ -1,0 +1,344 @@
+"""The ``blockflow`` command line.
+
+Every failure BlockFlow expects (bad plan, missing file, port in use, server
+that does not start, bad arguments) ends in a clear message on stderr and a
+non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Optional
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from blockflow.errors import BlockFlowError, PlanError
+
+DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "default.yaml"
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+@click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="blockflow", prog_name="blockflow")
+def app() -> None:
+    """Serve DNNs cut into shared blocks on NVIDIA Triton."""
+
+
+PLAN = click.argument("plan", type=click.Path(path_type=Path))
+
+
+@app.command()
+@PLAN
+def validate(plan: Path) -> None:
+    """Check a plan; print every problem with its key path and fix."""
+    from blockflow.plan import load_plan
+
+    p = load_plan(plan)
+    for w in p.warnings():
+        err.print(f"[yellow]warning[/]: {w}")
+    out.print(f"plan {plan} is valid: {len(p.models)} model(s), {len(p.blocks)} block(s), {len(p.tasks)} task(s)")
+
+
+@app.command()
+@PLAN
+def show(plan: Path) -> None:
+    """Tasks, blocks, what each task shares, and the tensors between blocks."""
+    from blockflow.plan import load_plan
+
+    p = load_plan(plan)
+    sharing = p.sharing()
+    blocks = Table(title="blocks")
+    for col in ("block", "model", "stages", "in", "out", "params", "placement", "inst", "batch", "precision", "graphs", "used by"):
+        blocks.add_column(col)
+    params = _param_counts(p)
+    for b in p.blocks.values():
+        blocks.add_row(
+            b.name, b.model, f"{b.first}" if b.first == b.last else f"{b.first}-{b.last}",
+            _shape(p.block_in_shape(b)), _shape(p.block_out_shape(b)), f"{params[b.name] / 1e6:.2f} M",
+            str(list(b.placement) if isinstance(b.placement, tuple) else b.placement), str(b.instances),
+            str(b.max_batch_size), b.precision, "on" if b.cuda_graphs else "off",
+            ", ".join(sharing[b.name]) or "[yellow]unused[/]",
+        )
+    tasks = Table(title="tasks")
+    for col in ("task", "transport", "path", "shared blocks", "hop tensors (fp32, per sample)"):
+        tasks.add_column(col)
+    for t in p.tasks.values():
+        shared = [b for b in t.path if len(sharing[b]) > 1]
+        hops = [f"{_shape(p.block_out_shape(p.blocks[b]))} {_mib(p.block_out_shape(p.blocks[b]))}" for b in t.path[:-1]]
+        tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", "; ".join(hops) or "-")
+    out.print(tasks)
+    out.print(blocks)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape))
+
+
+def _mib(shape: tuple[int, ...]) -> str:
+    n = 4
+    for d in shape:
+        n *= d
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _param_counts(p: object) -> dict[str, int]:
+    import torch
+
+    from blockflow import arch
+    from blockflow.plan import Plan
+
+    assert isinstance(p, Plan)
+    counts: dict[str, int] = {}
+    for b in p.blocks.values():
+        m = p.models[b.model]
+        with torch.device("meta"):
+            import torchvision.models as tvm
+
+            net = getattr(tvm, m.arch)(weights=None, num_classes=m.num_classes)
+            stages = arch.slice_stages(net, m.arch, m.cut_points, b.first, b.last)
+            counts[b.name] = sum(t.numel() for t in stages.parameters())
+    return counts
+
+
+@app.command()
+@PLAN
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Repository directory to write.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUTPUT differs from the plan.")
+def generate(plan: Path, output: Path, check: bool) -> None:
+    """Generate the Triton model repository for a plan (atomically; same plan, same bytes)."""
+    from blockflow.plan import load_plan
+    from ensemble_gen import generator
+
+    p = load_plan(plan)
+    files = generator.render(p)
+    if check:
+        differences = generator.diff(files, output)
+        if differences:
+            err.print(f"{output} is stale for {plan} ({len(differences)} difference(s)); "
+                      f"regenerate with: blockflow generate {plan} -o {output}")
+            for d in differences[:20]:
+                err.print(f"  {d}")
+            raise click.exceptions.Exit(1)
+        out.print(f"{output} is up to date with {plan}")
+        return
+    generator.write(files, output)
+    out.print(f"wrote {len(generator.model_names(files))} models to {output}")
+
+
+PORT = click.IntRange(0, 65535)
+
+
+@app.command()
+@click.option("--plan", type=click.Path(path_type=Path), default=DEFAULT_PLAN, show_default="plans/default.yaml", help="Plan file.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server to the network.")
+@click.option("--http-port", type=PORT, default=8000, show_default=True)
+@click.option("--grpc-port", type=PORT, default=8001, show_default=True)
+@click.option("--metrics-port", type=PORT, default=8002, show_default=True)
+@click.option("--repository", type=click.Path(path_type=Path), default=None, help="Where to generate the repository (default: a private runtime dir).")
+@click.option("--timeout", type=click.FloatRange(1), default=900.0, show_default=True, help="Seconds to wait for every model to load.")
+def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path], timeout: float) -> None:
+    """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM."""
+    from blockflow.plan import load_plan
+    from blockflow.server import ServerOptions, TritonServer, make_runtime_dir
+    from ensemble_gen import generator
+
+    p = load_plan(plan)
+    for w in p.warnings():
+        err.print(f"[yellow]warning[/]: {w}")
+    runtime = make_runtime_dir()
+    repo = repository or runtime / "model_repository"
+    files = generator.render(p)
+    generator.write(files, repo)
+    server = TritonServer(ServerOptions([repo], host, http_port, grpc_port, metrics_port), runtime_dir=runtime)
+    stop = _install_stop_handlers()
+    err.print(f"starting tritonserver with {len(generator.model_names(files))} models from {plan} (log: {server.log_path}) …")
+    t0 = time.monotonic()
+    try:
+        server.start(timeout)
+        _print_endpoints(p, server, time.monotonic() - t0)
+        while not stop.is_set():
+            if server.process is not None and server.process.poll() is not None:
+                raise BlockFlowError(f"tritonserver exited unexpectedly with code {server.process.returncode}:\n{server.log_tail(20)}")
+            stop.wait(0.5)
+        err.print("stopping …")
+    finally:
+        server.stop()
+        import shutil
+
+        shutil.rmtree(runtime, ignore_errors=True)
+    err.print("stopped; no process left behind")
+
+
+def _install_stop_handlers() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _print_endpoints(p: object, server: object, seconds: float) -> None:
+    from blockflow.plan import Plan
+    from blockflow.server import TritonServer
+    from ensemble_gen import naming
+
+    assert isinstance(p, Plan) and isinstance(server, TritonServer)
+    o = server.options
+    out.print(f"[green]ready[/] in {seconds:.1f} s")
+    out.print(f"  HTTP    {server.http_url}")
+    out.print(f"  gRPC    {server.grpc_url}")
+    out.print(f"  metrics {server.metrics_url}")
+    table = Table(title="tasks")
+    for col in ("task", "ensembles", "path"):
+        table.add_column(col)
+    for t in p.tasks.values():
+        models = [naming.task_model(t.name, tr, t.transport) for tr in p.transports_of(t)]
+        models += [naming.reference_model(t.name, v == "graph") for v in p.raw.references]
+        table.add_row(t.name, ", ".join(models), " → ".join(t.path))
+    out.print(table)
+    first = next(iter(p.tasks.values()))
+    c, h, w = p.block_in_shape(p.blocks[first.path[0]])
+    out.print("try:")
+    out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
+    out.print(f"  blockflow infer {first.name} --random --protocol grpc --url {server.grpc_url}")
+    from blockflow.doctor import perf_analyzer_path
+
+    out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{c},{h},{w} --concurrency-range 1:4 -b 1")
+    out.print("Ctrl-C stops the server.")
+    del o
+
+
+@app.command()
+@click.argument("task")
+@click.option("--image", type=click.Path(path_type=Path), default=None, help="An image file (JPEG/PNG), resized and normalized like ImageNet.")
+@click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded).")
+@click.option("--batch", type=click.IntRange(1, 1024), default=1, show_default=True, help="Batch size.")
+@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
+@click.option("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, :8001 for grpc).")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True, help="Send the request this many times; report latency percentiles.")
+def infer(task: str, image: Optional[Path], random_input: bool, batch: int, protocol: str, url: Optional[str], repeat: int) -> None:
+    """Send images to a task; print its top-5 classes and the latency."""
+    import numpy as np
+
+    from clients.client import TaskClient, top_k
+
+    if (image is None) == (not random_input):
+        raise click.UsageError("give exactly one of --image FILE or --random")
+    url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
+    with TaskClient(url, protocol) as client:  # type: ignore[arg-type]
+        shape = _task_input_shape(client, task)
+        if image is not None:
+            x = _load_image(image, shape[1], shape[2])
+            x = np.repeat(x[None], batch, axis=0)
+        else:
+            x = np.random.default_rng(0).standard_normal((batch, *shape), dtype=np.float32)
+        latencies = []
+        for _ in range(repeat):
+            result = client.infer_timed(task, x)
+            latencies.append(result.latency_ms)
+    names = _class_names(result.logits.shape[1])
+    for row, best in enumerate(top_k(result.logits, 5)):
+        out.print(f"[bold]{task}[/] sample {row}: " + ", ".join(f"{names[i] if names else i} ({p:.3f})" for i, p in best))
+    lat = np.array(latencies)
+    out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
+              f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
+
+
+def _task_input_shape(client: object, task: str) -> tuple[int, int, int]:
+    from blockflow.errors import ClientError
+    from clients.client import TaskClient
+
+    assert isinstance(client, TaskClient)
+    try:
+        meta = client._client.get_model_metadata(task)
+    except Exception as exc:
+        names = [m["name"] for m in client.models() if m.get("state") == "READY"]
+        raise ClientError(f"task {task!r} is not served at {client.url} (ready models: {', '.join(names) or 'none'})") from exc
+    inputs = meta["inputs"] if isinstance(meta, dict) else [{"shape": list(i.shape)} for i in meta.inputs]
+    dims = [int(d) for d in inputs[0]["shape"]][-3:]
+    return dims[0], dims[1], dims[2]
+
+
+def _load_image(path: Path, height: int, width: int) -> "np.ndarray":  # type: ignore[name-defined]  # noqa: F821
+    import numpy as np
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2 import functional as F
+
+    if not path.is_file():
+        raise BlockFlowError(f"image file not found: {path}")
+    try:
+        img = decode_image(str(path), mode=ImageReadMode.RGB)
+    except Exception as exc:
+        raise BlockFlowError(f"cannot decode image {path}: {exc}") from exc
+    img = F.resize(img, [height, width], antialias=True)
+    x = F.normalize(img.to(torch.float32) / 255.0, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    return np.ascontiguousarray(x.numpy(), dtype=np.float32)
+
+
+def _class_names(n: int) -> list[str]:
+    if n != 1000:
+        return []
+    from torchvision.models import ResNet50_Weights
+
+    return list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+
+
+@app.command()
+def doctor() -> None:
+    """Check the environment: versions, server and stub, torch/CUDA, GPUs; one fix per problem."""
+    from blockflow.doctor import run_checks
+
+    rows = run_checks()
+    table = Table(title="blockflow doctor")
+    for col in ("check", "status", "detail / fix"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.name, "[green]ok[/]" if r.ok else "[red]problem[/]", escape(r.detail))
+    out.print(table)
+    if not all(r.ok for r in rows):
+        raise click.exceptions.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, turning every expected error into one clear message."""
+    if argv is None and len(sys.argv) == 1:
+        argv = ["--help"]
+    try:
+        rv = app.main(args=argv, prog_name="blockflow", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.ClickException as exc:
+        ctx = getattr(exc, "ctx", None)
+        where = f" (see: blockflow {ctx.info_name} --help)" if ctx is not None and ctx.info_name != "blockflow" else " (see: blockflow --help)"
+        err.print(f"blockflow: error: {exc.format_message()}{where}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except PlanError as exc:
+        err.print(f"blockflow: {exc}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except BlockFlowError as exc:
+        err.print(f"blockflow: error: {exc}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""``blockflow doctor``: what BlockFlow needs, whether it is there, and the fix when not."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockflow.errors import EnvironmentProblem
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _package_checks() -> list[Check]:
+    rows = []
+    for dist, fix in (("torch", "pip install torch"), ("torchvision", "pip install torchvision"),
+                      ("tritonclient", "pip install 'tritonclient[all]'"), ("pyzmq", "pip install pyzmq"),
+                      ("nvidia-ml-py", "pip install nvidia-ml-py"), ("psutil", "pip install psutil")):
+        v = _version(dist)
+        rows.append(Check(dist, v is not None, v or f"not installed; fix: {fix} (or ./scripts/setup.sh)"))
+    return rows
+
+
+def _torch_check() -> Check:
+    try:
+        import torch
+    except ImportError as exc:
+        return Check("torch/CUDA", False, f"torch does not import: {exc}")
+    if torch.cuda.is_available():
+        return Check("torch/CUDA", True, f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s): "
+                     + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
+    return Check("torch/CUDA", True, "no CUDA device: blocks with placement auto run on the CPU")
+
+
+def _nvml_check() -> Check:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return Check("NVML GPUs", True, f"NVML unavailable ({exc.__class__.__name__}): no GPUs, CPU-only serving")
+    try:
+        n = pynvml.nvmlDeviceGetCount()
+        names = []
+        for i in range(n):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            names.append(f"{i}: {pynvml.nvmlDeviceGetName(h)} ({mem.total / 2**30:.0f} GiB)")
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return Check("NVML GPUs", True, f"driver {driver}; " + "; ".join(names))
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _missing_libs(binary: Path, env_libs: Path) -> list[str]:
+    import os
+
+    if not shutil.which("ldd"):
+        return []
+    env = dict(os.environ, LD_LIBRARY_PATH=str(env_libs))
+    res = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env=env, check=False)
+    return [line.split()[0] for line in res.stdout.splitlines() if "not found" in line]
+
+
+def _triton_checks() -> list[Check]:
+    from blockflow.triton import locate
+
+    try:
+        install = locate()
+    except EnvironmentProblem as exc:
+        return [Check("tritonserver", False, str(exc))]
+    rows = [Check("tritonserver", True, f"{install.server} (nvidia-pytriton {_version('nvidia-pytriton') or '?'})")]
+    stub = install.stub()
+    missing = _missing_libs(stub, install.libs)
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if missing:
+        fix = f"install libpython{py} (Debian/Ubuntu: apt-get install libpython{py})" if any("libpython" in m for m in missing) else "reinstall nvidia-pytriton"
+        rows.append(Check("Python-backend stub", False, f"{stub} lacks {', '.join(missing)}; fix: {fix}"))
+    else:
+        rows.append(Check("Python-backend stub", True, str(stub)))
+    missing = _missing_libs(install.server, install.libs)
+    if missing:
+        rows.append(Check("tritonserver libraries", False, f"missing {', '.join(missing)}; reinstall nvidia-pytriton"))
+    pa = perf_analyzer_path()
+    if pa is None:
+        rows.append(Check("perf_analyzer", False, "not on PATH; fix: pip install 'tritonclient[all]==2.50.0' (ships the binary)"))
+    else:
+        res = subprocess.run([pa, "--version"], capture_output=True, text=True, check=False)
+        text = (res.stdout + res.stderr).strip().splitlines()
+        ok = res.returncode == 0 or "error while loading shared libraries" not in (res.stdout + res.stderr)
+        rows.append(Check("perf_analyzer", ok, pa if ok else f"{pa}: {text[-1] if text else 'does not run'}; fix: ./scripts/setup.sh"))
+    return rows
+
+
+def perf_analyzer_path() -> str | None:
+    """perf_analyzer from PATH or from this interpreter's environment (a venv need not be activated)."""
+    import os
+
+    return shutil.which("perf_analyzer", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def run_checks() -> list[Check]:
+    from blockflow import __version__
+
+    rows = [Check("python", True, f"{sys.version.split()[0]} at {sys.executable}"),
+            Check("blockflow", True, f"{__version__} at {Path(__file__).resolve().parent.parent}")]
+    rows += _package_checks()
+    rows.append(_torch_check())
+    rows.append(_nvml_check())
+    rows += _triton_checks()
+    return rows

@@ -1,0 +1,74 @@
+"""Shared fixtures: a real tritonserver serving the default plan and the test plans."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVED_PLANS = [ROOT / "plans" / "default.yaml", ROOT / "tests" / "plans" / "r18_three_cuts.yaml",
+                ROOT / "tests" / "plans" / "r34_late_cuts.yaml"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU; run ./scripts/gpu_test.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class Served:
+    """What the session server serves: its URLs and the plans behind it."""
+
+    def __init__(self, server: object, plans: dict[str, object]) -> None:
+        from blockflow.server import TritonServer
+
+        assert isinstance(server, TritonServer)
+        self.server = server
+        self.plans = plans
+        self.http = server.http_url
+        self.grpc = server.grpc_url
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One real tritonserver (free ports, explicit mode) with every served plan's repository.
+
+    Start-up failures show the server log's tail; teardown stops the server and checks
+    that no process of its group is left.
+    """
+    from blockflow.errors import ServerError
+    from blockflow.plan import load_plan
+    from blockflow.server import ServerOptions, TritonServer, free_port, group_members
+    from ensemble_gen import generator
+
+    base = tmp_path_factory.mktemp("served")
+    repos, plans = [], {}
+    for path in SERVED_PLANS:
+        plan = load_plan(path)
+        repo = base / path.stem
+        generator.write(generator.render(plan), repo)
+        repos.append(repo)
+        plans[path.stem] = plan
+    opts = ServerOptions(repos, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = TritonServer(opts, runtime_dir=base / "runtime")
+    (base / "runtime").mkdir(mode=0o700)
+    try:
+        server.start(timeout=float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
+    except ServerError as exc:
+        pytest.fail(f"tritonserver did not start:\n{exc}", pytrace=False)
+    assert server.process is not None
+    pgid = server.process.pid
+    try:
+        yield Served(server, plans)
+    finally:
+        server.stop()
+        left = list(group_members(pgid))
+        assert left == [], f"processes left behind by tritonserver: {left}"

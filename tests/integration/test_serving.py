@@ -1,0 +1,164 @@
+"""A real tritonserver serving the default plan and two test plans, reached with tritonclient."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blockflow.errors import ClientError
+from blockflow.plan import Plan
+from clients.client import TaskClient
+from ensemble_gen import naming
+
+from ..conftest import Served
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def images(batch: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, *shape), dtype=np.float32)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def input_shape(plan: Plan, task: str) -> tuple[int, ...]:
+    return plan.block_in_shape(plan.blocks[plan.tasks[task].path[0]])
+
+
+def test_every_model_is_ready(served: Served) -> None:
+    with TaskClient(served.http) as c:
+        states = {m["name"]: m["state"] for m in c.models()}
+    from ensemble_gen import generator
+
+    for plan in served.plans.values():
+        assert isinstance(plan, Plan)
+        for name in generator.model_names(generator.render(plan)):
+            assert states.get(name) == "READY", (name, states.get(name))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_every_default_task_answers(served: Served, protocol: str) -> None:
+    plan = served.plans["default"]
+    assert isinstance(plan, Plan)
+    url = served.http if protocol == "http" else served.grpc
+    with TaskClient(url, protocol) as c:  # type: ignore[arg-type]
+        for task in plan.tasks:
+            out = c.infer(task, images(2, input_shape(plan, task), seed=1))
+            assert out.shape == (2, 1000) and np.isfinite(out).all()
+
+
+def _cases(served_plans: list[str]) -> list[tuple[str, str, str]]:
+    """(plan, ensemble, reference) for every task and every transport variant."""
+    from blockflow.plan import load_plan
+
+    from ..conftest import SERVED_PLANS
+
+    cases = []
+    for path in SERVED_PLANS:
+        plan = load_plan(path)
+        for task in plan.tasks.values():
+            for transport in plan.transports_of(task):
+                cases.append((path.stem, naming.task_model(task.name, transport, task.transport), task.name))
+    return cases
+
+
+CASES = _cases([])
+
+
+@pytest.mark.parametrize(("plan_name", "ensemble", "task"), CASES, ids=[c[1] for c in CASES])
+def test_ensemble_equals_monolithic_reference(served: Served, plan_name: str, ensemble: str, task: str) -> None:
+    plan = served.plans[plan_name]
+    assert isinstance(plan, Plan)
+    reference = naming.reference_model(task, graph=False)
+    with TaskClient(served.http) as c:
+        for batch in (1, 3, 8):
+            x = images(batch, input_shape(plan, task), seed=batch)
+            got, want = c.infer(ensemble, x), c.infer(reference, x)
+            assert got.shape == want.shape == (batch, plan.models[plan.blocks[plan.tasks[task].path[-1]].model].num_classes)
+            assert rel_err(got, want) <= 1e-5, (ensemble, batch)
+
+
+def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Served) -> None:
+    plan = served.plans["default"]
+    assert isinstance(plan, Plan)
+    tasks = ["cls_a", "cls_b", "det_c"]  # all share r50_s0 and r50_s1
+    jobs = [(tasks[i % 3], images(1 + i % 2, (3, 224, 224), seed=100 + i)) for i in range(18)]
+    with TaskClient(served.http) as c:
+        expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
+
+    def call(job: tuple[str, np.ndarray]) -> np.ndarray:
+        with TaskClient(served.http) as client:
+            return client.infer(*job)
+
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        results = list(pool.map(call, jobs))
+    for (task, _), got, want in zip(jobs, results, expected):
+        assert rel_err(got, want) <= 1e-5, task
+
+
+def test_bad_request_fails_alone(served: Served) -> None:
+    with TaskClient(served.http) as c:
+        with pytest.raises(ClientError, match="IMAGE"):
+            c.infer("cls_a", images(1, (3, 200, 200), seed=0))
+        with pytest.raises(ClientError, match="not served"):
+            c.infer("no_such_task", images(1, (3, 224, 224), seed=0))
+        assert c.infer("cls_a", images(1, (3, 224, 224), seed=0)).shape == (1, 1000)
+
+
+def _blockflow(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_cli_infer(served: Served, protocol: str) -> None:
+    url = served.http if protocol == "http" else served.grpc
+    res = _blockflow("infer", "det_c", "--random", "--batch", "2", "--protocol", protocol, "--url", url, "--repeat", "3")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("det_c sample") == 2
+    assert "p50" in res.stdout
+
+
+def test_cli_infer_unknown_task_is_one_line(served: Served) -> None:
+    res = _blockflow("infer", "nope", "--random", "--url", served.http)
+    assert res.returncode == 5
+    assert "Traceback" not in res.stderr
+    assert "task 'nope' is not served" in res.stderr and "cls_a" in res.stderr
+
+
+def test_cli_infer_image_file(served: Served, tmp_path: Path) -> None:
+    import torch
+    from torchvision.io import write_png
+
+    png = tmp_path / "img.png"
+    write_png(torch.randint(0, 255, (3, 40, 50), dtype=torch.uint8), str(png))
+    res = _blockflow("infer", "cls_a", "--image", str(png), "--url", served.http)
+    assert res.returncode == 0, res.stderr
+    assert "cls_a sample 0" in res.stdout
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_smoke(served: Served, protocol: str, tmp_path: Path) -> None:
+    pa = shutil.which("perf_analyzer", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if pa is None:
+        pytest.fail("perf_analyzer not found; run ./scripts/setup.sh")
+    url = served.http if protocol == "http" else served.grpc
+    csv = tmp_path / "pa.csv"
+    res = subprocess.run(
+        [pa, "-m", "t18_one", "-u", url, "-i", protocol, "--shape", "IMAGE:3,64,64", "-b", "1",
+         "--concurrency-range", "2", "--measurement-mode", "count_windows", "--measurement-request-count", "20",
+         "--max-trials", "3", "--stability-percentage", "999", "-f", str(csv)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Throughput" in res.stdout
+    assert csv.read_text().startswith("Concurrency")

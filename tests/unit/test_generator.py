@@ -1,0 +1,135 @@
+"""The generator: golden repositories, protobuf round trips, determinism, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockflow.errors import GenerateError
+from blockflow.plan import load_plan
+from blockflow.spec import SPEC_PARAMETER, ModelSpec
+from ensemble_gen import generator
+from ensemble_gen.configs import parse_pbtxt, to_pbtxt
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = [ROOT / "plans" / "default.yaml", *sorted((ROOT / "tests" / "plans").glob("*.yaml"))]
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def golden_dir(plan: Path) -> Path:
+    return ROOT / "model_repository" if plan.parent == ROOT / "plans" else GOLDEN / plan.stem
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=[p.stem for p in PLANS])
+def test_matches_golden_repository(plan: Path) -> None:
+    """model_repository/ (default plan) and tests/golden/* are exactly what the generator gives.
+
+    After an intended change: ./scripts/regenerate.sh
+    """
+    files = generator.render(load_plan(plan))
+    assert generator.diff(files, golden_dir(plan)) == [], f"stale golden for {plan.name}; run ./scripts/regenerate.sh"
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=[p.stem for p in PLANS])
+def test_every_config_round_trips_through_protobuf(plan: Path) -> None:
+    files = generator.render(load_plan(plan))
+    configs = {p: d.decode() for p, d in files.items() if p.endswith("config.pbtxt")}
+    assert configs
+    for path, text in configs.items():
+        cfg = parse_pbtxt(text)
+        assert to_pbtxt(cfg) == text
+        assert cfg.name == path.split("/")[0]
+        if cfg.platform == "ensemble":
+            steps = [s.model_name for s in cfg.ensemble_scheduling.step]
+            assert all(f"{s}/config.pbtxt" in files for s in steps), steps
+        else:
+            assert cfg.backend == "python"
+            spec = ModelSpec.model_validate(json.loads(cfg.parameters[SPEC_PARAMETER].string_value))
+            assert spec.max_batch_size == cfg.max_batch_size
+
+
+def test_default_plan_models_and_naming() -> None:
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    names = generator.model_names(generator.render(plan))
+    assert names == sorted([
+        "cls_a", "cls_b", "det_c", "full_d",
+        "cls_a__ref", "cls_b__ref", "det_c__ref", "full_d__ref",
+        "r50_s0", "r50_s1", "r50_s2", "r50_s3a", "r50_s3b", "r50_s2c", "r50_s3c", "r50_full_d",
+    ])
+
+
+def test_compare_variants_get_their_own_blocks() -> None:
+    plan = load_plan(ROOT / "tests" / "plans" / "r18_three_cuts.yaml")
+    files = generator.render(plan)
+    names = generator.model_names(files)
+    assert "t18_one__triton_cpu" in names and "r18_a__triton_cpu" in names
+    cpu = parse_pbtxt(files["r18_a__triton_cpu/config.pbtxt"].decode())
+    gpu = parse_pbtxt(files["r18_a/config.pbtxt"].decode())
+    assert cpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"
+    assert gpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    ens = parse_pbtxt(files["t18_one__triton_cpu/config.pbtxt"].decode())
+    assert [s.model_name for s in ens.ensemble_scheduling.step] == ["r18_a__triton_cpu", "r18_b__triton_cpu", "r18_c1__triton_cpu"]
+
+
+def test_ensemble_batch_is_min_of_path() -> None:
+    plan = load_plan(ROOT / "tests" / "plans" / "r34_late_cuts.yaml")
+    files = generator.render(plan)
+    assert parse_pbtxt(files["t34/config.pbtxt"].decode()).max_batch_size == 8
+    assert parse_pbtxt(files["r34_fc/config.pbtxt"].decode()).max_batch_size == 16
+
+
+def test_render_is_deterministic_across_processes(tmp_path: Path) -> None:
+    code = ("import sys, hashlib; from blockflow.plan import load_plan; from ensemble_gen import generator;"
+            "f = generator.render(load_plan(sys.argv[1]));"
+            "print(hashlib.sha256(b''.join(k.encode() + v for k, v in f.items())).hexdigest())")
+    plan = str(ROOT / "plans" / "default.yaml")
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    digests = {subprocess.run([sys.executable, "-c", code, plan], capture_output=True, text=True, env=env,
+                              check=True, cwd=ROOT).stdout for _ in range(2)}
+    assert len(digests) == 1
+
+
+def test_write_replaces_atomically_and_refuses_foreign_dirs(tmp_path: Path) -> None:
+    files = generator.render(load_plan(ROOT / "tests" / "plans" / "r34_late_cuts.yaml"))
+    repo = tmp_path / "repo"
+    generator.write(files, repo)
+    assert generator.diff(files, repo) == []
+    (repo / "stale_model").mkdir()
+    generator.write(files, repo)  # regenerating removes what the plan no longer has
+    assert generator.diff(files, repo) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]  # no temporary leftovers
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(GenerateError, match="not generated by BlockFlow"):
+        generator.write(files, foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_failed_write_leaves_old_repository(tmp_path: Path) -> None:
+    files = generator.render(load_plan(ROOT / "tests" / "plans" / "r34_late_cuts.yaml"))
+    repo = tmp_path / "repo"
+    generator.write(files, repo)
+    broken = dict(files)
+    broken["t34/config.pbtxt/oops"] = b"x"  # a file below a file: the write must fail
+    with pytest.raises(GenerateError):
+        generator.write(broken, repo)
+    assert generator.diff(files, repo) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+
+
+def test_diff_reports_missing_extra_and_changed(tmp_path: Path) -> None:
+    files = generator.render(load_plan(ROOT / "tests" / "plans" / "r34_late_cuts.yaml"))
+    repo = tmp_path / "repo"
+    generator.write(files, repo)
+    (repo / "t34" / "config.pbtxt").write_text("changed")
+    (repo / "r34_fc" / "1" / "model.py").unlink()
+    (repo / "extra.txt").write_text("x")
+    d = generator.diff(files, repo)
+    assert "differs: t34/config.pbtxt" in d and "missing: r34_fc/1/model.py" in d and "extra:   extra.txt" in d
