@@ -24,7 +24,8 @@ from blockflow.errors import BlockFlowError, PlanError
 
 DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "default.yaml"
 
-out = Console(soft_wrap=True)
+# Piped output (files, CI logs) gets wide tables instead of 80 columns of wrapped cells.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 220)
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -275,15 +276,17 @@ def _task_input_shape(client: object, task: str) -> tuple[int, int, int]:
 def _load_image(path: Path, height: int, width: int) -> "np.ndarray":  # type: ignore[name-defined]  # noqa: F821
     import numpy as np
     import torch
-    from torchvision.io import ImageReadMode, decode_image
+    from PIL import Image, UnidentifiedImageError
     from torchvision.transforms.v2 import functional as F
 
     if not path.is_file():
         raise BlockFlowError(f"image file not found: {path}")
     try:
-        img = decode_image(str(path), mode=ImageReadMode.RGB)
-    except Exception as exc:
+        with Image.open(path) as im:
+            rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError) as exc:
         raise BlockFlowError(f"cannot decode image {path}: {exc}") from exc
+    img = torch.from_numpy(rgb.copy()).permute(2, 0, 1)
     img = F.resize(img, [height, width], antialias=True)
     x = F.normalize(img.to(torch.float32) / 255.0, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     return np.ascontiguousarray(x.numpy(), dtype=np.float32)

@@ -23,6 +23,16 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _tolerance() -> float:
+    import torch
+
+    # fp32 on the CPU is bit-for-bit close; on a GPU cuDNN picks batch-dependent algorithms (TF32 off).
+    return 1e-4 if torch.cuda.is_available() else 1e-5
+
+
+TOL = _tolerance()
+
+
 def images(batch: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((batch, *shape), dtype=np.float32)
 
@@ -85,7 +95,7 @@ def test_ensemble_equals_monolithic_reference(served: Served, plan_name: str, en
             x = images(batch, input_shape(plan, task), seed=batch)
             got, want = c.infer(ensemble, x), c.infer(reference, x)
             assert got.shape == want.shape == (batch, plan.models[plan.blocks[plan.tasks[task].path[-1]].model].num_classes)
-            assert rel_err(got, want) <= 1e-5, (ensemble, batch)
+            assert rel_err(got, want) <= TOL, (ensemble, batch)
 
 
 def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Served) -> None:
@@ -103,7 +113,7 @@ def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Serv
     with ThreadPoolExecutor(max_workers=9) as pool:
         results = list(pool.map(call, jobs))
     for (task, _), got, want in zip(jobs, results, expected):
-        assert rel_err(got, want) <= 1e-5, task
+        assert rel_err(got, want) <= TOL, task
 
 
 def test_bad_request_fails_alone(served: Served) -> None:
@@ -136,11 +146,10 @@ def test_cli_infer_unknown_task_is_one_line(served: Served) -> None:
 
 
 def test_cli_infer_image_file(served: Served, tmp_path: Path) -> None:
-    import torch
-    from torchvision.io import write_png
+    from PIL import Image
 
     png = tmp_path / "img.png"
-    write_png(torch.randint(0, 255, (3, 40, 50), dtype=torch.uint8), str(png))
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(png)
     res = _blockflow("infer", "cls_a", "--image", str(png), "--url", served.http)
     assert res.returncode == 0, res.stderr
     assert "cls_a sample 0" in res.stdout

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): they write reports under bench/results/."""

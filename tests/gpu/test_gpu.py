@@ -1,0 +1,94 @@
+"""On an NVIDIA GPU: precisions and CUDA graphs against the fp32 reference, in-process and served."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backend.runtime import BlockRunner
+from blockflow.plan import load_plan
+from ensemble_gen.generator import block_spec, reference_spec
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 1e-2}
+
+
+def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
+    a_, b_ = torch.as_tensor(a).double().cpu(), torch.as_tensor(b).double().cpu()
+    return float((a_ - b_).abs().max() / b_.abs().max())
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16"])
+def test_blocks_on_gpu_match_fp32_cpu_reference(precision: str, graphs: bool) -> None:
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    task = plan.tasks["cls_a"]
+    cuda = torch.device("cuda", 0)
+    runners = []
+    for name in task.path:
+        spec = block_spec(plan, plan.blocks[name], "triton-gpu").model_copy(update={"precision": precision, "cuda_graphs": graphs})
+        r = BlockRunner(spec, cuda)
+        r.warmup()
+        assert r.use_graphs == graphs
+        runners.append(r)
+    ref = BlockRunner(reference_spec(plan, task, graph=False)[0], torch.device("cpu"))
+    for batch in (1, 3, 8):
+        x = torch.randn(batch, 3, 224, 224)
+        y = x.to(cuda)
+        for r in runners:
+            y = r.run(y)
+        assert y.dtype == torch.float32 and y.is_cuda
+        err = rel_err(y, ref.run(x))
+        assert err <= TOLERANCE[precision], (precision, graphs, batch, err)
+
+
+def test_graph_replay_does_not_alias_outputs() -> None:
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    spec = block_spec(plan, plan.blocks["r50_s3a"], "triton-gpu")
+    r = BlockRunner(spec, torch.device("cuda", 0))
+    r.warmup()
+    x1, x2 = torch.randn(2, 1024, 14, 14, device="cuda"), torch.randn(2, 1024, 14, 14, device="cuda")
+    y1 = r.run(x1)
+    snapshot = y1.clone()
+    r.run(x2)
+    assert torch.equal(y1, snapshot)  # a later replay must not overwrite an earlier result
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from blockflow.server import ServerOptions, TritonServer, free_port
+    from ensemble_gen import generator
+
+    repo = tmp_path_factory.mktemp("gpu") / "repo"
+    generator.write(generator.render(load_plan(ROOT / "tests" / "plans" / "gpu_precisions.yaml")), repo)
+    server = TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()))
+    server.start(600)
+    try:
+        yield server.http_url
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("task", "tol"), [("g_fp32_eager", 1e-4), ("g_fp16", 1e-2), ("g_bf16", 1e-2)])
+def test_served_precisions_against_fp32_references(gpu_server: str, task: str, tol: float) -> None:
+    from clients.client import TaskClient
+
+    with TaskClient(gpu_server) as c:
+        for batch in (1, 3, 8):
+            x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
+            want = c.infer(f"{task}__ref", x)
+            assert rel_err(c.infer(f"{task}__ref_graph", x), want) <= 1e-4
+            assert rel_err(c.infer(task, x), want) <= tol, (task, batch)
+
+
+def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:
+    import tritonclient.http as th
+
+    c = th.InferenceServerClient(gpu_server)
+    cfg = c.get_model_config("g_fp16_0")
+    assert cfg["instance_group"][0]["kind"] == "KIND_GPU"

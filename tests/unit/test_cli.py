@@ -1,0 +1,103 @@
+"""The command line: useful output, and one clear line (no traceback) for every expected mistake."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def blockflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "blockflow", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, check=False)
+
+
+def one_line_error(res: subprocess.CompletedProcess[str], code: int, fragment: str) -> None:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert fragment in lines[0], lines[0]
+
+
+def test_validate_and_show_default_plan() -> None:
+    res = blockflow("validate", "plans/default.yaml")
+    assert res.returncode == 0 and "1 model(s), 8 block(s), 4 task(s)" in res.stdout
+    res = blockflow("show", "plans/default.yaml")
+    assert res.returncode == 0, res.stderr
+    for text in ("cls_a, cls_b, det_c", "r50_s0 → r50_s1 → r50_s2 → r50_s3a", "256×56×56", "3.06 MiB"):
+        assert text in res.stdout, text
+
+
+def test_validate_reports_every_problem(tmp_path: Path) -> None:
+    plan = tmp_path / "p.yaml"
+    text = (ROOT / "plans" / "default.yaml").read_text()
+    plan.write_text(text.replace("instances: 1", "instances: 0").replace("precision: fp32", "precision: fp64"))
+    res = blockflow("validate", str(plan))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "defaults.instances" in res.stderr and "defaults.precision" in res.stderr
+    # Graph problems are checked once every field is valid, and reported together too.
+    plan.write_text(text.replace("r50_s2c, r50_s3c", "r50_s3c, r50_s2c").replace("r50_s2, r50_s3b", "r50_s3b, r50_s2"))
+    res = blockflow("validate", str(plan))
+    assert res.returncode == 2
+    assert "tasks.det_c.path[2]" in res.stderr and "tasks.cls_b.path[2]" in res.stderr
+
+
+def test_missing_plan_file_is_one_line() -> None:
+    one_line_error(blockflow("serve", "--plan", "nope.yaml"), 2, "plan file not found: nope.yaml")
+    one_line_error(blockflow("validate", "nope.yaml"), 2, "plan file not found")
+
+
+def test_malformed_command_lines_are_one_line() -> None:
+    one_line_error(blockflow("serve", "--bogus"), 2, "No such option '--bogus'")
+    one_line_error(blockflow("serve", "--http-port", "99999"), 2, "--http-port")
+    one_line_error(blockflow("infer"), 2, "Missing argument 'TASK'")
+    one_line_error(blockflow("infer", "cls_a"), 2, "give exactly one of --image FILE or --random")
+    one_line_error(blockflow("infer", "cls_a", "--random", "--protocol", "udp"), 2, "--protocol")
+    one_line_error(blockflow("frobnicate"), 2, "No such command 'frobnicate'")
+
+
+def test_port_in_use_is_one_line() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = blockflow("serve", "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0")
+    assert res.returncode == 4
+    assert "Traceback" not in res.stderr
+    assert f"HTTP port {port} on 127.0.0.1 is already in use" in res.stderr
+
+
+def test_unreachable_server_is_one_line() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = blockflow("infer", "cls_a", "--random", "--url", f"127.0.0.1:{port}")
+    assert res.returncode == 5 and "Traceback" not in res.stderr
+    assert "cannot reach the server" in res.stderr
+
+
+def test_generate_check_detects_stale_repository(tmp_path: Path) -> None:
+    assert blockflow("generate", "plans/default.yaml", "-o", "model_repository", "--check").returncode == 0
+    repo = tmp_path / "repo"
+    assert blockflow("generate", "plans/default.yaml", "-o", str(repo)).returncode == 0
+    (repo / "cls_a" / "config.pbtxt").write_text("max_batch_size: 3\n")
+    res = blockflow("generate", "plans/default.yaml", "-o", str(repo), "--check")
+    assert res.returncode == 1 and "differs: cls_a/config.pbtxt" in res.stderr
+
+
+def test_doctor_runs() -> None:
+    res = blockflow("doctor")
+    assert "tritonserver" in res.stdout and "Python-backend stub" in res.stdout
+    assert res.returncode == 0, res.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["--version"]])
+def test_help(argv: list[str]) -> None:
+    res = blockflow(*argv)
+    assert res.returncode == 0 and res.stdout
