@@ -28,7 +28,8 @@ def time_ms(runner: BlockRunner, batch: int, iters: int) -> float:
         runner.run(x)
     samples = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         runner.run(x)
         end.record()
