@@ -10,8 +10,9 @@ The server comes from PyPI inside the ``nvidia-pytriton`` wheel::
 ``BLOCKFLOW_TRITON_HOME`` may point at another ``tritonserver`` directory of the
 same layout (the GPU bundle does). The stub for the running Python goes into a
 backend directory of our own; the stub embeds ``libpython3.X.so.1.0`` and finds
-the environment's packages through ``PATH`` (a venv's ``pyvenv.cfg``) and the
-``PYTHONPATH`` we give it.
+the environment's packages through ``PATH`` (a venv's ``pyvenv.cfg``); it does
+not reliably honour ``PYTHONPATH``, so every generated ``model.py`` puts the roots
+of ``BLOCKFLOW_PYTHONPATH`` on ``sys.path`` before importing the block runtime.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def server_env(install: TritonInstall, runtime_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(install.libs), env.get("LD_LIBRARY_PATH", "")] if p)
-    env["PYTHONPATH"] = os.pathsep.join(stub_pythonpath())
+    roots = os.pathsep.join(stub_pythonpath())
+    env["PYTHONPATH"] = roots
+    env["BLOCKFLOW_PYTHONPATH"] = roots  # read by every generated model.py (see ensemble_gen.generator)
     env["PYTHONUNBUFFERED"] = "1"
     env["BLOCKFLOW_RUNTIME_DIR"] = str(runtime_dir)
     return env
