@@ -180,6 +180,10 @@ class TritonServer:
                 pass
         _kill_group(proc.pid)
         proc.wait()
+        # SIGKILLed stubs can take seconds to die while the driver tears down their CUDA contexts.
+        deadline = time.monotonic() + 30
+        while any(True for _ in group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self._remove_shm()
         self.process = None
         if self._own_runtime:
@@ -206,11 +210,15 @@ def _kill_group(pgid: int) -> None:
 
 
 def group_members(pgid: int) -> Iterable[int]:
-    """PIDs still in process group ``pgid`` (to check nothing was left behind)."""
+    """Live (not zombie) PIDs still in process group ``pgid``: what stopping must leave empty."""
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    yield int(entry.name)
-            except (ProcessLookupError, PermissionError):
-                continue
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            yield int(entry.name)

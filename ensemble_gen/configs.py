@@ -51,8 +51,13 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.output.append(_tensor(out_name, spec.out_shape, mc.ModelOutput))
     cfg.instance_group.append(_instance_group(block))
     cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
-    force_cpu = "yes" if spec.transport == "triton-cpu" else "no"
-    cfg.parameters[FORCE_CPU_PARAM].string_value = force_cpu
+    # Client images arrive in host memory. With FORCE_CPU_ONLY_INPUT_TENSORS=no the Python backend
+    # (r24.10, GetInputTensor) copies them to the GPU asynchronously through a BackendInputCollector
+    # it never finalizes, so the stub can read a half-copied image under concurrent load (seen on an
+    # H100: NaN logits). Models that take the image therefore get it in host memory and copy it
+    # to their device themselves; GPU activations between blocks stay on the GPU.
+    force_cpu = spec.transport == "triton-cpu" or spec.takes_image
+    cfg.parameters[FORCE_CPU_PARAM].string_value = "yes" if force_cpu else "no"
     cfg.parameters[SPEC_PARAMETER].string_value = spec.to_json()
     return cfg
 

@@ -102,7 +102,7 @@ def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Serv
     plan = served.plans["default"]
     assert isinstance(plan, Plan)
     tasks = ["cls_a", "cls_b", "det_c"]  # all share r50_s0 and r50_s1
-    jobs = [(tasks[i % 3], images(1 + i % 2, (3, 224, 224), seed=100 + i)) for i in range(18)]
+    jobs = [(tasks[i % 3], images(1 + i % 3, (3, 224, 224), seed=100 + i)) for i in range(36)]
     with TaskClient(served.http) as c:
         expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
 
@@ -110,7 +110,7 @@ def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Serv
         with TaskClient(served.http) as client:
             return client.infer(*job)
 
-    with ThreadPoolExecutor(max_workers=9) as pool:
+    with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(call, jobs))
     for (task, _), got, want in zip(jobs, results, expected):
         assert rel_err(got, want) <= TOL, task
