@@ -117,7 +117,8 @@ class TritonServer:
         cmd = self.command()
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=server_env(self.install, self.runtime_dir), start_new_session=True)
+                                        env=server_env(self.install, self.runtime_dir), start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         log.close()
         try:
             self.wait_ready(timeout)
@@ -200,6 +201,17 @@ class TritonServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM tritonserver if whoever started it dies (even by SIGKILL)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() and the signal handlers still clean up
 
 
 def _kill_group(pgid: int) -> None:

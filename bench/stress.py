@@ -1,0 +1,60 @@
+"""Concurrency stress check: do concurrent requests on shared blocks get exactly their own results?
+
+Starts one server for the plan, computes every request's expected logits from the task's
+monolithic reference (sequentially), then replays all requests concurrently and counts
+mismatches. A diagnostic, not a test: prints one line per configuration.
+
+    python -m bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--server-arg=...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from blockflow.plan import load_plan
+from blockflow.server import ServerOptions, TritonServer, free_port
+from clients.client import TaskClient
+from ensemble_gen import generator, naming
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--plan", default="plans/default.yaml")
+    ap.add_argument("--jobs", type=int, default=120)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    plan = load_plan(args.plan)
+    tasks = [t for t in plan.tasks if len(plan.tasks[t].path) > 1]
+    shape = plan.block_in_shape(plan.blocks[plan.tasks[tasks[0]].path[0]])
+    repo = Path(os.environ.get("TMPDIR", "/tmp")) / f"stress-repo-{os.getpid()}"
+    generator.write(generator.render(plan), repo)
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         extra_args=args.server_arg)
+    rng = np.random.default_rng(0)
+    jobs = [(tasks[i % len(tasks)], rng.standard_normal((1 + i % 3, *shape), dtype=np.float32)) for i in range(args.jobs)]
+    with TritonServer(opts) as server:
+        with TaskClient(server.http_url) as c:
+            expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
+
+        def call(job: tuple[str, np.ndarray]) -> np.ndarray:  # type: ignore[type-arg]
+            with TaskClient(server.http_url) as client:
+                return client.infer(*job)
+
+        for r in range(args.rounds):
+            with ThreadPoolExecutor(max_workers=args.workers) as pool:
+                results = list(pool.map(call, jobs))
+            errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected)]
+            bad = sum(1 for e in errs if not e <= 1e-4)
+            print(f"[stress {args.label}] round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
