@@ -147,7 +147,10 @@ PORT = click.IntRange(0, 65535)
 @click.option("--metrics-port", type=PORT, default=8002, show_default=True)
 @click.option("--repository", type=click.Path(path_type=Path), default=None, help="Where to generate the repository (default: a private runtime dir).")
 @click.option("--timeout", type=click.FloatRange(1), default=900.0, show_default=True, help="Seconds to wait for every model to load.")
-def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path], timeout: float) -> None:
+@click.option("--cuda-pool-mb", type=click.IntRange(64), default=2048, show_default=True,
+              help="Triton's CUDA memory pool per GPU; GPU activations between blocks travel through it.")
+def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path],
+          timeout: float, cuda_pool_mb: int) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM."""
     from blockflow.plan import load_plan
     from blockflow.server import ServerOptions, TritonServer, make_runtime_dir
@@ -160,7 +163,8 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     repo = repository or runtime / "model_repository"
     files = generator.render(p)
     generator.write(files, repo)
-    server = TritonServer(ServerOptions([repo], host, http_port, grpc_port, metrics_port), runtime_dir=runtime)
+    options = ServerOptions([repo], host, http_port, grpc_port, metrics_port, cuda_pool_mb=cuda_pool_mb)
+    server = TritonServer(options, runtime_dir=runtime)
     stop = _install_stop_handlers()
     err.print(f"starting tritonserver with {len(generator.model_names(files))} models from {plan} (log: {server.log_path}) …")
     t0 = time.monotonic()

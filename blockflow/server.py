@@ -61,6 +61,12 @@ class ServerOptions:
     metrics_port: int = 8002
     load: Sequence[str] = ("*",)
     log_verbose: int = 0
+    # Triton's CUDA memory pool per GPU, in MiB. The Python backend moves GPU tensors between the
+    # server and block processes through it; when it runs out, python_backend r24.10 falls back to
+    # per-tensor CUDA IPC, which returned other requests' data under concurrent load on an H100
+    # (bench.stress: 50-60% of 120 concurrent requests wrong with the 64 MiB default, none with
+    # 1 GiB; with no pool the server crashed). Size it for the activations in flight.
+    cuda_pool_mb: int = 2048
     extra_args: Sequence[str] = field(default_factory=list)
 
 
@@ -102,6 +108,7 @@ class TritonServer:
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             f"--log-verbose={o.log_verbose}",
             "--exit-timeout-secs=20",
+            *[f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_pool_mb * 2**20}" for gpu in range(gpu_count())],
             # Named shm regions let us find (and remove) what a killed stub left in /dev/shm.
             f"--backend-config=python,shm-region-prefix-name=blockflow{os.getpid()}_{self.runtime_dir.name}_",
             "--backend-config=python,shm-default-byte-size=8388608",
@@ -201,6 +208,20 @@ class TritonServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def gpu_count() -> int:
+    """GPUs NVML sees (0 without a driver)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
 
 
 def _die_with_parent() -> None:
