@@ -122,6 +122,7 @@ class TritonServer:
         for what, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
             check_port(o.host, port, what)
         cmd = self.command()
+        prepare_tensormq(self.runtime_dir)
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=server_env(self.install, self.runtime_dir), start_new_session=True,
@@ -198,9 +199,10 @@ class TritonServer:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     def _remove_shm(self) -> None:
-        prefix = f"blockflow{os.getpid()}_{self.runtime_dir.name}_"
-        for path in Path("/dev/shm").glob(prefix + "*"):
-            path.unlink(missing_ok=True)
+        # The Python backend's regions, and TensorMQ host pools of stubs that were killed.
+        for prefix in (f"blockflow{os.getpid()}_{self.runtime_dir.name}_", f"blockflow-tmq-{self.runtime_dir.name}-"):
+            for path in Path("/dev/shm").glob(prefix + "*"):
+                path.unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -208,6 +210,16 @@ class TritonServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def prepare_tensormq(runtime_dir: Path) -> None:
+    """The TensorMQ socket directory and ticket-signing key of one server (both private to its user)."""
+    (runtime_dir / "tmq").mkdir(mode=0o700, exist_ok=True)
+    key = runtime_dir / "tmq.key"
+    if not key.exists():
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
 
 
 def gpu_count() -> int:

@@ -1,0 +1,223 @@
+"""The consumer side of TensorMQ: tickets in, tensor views of producers' pools out."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from backend.tensormq import ticket as tk
+from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
+from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, read_key, socket_path
+from backend.tensormq.ticket import TicketError
+
+Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
+
+
+@dataclass
+class _Remote:
+    producer: int
+    generation: int
+    segment: Segment
+    events: EventRing
+    max_slots: int
+
+
+@dataclass
+class ConsumerStats:
+    handle_opens: int = 0
+    hellos: int = 0
+    tickets: int = 0
+    bad_tickets: int = 0
+    releases_sent: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Consumer:
+    """Maps producers' pools once per generation and turns tickets into views.
+
+    Threads: :meth:`gather` runs on the block's execute thread (it alone uses
+    the HELLO socket and the cache); a release thread owns the RELEASE sockets
+    and sends a batch's releases once the GPU work that read it has finished.
+    """
+
+    def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0) -> None:
+        self.runtime_dir = runtime_dir
+        self.key = read_key(runtime_dir)
+        self.device = device
+        self.hello_timeout_ms = int(hello_timeout_s * 1000)
+        self.stats = ConsumerStats()
+        self._remotes: dict[int, _Remote] = {}
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._hello: dict[int, zmq.Socket[Any]] = {}
+        # Items: (event to wait for, releases, set when sent); None stops the thread.
+        self._queue: queue.Queue[tuple[torch.cuda.Event | None, list[Release], threading.Event | None] | None] = queue.Queue()
+        self._releaser = threading.Thread(target=self._release_loop, name="tmq-releaser", daemon=True)
+        self._releaser.start()
+
+    # ------------------------------------------------------------------ execute thread
+
+    def _handshake(self, pid: int) -> dict[str, Any]:
+        if not socket_path(self.runtime_dir, pid).exists():
+            raise TicketError(f"ticket names producer {pid:016x}, which is not running (stopped or restarted)")
+        sock = self._hello.get(pid)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint(self.runtime_dir, pid))
+            self._hello[pid] = sock
+        sock.send_multipart([HELLO])
+        if not sock.poll(self.hello_timeout_ms):
+            sock.close(0)
+            del self._hello[pid]
+            raise TicketError(f"producer {pid:016x} did not answer within {self.hello_timeout_ms} ms")
+        kind, body = sock.recv_multipart()[:2]
+        if kind != WELCOME:
+            raise TicketError(f"producer {pid:016x} refused the handshake: {body[:200]!r}")
+        self.stats.hellos += 1
+        info: dict[str, Any] = json.loads(body)
+        return info
+
+    def _remote(self, t: tk.Ticket) -> _Remote:
+        r = self._remotes.get(t.producer)
+        if r is not None and r.generation == t.generation:
+            return r
+        info = self._handshake(t.producer)
+        if int(info["producer"]) != t.producer:
+            raise TicketError(f"endpoint of producer {t.producer:016x} answered as {int(info['producer']):016x}")
+        if int(info["generation"]) != t.generation:
+            raise TicketError(f"stale ticket: producer {t.producer:016x} restarted "
+                              f"(ticket generation {t.generation:08x}, now {int(info['generation']):08x})")
+        if r is not None:
+            self._drop(r)
+        seg_info = info["segment"]
+        segment: Segment
+        if seg_info["kind"] == "host":
+            segment = HostSegment(str(seg_info["name"]), int(seg_info["nbytes"]), create=False)
+            events = EventRing(None)
+        else:
+            if self.device.type != "cuda":
+                raise TicketError("a CPU block cannot read a GPU producer's pool; place both blocks on GPUs")
+            dev = int(self.device.index or 0)
+            segment = CudaSegment(dev, int(seg_info["nbytes"]), bytes.fromhex(seg_info["handle"]))
+            events = EventRing(dev, handles=[bytes.fromhex(h) for h in info["events"]])
+        self.stats.handle_opens += 1 + len(events.events)
+        r = _Remote(t.producer, t.generation, segment, events, int(info["max_slots"]))
+        self._remotes[t.producer] = r
+        return r
+
+    def _drop(self, r: _Remote) -> None:
+        del self._remotes[r.producer]
+        r.events.close()
+        r.segment.close()
+
+    def gather(self, raw: torch.Tensor, sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
+        """Views of the samples that ``raw`` (uint8 ``[n, 256]``) names, as one ``[n, *sample_shape]`` tensor.
+
+        The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event.
+        Returns the tensor and the releases to send once the GPU work reading it is done.
+        """
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != tk.TICKET_BYTES:
+            raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
+        data = raw.cpu().contiguous().numpy().tobytes()
+        parts: list[torch.Tensor] = []
+        seen: list[Release] = []  # every authentic ticket of this request, released whatever happens next
+        waited: set[tuple[int, int, int]] = set()
+        run_start: tuple[_Remote, tk.Ticket, int] | None = None
+        try:
+            for i in range(raw.shape[0]):
+                t = tk.decode(data[i * tk.TICKET_BYTES:(i + 1) * tk.TICKET_BYTES], self.key)
+                seen.append((t.producer, t.generation, t.slot, t.seq, t.sample))
+                if t.shape != sample_shape:
+                    raise TicketError(f"ticket carries shape {list(t.shape)}; this block takes {list(sample_shape)}")
+                r = self._remote(t)
+                if t.slot >= r.max_slots or t.segment != 0 or t.offset + t.nbytes > r.segment.nbytes:
+                    raise TicketError(f"ticket range {t.offset}+{t.nbytes} (slot {t.slot}) is outside producer "
+                                      f"{t.producer:016x}'s pool of {r.segment.nbytes} bytes / {r.max_slots} slots")
+                if (t.producer, t.generation, t.slot) not in waited:
+                    r.events.wait(t.slot, stream)
+                    waited.add((t.producer, t.generation, t.slot))
+                # Consecutive samples of one slot become one zero-copy view.
+                if run_start is not None:
+                    r0, t0, n = run_start
+                    if r0 is r and t0.slot == t.slot and t0.seq == t.seq and t.offset == t0.offset + n * t0.nbytes:
+                        run_start = (r0, t0, n + 1)
+                        continue
+                    parts.append(self._view(r0, t0, n))
+                run_start = (r, t, 1)
+            if run_start is not None:
+                parts.append(self._view(*run_start))
+        except TicketError:
+            self.stats.bad_tickets += 1
+            # Whatever was authentic is still released, so a bad request leaks no slots.
+            self.release_now(seen)
+            raise
+        self.stats.tickets += raw.shape[0]
+        batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
+        return batch, seen
+
+    @staticmethod
+    def _view(r: _Remote, t: tk.Ticket, n: int) -> torch.Tensor:
+        raw = r.segment.tensor[t.offset:t.offset + n * t.nbytes]
+        return raw.view(t.dtype).view(n, *t.shape)
+
+    def release_after(self, releases: list[Release], stream_event: torch.cuda.Event | None) -> None:
+        """Send ``releases`` once ``stream_event`` (recorded after the reads) has completed."""
+        if releases:
+            self._queue.put((stream_event, releases, None))
+
+    def release_now(self, releases: list[Release]) -> None:
+        self.release_after(releases, None)
+
+    def flush(self) -> None:
+        """Block until every queued release was sent (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put((None, [], done))
+        done.wait(10)
+
+    # ------------------------------------------------------------------ release thread
+
+    def _release_loop(self) -> None:
+        sockets: dict[int, zmq.Socket[Any]] = {}
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            event, releases, done = item
+            if event is not None:
+                event.synchronize()
+            by_producer: dict[int, list[bytes]] = defaultdict(list)
+            for pid, gen, slot, seq, sample in releases:
+                by_producer[pid].append(RELEASE_ITEM.pack(gen, slot, seq, sample))
+            for pid, items in by_producer.items():
+                sock = sockets.get(pid)
+                if sock is None:
+                    sock = self._ctx.socket(zmq.DEALER)
+                    sock.setsockopt(zmq.LINGER, 1000)
+                    sock.setsockopt(zmq.SNDHWM, 100_000)
+                    sock.connect(endpoint(self.runtime_dir, pid))
+                    sockets[pid] = sock
+                try:
+                    sock.send_multipart([RELEASE, b"".join(items)], zmq.NOBLOCK)
+                    self.stats.releases_sent += len(items)
+                except zmq.Again:
+                    pass  # the producer's lease reclaims what we could not release
+            if done is not None:
+                done.set()
+        for sock in sockets.values():
+            sock.close()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._releaser.join(5)
+        for sock in self._hello.values():
+            sock.close(0)
+        for r in list(self._remotes.values()):
+            self._drop(r)

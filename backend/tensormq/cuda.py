@@ -1,0 +1,99 @@
+"""The few CUDA driver calls TensorMQ needs, through ctypes on ``libcuda.so.1``.
+
+The driver API works on the context PyTorch made current (its primary context),
+needs nothing beyond the driver, and exposes the IPC handles as plain bytes
+(no pickling, no torch internals). Every call is checked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from typing import Any
+
+from blockflow.errors import BlockError
+
+IPC_HANDLE_BYTES = 64
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CU_EVENT_DISABLE_TIMING = 0x2
+CU_EVENT_INTERPROCESS = 0x4
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+@cache
+def _lib() -> Any:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise BlockError(f"TensorMQ on a GPU needs the CUDA driver (libcuda.so.1): {exc}") from exc
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        name = ctypes.c_char_p()
+        _lib().cuGetErrorName(rc, ctypes.byref(name))
+        raise BlockError(f"CUDA driver call {what} failed: {name.value.decode() if name.value else rc}")
+
+
+def mem_alloc(nbytes: int) -> int:
+    ptr = ctypes.c_uint64()
+    _check(_lib().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "cuMemAlloc")
+    return int(ptr.value)
+
+
+def mem_free(ptr: int) -> None:
+    _check(_lib().cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree")
+
+
+def ipc_mem_handle(ptr: int) -> bytes:
+    h = _IpcHandle()
+    _check(_lib().cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle")
+    return bytes(h.reserved)
+
+
+def ipc_open_mem(handle: bytes) -> int:
+    h = _IpcHandle()
+    h.reserved = handle
+    ptr = ctypes.c_uint64()
+    _check(_lib().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+    return int(ptr.value)
+
+
+def ipc_close_mem(ptr: int) -> None:
+    _check(_lib().cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+
+
+def event_create_ipc() -> int:
+    ev = ctypes.c_void_p()
+    _check(_lib().cuEventCreate(ctypes.byref(ev), CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS), "cuEventCreate")
+    return int(ev.value or 0)
+
+
+def ipc_event_handle(event: int) -> bytes:
+    h = _IpcHandle()
+    _check(_lib().cuIpcGetEventHandle(ctypes.byref(h), ctypes.c_void_p(event)), "cuIpcGetEventHandle")
+    return bytes(h.reserved)
+
+
+def ipc_open_event(handle: bytes) -> int:
+    h = _IpcHandle()
+    h.reserved = handle
+    ev = ctypes.c_void_p()
+    _check(_lib().cuIpcOpenEventHandle(ctypes.byref(ev), h), "cuIpcOpenEventHandle")
+    return int(ev.value or 0)
+
+
+def event_destroy(event: int) -> None:
+    _check(_lib().cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy")
+
+
+def event_record(event: int, stream: int) -> None:
+    _check(_lib().cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)), "cuEventRecord")
+
+
+def stream_wait_event(stream: int, event: int) -> None:
+    _check(_lib().cuStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), 0), "cuStreamWaitEvent")

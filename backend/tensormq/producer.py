@@ -1,0 +1,220 @@
+"""The producer side of TensorMQ: a block instance's output pool and its ZeroMQ endpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from backend.tensormq import ticket as tk
+from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
+from backend.tensormq.slots import Slot, SlotTable
+from blockflow.errors import BlockError
+
+HELLO, WELCOME, RELEASE, STATS, ERROR = b"HELLO", b"WELCOME", b"RELEASE", b"STATS", b"ERROR"
+RELEASE_ITEM = struct.Struct("<IIII")  # generation, slot, seq, sample
+
+
+class PoolExhaustedError(BlockError):
+    """The producer's pool stayed full for the whole bounded wait; the request fails."""
+
+
+def producer_id(name: str) -> int:
+    """Stable 64-bit id of a model instance (it survives restarts; the generation does not)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def endpoint(runtime_dir: Path, pid: int) -> str:
+    return f"ipc://{runtime_dir}/tmq/{pid:016x}.sock"
+
+
+def socket_path(runtime_dir: Path, pid: int) -> Path:
+    return runtime_dir / "tmq" / f"{pid:016x}.sock"
+
+
+def read_key(runtime_dir: Path) -> bytes:
+    path = runtime_dir / "tmq.key"
+    try:
+        key = path.read_bytes()
+    except OSError as exc:
+        raise BlockError(f"TensorMQ key {path} is missing; start the server with `blockflow serve`: {exc}") from exc
+    if len(key) < 16:
+        raise BlockError(f"TensorMQ key {path} is too short")
+    return key
+
+
+@dataclass
+class Stats:
+    allocations: int = 0
+    tickets: int = 0
+    releases: int = 0
+    stale_releases: int = 0
+    lease_expiries: int = 0
+    pool_waits: int = 0
+    pool_failures: int = 0
+    hellos: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Reservation:
+    slot: Slot
+    view: torch.Tensor  # [batch, *sample_shape] in the pool
+    sample_shape: tuple[int, ...]
+
+
+class Producer:
+    """Owns one pool segment, one event per slot and a ROUTER socket that answers consumers.
+
+    Threads: the block's execute thread calls :meth:`reserve` / :meth:`commit`;
+    the server thread answers HELLO/STATS, applies RELEASEs and reaps expired
+    leases. Both touch the slot table under ``self._cond``.
+    """
+
+    def __init__(self, name: str, runtime_dir: Path, device: torch.device, pool_bytes: int, max_slots: int,
+                 lease_s: float, wait_s: float) -> None:
+        self.name = name
+        self.runtime_dir = runtime_dir
+        self.key = read_key(runtime_dir)
+        self.id = producer_id(name)
+        self.generation = int.from_bytes(os.urandom(4), "little") | 1
+        self.device = device
+        self.lease_s, self.wait_s = lease_s, wait_s
+        self.stats = Stats()
+        self.table = SlotTable(pool_bytes, max_slots)
+        self._cond = threading.Condition()
+        self.segment: Segment
+        if device.type == "cuda":
+            self.segment = CudaSegment(int(device.index or 0), pool_bytes)
+            self.events = EventRing(int(device.index or 0), max_slots)
+            self.device_type = tk.DEVICE_CUDA
+        else:
+            self.segment = HostSegment(f"blockflow-tmq-{runtime_dir.name}-{self.id:016x}-{self.generation:08x}", pool_bytes, create=True)
+            self.events = EventRing(None)
+            self.device_type = tk.DEVICE_HOST
+        self._welcome = json.dumps({
+            "producer": self.id, "generation": self.generation, "segment": self.segment.describe(),
+            "events": self.events.handles(), "max_slots": max_slots,
+        }).encode()
+        sock_path = socket_path(runtime_dir, self.id)
+        sock_path.parent.mkdir(mode=0o700, exist_ok=True)
+        sock_path.unlink(missing_ok=True)  # a previous generation's socket
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(endpoint(runtime_dir, self.id))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"tmq-producer-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ execute thread
+
+    def reserve(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> Reservation:
+        """A pool range for one batch; waits at most ``wait_s`` for space, then fails the request."""
+        sample_shape = tuple(batch_shape[1:])
+        nbytes = math.prod(batch_shape) * torch.empty((), dtype=dtype).element_size()
+        deadline = time.monotonic() + self.wait_s
+        with self._cond:
+            slot = self.table.allocate(nbytes, batch_shape[0], time.monotonic() + self.lease_s)
+            if slot is None:
+                self.stats.pool_waits += 1
+            while slot is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.stats.pool_failures += 1
+                    raise PoolExhaustedError(
+                        f"TensorMQ pool of {self.name} is full ({len(self.table.live)}/{self.table.max_slots} slots, "
+                        f"{self.table.bytes_in_use}/{self.table.capacity} bytes) after waiting {self.wait_s:g} s; "
+                        "raise tensormq.pool_mb or tensormq.slots in the plan, or lower the load")
+                self._cond.wait(remaining)
+                self._reap_locked()
+                slot = self.table.allocate(nbytes, batch_shape[0], time.monotonic() + self.lease_s)
+            self.stats.allocations += 1
+        raw = self.segment.tensor[slot.offset:slot.offset + nbytes]
+        return Reservation(slot, raw.view(dtype).view(batch_shape), sample_shape)
+
+    def abort(self, r: Reservation) -> None:
+        with self._cond:
+            self.table.release_all(r.slot.index, r.slot.seq)
+            self._cond.notify_all()
+
+    def commit(self, r: Reservation, stream: int) -> list[bytes]:
+        """Record the slot's event after the writes queued on ``stream``; one ticket per sample."""
+        self.events.record(r.slot.index, stream)
+        per_sample = r.view[0].numel() * r.view.element_size()
+        dev_index = int(self.device.index or 0) if self.device.type == "cuda" else 0
+        out = []
+        for i in range(r.view.shape[0]):
+            t = tk.Ticket(self.id, self.generation, r.slot.index, r.slot.seq, i, r.slot.offset + i * per_sample,
+                          per_sample, r.view.dtype, r.sample_shape, self.device_type, dev_index)
+            out.append(tk.encode(t, self.key))
+        self.stats.tickets += len(out)
+        return out
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes, slots) in use."""
+        with self._cond:
+            return self.table.bytes_in_use, len(self.table.live)
+
+    # ------------------------------------------------------------------ server thread
+
+    def _reap_locked(self) -> None:
+        expired = self.table.reap(time.monotonic())
+        if expired:
+            self.stats.lease_expiries += len(expired)
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(100):
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            with self._cond:
+                self._reap_locked()
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        ident, kind = frames[0], frames[1]
+        if kind == HELLO:
+            self.stats.hellos += 1
+            self._router.send_multipart([ident, WELCOME, self._welcome])
+        elif kind == RELEASE and len(frames) == 3 and len(frames[2]) % RELEASE_ITEM.size == 0:
+            with self._cond:
+                for gen, slot, seq, sample in RELEASE_ITEM.iter_unpack(frames[2]):
+                    if gen == self.generation and self.table.release(slot, seq, sample):
+                        self.stats.releases += 1
+                    else:
+                        self.stats.stale_releases += 1
+                self._cond.notify_all()
+        elif kind == STATS:
+            with self._cond:
+                body = dict(self.stats.__dict__, bytes_in_use=self.table.bytes_in_use, slots_in_use=len(self.table.live),
+                            generation=self.generation)
+            self._router.send_multipart([ident, STATS, json.dumps(body).encode()])
+        else:
+            self._router.send_multipart([ident, ERROR, b"unknown message"])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._router.close(0)
+        socket_path(self.runtime_dir, self.id).unlink(missing_ok=True)
+        self.events.close()
+        self.segment.close()

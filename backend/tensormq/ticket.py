@@ -1,0 +1,137 @@
+"""TensorMQ tickets: the 256 bytes that cross an ensemble step instead of an activation.
+
+One ticket names one sample (one row of a batch) that lies in a producer's pool::
+
+    offset size  field
+    0      4     magic b"BFTQ"
+    4      2     version (1)
+    6      2     flags (0)
+    8      8     producer id
+    16     4     generation of the producer process
+    20     4     slot (allocation index; also the producer's IPC event index)
+    24     4     slot sequence number (changes each time the slot is reused)
+    28     4     sample index within the slot
+    32     8     byte offset of the sample in the segment
+    40     8     bytes of the sample
+    48     1     dtype code          49  1  ndim (<= 8)
+    50     1     device type (0 host shared memory, 1 CUDA)
+    51     1     device index
+    52     4     segment index
+    56     32    shape, 8 x u32 (per sample; unused dims 0)
+    88     64    strides, 8 x i64 (elements; only row-major is accepted)
+    152    88    reserved, zero
+    240    16    MAC: keyed BLAKE2b-128 over bytes 0..239
+
+A ticket is untrusted input (a client can send one straight to a block model):
+:func:`decode` checks the MAC (the key lives in the server's private runtime
+directory), the layout and every field, and raises :class:`TicketError` with a
+clear message for anything wrong. Bounds against the producer's pool are
+checked by the consumer once it knows the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from blockflow.errors import RequestError
+
+TICKET_BYTES = 256
+MAGIC = b"BFTQ"
+VERSION = 1
+MAX_DIMS = 8
+MAC_BYTES = 16
+_HEAD = struct.Struct("<4sHHQIIIIQQBBBBI8I8q")
+_BODY_END = TICKET_BYTES - MAC_BYTES
+assert _HEAD.size == 152
+
+DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+DEVICE_HOST, DEVICE_CUDA = 0, 1
+
+
+class TicketError(RequestError):
+    """A ticket is malformed, forged, stale or out of bounds; the request that carried it fails."""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    producer: int
+    generation: int
+    slot: int
+    seq: int
+    sample: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device_type: int
+    device_index: int
+    segment: int = 0
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        out, step = [], 1
+        for d in reversed(self.shape):
+            out.append(step)
+            step *= d
+        return tuple(reversed(out))
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES).digest()
+
+
+def encode(t: Ticket, key: bytes) -> bytes:
+    """The 256 bytes of ``t``, signed with ``key``."""
+    if len(t.shape) > MAX_DIMS:
+        raise ValueError(f"at most {MAX_DIMS} dimensions")
+    shape = list(t.shape) + [0] * (MAX_DIMS - len(t.shape))
+    strides = list(t.strides) + [0] * (MAX_DIMS - len(t.shape))
+    head = _HEAD.pack(MAGIC, VERSION, 0, t.producer, t.generation, t.slot, t.seq, t.sample, t.offset, t.nbytes,
+                      DTYPE_CODES[t.dtype], len(t.shape), t.device_type, t.device_index, t.segment, *shape, *strides)
+    body = head + bytes(_BODY_END - len(head))
+    return body + _mac(key, body)
+
+
+def decode(raw: bytes, key: bytes) -> Ticket:
+    """Parse and check one ticket; :class:`TicketError` for anything wrong."""
+    if len(raw) != TICKET_BYTES:
+        raise TicketError(f"ticket has {len(raw)} bytes, expected {TICKET_BYTES}")
+    body, mac = raw[:_BODY_END], raw[_BODY_END:]
+    if body[:4] != MAGIC:
+        raise TicketError("not a TensorMQ ticket (bad magic); send activations through the task's ensemble")
+    if not hmac.compare_digest(mac, _mac(key, body)):
+        raise TicketError("ticket signature does not verify (forged, corrupted, or from another server)")
+    fields = _HEAD.unpack_from(body)
+    (_, version, flags, producer, generation, slot, seq, sample, offset, nbytes,
+     dcode, ndim, device_type, device_index, segment) = fields[:15]
+    shape_all, strides_all = fields[15:23], fields[23:31]
+    if version != VERSION:
+        raise TicketError(f"ticket version {version} is not supported (this runtime speaks {VERSION})")
+    if flags != 0 or any(body[_HEAD.size:]):
+        raise TicketError("ticket has unknown flags or non-zero reserved bytes")
+    if dcode not in DTYPES:
+        raise TicketError(f"ticket dtype code {dcode} is unknown")
+    if not 1 <= ndim <= MAX_DIMS:
+        raise TicketError(f"ticket has {ndim} dimensions; 1 to {MAX_DIMS} are allowed")
+    if device_type not in (DEVICE_HOST, DEVICE_CUDA):
+        raise TicketError(f"ticket device type {device_type} is unknown")
+    shape = tuple(int(d) for d in shape_all[:ndim])
+    if any(d <= 0 for d in shape) or any(shape_all[ndim:]) or any(strides_all[ndim:]):
+        raise TicketError(f"ticket shape {list(shape_all)} is invalid")
+    dtype = DTYPES[dcode]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes != math.prod(shape) * itemsize:
+        raise TicketError(f"ticket says {nbytes} bytes but shape {list(shape)} of {dtype} needs {math.prod(shape) * itemsize}")
+    t = Ticket(producer, generation, slot, seq, sample, offset, nbytes, dtype, shape, device_type, device_index, segment)
+    if tuple(strides_all[:ndim]) != t.strides:
+        raise TicketError(f"ticket strides {list(strides_all[:ndim])} are not row-major for shape {list(shape)}")
+    if offset % itemsize:
+        raise TicketError(f"ticket offset {offset} is not aligned to {itemsize} bytes")
+    return t
