@@ -2,10 +2,10 @@
 
 One instance is one stub process. ``initialize`` reads the model's spec from
 its config (parameter ``blockflow.spec``), builds the block on the instance's
-device and warms it up. ``execute`` runs every request of the call as one
-batch (this is where dynamic batching across tasks that share the block pays
-off) and gives each request its own rows; a request that cannot be read fails
-alone with a clear error.
+device, warms it up and, for TensorMQ, opens its producer pool and consumer.
+``execute`` runs every request of the call as one batch (this is where dynamic
+batching across tasks that share the block pays off) and gives each request its
+own rows; a request that cannot be read fails alone with a clear error.
 
 Tensors cross the stub boundary by DLPack in both directions: the Python
 backend mishandles numpy 2 arrays, and DLPack keeps GPU tensors on the GPU.
@@ -14,15 +14,18 @@ backend mishandles numpy 2 arrays, and DLPack keeps GPU tensors on the GPU.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from backend.runtime import BlockRunner
 from blockflow.errors import BlockError, RequestError
-from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, ModelSpec
+from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
 
 def _spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -42,30 +45,58 @@ def _device(args: dict[str, str]) -> torch.device:
     return torch.device("cpu")
 
 
+def _runtime_dir() -> Path:
+    value = os.environ.get("BLOCKFLOW_RUNTIME_DIR")
+    if not value or not Path(value).is_dir():
+        raise BlockError("TensorMQ needs BLOCKFLOW_RUNTIME_DIR (the server's private runtime directory); "
+                         "start the server with `blockflow serve`")
+    return Path(value)
+
+
 class TritonPythonModel:
     """Triton's entry points for one block instance."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        from backend.tensormq.consumer import Consumer
+        from backend.tensormq.producer import Producer
+
         config = json.loads(args["model_config"])
-        self.spec = _spec_from_config(config)
+        self.spec = spec = _spec_from_config(config)
         self.device = _device(args)
-        self.in_name = IMAGE if self.spec.takes_image else ACTIVATION_IN
-        self.out_name = LOGITS if self.spec.gives_logits else ACTIVATION_OUT
-        self.to_host = self.spec.transport == "triton-cpu"
+        self.in_name = IMAGE if spec.takes_image else ACTIVATION_IN
+        self.out_name = LOGITS if spec.gives_logits else ACTIVATION_OUT
+        self.to_host = spec.transport == "triton-cpu"
         self.logger = pb_utils.Logger
-        self.runner = BlockRunner(self.spec, self.device)
+        self.runner = BlockRunner(spec, self.device)
         self.runner.warmup()
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        if spec.transport == "tensormq" and spec.tensormq is not None:
+            runtime = _runtime_dir()
+            if not spec.gives_logits:
+                t = spec.tensormq
+                self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
+                                         t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s)
+            if not spec.takes_image:
+                self.consumer = Consumer(runtime, self.device)
         self.logger.log_info(
             f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
-            f"(stages {self.spec.first_stage}-{self.spec.last_stage}, {self.spec.precision}, "
-            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={self.spec.transport})"
+            f"(stages {spec.first_stage}-{spec.last_stage}, {spec.precision}, "
+            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport})"
         )
 
-    def _input(self, request: Any) -> torch.Tensor:
+    def _stream(self) -> int:
+        return int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
+
+    def _input(self, request: Any, releases: list[Any]) -> torch.Tensor:
         tensor = pb_utils.get_input_tensor_by_name(request, self.in_name)
         if tensor is None:
             raise RequestError(f"request has no input {self.in_name!r}")
         x = from_dlpack(tensor.to_dlpack())
+        if self.consumer is not None:
+            view, rel = self.consumer.gather(x, self.spec.in_shape, self._stream())
+            releases.extend(rel)
+            return view
         if x.dtype != torch.float32 or tuple(x.shape[1:]) != self.spec.in_shape:
             raise RequestError(f"input {self.in_name!r} is {x.dtype} {list(x.shape)}; "
                                f"expected float32 [batch, {', '.join(map(str, self.spec.in_shape))}]")
@@ -75,32 +106,59 @@ class TritonPythonModel:
         responses: list[Any] = [None] * len(requests)
         batch: list[torch.Tensor] = []
         owners: list[int] = []
+        releases: list[Any] = []
         for i, request in enumerate(requests):
             try:
-                batch.append(self._input(request))
+                batch.append(self._input(request, releases))
                 owners.append(i)
             except RequestError as exc:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
-        if batch:
-            sizes = [int(t.shape[0]) for t in batch]
-            try:
-                joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
-                out = self.runner.run(joined)
-                if self.to_host:
-                    out = out.cpu()
-                elif out.is_cuda:
-                    # Triton reads the output once execute returns; the kernels must be done by then.
-                    torch.cuda.current_stream(out.device).synchronize()
-                for i, rows in zip(owners, torch.split(out, sizes)):
-                    tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
-            except Exception as exc:  # one failed batch must not take the stub down
-                self.logger.log_error(f"blockflow: {self.spec.name}: batch of {sum(sizes)} failed: {exc!r}")
-                for i in owners:
-                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
+        if not batch:
+            return responses
+        sizes = [int(t.shape[0]) for t in batch]
+        try:
+            joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
+            outputs = self._run(joined)
+            for i, rows in zip(owners, torch.split(outputs, sizes)):
+                tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
+        except Exception as exc:  # one failed batch must not take the stub down
+            self.logger.log_error(f"blockflow: {self.spec.name}: batch of {sum(sizes)} failed: {exc!r}")
+            for i in owners:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
+        finally:
+            if self.consumer is not None and releases:
+                # Release the producers' slots once the GPU work that read them is done (see backend.tensormq).
+                event = None
+                if self.device.type == "cuda":
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record()
+                self.consumer.release_after(releases, event)
         return responses
 
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.producer is None:
+            out = self.runner.run(x)
+            if self.to_host:
+                return out.cpu()
+            if out.is_cuda:
+                # Triton reads the output once execute returns; the kernels must be done by then.
+                torch.cuda.current_stream(out.device).synchronize()
+            return out
+        # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
+        reservation = self.producer.reserve((int(x.shape[0]), *self.spec.out_shape), self.runner.dtype)
+        try:
+            self.runner.run(x, out=reservation.view)
+        except BaseException:
+            self.producer.abort(reservation)
+            raise
+        tickets = self.producer.commit(reservation, self._stream())
+        return torch.from_numpy(np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES).copy())
+
     def finalize(self) -> None:
+        for part in (self.consumer, self.producer):
+            if part is not None:
+                part.close()
         self.runner = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

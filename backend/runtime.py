@@ -148,18 +148,26 @@ class BlockRunner:
         return out
 
     @torch.inference_mode()
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: fp32 ``[B, *in_shape]`` on any device. Returns fp32 ``[B, *out_shape]`` on this device, row-major."""
+    def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a batch. ``x``: ``[B, *in_shape]`` on any device, any float dtype.
+
+        Returns fp32 ``[B, *out_shape]`` on this device, row-major; or, when ``out`` is given
+        (e.g. a TensorMQ pool slot), writes the result there in ``out``'s dtype and returns it.
+        """
         if tuple(x.shape[1:]) != self.spec.in_shape or x.shape[0] < 1:
             raise RequestError(f"input shape {list(x.shape)} does not match [batch, {', '.join(map(str, self.spec.in_shape))}]")
         batch = int(x.shape[0])
+        result: torch.Tensor | None = None
         if self.use_graphs:
             g = self._graphs.get(bucket_for(batch, self.buckets))
             if g is not None:
                 g.static_in[:batch].copy_(x, non_blocking=True)
                 g.graph.replay()
-                out = g.static_out[:batch]
-                # A fresh tensor: the graph's output buffer is overwritten by the next replay.
-                return out.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
-        out = self._eager(x)
-        return out.to(dtype=torch.float32, memory_format=torch.contiguous_format)
+                result = g.static_out[:batch]
+        if result is None:
+            result = self._eager(x)
+        if out is not None:
+            out.copy_(result)  # converts dtype and layout in one pass
+            return out
+        # A fresh tensor: a graph's output buffer is overwritten by its next replay.
+        return result.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from blockflow import arch as archs
 from blockflow.errors import PlanError, PlanIssue
-from blockflow.spec import Precision, TransportName, WeightsSource
+from blockflow.spec import Precision, TensorMQSettings, TransportName, WeightsSource
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 NAME_RULE = "start with a letter; letters, digits, '_' and '-' only; at most 64 characters; no '__' (reserved for generated variants)"
@@ -115,6 +115,7 @@ class PlanModel(_Strict):
     transport: TransportName = "tensormq"
     compare: list[TransportName] = Field(default_factory=list)
     references: list[Literal["eager", "graph"]] = Field(default_factory=list)
+    tensormq: TensorMQSettings = TensorMQSettings()
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ _MODEL_FIELDS: dict[str, type[BaseModel]] = {
     "tasks": TaskDef,
     "defaults": BlockSettings,
     "weights": Weights,
+    "tensormq": TensorMQSettings,
 }
 
 

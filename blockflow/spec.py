@@ -23,6 +23,7 @@ IMAGE = "IMAGE"
 LOGITS = "LOGITS"
 ACTIVATION_IN = "ACTIVATION_IN"
 ACTIVATION_OUT = "ACTIVATION_OUT"
+TICKET_BYTES = 256
 
 
 class _Strict(BaseModel):
@@ -45,6 +46,15 @@ class Part(_Strict):
     weights: WeightsSource
 
 
+class TensorMQSettings(_Strict):
+    """Pool and protocol settings of every TensorMQ producer in a plan."""
+
+    pool_mb: int = Field(default=256, ge=1, le=65536)
+    slots: int = Field(default=64, ge=1, le=4096)
+    lease_s: float = Field(default=30.0, gt=0, le=3600)
+    wait_s: float = Field(default=5.0, ge=0, le=600)
+
+
 class ModelSpec(_Strict):
     """Everything a block process needs to build and run its model."""
 
@@ -61,6 +71,7 @@ class ModelSpec(_Strict):
     transport: TransportName
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
+    tensormq: TensorMQSettings | None = None
 
     @property
     def first_stage(self) -> int:

@@ -9,16 +9,17 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.plan import Block
-from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, ModelSpec
+from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
 # Triton's Python backend copies GPU inputs to host memory unless told otherwise.
 FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"
 
 
-def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput]) -> mc.ModelInput | mc.ModelOutput:
+def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput],
+            data_type: int = mc.TYPE_FP32) -> mc.ModelInput | mc.ModelOutput:
     t = cls()
     t.name = name
-    t.data_type = mc.TYPE_FP32
+    t.data_type = data_type
     t.dims.extend(int(d) for d in dims)
     return t
 
@@ -45,10 +46,19 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.name = name
     cfg.backend = "python"
     cfg.max_batch_size = spec.max_batch_size
-    in_name = IMAGE if spec.takes_image else ACTIVATION_IN
-    out_name = LOGITS if spec.gives_logits else ACTIVATION_OUT
-    cfg.input.append(_tensor(in_name, spec.in_shape, mc.ModelInput))
-    cfg.output.append(_tensor(out_name, spec.out_shape, mc.ModelOutput))
+    tmq = spec.transport == "tensormq"
+    if spec.takes_image:
+        cfg.input.append(_tensor(IMAGE, spec.in_shape, mc.ModelInput))
+    elif tmq:  # a TensorMQ hop carries one 256-byte ticket per sample
+        cfg.input.append(_tensor(ACTIVATION_IN, [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8))
+    else:
+        cfg.input.append(_tensor(ACTIVATION_IN, spec.in_shape, mc.ModelInput))
+    if spec.gives_logits:
+        cfg.output.append(_tensor(LOGITS, spec.out_shape, mc.ModelOutput))
+    elif tmq:
+        cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
+    else:
+        cfg.output.append(_tensor(ACTIVATION_OUT, spec.out_shape, mc.ModelOutput))
     cfg.instance_group.append(_instance_group(block))
     cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
     # Client images arrive in host memory. With FORCE_CPU_ONLY_INPUT_TENSORS=no the Python backend
@@ -56,7 +66,8 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     # it never finalizes, so the stub can read a half-copied image under concurrent load (seen on an
     # H100: NaN logits). Models that take the image therefore get it in host memory and copy it
     # to their device themselves; GPU activations between blocks stay on the GPU.
-    force_cpu = spec.transport == "triton-cpu" or spec.takes_image
+    # TensorMQ tickets are 256 host bytes: they stay in host memory too.
+    force_cpu = spec.transport in ("triton-cpu", "tensormq") or spec.takes_image
     cfg.parameters[FORCE_CPU_PARAM].string_value = "yes" if force_cpu else "no"
     cfg.parameters[SPEC_PARAMETER].string_value = spec.to_json()
     return cfg

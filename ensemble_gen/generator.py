@@ -57,6 +57,7 @@ def block_spec(plan: Plan, block: Block, transport: TransportName) -> ModelSpec:
         transport=transport,
         in_shape=plan.block_in_shape(block),
         out_shape=plan.block_out_shape(block),
+        tensormq=plan.raw.tensormq if transport == "tensormq" else None,
     )
 
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from blockflow.errors import RequestError
+from blockflow.spec import TICKET_BYTES as TICKET_BYTES
 
-TICKET_BYTES = 256
 MAGIC = b"BFTQ"
 VERSION = 1
 MAX_DIMS = 8
