@@ -60,6 +60,7 @@ class Stats:
     releases: int = 0
     stale_releases: int = 0
     lease_expiries: int = 0
+    expired_tickets: int = 0
     pool_waits: int = 0
     pool_failures: int = 0
     hellos: int = 0
@@ -172,6 +173,7 @@ class Producer:
         expired = self.table.reap(time.monotonic())
         if expired:
             self.stats.lease_expiries += len(expired)
+            self.stats.expired_tickets += sum(len(s.pending) for s in expired)
             self._cond.notify_all()
 
     def _serve(self) -> None:
