@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from backend.runtime import BlockRunner
+from backend.tensormq.metrics import TmqMetrics
 from blockflow.errors import BlockError, RequestError
 from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
@@ -79,6 +80,10 @@ class TritonPythonModel:
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device)
+        self.metrics: TmqMetrics | None = None
+        if (self.producer or self.consumer) and hasattr(pb_utils, "MetricFamily"):
+            self.metrics = TmqMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
+            self.metrics.publish(self.producer, self.consumer, force=True)
         self.logger.log_info(
             f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}, {spec.precision}, "
@@ -134,6 +139,8 @@ class TritonPythonModel:
                     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record()
                 self.consumer.release_after(releases, event)
+            if self.metrics is not None:
+                self.metrics.publish(self.producer, self.consumer)
         return responses
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:

@@ -135,3 +135,24 @@ def test_forged_and_garbage_tickets_fail_alone(served: Served) -> None:
     assert c.infer("r18_b__tensormq", [good]).as_numpy("ACTIVATION_OUT").shape == (1, 256)
     with TaskClient(served.http) as tc:
         assert tc.infer("t18_two__tensormq", x).shape == (1, 10)
+
+
+def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
+    import urllib.request
+
+    with TaskClient(served.http) as tc:
+        for _ in range(5):
+            tc.infer("t18_one__tensormq", image(2))
+        time.sleep(0.6)  # metrics are published at most every 0.5 s, from execute
+        tc.infer("t18_one__tensormq", image(2))
+    text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
+    lines = [l for l in text.splitlines() if l.startswith("blockflow_tmq_")]
+    def value(name: str, model: str) -> float:
+        hits = [float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") and f'model="{model}"' in l]
+        assert hits, f"{name} for {model} missing from the metrics endpoint"
+        return sum(hits)
+    assert value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
+    assert value("blockflow_tmq_tickets_consumed_total", "r18_b__tensormq") >= 10
+    assert value("blockflow_tmq_handle_opens_total", "r18_b__tensormq") == 1  # one host segment, opened once
+    assert value("blockflow_tmq_pool_slots_in_use", "r18_b__tensormq") >= 0
+    assert any('instance="' in l for l in lines)
