@@ -1,0 +1,149 @@
+"""Transports side by side: one server, every transport variant of a task and its monolithic references.
+
+For each model it runs ``perf_analyzer`` (batch 1 and 8 at concurrency 1, and batch 1 at
+concurrency 32) and reads Triton's per-model statistics around each run, so the report
+splits an ensemble's latency into block compute and per-hop overhead.
+
+    python -m bench.transports --plan plans/bench_r50.yaml --out bench/results/h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from blockflow.doctor import perf_analyzer_path
+from blockflow.plan import load_plan
+from blockflow.server import ServerOptions, TritonServer, free_port
+from ensemble_gen import generator, naming
+
+CONFIGS = [("b1-c1", 1, 1), ("b8-c1", 8, 1), ("b1-c32", 1, 32)]
+
+
+def model_stats(url: str) -> dict[str, dict[str, int]]:
+    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=30) as r:
+        data = json.loads(r.read())
+    out = {}
+    for m in data["model_stats"]:
+        s = m["inference_stats"]
+        out[m["name"]] = {
+            "executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
+            **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
+        }
+    return out
+
+
+def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
+
+
+def perf(url: str, model: str, shape: str, batch: int, concurrency: int, seconds: int) -> dict[str, float]:
+    pa = perf_analyzer_path()
+    if pa is None:
+        raise SystemExit("perf_analyzer not found (./scripts/setup.sh, or scripts/gpu_env.sh on a GPU machine)")
+    with tempfile.NamedTemporaryFile(suffix=".csv") as f:
+        cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
+               "--concurrency-range", str(concurrency), "--measurement-interval", str(seconds * 1000),
+               "--percentile", "50", "--max-trials", "5", "-f", f.name]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        if res.returncode != 0:
+            return {"error": 1.0}
+        row = next(csv.DictReader(open(f.name)))
+    # perf_analyzer's CSV splits the average latency into its client and server parts.
+    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
+             "Server Compute Infer", "Server Compute Output", "Client Recv")
+    avg_us = sum(float(row[p]) for p in parts if p in row)
+    return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
+            "p99_ms": float(row["p99 latency"]) / 1e3, "avg_ms": avg_us / 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--plan", default="plans/bench_r50.yaml")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seconds", type=int, default=3, help="perf_analyzer measurement window")
+    ap.add_argument("--quick", action="store_true", help="batch 1, concurrency 1 only")
+    args = ap.parse_args()
+    plan = load_plan(args.plan)
+    task = next(iter(plan.tasks.values()))
+    c, h, w = plan.block_in_shape(plan.blocks[task.path[0]])
+    shape = f"IMAGE:{c},{h},{w}"
+    variants = {tr: naming.task_model(task.name, tr, task.transport) for tr in plan.transports_of(task)}
+    refs = {f"monolithic-{v}": naming.reference_model(task.name, v == "graph") for v in plan.raw.references}
+    blocks = {tr: [naming.block_model(b, tr, plan.transport) for b in task.path] for tr in variants}
+    repo = Path(tempfile.mkdtemp(prefix="bench-repo-"))
+    generator.write(generator.render(plan), repo)
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    results: dict[str, Any] = {"plan": str(args.plan), "task": task.name, "path": list(task.path), "runs": {}}
+    configs = CONFIGS[:1] if args.quick else CONFIGS
+    with TritonServer(opts) as server:
+        try:
+            import torch
+
+            results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            results["device"] = "?"
+        for label, batch, conc in configs:
+            for name, model in {**variants, **refs}.items():
+                before = model_stats(server.http_url)
+                r: dict[str, Any] = dict(perf(server.http_url, model, shape, batch, conc, args.seconds))
+                d = delta(model_stats(server.http_url), before)
+                if name in blocks:
+                    per_block: list[dict[str, Any]] = []
+                    for b in blocks[name]:
+                        s = d.get(b, {})
+                        n = max(1, s.get("executions", 0))
+                        per_block.append({"block": b, "compute_ms": (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0)
+                                                                    + s.get("compute_output_ns", 0)) / n / 1e6,
+                                          "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
+                                          "batch_per_execution": s.get("inferences", 0) / n})
+                    r["blocks"] = per_block
+                    if conc == 1 and "p50_ms" in r:
+                        compute = float(sum(float(b["compute_ms"]) for b in per_block))
+                        r["block_compute_ms"] = compute
+                        r["overhead_per_hop_ms"] = (r["avg_ms"] - compute) / len(per_block)
+                results["runs"].setdefault(label, {})[name] = r
+                print(f"[bench] {label:7s} {name:20s} {json.dumps({k: round(v, 3) for k, v in r.items() if isinstance(v, float)})}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "transports.json").write_text(json.dumps(results, indent=2))
+    write_report(results, args.out)
+
+
+def write_report(res: dict[str, Any], out: Path) -> None:
+    lines = [f"# Transports side by side — {res['device']}", "",
+             f"`python -m bench.transports --plan {res['plan']}`: one server; task `{res['task']}` = "
+             f"{' → '.join(res['path'])} on every transport, and its monolithic references. perf_analyzer over HTTP; "
+             "latencies in ms. Per-hop overhead = (average latency − Σ block compute, from Triton's statistics) / blocks.", ""]
+    for label, runs in res["runs"].items():
+        lines += [f"## {label}", "", "| model | p50 | p99 | avg | throughput (inf/s) | Σ block compute | overhead / hop |", "|---|---|---|---|---|---|---|"]
+        for name, r in runs.items():
+            if "error" in r:
+                lines.append(f"| {name} | failed | | | | | |")
+                continue
+            comp = f"{r['block_compute_ms']:.3f}" if "block_compute_ms" in r else "-"
+            hop = f"{r['overhead_per_hop_ms']:.3f}" if "overhead_per_hop_ms" in r else "-"
+            lines.append(f"| {name} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['avg_ms']:.3f} | {r['throughput']:.1f} | {comp} | {hop} |")
+        lines.append("")
+    b1 = res["runs"].get("b1-c1", {})
+    if {"tensormq", "triton-gpu", "monolithic-graph"} <= set(b1) and all("p50_ms" in b1[k] for k in ("tensormq", "triton-gpu", "monolithic-graph")):
+        t, g, m = b1["tensormq"]["p50_ms"], b1["triton-gpu"]["p50_ms"], b1["monolithic-graph"]["p50_ms"]
+        lines += ["## Targets (issue 5)", "",
+                  f"- tensormq p50 / monolithic CUDA graph p50 = {t / m:.2f} (target ≤ 1.3)",
+                  f"- tensormq p50 / triton-gpu p50 = {t / g:.2f} (target ≤ 0.7)",
+                  f"- tensormq overhead per hop = {b1['tensormq'].get('overhead_per_hop_ms', float('nan')):.3f} ms (target ≤ 0.30)"]
+        sat = res["runs"].get("b1-c32", {})
+        if "tensormq" in sat and "monolithic-graph" in sat and "throughput" in sat["tensormq"]:
+            lines.append(f"- throughput at concurrency 32: tensormq {sat['tensormq']['throughput']:.0f} vs monolithic graph "
+                         f"{sat['monolithic-graph'].get('throughput', float('nan')):.0f} inf/s (target ≥ 1×)")
+    (out / "transports.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""TensorMQ over CUDA IPC between real processes on a GPU (and across two GPUs when there are two)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.tensormq.consumer import Consumer
+from backend.tensormq.producer import Producer
+from blockflow.server import prepare_tensormq
+
+pytestmark = pytest.mark.gpu
+
+
+def _produce(runtime: str, device: int, conn: "mp.connection.Connection") -> None:
+    prod = Producer("gpu-producer/0", Path(runtime), torch.device("cuda", device), 64 << 20, 16, 30, 5)
+    b = 0
+    while conn.recv() == "batch":
+        r = prod.reserve((4, 256, 56, 56), torch.float32)
+        # A long kernel chain before the event is recorded: the consumer must wait on the GPU, not read early.
+        x = torch.full((4, 256, 56, 56), float(b), device=f"cuda:{device}")
+        for _ in range(50):
+            x = x * 1.0001
+        r.view.copy_(x)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        conn.send((prod.commit(r, stream), float(x[0, 0, 0, 0].item())))
+        b += 1
+    conn.send(prod.stats.releases)
+    prod.close()
+
+
+@pytest.mark.parametrize("consumer_gpu", [0, 1], ids=["same-gpu", "other-gpu"])
+def test_cuda_ipc_tickets_between_processes(tmp_path: Path, consumer_gpu: int) -> None:
+    if consumer_gpu >= torch.cuda.device_count():
+        pytest.skip("needs two GPUs")
+    runtime = Path("/tmp") / f"bf-gpu-{os.getpid()}-{consumer_gpu}"
+    runtime.mkdir(mode=0o700)
+    prepare_tensormq(runtime)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_produce, args=(str(runtime), 0, there))
+    proc.start()
+    device = torch.device("cuda", consumer_gpu)
+    torch.cuda.set_device(device)
+    consumer = Consumer(runtime, device)
+    try:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for b in range(20):
+            here.send("batch")
+            tickets, expected = here.recv()
+            raw = torch.frombuffer(bytearray(b"".join(tickets)), dtype=torch.uint8).view(len(tickets), 256)
+            x, releases = consumer.gather(raw, (256, 56, 56), stream)
+            got = x.to(device).clone()
+            ev = torch.cuda.Event()
+            ev.record()
+            consumer.release_after(releases, ev)
+            assert torch.all(got == expected), (b, float(got.min()), expected)
+        consumer.flush()
+        assert consumer.stats.handle_opens == 1 + 16  # one segment and 16 events, once
+        assert consumer.stats.hellos == 1
+        time.sleep(0.3)
+        here.send("stop")
+        assert here.recv() == 80  # every sample released
+    finally:
+        consumer.close()
+        proc.join(30)
