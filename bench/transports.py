@@ -89,8 +89,9 @@ def main() -> None:
             results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         except ImportError:
             results["device"] = "?"
+        models: dict[str, str] = {**variants, **refs}
         for label, batch, conc in configs:
-            for name, model in {**variants, **refs}.items():
+            for name, model in models.items():
                 before = model_stats(server.http_url)
                 r: dict[str, Any] = dict(perf(server.http_url, model, shape, batch, conc, args.seconds))
                 d = delta(model_stats(server.http_url), before)
