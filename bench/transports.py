@@ -74,9 +74,9 @@ def main() -> None:
     task = next(iter(plan.tasks.values()))
     c, h, w = plan.block_in_shape(plan.blocks[task.path[0]])
     shape = f"IMAGE:{c},{h},{w}"
-    variants = {tr: naming.task_model(task.name, tr, task.transport) for tr in plan.transports_of(task)}
+    variants: dict[str, str] = {str(tr): naming.task_model(task.name, tr, task.transport) for tr in plan.transports_of(task)}
     refs = {f"monolithic-{v}": naming.reference_model(task.name, v == "graph") for v in plan.raw.references}
-    blocks = {tr: [naming.block_model(b, tr, plan.transport) for b in task.path] for tr in variants}
+    blocks = {str(tr): [naming.block_model(b, tr, plan.transport) for b in task.path] for tr in plan.transports_of(task)}
     repo = Path(tempfile.mkdtemp(prefix="bench-repo-"))
     generator.write(generator.render(plan), repo)
     opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
