@@ -20,7 +20,19 @@ CU_EVENT_INTERPROCESS = 0x4
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    # Bytes, not c_char: a c_char array field reads back truncated at its first NUL.
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
+
+    @classmethod
+    def of(cls, raw: bytes) -> _IpcHandle:
+        if len(raw) != IPC_HANDLE_BYTES:
+            raise BlockError(f"CUDA IPC handle must be {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
+        h = cls()
+        ctypes.memmove(ctypes.byref(h), raw, IPC_HANDLE_BYTES)
+        return h
+
+    def raw(self) -> bytes:
+        return ctypes.string_at(ctypes.byref(self), IPC_HANDLE_BYTES)
 
 
 @cache
@@ -52,12 +64,11 @@ def mem_free(ptr: int) -> None:
 def ipc_mem_handle(ptr: int) -> bytes:
     h = _IpcHandle()
     _check(_lib().cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle")
-    return bytes(h.reserved)
+    return h.raw()
 
 
 def ipc_open_mem(handle: bytes) -> int:
-    h = _IpcHandle()
-    h.reserved = handle
+    h = _IpcHandle.of(handle)
     ptr = ctypes.c_uint64()
     _check(_lib().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
     return int(ptr.value)
@@ -76,12 +87,11 @@ def event_create_ipc() -> int:
 def ipc_event_handle(event: int) -> bytes:
     h = _IpcHandle()
     _check(_lib().cuIpcGetEventHandle(ctypes.byref(h), ctypes.c_void_p(event)), "cuIpcGetEventHandle")
-    return bytes(h.reserved)
+    return h.raw()
 
 
 def ipc_open_event(handle: bytes) -> int:
-    h = _IpcHandle()
-    h.reserved = handle
+    h = _IpcHandle.of(handle)
     ev = ctypes.c_void_p()
     _check(_lib().cuIpcOpenEventHandle(ctypes.byref(ev), h), "cuIpcOpenEventHandle")
     return int(ev.value or 0)
