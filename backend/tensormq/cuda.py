@@ -41,6 +41,25 @@ def _lib() -> Any:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         raise BlockError(f"TensorMQ on a GPU needs the CUDA driver (libcuda.so.1): {exc}") from exc
+    P, u64, vp = ctypes.POINTER, ctypes.c_uint64, ctypes.c_void_p
+    signatures: dict[str, list[Any]] = {
+        "cuMemAlloc_v2": [P(u64), ctypes.c_size_t],
+        "cuMemFree_v2": [u64],
+        "cuIpcGetMemHandle": [P(_IpcHandle), u64],
+        "cuIpcOpenMemHandle_v2": [P(u64), _IpcHandle, ctypes.c_uint],  # the handle goes by value
+        "cuIpcCloseMemHandle": [u64],
+        "cuEventCreate": [P(vp), ctypes.c_uint],
+        "cuIpcGetEventHandle": [P(_IpcHandle), vp],
+        "cuIpcOpenEventHandle": [P(vp), _IpcHandle],
+        "cuEventDestroy_v2": [vp],
+        "cuEventRecord": [vp, vp],
+        "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
+        "cuGetErrorName": [ctypes.c_int, P(ctypes.c_char_p)],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
     return lib
 
 
