@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _produce(runtime: str, device: int, conn: "mp.connection.Connection") -> None:
+    torch.cuda.set_device(device)
     prod = Producer("gpu-producer/0", Path(runtime), torch.device("cuda", device), 64 << 20, 16, 30, 5)
     b = 0
     while conn.recv() == "batch":
@@ -52,6 +53,7 @@ def test_cuda_ipc_tickets_between_processes(tmp_path: Path, consumer_gpu: int) -
         stream = torch.cuda.current_stream(device).cuda_stream
         for b in range(20):
             here.send("batch")
+            assert here.poll(60), f"producer process gave no tickets (alive: {proc.is_alive()}, exit {proc.exitcode})"
             tickets, expected = here.recv()
             raw = torch.frombuffer(bytearray(b"".join(tickets)), dtype=torch.uint8).view(len(tickets), 256)
             x, releases = consumer.gather(raw, (256, 56, 56), stream)
@@ -65,7 +67,7 @@ def test_cuda_ipc_tickets_between_processes(tmp_path: Path, consumer_gpu: int) -
         assert consumer.stats.hellos == 1
         time.sleep(0.3)
         here.send("stop")
-        assert here.recv() == 80  # every sample released
+        assert here.poll(30) and here.recv() == 80  # every sample released
     finally:
         consumer.close()
         proc.join(30)
