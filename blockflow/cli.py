@@ -152,11 +152,15 @@ PORT = click.IntRange(0, 65535)
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path],
           timeout: float, cuda_pool_mb: int) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM."""
+    from blockflow.errors import PlanError
     from blockflow.plan import load_plan
-    from blockflow.server import ServerOptions, TritonServer, make_runtime_dir
+    from blockflow.server import ServerOptions, TritonServer, gpu_count, make_runtime_dir
     from ensemble_gen import generator
 
     p = load_plan(plan)
+    device_issues = p.device_issues(gpu_count())
+    if device_issues:
+        raise PlanError(device_issues, str(plan))
     for w in p.warnings():
         err.print(f"[yellow]warning[/]: {w}")
     runtime = make_runtime_dir()

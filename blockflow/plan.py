@@ -202,6 +202,19 @@ class Plan:
     def block_out_shape(self, block: Block) -> tuple[int, ...]:
         return self.stage_shapes[block.model][block.last]
 
+    def device_issues(self, gpus: int) -> list[PlanIssue]:
+        """Placement problems on a machine with ``gpus`` visible GPUs (checked when serving)."""
+        issues = []
+        for name in self.used_blocks():
+            b = self.blocks[name]
+            if b.placement == "gpu" and gpus == 0:
+                issues.append(PlanIssue(f"blocks.{name}.placement", "'gpu' but this machine has no GPU; use 'auto' or 'cpu'"))
+            elif isinstance(b.placement, tuple) and max(b.placement) >= gpus:
+                have = f"GPUs 0..{gpus - 1}" if gpus else "no GPU"
+                issues.append(PlanIssue(f"blocks.{name}.placement", f"GPU {max(b.placement)} does not exist (this machine has {have}); "
+                                                                    "use existing indices, 'auto' or 'cpu'"))
+        return issues
+
     def warnings(self) -> list[str]:
         used = set(self.used_blocks())
         return [f"blocks.{b}: no task uses this block; it is not deployed" for b in self.blocks if b not in used]

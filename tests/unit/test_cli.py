@@ -101,3 +101,18 @@ def test_doctor_runs() -> None:
 def test_help(argv: list[str]) -> None:
     res = blockflow(*argv)
     assert res.returncode == 0 and res.stdout
+
+
+def test_serve_refuses_a_gpu_placement_without_gpus(tmp_path: Path) -> None:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        pytest.skip("this machine has GPUs")
+    except pynvml.NVMLError:
+        pass
+    plan = tmp_path / "p.yaml"
+    plan.write_text((ROOT / "plans" / "default.yaml").read_text().replace("placement: auto", "placement: [3]"))
+    res = blockflow("serve", "--plan", str(plan), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "GPU 3 does not exist" in res.stderr

@@ -172,3 +172,15 @@ def test_json_plans_and_relative_weight_files(tmp_path: Path) -> None:
     plan = load_plan(path)
     assert plan.blocks["r50_s0"].weights.file == str(tmp_path / "w.pt")
     assert plan.blocks["r50_s0"].weights.seed is None
+
+
+def test_placement_is_checked_against_the_machine() -> None:
+    data = base()
+    data["blocks"]["r50_s1"]["placement"] = [1]
+    data["blocks"]["r50_s2"]["placement"] = "gpu"
+    plan = parse_plan(data)
+    cpu_only = {i.loc: i.message for i in plan.device_issues(gpus=0)}
+    assert "GPU 1 does not exist (this machine has no GPU)" in cpu_only["blocks.r50_s1.placement"]
+    assert "'gpu' but this machine has no GPU" in cpu_only["blocks.r50_s2.placement"]
+    assert [i.loc for i in plan.device_issues(gpus=1)] == ["blocks.r50_s1.placement"]
+    assert plan.device_issues(gpus=2) == []
