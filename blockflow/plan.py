@@ -452,8 +452,9 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
         if last_block.last != n - 1:
             yield PlanIssue(f"tasks.{tname}.path", f"path ends at stage {last_block.last} but model {last_block.model!r} "
                                                    f"has stages 0..{n - 1}; add blocks up to stage {n - 1}")
-        models = {plan.blocks[b].model for b in task.path}
-        first_model = raw.models[plan.blocks[task.path[0]].model]
-        last_model = raw.models[last_block.model]
-        if len(models) > 1 and first_model.num_classes != last_model.num_classes:
-            yield PlanIssue(f"tasks.{tname}.path", "blocks come from models with different num_classes")
+        nets = {(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
+                for m in (raw.models[plan.blocks[b].model] for b in task.path)}
+        if len(nets) > 1:
+            # Shapes matched, but the monolithic reference runs the whole path as one network.
+            yield PlanIssue(f"tasks.{tname}.path", "blocks of one path must come from models with the same arch, "
+                                                   "cut_points, input_shape and num_classes; use one model definition")

@@ -13,10 +13,11 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from blockflow.errors import GenerateError
 from blockflow.plan import Block, Plan, Task
-from blockflow.spec import ModelSpec, Part, TransportName
+from blockflow.spec import ModelSpec, Part, Precision, TransportName
 from ensemble_gen import naming
 from ensemble_gen.configs import Step, ensemble_config, python_model_config, to_pbtxt
 
@@ -41,54 +42,44 @@ __all__ = ["TritonPythonModel"]
 '''
 
 
-def block_spec(plan: Plan, block: Block, transport: TransportName) -> ModelSpec:
-    model = plan.models[block.model]
+def _path_spec(plan: Plan, kind: Literal["block", "reference"], name: str, blocks: list[Block], transport: TransportName,
+               precision: Precision, cuda_graphs: bool, max_batch_size: int) -> ModelSpec:
+    """A spec running ``blocks`` (consecutive stages of one model, each with its own weights) in one process."""
+    model = plan.models[blocks[0].model]
     return ModelSpec(
-        kind="block",
-        name=block.name,
+        kind=kind,
+        name=name,
         arch=model.arch,
         cut_points=tuple(model.cut_points),
         num_classes=model.num_classes,
         input_shape=tuple(model.input_shape),
-        parts=(Part(block=block.name, first=block.first, last=block.last, weights=block.weights),),
-        precision=block.precision,
-        cuda_graphs=block.cuda_graphs,
-        max_batch_size=block.max_batch_size,
+        parts=tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights) for b in blocks),
+        precision=precision,
+        cuda_graphs=cuda_graphs,
+        max_batch_size=max_batch_size,
         transport=transport,
-        in_shape=plan.block_in_shape(block),
-        out_shape=plan.block_out_shape(block),
+        in_shape=plan.block_in_shape(blocks[0]),
+        out_shape=plan.block_out_shape(blocks[-1]),
         tensormq=plan.raw.tensormq if transport == "tensormq" else None,
     )
+
+
+def block_spec(plan: Plan, block: Block, transport: TransportName) -> ModelSpec:
+    return _path_spec(plan, "block", block.name, [block], transport, block.precision, block.cuda_graphs, block.max_batch_size)
 
 
 def reference_spec(plan: Plan, task: Task, graph: bool) -> tuple[ModelSpec, Block]:
     """The unsplit model of ``task``: its path's parts in one process, fp32, same weights."""
     blocks = [plan.blocks[b] for b in task.path]
-    first, last = blocks[0], blocks[-1]
-    model = plan.models[first.model]
     deploy = dataclasses.replace(
-        first,
+        blocks[0],
         name=naming.reference_model(task.name, graph),
         instances=1,
         max_batch_size=min(b.max_batch_size for b in blocks),
         precision="fp32",
         cuda_graphs=graph,
     )
-    spec = ModelSpec(
-        kind="reference",
-        name=task.name,
-        arch=model.arch,
-        cut_points=tuple(model.cut_points),
-        num_classes=model.num_classes,
-        input_shape=tuple(model.input_shape),
-        parts=tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights) for b in blocks),
-        precision="fp32",
-        cuda_graphs=graph,
-        max_batch_size=deploy.max_batch_size,
-        transport="triton-gpu",
-        in_shape=plan.block_in_shape(first),
-        out_shape=plan.block_out_shape(last),
-    )
+    spec = _path_spec(plan, "reference", task.name, blocks, "triton-gpu", "fp32", graph, deploy.max_batch_size)
     return spec, deploy
 
 

@@ -184,3 +184,13 @@ def test_placement_is_checked_against_the_machine() -> None:
     assert "'gpu' but this machine has no GPU" in cpu_only["blocks.r50_s2.placement"]
     assert [i.loc for i in plan.device_issues(gpus=1)] == ["blocks.r50_s1.placement"]
     assert plan.device_issues(gpus=2) == []
+
+
+def test_path_mixing_architectures_is_refused_even_when_shapes_match() -> None:
+    data = base()
+    data["models"]["r101"] = {"arch": "resnet101", "cut_points": ["layer1", "layer2", "layer3"]}
+    data["blocks"]["r101_s3"] = {"model": "r101", "stages": 3}
+    data["tasks"]["mixed"] = {"path": ["r50_s0", "r50_s1", "r50_s2", "r101_s3"]}
+    with pytest.raises(PlanError) as info:
+        parse_plan(data)
+    assert "tasks.mixed.path: blocks of one path must come from models with the same arch" in str(info.value)
