@@ -171,3 +171,23 @@ def test_perf_analyzer_smoke(served: Served, protocol: str, tmp_path: Path) -> N
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "Throughput" in res.stdout
     assert csv.read_text().startswith("Concurrency")
+
+
+@pytest.mark.parametrize("mode", [["--clients", "3"], ["--rate", "25"]], ids=["closed-loop", "poisson"])
+def test_cli_load(served: Served, mode: list[str], tmp_path: Path) -> None:
+    import csv as csvmod
+
+    out = tmp_path / "lat.csv"
+    res = _blockflow("load", "--task", "t18_one", "--task", "t18_two__tensormq", "--url", served.http,
+                     "--duration", "2", "--out", str(out), *mode)
+    assert res.returncode == 0, res.stderr
+    rows = list(csvmod.DictReader(out.open()))
+    assert len(rows) >= 10 and {r["task"] for r in rows} == {"t18_one", "t18_two__tensormq"}
+    assert all(r["ok"] == "1" for r in rows)
+    for text in ("t18_one", "t18_two__tensormq", "all", "p99 ms"):
+        assert text in res.stdout
+
+
+def test_cli_load_unknown_task_is_one_line(served: Served) -> None:
+    res = _blockflow("load", "--task", "nope", "--url", served.http, "--duration", "1")
+    assert res.returncode == 5 and "Traceback" not in res.stderr and "task 'nope' is not served" in res.stderr

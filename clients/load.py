@@ -1,0 +1,123 @@
+"""The thesis' task generator (§4.2) against a BlockFlow server.
+
+* closed loop: N clients, each sends its next request when the previous answer arrives;
+* open loop: requests arrive as a Poisson process of rate λ (exponential gaps), whatever
+  the server's pace, so queueing shows up in the latencies.
+
+Tasks are chosen round-robin per client (closed) or uniformly at random (open). Every request's
+send time, latency, task, batch and outcome is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from clients.client import AsyncTaskClient, Protocol
+
+
+@dataclass(frozen=True)
+class Record:
+    task: str
+    batch: int
+    sent_s: float  # since the start of the run
+    latency_ms: float
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    url: str
+    tasks: Sequence[str]
+    shape: tuple[int, int, int]
+    protocol: Protocol = "http"
+    batch: int = 1
+    duration_s: float = 10.0
+    clients: int = 1  # closed loop
+    rate: float | None = None  # open loop when set (requests per second)
+    max_requests: int | None = None
+    seed: int = 0
+
+
+async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out: list[Record]) -> None:  # type: ignore[type-arg]
+    sent = time.perf_counter()
+    try:
+        await client.infer(task, x)
+        out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, True))
+    except Exception as exc:  # a failed request is a data point, not the end of the run
+        out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, False, str(exc)[:200]))
+
+
+async def run_load(spec: LoadSpec, progress: Callable[[int], None] | None = None) -> list[Record]:
+    """Run the load described by ``spec``; returns one record per request."""
+    rng = random.Random(spec.seed)
+    x = np.random.default_rng(spec.seed).standard_normal((spec.batch, *spec.shape), dtype=np.float32)
+    records: list[Record] = []
+    limit = spec.max_requests or 10**12
+    t0 = time.perf_counter()
+    deadline = t0 + spec.duration_s
+    client = AsyncTaskClient(spec.url, spec.protocol)
+    try:
+        if spec.rate is None:
+            async def worker(i: int) -> None:
+                k = i
+                while time.perf_counter() < deadline and len(records) < limit:
+                    await _one(client, spec.tasks[k % len(spec.tasks)], x, t0, records)
+                    k += 1
+                    if progress:
+                        progress(1)
+
+            await asyncio.gather(*(worker(i) for i in range(spec.clients)))
+        else:
+            pending: set[asyncio.Task[None]] = set()
+            next_at = t0
+            sent = 0
+            while next_at < deadline and sent < limit:
+                next_at += rng.expovariate(spec.rate)
+                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+                task = asyncio.ensure_future(_one(client, rng.choice(list(spec.tasks)), x, t0, records))
+                if progress:
+                    task.add_done_callback(lambda _: progress(1))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                sent += 1
+            if pending:
+                await asyncio.gather(*pending)
+    finally:
+        await client.close()
+    return sorted(records, key=lambda r: r.sent_s)
+
+
+def write_csv(records: Sequence[Record], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", "batch", "sent_s", "latency_ms", "ok", "error"])
+        for r in records:
+            w.writerow([r.task, r.batch, f"{r.sent_s:.6f}", f"{r.latency_ms:.3f}", int(r.ok), r.error])
+
+
+def summarize(records: Sequence[Record], duration_s: float) -> dict[str, dict[str, float]]:
+    """Per task (and 'all'): requests, errors, throughput (inferences/s), latency p50/p90/p99/mean."""
+    out: dict[str, dict[str, float]] = {}
+    groups: dict[str, list[Record]] = {"all": list(records)}
+    for r in records:
+        groups.setdefault(r.task, []).append(r)
+    for name, rs in groups.items():
+        ok = np.array([r.latency_ms for r in rs if r.ok])
+        out[name] = {
+            "requests": float(len(rs)),
+            "errors": float(sum(not r.ok for r in rs)),
+            "throughput": sum(r.batch for r in rs if r.ok) / duration_s if duration_s > 0 else 0.0,
+            **({f"p{q}": float(np.percentile(ok, q)) for q in (50, 90, 99)} if ok.size else {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}),
+            "mean": float(ok.mean()) if ok.size else float("nan"),
+        }
+    return out
