@@ -175,10 +175,14 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     try:
         server.start(timeout)
         _print_endpoints(p, server, time.monotonic() - t0)
+        expected = {m: len(pids) for m, pids in server.stub_processes().items()}
         while not stop.is_set():
             if server.process is not None and server.process.poll() is not None:
                 raise BlockFlowError(f"tritonserver exited unexpectedly with code {server.process.returncode}:\n{server.log_tail(20)}")
-            stop.wait(0.5)
+            # A block process that died is brought back; the rest of the server keeps serving meanwhile.
+            for model in server.heal(expected):
+                err.print(f"[yellow]block {model}: a process died; reloaded it[/]")
+            stop.wait(1.0)
         err.print("stopping …")
     finally:
         server.stop()

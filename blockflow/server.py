@@ -176,6 +176,39 @@ class TritonServer:
             data: list[dict[str, str]] = json.loads(r.read())
         return data
 
+    def stub_processes(self) -> dict[str, list[int]]:
+        """Model name -> PIDs of its live Python-backend stub processes (one per instance)."""
+        out: dict[str, list[int]] = {}
+        if self.process is None:
+            return out
+        for pid in group_members(self.process.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            # The stub is started as: triton_python_backend_stub <repo>/<model>/<version>/model.py ...
+            if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub"):
+                out.setdefault(Path(cmd[1].decode()).parent.parent.name, []).append(pid)
+        return out
+
+    def heal(self, expected: dict[str, int]) -> list[str]:
+        """Reload (through the model control API) every model with fewer live stubs than ``expected``.
+
+        Triton's Python backend does not restart a stub that died: its requests fail until the
+        model is loaded again. Returns the models reloaded.
+        """
+        live = self.stub_processes()
+        reloaded = []
+        for model, count in expected.items():
+            if len(live.get(model, [])) < count:
+                req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}", method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=600):
+                        reloaded.append(model)
+                except (urllib.error.URLError, OSError) as exc:
+                    raise ServerError(f"block {model!r} lost a process and could not be reloaded: {exc}") from exc
+        return reloaded
+
     def stop(self, grace: float = 25.0) -> None:
         """SIGTERM the server (it unloads models and ends its stubs), then SIGKILL its whole process group."""
         proc = self.process

@@ -191,3 +191,26 @@ def test_cli_load(served: Served, mode: list[str], tmp_path: Path) -> None:
 def test_cli_load_unknown_task_is_one_line(served: Served) -> None:
     res = _blockflow("load", "--task", "nope", "--url", served.http, "--duration", "1")
     assert res.returncode == 5 and "Traceback" not in res.stderr and "task 'nope' is not served" in res.stderr
+
+
+def test_a_crashed_block_fails_alone_and_is_reloaded(served: Served) -> None:
+    import os
+    import signal
+    import time
+
+    server = served.server
+    expected = {m: len(p) for m, p in server.stub_processes().items()}
+    assert expected.get("r34_head") == 1 and expected.get("r50_s0") == 1
+    os.kill(server.stub_processes()["r34_head"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.stub_processes().get("r34_head") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    x = images(2, (3, 64, 64), seed=5)
+    with TaskClient(served.http) as c:
+        # The server and every other block keep serving while one block is down.
+        assert c.infer("cls_a", images(1, (3, 224, 224), seed=1)).shape == (1, 1000)
+        assert server.heal(expected) == ["r34_head"]
+        assert server.heal(expected) == []  # healthy again: nothing to do
+        got, want = c.infer("t34", x), c.infer("t34__ref", x)
+    assert rel_err(got, want) <= TOL
+    assert server.process is not None and server.process.poll() is None
