@@ -80,7 +80,8 @@ def build_part(spec: ModelSpec, part: Part) -> nn.Sequential:
 
 
 def _module_prefixes(spec: ModelSpec, part: Part) -> list[str]:
-    start, end = arch.stage_slices(spec.arch, spec.cut_points)[part.first][0], arch.stage_slices(spec.arch, spec.cut_points)[part.last][1]
+    slices = arch.stage_slices(spec.arch, spec.cut_points)
+    start, end = slices[part.first][0], slices[part.last][1]
     return [n for n in arch.module_sequence(spec.arch)[start:end] if n != "flatten"]
 
 

@@ -209,7 +209,6 @@ def _print_endpoints(p: object, server: object, seconds: float) -> None:
     from ensemble_gen import naming
 
     assert isinstance(p, Plan) and isinstance(server, TritonServer)
-    o = server.options
     out.print(f"[green]ready[/] in {seconds:.1f} s")
     out.print(f"  HTTP    {server.http_url}")
     out.print(f"  gRPC    {server.grpc_url}")
@@ -231,7 +230,6 @@ def _print_endpoints(p: object, server: object, seconds: float) -> None:
 
     out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{c},{h},{w} --concurrency-range 1:4 -b 1")
     out.print("Ctrl-C stops the server.")
-    del o
 
 
 @app.command()

@@ -6,7 +6,7 @@ import json
 import queue
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,6 @@ class ConsumerStats:
     tickets: int = 0
     bad_tickets: int = 0
     releases_sent: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Consumer:

@@ -9,7 +9,7 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,6 @@ class Stats:
     pool_waits: int = 0
     pool_failures: int = 0
     hellos: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
