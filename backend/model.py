@@ -28,6 +28,9 @@ from backend.tensormq.metrics import TmqMetrics
 from blockflow.errors import BlockError, RequestError
 from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
+# How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
+DRAIN_S = 10.0
+
 
 def _spec_from_config(config: dict[str, Any]) -> ModelSpec:
     try:
@@ -163,9 +166,12 @@ class TritonPythonModel:
         return torch.from_numpy(np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES).copy())
 
     def finalize(self) -> None:
-        for part in (self.consumer, self.producer):
-            if part is not None:
-                part.close()
+        if self.consumer is not None:
+            self.consumer.close()  # sends the releases still queued
+        if self.producer is not None:
+            # Triton unloads an instance once its own requests are done, but tickets it issued may
+            # still be on their way to the next block (a plan update, a reload): wait for them.
+            self.producer.close(drain_s=DRAIN_S)
         self.runner = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Optional
+from typing import Any, Optional
 
 import click
 from rich.console import Console
@@ -149,20 +149,36 @@ PORT = click.IntRange(0, 65535)
 @click.option("--timeout", type=click.FloatRange(1), default=900.0, show_default=True, help="Seconds to wait for every model to load.")
 @click.option("--cuda-pool-mb", type=click.IntRange(64), default=2048, show_default=True,
               help="Triton's CUDA memory pool per GPU; GPU activations between blocks travel through it.")
+@click.option("--control-port", type=click.IntRange(0, 65535), default=8003, show_default=True,
+              help="Port of the control service (POST /plan …) on --host; 0 turns it off.")
+@click.option("--token-file", type=click.Path(path_type=Path), default=None,
+              help="File holding the control service's bearer token (default: a new random token, "
+                   "written to <runtime dir>/control.token).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the control service keeps the last plans (default: the runtime dir).")
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path],
-          timeout: float, cuda_pool_mb: int) -> None:
-    """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM."""
-    from blockflow.errors import PlanError
+          timeout: float, cuda_pool_mb: int, control_port: int, token_file: Optional[Path], state_dir: Optional[Path]) -> None:
+    """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
+
+    Plan changes arrive through the control service (`blockflow apply`) and are applied
+    through Triton's model control API while the server keeps serving.
+    """
+    from blockflow.apply import Applier
+    from blockflow.control import ControlServer, Controller, create_app
     from blockflow.plan import load_plan
-    from blockflow.server import ServerOptions, TritonServer, gpu_count, make_runtime_dir
+    from blockflow.server import ServerOptions, TritonServer, check_port, gpu_count, make_runtime_dir
     from ensemble_gen import generator
 
     p = load_plan(plan)
-    device_issues = p.device_issues(gpu_count())
+    gpus = gpu_count()
+    device_issues = p.device_issues(gpus)
     if device_issues:
         raise PlanError(device_issues, str(plan))
     for w in p.warnings():
         err.print(f"[yellow]warning[/]: {w}")
+    if control_port:
+        check_port(host, control_port, "control")
+    token = _control_token(token_file) if control_port else ""
     runtime = make_runtime_dir()
     repo = repository or runtime / "model_repository"
     files = generator.render(p)
@@ -172,24 +188,126 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     stop = _install_stop_handlers()
     err.print(f"starting tritonserver with {len(generator.model_names(files))} models from {plan} (log: {server.log_path}) …")
     t0 = time.monotonic()
+    control = None
     try:
         server.start(timeout)
+        lock = threading.Lock()
+        applier = Applier(server.http_url, repo, lock=lock, log=lambda m: err.print(f"apply: {m}", markup=False, highlight=False))
+        controller = Controller(applier, state_dir or runtime / "plans", base_dir=plan.parent.resolve(), gpus=gpus)
+        controller.adopt(plan.read_text(encoding="utf-8"), p)
         _print_endpoints(p, server, time.monotonic() - t0)
-        expected = {m: len(pids) for m, pids in server.stub_processes().items()}
+        if control_port:
+            control = ControlServer(create_app(controller, token), host, control_port)
+            control.start()
+            token_path = token_file or runtime / "control.token"
+            if token_file is None:
+                _write_private(token_path, token)
+            out.print(f"  control {control.url} (bearer token in {token_path})")
+            out.print(f"  blockflow apply PLAN --url {control.url} --token-file {token_path}")
         while not stop.is_set():
             if server.process is not None and server.process.poll() is not None:
                 raise BlockFlowError(f"tritonserver exited unexpectedly with code {server.process.returncode}:\n{server.log_tail(20)}")
             # A block process that died is brought back; the rest of the server keeps serving meanwhile.
-            for model in server.heal(expected):
-                err.print(f"[yellow]block {model}: a process died; reloaded it[/]")
+            # Not while a plan is being applied: a block being swapped is not a dead one.
+            if lock.acquire(blocking=False):
+                try:
+                    healed = server.heal(controller.expected)
+                finally:
+                    lock.release()
+                for model in healed:
+                    err.print(f"[yellow]block {model}: a process died; reloaded it[/]")
             stop.wait(1.0)
         err.print("stopping …")
     finally:
+        if control is not None:
+            control.stop()
         server.stop()
         import shutil
 
         shutil.rmtree(runtime, ignore_errors=True)
     err.print("stopped; no process left behind")
+
+
+def _write_private(path: Path, text: str) -> None:
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+def _control_token(token_file: Optional[Path]) -> str:
+    """The control service's token: from ``token_file``, $BLOCKFLOW_TOKEN, or a new random one."""
+    import os
+    import secrets
+
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {token_file}: {exc.strerror}", param_hint="--token-file") from None
+        if len(token) < 16:
+            raise click.BadParameter(f"the token in {token_file} is shorter than 16 characters", param_hint="--token-file")
+        return token
+    return os.environ.get("BLOCKFLOW_TOKEN") or secrets.token_urlsafe(32)
+
+
+@app.command()
+@PLAN
+@click.option("--url", default="http://127.0.0.1:8003", show_default=True, help="The control service of `blockflow serve`.")
+@click.option("--token-file", type=click.Path(path_type=Path), default=None, help="File with the bearer token (else $BLOCKFLOW_TOKEN).")
+@click.option("--dry-run", is_flag=True, help="Only print what would change.")
+@click.option("--triton-url", default=None, help="Apply straight to this Triton (explicit model control) instead of the control service; needs --repository.")
+@click.option("--repository", type=click.Path(path_type=Path), default=None, help="With --triton-url: the server's BlockFlow model repository.")
+def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, triton_url: Optional[str], repository: Optional[Path]) -> None:
+    """Make a running server serve PLAN, without stopping it.
+
+    New and changed blocks load first, then the ensembles that use them; removed tasks and
+    the blocks no task needs any more are unloaded last. If a load fails, the previous plan
+    is restored and keeps serving every task.
+    """
+    import os
+
+    from blockflow.errors import ApplyError
+    from blockflow.plan import load_plan
+
+    p = load_plan(plan)  # a bad plan is refused here, before anything is sent
+    if triton_url is not None:
+        from blockflow.apply import Applier
+
+        if repository is None:
+            raise click.UsageError("--triton-url needs --repository (the directory the server loads models from)")
+        applier = Applier(triton_url, repository, log=lambda m: err.print(m, markup=False, highlight=False))
+        try:
+            report = applier.apply(p, dry_run=dry_run)
+        finally:
+            applier.close()
+        lines, steps, seconds = report.diff.lines(), report.steps, report.seconds
+    else:
+        import httpx
+
+        token = (token_file.read_text().strip() if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", ""))
+        if not token:
+            raise click.UsageError("give the control service's token with --token-file or $BLOCKFLOW_TOKEN")
+        try:
+            r = httpx.post(f"{url.rstrip('/')}/plan", params={"dry_run": str(dry_run).lower()}, content=plan.read_bytes(),
+                           headers={"Authorization": f"Bearer {token}", "Content-Type": "application/yaml"}, timeout=1800)
+        except httpx.HTTPError as exc:
+            raise ApplyError(f"cannot reach the control service at {url}: {exc}") from None
+        body: dict[str, Any] = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
+        if r.status_code == 422 and body.get("issues"):
+            from blockflow.errors import PlanIssue
+
+            raise PlanError([PlanIssue(i["loc"], i["message"]) for i in body["issues"]], f"{plan} (refused by the server)")
+        if r.status_code != 200:
+            raise ApplyError(f"{body.get('error') or body.get('detail') or r.text} (HTTP {r.status_code})")
+        lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
+    for line in lines:
+        out.print(line, markup=False, highlight=False)
+    if dry_run:
+        out.print("(dry run: nothing changed)")
+    elif steps:
+        out.print(f"[green]applied[/] {p.raw.name!r} in {seconds:.1f} s")
 
 
 def _install_stop_handlers() -> threading.Event:

@@ -12,6 +12,7 @@ traceback) and an exit code.
     ├── EnvironmentProblem   something BlockFlow needs is missing (server, stub, library)
     ├── ServerError          tritonserver failed to start, stopped, or a model did not load
     │   └── PortInUseError   a requested port is taken
+    ├── ApplyError           a live plan update failed (and was rolled back) or could not start
     ├── BlockError           a block failed to build or run (raised inside a block process)
     │   └── RequestError     one request is invalid; it fails alone
     └── ClientError          an inference call through the client failed
@@ -74,6 +75,12 @@ class ServerError(BlockFlowError):
 
 class PortInUseError(ServerError):
     """A port BlockFlow was asked to bind is already taken."""
+
+
+class ApplyError(BlockFlowError):
+    """A plan could not be applied to a running server; the message says what was rolled back."""
+
+    exit_code = 6
 
 
 class BlockError(BlockFlowError):

@@ -259,12 +259,21 @@ def load_plan(path: str | Path) -> Plan:
     if not p.is_file():
         raise PlanError([PlanIssue("", f"plan file not found: {p} (give an existing YAML or JSON file)")], str(p))
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError([PlanIssue("", f"not valid YAML/JSON: {exc}")], str(p)) from None
+    return parse_plan_text(text, source=str(p), base_dir=p.parent.resolve())
+
+
+def parse_plan_text(text: str, source: str = "", base_dir: Path | None = None) -> Plan:
+    """Parse and fully validate a plan given as YAML or JSON text (JSON is YAML)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-        raise PlanError([PlanIssue("", f"not valid YAML/JSON{at}: {getattr(exc, 'problem', exc)}")], str(p)) from None
-    return parse_plan(data, source=str(p), base_dir=p.parent.resolve())
+        raise PlanError([PlanIssue("", f"not valid YAML/JSON{at}: {getattr(exc, 'problem', exc)}")], source) from None
+    return parse_plan(data, source=source, base_dir=base_dir)
 
 
 def parse_plan(data: object, source: str = "", base_dir: Path | None = None) -> Plan:

@@ -111,5 +111,8 @@ def server_env(install: TritonInstall, runtime_dir: Path) -> dict[str, str]:
     env["PYTHONPATH"] = roots
     env["BLOCKFLOW_PYTHONPATH"] = roots  # read by every generated model.py (see ensemble_gen.generator)
     env["PYTHONUNBUFFERED"] = "1"
+    # A stub importing model.py would write 1/__pycache__/ into the repository; Triton then sees the
+    # model as modified and reloads it whenever a model that depends on it is loaded (blockflow apply).
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["BLOCKFLOW_RUNTIME_DIR"] = str(runtime_dir)
     return env

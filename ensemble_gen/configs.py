@@ -13,6 +13,9 @@ from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PA
 
 # Triton's Python backend copies GPU inputs to host memory unless told otherwise.
 FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"
+# A hash of everything that defines a generated model (config, files, weights): `blockflow apply`
+# reads it back from the running server to see which models a new plan changes.
+DIGEST_PARAMETER = "blockflow.digest"
 
 
 def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput],

@@ -8,7 +8,7 @@ a *consumer* is the instance that reads it. Each block instance of a
 ``tensormq`` plan is both (except at the task's ends). The producer owns one
 *pool segment* (CUDA memory from ``cuMemAlloc`` on a GPU, a ``/dev/shm`` file on
 the CPU) split into *slots*, one interprocess CUDA *event* per slot, and a
-ZeroMQ ROUTER socket at ``ipc://$BLOCKFLOW_RUNTIME_DIR/tmq/<producer id>.sock``
+ZeroMQ ROUTER socket at ``ipc://$BLOCKFLOW_RUNTIME_DIR/tmq/<producer id>-<generation>.sock``
 (the runtime directory is 0700: only the server's user can reach it).
 
 Who owns a slot when:
@@ -43,9 +43,15 @@ Cancel, crash, restart:
 - A full pool makes ``reserve`` wait at most ``wait_s``, then the request fails
   with :class:`~backend.tensormq.producer.PoolExhaustedError`.
 - A restarted producer keeps its id (derived from its model instance name) but
-  draws a new *generation* and a new segment. Tickets of the old generation are
-  refused ("stale ticket"); a consumer that meets a new generation drops its old
-  mappings. A ticket naming a producer whose socket is gone is refused at once.
+  draws a new *generation*, a new segment and a new socket. A ticket whose
+  generation has no listening socket is refused at once ("stale ticket"); a
+  consumer that maps a new generation drops its mappings of stopped ones.
+- Reload (a plan update, ``blockflow apply``): Triton starts the new instance
+  before it unloads the old one, so two generations of one producer serve at
+  once, each on its own socket; consumers map both. An unloading producer
+  first *drains*: it waits until every lent slot is released or its lease
+  runs out (at most ``DRAIN_S`` in ``backend/model.py``), then frees its pool,
+  so a ticket already on its way to the next block stays readable.
 - Tickets are untrusted (a client may send one straight to a block model): each
   carries a keyed BLAKE2b MAC (key in the runtime directory), and layout, dtype,
   shape and bounds are checked; a bad ticket fails its request alone, and the

@@ -15,7 +15,7 @@ import zmq
 
 from backend.tensormq import ticket as tk
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
-from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, read_key, socket_path
+from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, read_key, socket_path
 from backend.tensormq.ticket import TicketError
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
@@ -53,9 +53,10 @@ class Consumer:
         self.device = device
         self.hello_timeout_ms = int(hello_timeout_s * 1000)
         self.stats = ConsumerStats()
-        self._remotes: dict[int, _Remote] = {}
+        # Keyed by (producer, generation): during a block's reload its old and new instances both
+        # issue tickets, and both must be readable until the old one drains.
+        self._remotes: dict[tuple[int, int], _Remote] = {}
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._hello: dict[int, zmq.Socket[Any]] = {}
         # Items: (event to wait for, releases, set when sent); None stops the thread.
         self._queue: queue.Queue[tuple[torch.cuda.Event | None, list[Release], threading.Event | None] | None] = queue.Queue()
         self._releaser = threading.Thread(target=self._release_loop, name="tmq-releaser", daemon=True)
@@ -63,21 +64,21 @@ class Consumer:
 
     # ------------------------------------------------------------------ execute thread
 
-    def _handshake(self, pid: int) -> dict[str, Any]:
-        if not socket_path(self.runtime_dir, pid).exists():
-            raise TicketError(f"ticket names producer {pid:016x}, which is not running (stopped or restarted)")
-        sock = self._hello.get(pid)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint(self.runtime_dir, pid))
-            self._hello[pid] = sock
-        sock.send_multipart([HELLO])
-        if not sock.poll(self.hello_timeout_ms):
+    def _handshake(self, pid: int, gen: int) -> dict[str, Any]:
+        path = socket_path(self.runtime_dir, pid, gen)
+        if not path.exists() or not listening(path):
+            raise TicketError(f"stale ticket: producer {pid:016x} generation {gen:08x} is not running "
+                              "(its block was stopped, restarted or reloaded)")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint(self.runtime_dir, pid, gen))
+        try:
+            sock.send_multipart([HELLO])
+            if not sock.poll(self.hello_timeout_ms):
+                raise TicketError(f"producer {pid:016x} did not answer within {self.hello_timeout_ms} ms")
+            kind, body = sock.recv_multipart()[:2]
+        finally:
             sock.close(0)
-            del self._hello[pid]
-            raise TicketError(f"producer {pid:016x} did not answer within {self.hello_timeout_ms} ms")
-        kind, body = sock.recv_multipart()[:2]
         if kind != WELCOME:
             raise TicketError(f"producer {pid:016x} refused the handshake: {body[:200]!r}")
         self.stats.hellos += 1
@@ -85,17 +86,17 @@ class Consumer:
         return info
 
     def _remote(self, t: tk.Ticket) -> _Remote:
-        r = self._remotes.get(t.producer)
-        if r is not None and r.generation == t.generation:
-            return r
-        info = self._handshake(t.producer)
-        if int(info["producer"]) != t.producer:
-            raise TicketError(f"endpoint of producer {t.producer:016x} answered as {int(info['producer']):016x}")
-        if int(info["generation"]) != t.generation:
-            raise TicketError(f"stale ticket: producer {t.producer:016x} restarted "
-                              f"(ticket generation {t.generation:08x}, now {int(info['generation']):08x})")
+        r = self._remotes.get((t.producer, t.generation))
         if r is not None:
-            self._drop(r)
+            return r
+        info = self._handshake(t.producer, t.generation)
+        if int(info["producer"]) != t.producer or int(info["generation"]) != t.generation:
+            raise TicketError(f"endpoint of producer {t.producer:016x}/{t.generation:08x} answered as "
+                              f"{int(info['producer']):016x}/{int(info['generation']):08x}")
+        # Mappings of this producer's earlier generations that have stopped are of no further use.
+        for key in [k for k in self._remotes if k[0] == t.producer]:
+            if not listening(socket_path(self.runtime_dir, *key)):
+                self._drop(self._remotes[key])
         seg_info = info["segment"]
         segment: Segment
         if seg_info["kind"] == "host":
@@ -109,11 +110,11 @@ class Consumer:
             events = EventRing(dev, handles=[bytes.fromhex(h) for h in info["events"]])
         self.stats.handle_opens += 1 + len(events.events)
         r = _Remote(t.producer, t.generation, segment, events, int(info["max_slots"]))
-        self._remotes[t.producer] = r
+        self._remotes[(t.producer, t.generation)] = r
         return r
 
     def _drop(self, r: _Remote) -> None:
-        del self._remotes[r.producer]
+        del self._remotes[(r.producer, r.generation)]
         r.events.close()
         r.segment.close()
 
@@ -184,7 +185,7 @@ class Consumer:
     # ------------------------------------------------------------------ release thread
 
     def _release_loop(self) -> None:
-        sockets: dict[int, zmq.Socket[Any]] = {}
+        sockets: dict[tuple[int, int], zmq.Socket[Any]] = {}
         while True:
             item = self._queue.get()
             if item is None:
@@ -192,17 +193,21 @@ class Consumer:
             event, releases, done = item
             if event is not None:
                 event.synchronize()
-            by_producer: dict[int, list[bytes]] = defaultdict(list)
+            by_producer: dict[tuple[int, int], list[bytes]] = defaultdict(list)
             for pid, gen, slot, seq, sample in releases:
-                by_producer[pid].append(RELEASE_ITEM.pack(gen, slot, seq, sample))
-            for pid, items in by_producer.items():
-                sock = sockets.get(pid)
+                by_producer[(pid, gen)].append(RELEASE_ITEM.pack(gen, slot, seq, sample))
+            if len(sockets) > 64:  # generations come and go with reloads; reconnecting is cheap
+                for old in sockets.values():
+                    old.close(0)
+                sockets.clear()
+            for key, items in by_producer.items():
+                sock = sockets.get(key)
                 if sock is None:
                     sock = self._ctx.socket(zmq.DEALER)
                     sock.setsockopt(zmq.LINGER, 1000)
                     sock.setsockopt(zmq.SNDHWM, 100_000)
-                    sock.connect(endpoint(self.runtime_dir, pid))
-                    sockets[pid] = sock
+                    sock.connect(endpoint(self.runtime_dir, *key))
+                    sockets[key] = sock
                 try:
                     sock.send_multipart([RELEASE, b"".join(items)], zmq.NOBLOCK)
                     self.stats.releases_sent += len(items)
@@ -216,7 +221,5 @@ class Consumer:
     def close(self) -> None:
         self._queue.put(None)
         self._releaser.join(5)
-        for sock in self._hello.values():
-            sock.close(0)
         for r in list(self._remotes.values()):
             self._drop(r)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import struct
 import threading
 import time
@@ -34,12 +35,32 @@ def producer_id(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-def endpoint(runtime_dir: Path, pid: int) -> str:
-    return f"ipc://{runtime_dir}/tmq/{pid:016x}.sock"
+def socket_path(runtime_dir: Path, pid: int, generation: int) -> Path:
+    """One socket per producer *generation*: while a block reloads, old and new instances both serve."""
+    return runtime_dir / "tmq" / f"{pid:016x}-{generation:08x}.sock"
 
 
-def socket_path(runtime_dir: Path, pid: int) -> Path:
-    return runtime_dir / "tmq" / f"{pid:016x}.sock"
+def endpoint(runtime_dir: Path, pid: int, generation: int) -> str:
+    return f"ipc://{socket_path(runtime_dir, pid, generation)}"
+
+
+def generations(runtime_dir: Path, pid: int) -> list[int]:
+    """Generations of producer ``pid`` that have a socket file (live or left by a killed process)."""
+    return [int(p.stem.rsplit("-", 1)[1], 16) for p in sorted((runtime_dir / "tmq").glob(f"{pid:016x}-*.sock"))]
+
+
+def listening(path: Path) -> bool:
+    """Whether a process still accepts connections on the Unix socket ``path``.
+
+    A SIGKILLed producer leaves its socket file behind; connecting to it is refused at once.
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def read_key(runtime_dir: Path) -> bytes:
@@ -106,13 +127,16 @@ class Producer:
             "producer": self.id, "generation": self.generation, "segment": self.segment.describe(),
             "events": self.events.handles(), "max_slots": max_slots,
         }).encode()
-        sock_path = socket_path(runtime_dir, self.id)
+        sock_path = socket_path(runtime_dir, self.id, self.generation)
         sock_path.parent.mkdir(mode=0o700, exist_ok=True)
-        sock_path.unlink(missing_ok=True)  # a previous generation's socket
+        for gen in generations(runtime_dir, self.id):  # sockets of earlier generations that were killed
+            old = socket_path(runtime_dir, self.id, gen)
+            if not listening(old):
+                old.unlink(missing_ok=True)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(endpoint(runtime_dir, self.id))
+        self._router.bind(endpoint(runtime_dir, self.id, self.generation))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"tmq-producer-{name}", daemon=True)
         self._thread.start()
@@ -212,10 +236,25 @@ class Producer:
         else:
             self._router.send_multipart([ident, ERROR, b"unknown message"])
 
-    def close(self) -> None:
+    def drain(self, timeout: float) -> int:
+        """Wait until every lent slot came back (or its lease ran out), at most ``timeout`` s; slots still lent.
+
+        When Triton unloads a block (a plan update, a reload), tickets it issued may still be on
+        their way to the next block; its pool must outlive them.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.table.live and (remaining := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(remaining, 0.1))
+                self._reap_locked()
+            return len(self.table.live)
+
+    def close(self, drain_s: float = 0.0) -> None:
+        if drain_s > 0:
+            self.drain(min(drain_s, self.lease_s))
         self._stop.set()
         self._thread.join(2)
         self._router.close(0)
-        socket_path(self.runtime_dir, self.id).unlink(missing_ok=True)
+        socket_path(self.runtime_dir, self.id, self.generation).unlink(missing_ok=True)
         self.events.close()
         self.segment.close()

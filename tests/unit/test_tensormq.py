@@ -17,7 +17,7 @@ import zmq
 
 from backend.tensormq import ticket as tk
 from backend.tensormq.consumer import Consumer
-from backend.tensormq.producer import STATS, PoolExhaustedError, Producer, endpoint
+from backend.tensormq.producer import STATS, PoolExhaustedError, Producer, endpoint, generations
 from backend.tensormq.slots import ALIGN, SlotTable
 from backend.tensormq.ticket import TicketError
 from blockflow.server import prepare_tensormq
@@ -150,7 +150,8 @@ def _producer_proc(runtime: str, name: str, conn: "mp.connection.Connection", le
 def _stats(runtime: Path, pid: int) -> dict[str, int]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint(runtime, pid))
+    (gen,) = generations(runtime, pid)
+    sock.connect(endpoint(runtime, pid, gen))
     sock.send_multipart([STATS])
     assert sock.poll(5000)
     _, body = sock.recv_multipart()
@@ -175,7 +176,7 @@ def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime
             tickets = here.recv()
             x, releases = consumer.gather(_tickets(tickets), (4, 5), stream=0)
             assert torch.equal(x, torch.arange(60, dtype=torch.float32).view(3, 4, 5) + 100 * b)
-            assert len(releases) == 3 and x.data_ptr() == consumer._remotes[tk.decode(tickets[0], consumer.key).producer].segment.tensor.data_ptr() + tk.decode(tickets[0], consumer.key).offset  # a zero-copy view
+            assert len(releases) == 3 and x.data_ptr() == consumer._remotes[(t0 := tk.decode(tickets[0], consumer.key)).producer, t0.generation].segment.tensor.data_ptr() + t0.offset  # a zero-copy view
             consumer.release_now(releases)
         consumer.flush()
         assert consumer.stats.handle_opens == 1 and consumer.stats.hellos == 1  # once per segment, not per request
@@ -256,7 +257,7 @@ def test_restarted_producer_refuses_old_tickets(runtime: Path) -> None:
             consumer.gather(_tickets(old), (4, 5), 0)
         second = Producer("blockD/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=30, wait_s=1)
         try:
-            with pytest.raises(TicketError, match="stale ticket: producer .* restarted"):
+            with pytest.raises(TicketError, match="stale ticket: producer .* is not running"):
                 consumer.gather(_tickets(old), (4, 5), 0)
             r2 = second.reserve((1, 4, 5), torch.float32)
             r2.view.fill_(2)

@@ -1,0 +1,213 @@
+"""The control service: a small REST API through which an optimizer changes what runs.
+
+It lives inside ``blockflow serve`` (the process that owns the model repository and
+reloads crashed blocks), binds to localhost by default and wants a bearer token on
+every request. Endpoints:
+
+``POST /plan``            body: a plan (YAML or JSON). Validates it, then applies it
+                          (``?dry_run=true``: only the difference). 422 for a bad plan,
+                          409 when applying failed (and was rolled back).
+``GET /plan``             the plan being served, and the history kept on disk.
+``POST /plan/rollback``   apply the plan before the current one (``?steps=N`` goes further back).
+``GET /status``           tasks and blocks with their readiness on the server.
+
+Plans are kept as numbered files in ``state_dir`` (the last ``keep``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from blockflow.apply import Applier, Report, expected_instances
+from blockflow.errors import ApplyError, BlockFlowError, PlanError
+from blockflow.plan import Plan, parse_plan_text
+from ensemble_gen import generator, naming
+
+
+@dataclass(frozen=True)
+class Entry:
+    number: int
+    path: Path
+    name: str
+    applied_at: float
+
+
+class Controller:
+    """Plan history plus the applier; one plan change at a time."""
+
+    def __init__(self, applier: Applier, state_dir: Path, base_dir: Path, gpus: int = 0, keep: int = 10) -> None:
+        self.applier = applier
+        self.state_dir = state_dir
+        self.base_dir = base_dir  # relative weights files in posted plans are resolved from here
+        self.gpus = gpus
+        self.keep = keep
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.plan: Plan | None = None
+        self.expected: dict[str, int] = {}  # stub processes per block model, for healing
+        self._serial = threading.Lock()
+
+    # ------------------------------------------------------------------ history
+
+    def history(self) -> list[Entry]:
+        out = []
+        for path in sorted(self.state_dir.glob("plan-*.yaml")):
+            number = int(path.stem.split("-")[1])
+            text = path.read_text()
+            name = text.split("\n", 1)[0].removeprefix("# ").strip()
+            out.append(Entry(number, path, name, path.stat().st_mtime))
+        return out
+
+    def _record(self, text: str, plan: Plan) -> None:
+        entries = self.history()
+        number = entries[-1].number + 1 if entries else 1
+        path = self.state_dir / f"plan-{number:06d}.yaml"
+        path.write_text(f"# {plan.raw.name}\n{text}")
+        for old in entries[: max(0, len(entries) + 1 - self.keep)]:
+            old.path.unlink(missing_ok=True)
+
+    def parse(self, text: str, source: str) -> Plan:
+        plan = parse_plan_text(text, source=source, base_dir=self.base_dir)
+        issues = plan.device_issues(self.gpus)
+        if issues:
+            raise PlanError(issues, source)
+        return plan
+
+    def adopt(self, text: str, plan: Plan) -> None:
+        """Record ``plan`` as the one the server already runs (after ``blockflow serve`` started it)."""
+        self.plan = plan
+        self.expected = expected_instances(generator.render(plan), self.gpus)
+        self._record(text, plan)
+
+    # ------------------------------------------------------------------ changes
+
+    def submit(self, text: str, dry_run: bool = False, source: str = "POST /plan") -> Report:
+        plan = self.parse(text, source)
+        with self._serial:
+            report = self.applier.apply(plan, dry_run=dry_run)
+            if not dry_run:
+                self.plan = plan
+                self.expected = expected_instances(generator.render(plan), self.gpus)
+                if not report.diff.empty or not self.history():
+                    self._record(text, plan)
+        return report
+
+    def rollback(self, steps: int = 1) -> Report:
+        entries = self.history()
+        if steps < 1 or steps >= len(entries):
+            raise ApplyError(f"cannot roll back {steps} plan(s): {len(entries)} plan(s) kept, so at most "
+                             f"{max(0, len(entries) - 1)} step(s) back")
+        text = entries[-1 - steps].path.read_text().split("\n", 1)[1]
+        return self.submit(text, source=f"rollback to plan #{entries[-1 - steps].number}")
+
+    # ------------------------------------------------------------------ reading
+
+    def status(self) -> dict[str, Any]:
+        served = {s.name for s in self.applier.served()}
+        plan = self.plan
+        out: dict[str, Any] = {"plan": plan.raw.name if plan else None, "tasks": {}, "blocks": {}}
+        if plan is None:
+            return out
+        for t in plan.tasks.values():
+            models = [naming.task_model(t.name, tr, t.transport) for tr in plan.transports_of(t)]
+            out["tasks"][t.name] = {"ready": all(m in served for m in models), "ensembles": models, "path": t.path}
+        for name, model_files in generator.by_model(generator.render(plan)).items():
+            if b'platform: "ensemble"' in model_files["config.pbtxt"]:
+                continue
+            out["blocks"][name] = {"ready": name in served, "instances": self.expected.get(name, 0)}
+        return out
+
+
+def create_app(controller: Controller, token: str) -> FastAPI:
+    """The FastAPI application of the control service."""
+    app = FastAPI(title="BlockFlow control", version="1", docs_url=None, redoc_url=None)
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorized(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if cred is None or not hmac.compare_digest(cred.credentials.encode(), token.encode()):
+            raise HTTPException(401, "missing or wrong token: send 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(PlanError)
+    async def _plan_error(_: Request, exc: PlanError) -> JSONResponse:
+        return JSONResponse({"error": str(exc), "issues": [{"loc": i.loc, "message": i.message} for i in exc.issues]},
+                            status_code=422)
+
+    @app.exception_handler(ApplyError)
+    async def _apply_error(_: Request, exc: ApplyError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=409)
+
+    @app.exception_handler(BlockFlowError)
+    async def _other_error(_: Request, exc: BlockFlowError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=500)
+
+    def _report(r: Report) -> dict[str, Any]:
+        return {"diff": r.diff.as_dict(), "lines": r.diff.lines(), "steps": r.steps, "seconds": round(r.seconds, 3)}
+
+    @app.post("/plan", dependencies=[Depends(authorized)])
+    async def post_plan(request: Request, dry_run: bool = False) -> dict[str, Any]:
+        body = await request.body()
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise HTTPException(400, "the plan must be UTF-8 YAML or JSON") from None
+        if not text.strip():
+            raise HTTPException(400, "empty body: send the plan (YAML or JSON) as the request body")
+        return _report(await run_in_threadpool(controller.submit, text, dry_run))
+
+    @app.get("/plan", dependencies=[Depends(authorized)])
+    def get_plan() -> dict[str, Any]:
+        entries = controller.history()
+        current = entries[-1] if entries else None
+        return {
+            "name": controller.plan.raw.name if controller.plan else None,
+            "text": current.path.read_text().split("\n", 1)[1] if current else None,
+            "history": [{"number": e.number, "name": e.name, "applied_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(e.applied_at))}
+                        for e in entries],
+        }
+
+    @app.post("/plan/rollback", dependencies=[Depends(authorized)])
+    async def rollback(steps: int = 1) -> dict[str, Any]:
+        return _report(await run_in_threadpool(controller.rollback, steps))
+
+    @app.get("/status", dependencies=[Depends(authorized)])
+    async def status() -> dict[str, Any]:
+        return await run_in_threadpool(controller.status)
+
+    return app
+
+
+class ControlServer:
+    """Runs the control app with uvicorn on a background thread."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        import uvicorn
+
+        self.host, self.port = host, port
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        self._thread = threading.Thread(target=self._server.run, name="blockflow-control", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise BlockFlowError(f"the control service could not start on {self.url}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(5)

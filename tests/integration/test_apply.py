@@ -1,0 +1,249 @@
+"""Live plan updates on a real server: `blockflow serve` with its control service, `blockflow apply`.
+
+One `blockflow serve` process (real tritonserver, TensorMQ between blocks) runs plan A
+(tests/plans/live_a.yaml); the tests change it through the control service and the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from blockflow.server import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN_A = ROOT / "tests" / "plans" / "live_a.yaml"
+PLAN_B = ROOT / "tests" / "plans" / "live_b.yaml"
+TASKS_A = {"keep", "swap", "gone"}
+TASKS_B = {"keep", "swap", "new"}
+BLOCKFLOW = str(Path(sys.executable).parent / "blockflow")
+
+
+@dataclass
+class Live:
+    http: str
+    control: str
+    token: str
+    token_file: Path
+    log: Path
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    base = tmp_path_factory.mktemp("live")
+    token = "t0ken-for-the-live-update-tests"
+    token_file = base / "token"
+    token_file.write_text(token + "\n")
+    http, control = free_port(), free_port()
+    log = base / "serve.log"
+    cmd = [BLOCKFLOW, "serve", "--plan", str(PLAN_A), "--http-port", str(http), "--grpc-port", str(free_port()),
+           "--metrics-port", str(free_port()), "--control-port", str(control), "--token-file", str(token_file),
+           "--state-dir", str(base / "plans")]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    lv = Live(f"127.0.0.1:{http}", f"http://127.0.0.1:{control}", token, token_file, log,
+              {"Authorization": f"Bearer {token}"})
+    deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"blockflow serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}", pytrace=False)
+            try:
+                if httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"control service did not come up:\n{log.read_text()[-3000:]}", pytrace=False)
+            time.sleep(0.5)
+        yield lv
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        assert "no process left behind" in log.read_text()
+
+
+def _image(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+
+
+def _infer(client: httpclient.InferenceServerClient, task: str, x: np.ndarray) -> np.ndarray:
+    inp = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = client.infer(task, [inp]).as_numpy("LOGITS")
+    assert out is not None
+    return out
+
+
+def _status(live: Live) -> dict[str, object]:
+    r = httpx.get(f"{live.control}/status", headers=live.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    body: dict[str, object] = r.json()
+    return body
+
+
+def _served_tasks(live: Live) -> set[str]:
+    tasks = _status(live)["tasks"]
+    assert isinstance(tasks, dict)
+    return {t for t, info in tasks.items() if info["ready"]}
+
+
+def _apply_cli(live: Live, plan: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BLOCKFLOW, "apply", str(plan), "--url", live.control, "--token-file", str(live.token_file), *extra],
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:
+    before = httpx.get(f"{live.control}/plan", headers=live.headers).json()
+    body = PLAN_B.read_bytes()
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic abc"}):
+        for method, path in (("POST", "/plan"), ("GET", "/plan"), ("GET", "/status"), ("POST", "/plan/rollback")):
+            r = httpx.request(method, f"{live.control}{path}", headers=headers, content=body)
+            assert r.status_code == 401, (method, path, headers, r.text)
+    bad = PLAN_B.read_text().replace("path: [trunk, head_new]", "path: [trunk, head_nope]")
+    r = httpx.post(f"{live.control}/plan", headers=live.headers, content=bad)
+    assert r.status_code == 422, r.text
+    assert any(i["loc"] == "tasks.new.path[1]" and "head_nope" in i["message"] for i in r.json()["issues"]), r.text
+    r = httpx.post(f"{live.control}/plan", headers=live.headers, content=b"version: [1")
+    assert r.status_code == 422 and "not valid YAML" in r.json()["error"]
+    r = httpx.post(f"{live.control}/plan", headers=live.headers, content=b"")
+    assert r.status_code == 400
+    r = httpx.post(f"{live.control}/plan/rollback", headers=live.headers)  # nothing to roll back to yet
+    assert r.status_code == 409 and "cannot roll back" in r.json()["error"]
+    # The CLI refuses a malformed plan before sending anything, naming the key.
+    (tmp_path / "bad.yaml").write_text(bad)
+    res = _apply_cli(live, tmp_path / "bad.yaml")
+    assert res.returncode == 2 and "tasks.new.path[1]" in res.stderr, res.stderr
+    res = subprocess.run([BLOCKFLOW, "apply", str(PLAN_B), "--url", live.control], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "BLOCKFLOW_TOKEN"})
+    assert res.returncode != 0 and "token" in res.stderr
+    after = httpx.get(f"{live.control}/plan", headers=live.headers).json()
+    assert after == before and _served_tasks(live) == TASKS_A
+
+
+def test_dry_run_and_idempotent_apply(live: Live) -> None:
+    res = _apply_cli(live, PLAN_B, "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "+ ensemble new" in res.stdout and "- ensemble gone" in res.stdout and "~ block head_keep" in res.stdout
+    assert "- block trunk" not in res.stdout and "trunk" not in res.stdout  # the shared block is left alone
+    assert _served_tasks(live) == TASKS_A
+    res = _apply_cli(live, PLAN_A)
+    assert res.returncode == 0 and "no change" in res.stdout, res.stdout + res.stderr
+
+
+def test_a_failed_update_leaves_the_old_plan_serving(live: Live, tmp_path: Path) -> None:
+    weights = tmp_path / "broken.pt"
+    weights.write_bytes(b"this is not a state dict")
+    broken = PLAN_B.read_text().replace("head_new:    {model: r18, stages: 1, weights: {seed: 6}}",
+                                        f"head_new:    {{model: r18, stages: 1, weights: {{file: {weights}}}}}")
+    assert str(weights) in broken
+    client = httpclient.InferenceServerClient(live.http)
+    before = {t: _infer(client, t, _image()) for t in TASKS_A}
+    r = httpx.post(f"{live.control}/plan", headers=live.headers, content=broken, timeout=900)
+    assert r.status_code == 409, r.text
+    msg = r.json()["error"]
+    assert "new" in msg and "rolled back" in msg and "previous plan" in msg, msg
+    assert _served_tasks(live) == TASKS_A
+    for t in TASKS_A:
+        np.testing.assert_array_equal(_infer(client, t, _image()), before[t])
+    for t in TASKS_B - TASKS_A:
+        with pytest.raises(Exception, match="unknown model|not found|unavailable"):
+            _infer(client, t, _image())
+    assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-a"
+
+
+class Load:
+    """Closed-loop clients, ``per_task`` of them on each task, recording every outcome."""
+
+    def __init__(self, http: str, tasks: set[str], per_task: int) -> None:
+        self.http = http
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.ok: Counter[str] = Counter()
+        self.failed: dict[str, list[str]] = {}
+        self.threads = [threading.Thread(target=self._run, args=(t, i), daemon=True) for t in sorted(tasks) for i in range(per_task)]
+
+    def _run(self, task: str, i: int) -> None:
+        client = httpclient.InferenceServerClient(self.http, network_timeout=120)
+        x = _image(i)
+        while not self.stop.is_set():
+            try:
+                _infer(client, task, x)
+                with self.lock:
+                    self.ok[task] += 1
+            except Exception as exc:  # recorded, judged per task by the test
+                with self.lock:
+                    self.failed.setdefault(task, []).append(str(exc)[:300])
+                time.sleep(0.05)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(150)
+
+
+def test_twenty_alternating_plans_under_load(live: Live) -> None:
+    client = httpclient.InferenceServerClient(live.http)
+    swap_a = _infer(client, "swap", _image())
+    both = TASKS_A & TASKS_B
+    with Load(live.http, TASKS_A | TASKS_B, per_task=8) as load:
+        time.sleep(2)
+        for i in range(20):
+            plan, tasks, gone = (PLAN_B, TASKS_B, TASKS_A - TASKS_B) if i % 2 == 0 else (PLAN_A, TASKS_A, TASKS_B - TASKS_A)
+            res = _apply_cli(live, plan)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert "applied" in res.stdout
+            # Added tasks answer as soon as apply returns; removed ones are gone.
+            for t in tasks:
+                _infer(client, t, _image())
+            for t in gone:
+                with pytest.raises(Exception, match="unknown model|not found|unavailable|not ready"):
+                    _infer(client, t, _image())
+            swapped = _infer(client, "swap", _image())
+            assert np.array_equal(swapped, swap_a) == (plan == PLAN_A)  # the task follows its new path
+        time.sleep(1)
+    counts = {t: (load.ok[t], len(load.failed.get(t, []))) for t in sorted(TASKS_A | TASKS_B)}
+    print("requests (ok, failed) per task:", counts)
+    for t in both:
+        assert not load.failed.get(t), f"{t} lost {len(load.failed[t])} requests, e.g. {load.failed[t][:3]}"
+        assert load.ok[t] > 20
+    for t in (TASKS_A | TASKS_B) - both:
+        assert load.ok[t] > 0
+        assert all(any(k in m for k in ("unknown model", "not found", "unavailable", "not ready")) for m in load.failed.get(t, [])), load.failed[t][:5]
+    assert _served_tasks(live) == TASKS_A  # an even number of updates ends on A
+
+
+def test_rollback_restores_the_previous_plan(live: Live) -> None:
+    assert _served_tasks(live) == TASKS_A
+    history = httpx.get(f"{live.control}/plan", headers=live.headers).json()["history"]
+    assert len(history) == 10  # the last ten are kept
+    r = httpx.post(f"{live.control}/plan/rollback", headers=live.headers, timeout=900)
+    assert r.status_code == 200, r.text
+    assert _served_tasks(live) == TASKS_B
+    assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-b"
