@@ -23,6 +23,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
+from backend.monitor import BlockMonitor
 from backend.runtime import BlockRunner
 from backend.tensormq.metrics import TmqMetrics
 from blockflow.errors import BlockError, RequestError
@@ -84,9 +85,16 @@ class TritonPythonModel:
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device)
         self.metrics: TmqMetrics | None = None
+        self.monitor: BlockMonitor | None = None
+        labels = {"block": args["model_name"], "instance": args["model_instance_name"],
+                  "gpu": str(self.device.index or 0) if self.device.type == "cuda" else "cpu"}
         if (self.producer or self.consumer) and hasattr(pb_utils, "MetricFamily"):
-            self.metrics = TmqMetrics(pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]})
+            self.metrics = TmqMetrics(pb_utils, labels)
             self.metrics.publish(self.producer, self.consumer, force=True)
+        if spec.monitor_period_s > 0 and hasattr(pb_utils, "MetricFamily"):
+            metrics = self.metrics
+            refresh = (lambda: metrics.publish(self.producer, self.consumer, force=True)) if metrics is not None else None
+            self.monitor = BlockMonitor(pb_utils, labels, self.device, spec.monitor_period_s, extra=refresh)
         self.logger.log_info(
             f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}, {spec.precision}, "
@@ -166,6 +174,8 @@ class TritonPythonModel:
         return torch.from_numpy(np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES).copy())
 
     def finalize(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
         if self.consumer is not None:
             self.consumer.close()  # sends the releases still queued
         if self.producer is not None:

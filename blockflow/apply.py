@@ -7,12 +7,14 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
    Models without a digest were not made by BlockFlow and are left alone.
 2. Compare with the plan's rendered repository: each model is new, changed
    (another digest), unchanged, or removed (served, not in the plan).
-3. Write the new and changed *blocks* into the repository and load them. A
+3. Write the new and changed *blocks* into the repository and load them (in
+   parallel; a new block that a new ensemble names is loaded by that ensemble). A
    changed block is reloaded in place: Triton starts the new instances before it
    retires the old ones, so requests keep flowing (TensorMQ producers drain
    their outstanding tickets before they exit).
-4. Write and load the new and changed *ensembles*. Every block they name is
-   loaded by now, so a task answers as soon as its ensemble's load returns.
+4. Write and load the new and changed *ensembles* (in parallel). Triton loads
+   the new blocks an ensemble names before the ensemble itself, so a task
+   answers as soon as its ensemble's load returns.
 5. Unload removed ensembles first, then the blocks no task uses any more, and
    delete their directories. In-flight requests of a removed task hold their
    own references to its models, so they finish.
@@ -147,6 +149,7 @@ class Applier:
         self.repository = repository
         self.lock = lock or threading.Lock()
         self._log = log or (lambda _msg: None)
+        self._timeout = timeout
         # Loading a block starts processes that import torch and build a network: minutes on a slow machine.
         self._client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=timeout)
 
@@ -177,12 +180,36 @@ class Applier:
     # ------------------------------------------------------------------ changing it
 
     def _load(self, model: str) -> None:
+        import tritonclient.http as httpclient
         from tritonclient.utils import InferenceServerException
 
+        # One client per call: loads run in parallel threads (Triton loads them concurrently).
+        client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=self._timeout)
         try:
-            self._client.load_model(model)
+            client.load_model(model)
         except InferenceServerException as exc:
             raise ApplyError(f"loading {model} failed: {exc.message()}") from None
+        finally:
+            client.close()
+
+    def _load_all(self, changes: list[Change], report: Report) -> None:
+        """Load ``changes`` in parallel; every failure is reported, not only the first."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not changes:
+            return
+        with ThreadPoolExecutor(max_workers=min(8, len(changes))) as pool:
+            futures = [(c, pool.submit(self._load, c.model)) for c in changes]
+            errors = []
+            for c, f in futures:
+                exc = f.exception()
+                if exc is None:
+                    report.steps.append(f"loaded {c.model}")
+                    self._log(f"loaded {c}")
+                else:
+                    errors.append(str(exc))
+        if errors:
+            raise ApplyError("; ".join(errors))
 
     def _unload(self, model: str) -> None:
         from tritonclient.utils import InferenceServerException
@@ -191,6 +218,44 @@ class Applier:
             self._client.unload_model(model)
         except InferenceServerException as exc:
             raise ApplyError(f"unloading {model} failed: {exc.message()}") from None
+
+    def _load_waves(self, blocks: list[Change], ensembles: list[Change], via_ensemble: set[str],
+                    wanted: Mapping[str, Mapping[str, bytes]], backup: Mapping[str, Mapping[str, bytes] | None],
+                    done: list[Change], report: Report) -> None:
+        """Load in as few parallel waves as the dependencies allow.
+
+        A block loaded on its own (changed, or new and named by no new ensemble) goes in the
+        first wave. Reloading a block makes Triton reload the loaded ensembles that name it, from
+        their files on disk, so an ensemble waits (and its new files are written only just before
+        its own load) while a block its old or new config names is loading. Two ensembles of one
+        wave never bring the same new block (Triton would load it twice).
+        """
+        pending_blocks = {c.model for c in blocks if c.action == "change" or c.model not in via_ensemble}
+        new_blocks = {c.model for c in blocks if c.action == "add" and c.model in via_ensemble}
+        waiting = list(ensembles)
+        first = [c for c in blocks if c.model in pending_blocks]
+        while first or waiting:
+            wave: list[Change] = list(first)
+            claimed: set[str] = set()
+            for c in waiting:
+                steps = set(_steps(wanted[c.model]))
+                old = backup.get(c.model)
+                names = steps | (set(_steps(old)) if old is not None else set())
+                brings = steps & new_blocks
+                if not names & pending_blocks and not brings & claimed:
+                    wave.append(c)
+                    claimed |= brings
+            for c in wave:
+                if c.ensemble:
+                    done.append(c)
+                    generator.write_model(self.repository, c.model, wanted[c.model])
+            if not wave:  # only ensembles waiting for first-wave blocks: cannot happen after wave 1
+                raise ApplyError(f"internal: no loadable model among {[c.model for c in waiting]}")
+            self._load_all(wave, report)
+            pending_blocks -= {c.model for c in first}
+            new_blocks -= claimed
+            waiting = [c for c in waiting if c not in wave]
+            first = []
 
     def apply(self, plan: Plan, dry_run: bool = False) -> Report:
         """Make the server run ``plan`` (see the module docstring for the order and the guarantees)."""
@@ -220,17 +285,7 @@ class Applier:
                 for c in blocks:
                     done.append(c)
                     generator.write_model(self.repository, c.model, wanted[c.model])
-                for c in blocks:
-                    if c.action == "change" or c.model not in via_ensemble:
-                        self._load(c.model)
-                        report.steps.append(f"loaded {c.model}")
-                        self._log(f"loaded {c}")
-                for c in ensembles:
-                    done.append(c)
-                    generator.write_model(self.repository, c.model, wanted[c.model])
-                    self._load(c.model)
-                    report.steps.append(f"loaded {c.model}")
-                    self._log(f"loaded {c}")
+                self._load_waves(blocks, ensembles, via_ensemble, wanted, backup, done, report)
             except Exception as exc:
                 restored = self._undo(done, backup)
                 raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "

@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any, Optional
 
 import click
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
@@ -26,6 +26,7 @@ DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "default.yaml"
 
 # Piped output (files, CI logs) gets wide tables instead of 80 columns of wrapped cells.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 220)
+out_console = out  # for commands with an `out` parameter
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -473,6 +474,82 @@ def load(tasks: tuple[str, ...], url: Optional[str], protocol: str, clients: int
                       f"{s['p90']:.2f}", f"{s['p99']:.2f}", f"{s['mean']:.2f}")
     err.print(f"{len(records)} requests" + (f" (per-request latencies in {csv_path})" if csv_path else ""))
     out.print(table)
+
+
+@app.command()
+@click.option("--url", default="127.0.0.1:8000", show_default=True, help="Triton's HTTP endpoint.")
+@click.option("--metrics-url", default=None, help="Triton's metrics endpoint (default: the --url host, port 8002).")
+@click.option("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True, help="Seconds between the two samples rates are computed from.")
+@click.option("--watch", is_flag=True, help="Refresh the tables every --interval seconds until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON instead of tables.")
+def status(url: str, metrics_url: Optional[str], interval: float, watch: bool, as_json: bool) -> None:
+    """Tasks (ready, request rate, p50/p99) and blocks (instances, device, memory, utilisation, queue and compute time)."""
+    import json
+
+    import httpx
+    from rich.live import Live
+
+    from blockflow.status import block_rows, snapshot, task_rows
+
+    host = url.removeprefix("http://").rsplit(":", 1)[0]
+    murl = metrics_url or f"http://{host}:8002/metrics"
+    with httpx.Client(timeout=30) as client:
+        prev = snapshot(url, murl, client)
+        time.sleep(interval)
+        cur = snapshot(url, murl, client)
+        if as_json:
+            out.print_json(json.dumps({"tasks": task_rows(prev, cur), "blocks": block_rows(prev, cur)}))
+            return
+        if not watch:
+            out.print(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
+            return
+        with Live(Group(), console=out, refresh_per_second=4) as live:
+            try:
+                while True:
+                    live.update(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
+                    time.sleep(interval)
+                    prev, cur = cur, snapshot(url, murl, client)
+            except KeyboardInterrupt:
+                pass
+
+
+def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object]]) -> Group:
+    def num(v: object, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    def ready(v: object) -> str:
+        return "[green]ready[/]" if v else "[red]not ready[/]"
+
+    t = Table(title="tasks")
+    for col in ("task", "state", "req/s", "failed", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="left" if col in ("task", "state") else "right")
+    for r in tasks:
+        t.add_row(str(r["task"]), ready(r["ready"]), num(r["rate"], ".1f"), str(r["failed"]), num(r["p50_ms"], ".2f"), num(r["p99_ms"], ".2f"))
+    b = Table(title="blocks")
+    for col in ("block", "state", "inst", "device", "GPU MiB", "RSS MiB", "GPU util", "CPU", "req/s", "queue ms", "compute ms"):
+        b.add_column(col, justify="left" if col in ("block", "state", "device") else "right")
+    for r in blocks:
+        b.add_row(str(r["block"]), ready(r["ready"]), str(r["instances"]), str(r["device"]), num(r["gpu_mem_mib"], ".0f"),
+                  num(r["rss_mib"], ".0f"), num(r["gpu_util"], ".0%"), num(r["cpu_util"], ".0%"), num(r["rate"], ".1f"),
+                  num(r["queue_ms"], ".2f"), num(r["compute_ms"], ".2f"))
+    return Group(t, b)
+
+
+@app.command()
+@click.option("--plan", type=click.Path(path_type=Path), default=Path("plans/bench_r50.yaml"), show_default=True,
+              help="Plan whose first task is measured on every transport, with its monolithic references.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for results.json, report.md and the plots.")
+@click.option("--quick", is_flag=True, help="Fewer, shorter points: a few minutes on a CPU machine.")
+@click.option("--seconds", type=click.FloatRange(0.5), default=None, help="perf_analyzer measurement window per point.")
+def bench(plan: Path, out: Path, quick: bool, seconds: Optional[float]) -> None:
+    """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
+    from bench.suite import BenchConfig, run_bench
+
+    cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
+    if seconds is not None:
+        cfg.seconds = seconds
+    where = run_bench(cfg, log=lambda line: out_console.print(line, markup=False, highlight=False))
+    out_console.print(f"[green]done[/]: {where / 'report.md'}, {where / 'results.json'}")
 
 
 @app.command()

@@ -76,6 +76,8 @@ class BlockSettings(_Strict):
     batching_delay_us: int | None = Field(default=None, ge=0, le=1_000_000)
     precision: Precision | None = None
     cuda_graphs: bool | None = None
+    # Seconds between the block monitor's samples (GPU/CPU memory, utilisation, power); 0 turns it off.
+    monitor_period_s: float | None = Field(default=None, ge=0, le=3600)
 
 
 DEFAULT_SETTINGS: dict[str, Any] = {
@@ -85,6 +87,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "batching_delay_us": 100,
     "precision": "fp32",
     "cuda_graphs": True,
+    "monitor_period_s": 2.0,
 }
 
 
@@ -115,6 +118,9 @@ class PlanModel(_Strict):
     transport: TransportName = "tensormq"
     compare: list[TransportName] = Field(default_factory=list)
     references: list[Literal["eager", "graph"]] = Field(default_factory=list)
+    # auto: consecutive blocks that exactly the same tasks traverse (with the same deployment
+    # settings) run as one model: one process and one hop fewer per fused pair.
+    fuse: Literal["none", "auto"] = "none"
     tensormq: TensorMQSettings = TensorMQSettings()
 
 
@@ -133,6 +139,7 @@ class Block:
     batching_delay_us: int
     precision: Precision
     cuda_graphs: bool
+    monitor_period_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,20 @@ class Plan:
             seen.update(dict.fromkeys(t.path))
         return list(seen)
 
+    def segments(self, task: Task) -> list[tuple[Block, ...]]:
+        """``task``'s path as deployed: one tuple per Triton model (several blocks when fused)."""
+        users = {b: frozenset(ts) for b, ts in self.sharing().items()}
+        out: list[tuple[Block, ...]] = []
+        for name in task.path:
+            b = self.blocks[name]
+            if out and self.raw.fuse == "auto":
+                prev = out[-1][-1]
+                if users[prev.name] == users[name] and _deployed_alike(prev, b):
+                    out[-1] = out[-1] + (b,)
+                    continue
+            out.append((b,))
+        return out
+
     def sharing(self) -> dict[str, list[str]]:
         """Block name -> the tasks whose path uses it."""
         users: dict[str, list[str]] = {b: [] for b in self.blocks}
@@ -220,6 +241,12 @@ class Plan:
         return [f"blocks.{b}: no task uses this block; it is not deployed" for b in self.blocks if b not in used]
 
 
+def _deployed_alike(a: Block, b: Block) -> bool:
+    """Whether two blocks can share one process (fusion keeps the first one's batching and monitor settings)."""
+    return (a.model == b.model and a.placement == b.placement and a.instances == b.instances
+            and a.max_batch_size == b.max_batch_size and a.precision == b.precision and a.cuda_graphs == b.cuda_graphs)
+
+
 def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Path) -> Block:
     def pick(key: str) -> Any:
         own = getattr(b, key)
@@ -247,6 +274,7 @@ def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Pa
         batching_delay_us=pick("batching_delay_us"),
         precision=pick("precision"),
         cuda_graphs=pick("cuda_graphs"),
+        monitor_period_s=pick("monitor_period_s"),
     )
 
 

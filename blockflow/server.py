@@ -107,6 +107,8 @@ class TritonServer:
             f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             f"--log-verbose={o.log_verbose}",
+            # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
+            "--metrics-config=summary_latencies=true",
             "--exit-timeout-secs=20",
             *[f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_pool_mb * 2**20}" for gpu in range(gpu_count())],
             # Named shm regions let us find (and remove) what a killed stub left in /dev/shm.

@@ -72,6 +72,7 @@ class ModelSpec(_Strict):
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     tensormq: TensorMQSettings | None = None
+    monitor_period_s: float = 0.0
 
     @property
     def first_stage(self) -> int:

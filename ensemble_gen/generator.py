@@ -64,11 +64,22 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference"], name: str, block
         in_shape=plan.block_in_shape(blocks[0]),
         out_shape=plan.block_out_shape(blocks[-1]),
         tensormq=plan.raw.tensormq if transport == "tensormq" else None,
+        monitor_period_s=blocks[0].monitor_period_s,
     )
 
 
 def block_spec(plan: Plan, block: Block, transport: TransportName) -> ModelSpec:
     return _path_spec(plan, "block", block.name, [block], transport, block.precision, block.cuda_graphs, block.max_batch_size)
+
+
+def segment_spec(plan: Plan, segment: tuple[Block, ...], transport: TransportName) -> tuple[ModelSpec, Block]:
+    """The model of one deployed segment (one block, or several fused): its spec and deployment settings."""
+    if len(segment) == 1:
+        return block_spec(plan, segment[0], transport), segment[0]
+    name = naming.segment_model([b.name for b in segment])
+    first = segment[0]
+    spec = _path_spec(plan, "block", name, list(segment), transport, first.precision, first.cuda_graphs, first.max_batch_size)
+    return spec, dataclasses.replace(first, name=name)
 
 
 def reference_spec(plan: Plan, task: Task, graph: bool) -> tuple[ModelSpec, Block]:
@@ -119,12 +130,11 @@ def render(plan: Plan) -> dict[str, bytes]:
     for task in plan.tasks.values():
         for transport in plan.transports_of(task):
             steps = []
-            for bname in task.path:
-                block = plan.blocks[bname]
-                mname = naming.block_model(bname, transport, plan.transport)
-                spec = block_spec(plan, block, transport)
+            for segment in plan.segments(task):
+                spec, deploy = segment_spec(plan, segment, transport)
+                mname = naming.block_model(deploy.name, transport, plan.transport)
                 if f"{mname}/config.pbtxt" not in files:
-                    python_model(mname, spec, block)
+                    python_model(mname, spec, deploy)
                 steps.append(Step(mname, spec))
             ename = naming.task_model(task.name, transport, task.transport)
             first, last = plan.blocks[task.path[0]], plan.blocks[task.path[-1]]

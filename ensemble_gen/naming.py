@@ -4,6 +4,7 @@
 * A block model on the plan's transport is named after the block: ``r50_s0``.
 * Any other transport variant appends ``__`` and the transport with ``-`` made
   ``_``: ensemble ``cls_a__triton_cpu`` runs blocks ``r50_s0__triton_cpu`` ….
+* Blocks fused into one model (``fuse: auto``) are named ``<first>__to__<last>``.
 * The monolithic reference of a task (same weights, unsplit) is
   ``<task>__ref`` (eager) and ``<task>__ref_graph`` (CUDA graphs).
 
@@ -31,3 +32,8 @@ def task_model(task: str, transport: TransportName, own: TransportName) -> str:
 
 def reference_model(task: str, graph: bool) -> str:
     return f"{task}{SEP}ref_graph" if graph else f"{task}{SEP}ref"
+
+
+def segment_model(blocks: list[str] | tuple[str, ...]) -> str:
+    """The model running ``blocks`` (consecutive, fused): the block's own name when there is one."""
+    return blocks[0] if len(blocks) == 1 else f"{blocks[0]}{SEP}to{SEP}{blocks[-1]}"

@@ -7,6 +7,7 @@ that old), never per request.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -39,12 +40,17 @@ class TmqMetrics:
         self._sent = dict.fromkeys(COUNTERS, 0)
         self._period = period_s
         self._last = 0.0
+        self._lock = threading.Lock()  # the execute thread and the block monitor both publish
 
     def publish(self, producer: Producer | None, consumer: Consumer | None, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last < self._period:
             return
-        self._last = now
+        with self._lock:
+            self._last = now
+            self._publish(producer, consumer)
+
+    def _publish(self, producer: Producer | None, consumer: Consumer | None) -> None:
         values: dict[str, int] = {}
         if producer is not None:
             used, slots = producer.usage()

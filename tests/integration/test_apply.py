@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,7 +32,7 @@ PLAN_A = ROOT / "tests" / "plans" / "live_a.yaml"
 PLAN_B = ROOT / "tests" / "plans" / "live_b.yaml"
 TASKS_A = {"keep", "swap", "gone"}
 TASKS_B = {"keep", "swap", "new"}
-BLOCKFLOW = str(Path(sys.executable).parent / "blockflow")
+BLOCKFLOW = [sys.executable, "-m", "blockflow"]  # also where the package is not installed (GPU machine)
 
 
 @dataclass
@@ -52,7 +53,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     token_file.write_text(token + "\n")
     http, control = free_port(), free_port()
     log = base / "serve.log"
-    cmd = [BLOCKFLOW, "serve", "--plan", str(PLAN_A), "--http-port", str(http), "--grpc-port", str(free_port()),
+    cmd = [*BLOCKFLOW, "serve", "--plan", str(PLAN_A), "--http-port", str(http), "--grpc-port", str(free_port()),
            "--metrics-port", str(free_port()), "--control-port", str(control), "--token-file", str(token_file),
            "--state-dir", str(base / "plans")]
     with log.open("wb") as out:
@@ -110,7 +111,7 @@ def _served_tasks(live: Live) -> set[str]:
 
 
 def _apply_cli(live: Live, plan: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BLOCKFLOW, "apply", str(plan), "--url", live.control, "--token-file", str(live.token_file), *extra],
+    return subprocess.run([*BLOCKFLOW, "apply", str(plan), "--url", live.control, "--token-file", str(live.token_file), *extra],
                           capture_output=True, text=True, timeout=900)
 
 
@@ -135,7 +136,7 @@ def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text(bad)
     res = _apply_cli(live, tmp_path / "bad.yaml")
     assert res.returncode == 2 and "tasks.new.path[1]" in res.stderr, res.stderr
-    res = subprocess.run([BLOCKFLOW, "apply", str(PLAN_B), "--url", live.control], capture_output=True, text=True,
+    res = subprocess.run([*BLOCKFLOW, "apply", str(PLAN_B), "--url", live.control], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "BLOCKFLOW_TOKEN"})
     assert res.returncode != 0 and "token" in res.stderr
     after = httpx.get(f"{live.control}/plan", headers=live.headers).json()
@@ -173,52 +174,78 @@ def test_a_failed_update_leaves_the_old_plan_serving(live: Live, tmp_path: Path)
     assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-a"
 
 
+def _client_loop(http: str, task: str, seed: int, stop: Any, ok: Any, failed: Any) -> None:
+    client = httpclient.InferenceServerClient(http, network_timeout=120)
+    x = _image(seed)
+    while not stop.is_set():
+        try:
+            _infer(client, task, x)
+            ok[task] = ok.get(task, 0) + 1
+        except Exception as exc:  # recorded, judged per task by the test
+            failed.append((task, str(exc)[:300]))
+            time.sleep(0.05)
+
+
+def _load_process(http: str, tasks: list[str], per_task: int, stop: Any, out: Any) -> None:
+    """The clients, in a process of their own at lower CPU priority: on a small CI machine the
+    server and the blocks it is loading get the CPU first, and the clients take what is left."""
+    os.nice(10)
+    ok: dict[str, int] = {}
+    failed: list[tuple[str, str]] = []
+    threads = [threading.Thread(target=_client_loop, args=(http, t, i, stop, ok, failed), daemon=True)
+               for t in tasks for i in range(per_task)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    out.put((ok, failed))
+
+
 class Load:
     """Closed-loop clients, ``per_task`` of them on each task, recording every outcome."""
 
     def __init__(self, http: str, tasks: set[str], per_task: int) -> None:
-        self.http = http
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.queue: Any = ctx.Queue()
+        self.proc = ctx.Process(target=_load_process, args=(http, sorted(tasks), per_task, self.stop, self.queue))
         self.ok: Counter[str] = Counter()
         self.failed: dict[str, list[str]] = {}
-        self.threads = [threading.Thread(target=self._run, args=(t, i), daemon=True) for t in sorted(tasks) for i in range(per_task)]
-
-    def _run(self, task: str, i: int) -> None:
-        client = httpclient.InferenceServerClient(self.http, network_timeout=120)
-        x = _image(i)
-        while not self.stop.is_set():
-            try:
-                _infer(client, task, x)
-                with self.lock:
-                    self.ok[task] += 1
-            except Exception as exc:  # recorded, judged per task by the test
-                with self.lock:
-                    self.failed.setdefault(task, []).append(str(exc)[:300])
-                time.sleep(0.05)
 
     def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
+        self.proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(150)
+        ok, failed = self.queue.get(timeout=300)
+        self.proc.join(30)
+        self.ok.update(ok)
+        for task, msg in failed:
+            self.failed.setdefault(task, []).append(msg)
 
 
 def test_twenty_alternating_plans_under_load(live: Live) -> None:
     client = httpclient.InferenceServerClient(live.http)
     swap_a = _infer(client, "swap", _image())
     both = TASKS_A & TASKS_B
+    seconds: list[float] = []
     with Load(live.http, TASKS_A | TASKS_B, per_task=8) as load:
-        time.sleep(2)
+        time.sleep(5)
         for i in range(20):
             plan, tasks, gone = (PLAN_B, TASKS_B, TASKS_A - TASKS_B) if i % 2 == 0 else (PLAN_A, TASKS_A, TASKS_B - TASKS_A)
-            res = _apply_cli(live, plan)
-            assert res.returncode == 0, res.stdout + res.stderr
-            assert "applied" in res.stdout
+            t0 = time.monotonic()
+            if i < 2:  # the CLI twice; then straight to the control service, as an optimizer would
+                res = _apply_cli(live, plan)
+                assert res.returncode == 0, res.stdout + res.stderr
+                assert "applied" in res.stdout
+            else:
+                r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plan.read_bytes(), timeout=900)
+                assert r.status_code == 200, r.text
+                assert r.json()["steps"], r.text
+            seconds.append(time.monotonic() - t0)
             # Added tasks answer as soon as apply returns; removed ones are gone.
             for t in tasks:
                 _infer(client, t, _image())
@@ -226,10 +253,11 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
                 with pytest.raises(Exception, match="unknown model|not found|unavailable|not ready"):
                     _infer(client, t, _image())
             swapped = _infer(client, "swap", _image())
-            assert np.array_equal(swapped, swap_a) == (plan == PLAN_A)  # the task follows its new path
+            # The task follows its new path (values differ by batch composition only: CPU float sums).
+            assert np.allclose(swapped, swap_a, atol=1e-4) == (plan == PLAN_A)
         time.sleep(1)
     counts = {t: (load.ok[t], len(load.failed.get(t, []))) for t in sorted(TASKS_A | TASKS_B)}
-    print("requests (ok, failed) per task:", counts)
+    print("requests (ok, failed) per task:", counts, "apply seconds:", [round(x, 1) for x in seconds])
     for t in both:
         assert not load.failed.get(t), f"{t} lost {len(load.failed[t])} requests, e.g. {load.failed[t][:3]}"
         assert load.ok[t] > 20

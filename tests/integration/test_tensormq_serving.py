@@ -148,7 +148,7 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
     text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
     lines = [l for l in text.splitlines() if l.startswith("blockflow_tmq_")]
     def value(name: str, model: str) -> float:
-        hits = [float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") and f'model="{model}"' in l]
+        hits = [float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") and f'block="{model}"' in l]
         assert hits, f"{name} for {model} missing from the metrics endpoint"
         return sum(hits)
     assert value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10

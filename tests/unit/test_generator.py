@@ -133,3 +133,30 @@ def test_diff_reports_missing_extra_and_changed(tmp_path: Path) -> None:
     (repo / "extra.txt").write_text("x")
     d = generator.diff(files, repo)
     assert "differs: t34/config.pbtxt" in d and "missing: r34_fc/1/model.py" in d and "extra:   extra.txt" in d
+
+
+def test_fuse_auto_joins_blocks_the_same_tasks_traverse() -> None:
+    from blockflow.plan import load_plan
+
+    plan = load_plan(ROOT / "tests" / "plans" / "fused.yaml")
+    segs = {t.name: [tuple(b.name for b in seg) for seg in plan.segments(t)] for t in plan.tasks.values()}
+    assert segs == {"f_one": [("trunk0", "trunk1"), ("h1_a", "h1_b")], "f_two": [("trunk0", "trunk1"), ("h2_a", "h2_b")]}
+    names = generator.model_names(generator.render(plan))
+    assert "trunk0__to__trunk1" in names and "h1_a__to__h1_b__triton_cpu" in names
+    assert not any(n in names for n in ("trunk0", "trunk1", "h1_a", "h2_b"))
+    # The default plan fused: the shared trunk r50_s0+s1, and det_c's own s2c+s3c; r50_s2 (two tasks) stays alone.
+    raw = load_plan(ROOT / "plans" / "default.yaml").raw.model_dump(mode="json", exclude_none=True)
+    from blockflow.plan import parse_plan
+
+    fused = parse_plan(dict(raw, fuse="auto"), base_dir=ROOT / "plans")
+    names = generator.model_names(generator.render(fused))
+    assert {"r50_s0__to__r50_s1", "r50_s2", "r50_s3a", "r50_s2c__to__r50_s3c", "r50_full_d"} <= set(names)
+
+
+def test_fusion_stops_at_a_different_deployment() -> None:
+    from blockflow.plan import load_plan, parse_plan
+
+    raw = load_plan(ROOT / "tests" / "plans" / "fused.yaml").raw.model_dump(mode="json", exclude_none=True)
+    raw["blocks"]["trunk1"]["instances"] = 2
+    plan = parse_plan(raw, base_dir=ROOT / "tests" / "plans")
+    assert [len(s) for s in plan.segments(plan.tasks["f_one"])] == [1, 1, 2]

@@ -1,0 +1,133 @@
+"""The block monitor: each block instance samples its own resources and publishes them on
+Triton's metrics endpoint (the thesis' monitor thread, §3.5.1, done the Triton way).
+
+One daemon thread per instance wakes every ``period_s``, reads NVML (this process's GPU
+memory; the device's utilisation, SM clock, temperature and power), torch's allocator
+and psutil (this process's CPU use and RSS), and sets gauges labelled
+``{block, instance, gpu}`` through the Python backend's custom-metrics API. With
+``period_s == 0`` no thread, no NVML handle and no metric family exist: off costs nothing.
+Sampling never touches the execute thread or the CUDA stream.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+
+GAUGES = {
+    "blockflow_block_gpu_memory_bytes": "GPU memory this block instance's process holds (NVML)",
+    "blockflow_block_torch_allocated_bytes": "GPU memory held by live torch tensors in this instance",
+    "blockflow_block_torch_reserved_bytes": "GPU memory reserved by this instance's torch caching allocator",
+    "blockflow_block_gpu_utilization_ratio": "Utilisation (0-1) of the GPU this instance runs on, over NVML's last sample period",
+    "blockflow_block_gpu_sm_clock_hertz": "SM clock of the GPU this instance runs on",
+    "blockflow_block_gpu_temperature_celsius": "Temperature of the GPU this instance runs on",
+    "blockflow_block_gpu_power_watts": "Power draw of the GPU this instance runs on",
+    "blockflow_block_cpu_utilization_ratio": "CPU time of this instance's process per wall second since the last sample (1 = one core)",
+    "blockflow_block_rss_bytes": "Resident memory of this instance's process",
+}
+COUNTERS = {
+    "blockflow_block_cpu_seconds_total": "CPU seconds this instance's process used",
+    "blockflow_block_monitor_samples_total": "Samples the block monitor took",
+}
+
+
+class _Nvml:
+    """NVML handles for one GPU, found by UUID (CUDA and NVML may number devices differently)."""
+
+    def __init__(self, device: torch.device) -> None:
+        import pynvml
+
+        self.nv = pynvml
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        self.pid = os.getpid()
+
+    def sample(self) -> dict[str, float]:
+        nv, h = self.nv, self.handle
+        out: dict[str, float] = {}
+        for proc in nv.nvmlDeviceGetComputeRunningProcesses(h):
+            if proc.pid == self.pid and proc.usedGpuMemory is not None:
+                out["blockflow_block_gpu_memory_bytes"] = float(proc.usedGpuMemory)
+        out["blockflow_block_gpu_utilization_ratio"] = nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+        out["blockflow_block_gpu_sm_clock_hertz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM) * 1e6
+        out["blockflow_block_gpu_temperature_celsius"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+        out["blockflow_block_gpu_power_watts"] = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
+        return out
+
+    def close(self) -> None:
+        self.nv.nvmlShutdown()
+
+
+class BlockMonitor:
+    """Samples one block instance every ``period_s`` and publishes the values as metrics."""
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str], device: torch.device, period_s: float,
+                 extra: Callable[[], None] | None = None) -> None:
+        fam = pb_utils.MetricFamily
+        # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
+        self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
+        self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()})
+        self._metrics = {n: f.Metric(labels=labels) for n, f in self._families.items()}
+        self.device = device
+        self.period_s = period_s
+        self._extra = extra  # e.g. the TensorMQ pool gauges, refreshed on the same tick
+        self._proc = psutil.Process()
+        self._cpu_last = self._cpu_seconds()
+        self._sent_cpu = 0.0
+        self._nvml: _Nvml | None = None
+        if device.type == "cuda":
+            try:
+                self._nvml = _Nvml(device)
+            except Exception:  # no NVML (driver without it): GPU gauges stay unset, the rest works
+                self._nvml = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="blockflow-monitor", daemon=True)
+        self.sample()
+        self._thread.start()
+
+    def _cpu_seconds(self) -> float:
+        t = self._proc.cpu_times()
+        return float(t.user + t.system)
+
+    def sample(self) -> dict[str, float]:
+        values: dict[str, float] = {}
+        cpu = self._cpu_seconds()
+        values["blockflow_block_cpu_utilization_ratio"] = max(0.0, cpu - self._cpu_last) / self.period_s
+        self._cpu_last = cpu
+        values["blockflow_block_rss_bytes"] = float(self._proc.memory_info().rss)
+        if self.device.type == "cuda":
+            values["blockflow_block_torch_allocated_bytes"] = float(torch.cuda.memory_allocated(self.device))
+            values["blockflow_block_torch_reserved_bytes"] = float(torch.cuda.memory_reserved(self.device))
+            if self._nvml is not None:
+                try:
+                    values.update(self._nvml.sample())
+                except Exception:
+                    pass  # a transient NVML error loses one sample, not the block
+        for name, value in values.items():
+            self._metrics[name].set(value)
+        if cpu > self._sent_cpu:
+            self._metrics["blockflow_block_cpu_seconds_total"].increment(cpu - self._sent_cpu)
+            self._sent_cpu = cpu
+        self._metrics["blockflow_block_monitor_samples_total"].increment(1)
+        if self._extra is not None:
+            self._extra()
+        return values
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sample()
+            except Exception:
+                pass  # never let monitoring take the block down; the samples counter shows the gap
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.period_s + 2)
+        if self._nvml is not None:
+            self._nvml.close()

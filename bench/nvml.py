@@ -1,0 +1,88 @@
+"""GPU utilisation, power, energy and per-process memory from NVML, sampled in the background.
+
+Without a GPU (or NVML) every method returns empty results, so the benchmark runs on CPU too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+
+class GpuSampler:
+    """Samples every GPU's utilisation and power every ``period_s`` while running."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s = period_s
+        self.handles: list[Any] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nv: Any = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            self.nv = None
+        self._samples: list[tuple[float, list[float], list[float]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def available(self) -> bool:
+        return bool(self.handles)
+
+    def names(self) -> list[str]:
+        return [str(self.nv.nvmlDeviceGetName(h)) for h in self.handles]
+
+    def energy_mj(self) -> list[float]:
+        """Each GPU's energy counter (millijoules since the driver loaded)."""
+        out = []
+        for h in self.handles:
+            try:
+                out.append(float(self.nv.nvmlDeviceGetTotalEnergyConsumption(h)))
+            except Exception:
+                out.append(float("nan"))
+        return out
+
+    def memory_used_mib(self) -> list[float]:
+        return [self.nv.nvmlDeviceGetMemoryInfo(h).used / 2**20 for h in self.handles]
+
+    def process_memory_mib(self, pids: Iterable[int]) -> dict[int, float]:
+        """GPU memory of each of ``pids`` (summed over GPUs); a PID NVML does not list is left out.
+
+        In a container without the host's PID namespace NVML reports host PIDs, which then match nothing.
+        """
+        want = set(pids)
+        out: dict[int, float] = {}
+        for h in self.handles:
+            for p in self.nv.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid in want and p.usedGpuMemory is not None:
+                    out[p.pid] = out.get(p.pid, 0.0) + p.usedGpuMemory / 2**20
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            util = [float(self.nv.nvmlDeviceGetUtilizationRates(h).gpu) for h in self.handles]
+            power = [self.nv.nvmlDeviceGetPowerUsage(h) / 1000.0 for h in self.handles]
+            self._samples.append((time.monotonic(), util, power))
+
+    def start(self) -> None:
+        if self.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+            self._thread.start()
+
+    def window(self, t0: float, t1: float) -> dict[str, list[float]]:
+        """Mean utilisation (%) and power (W) per GPU between two ``time.monotonic()`` stamps."""
+        rows = [s for s in self._samples if t0 <= s[0] <= t1]
+        if not rows:
+            return {}
+        n = len(self.handles)
+        return {"util_pct": [sum(r[1][i] for r in rows) / len(rows) for i in range(n)],
+                "power_w": [sum(r[2][i] for r in rows) / len(rows) for i in range(n)]}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)

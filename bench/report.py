@@ -1,0 +1,250 @@
+"""``report.md`` and PNG plots from a benchmark's ``results.json``.
+
+    python -m bench.report bench/results/h100      # redraw from results.json
+
+Each plot is named after the thesis figure it reproduces (fig4_3_pipeline.png, …).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+ORDER = ["monolithic-eager", "monolithic-graph", "tensormq", "triton-gpu", "triton-cpu"]
+
+
+def _labels(d: dict[str, Any]) -> list[str]:
+    return sorted(d, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
+
+
+def _f(v: Any, fmt: str = ".2f") -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def _cell(r: dict[str, Any], key: str, fmt: str = ".2f") -> str:
+    return "failed" if "error" in r else _f(r.get(key), fmt)
+
+
+def plots(res: dict[str, Any], out: Path) -> list[str]:
+    """Draw every figure the results allow; returns the file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made: list[str] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+
+    device = res["meta"]["device"]
+    pipe = res.get("pipeline", {})
+    if pipe:  # Fig. 4.3: pipeline time per transport
+        labels = _labels(pipe)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        p50 = [pipe[k].get("p50_ms", 0) for k in labels]
+        p99 = [pipe[k].get("p99_ms", 0) for k in labels]
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], p50, 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], p99, 0.4, label="p99")
+        ax.set_xticks(list(x), labels, rotation=15)
+        ax.set_ylabel("latency (ms)")
+        ax.set_title(f"Fig 4.3 — {res['task']} end to end, batch 1 ({device})")
+        ax.legend()
+        save(fig, "fig4_3_pipeline.png")
+        # Fig. 4.4: per-block compute vs overhead
+        ens = [k for k in labels if "blocks" in pipe[k]]
+        if ens:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for i, k in enumerate(ens):
+                bottom = 0.0
+                for j, b in enumerate(pipe[k]["blocks"]):
+                    ax.bar(i, b["compute_ms"], bottom=bottom, color=f"C{j}", label=f"block {j} compute" if i == 0 else None)
+                    bottom += b["compute_ms"]
+                ax.bar(i, max(0.0, pipe[k].get("avg_ms", bottom) - bottom), bottom=bottom, color="lightgray",
+                       hatch="//", label="overhead (transport, ensemble, HTTP)" if i == 0 else None)
+            ax.set_xticks(range(len(ens)), ens)
+            ax.set_ylabel("mean latency (ms)")
+            ax.set_title(f"Fig 4.4 — compute per block vs overhead, batch 1 ({device})")
+            ax.legend(fontsize=8)
+            save(fig, "fig4_4_breakdown.png")
+    if res.get("batch"):  # Fig. 4.7: batch scaling
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for k in _labels(res["batch"]):
+            rows = res["batch"][k]
+            bs = sorted(rows, key=int)
+            ok = [b for b in bs if "error" not in rows[b]]
+            a1.plot([int(b) for b in ok], [rows[b]["p50_ms"] for b in ok], marker="o", label=k)
+            a2.plot([int(b) for b in ok], [rows[b]["throughput"] for b in ok], marker="o", label=k)
+        a1.set(xlabel="batch size", ylabel="p50 latency (ms)", title="Fig 4.7 — latency vs batch")
+        a2.set(xlabel="batch size", ylabel="inferences/s", title="throughput vs batch")
+        a1.legend(fontsize=8)
+        save(fig, "fig4_7_batch.png")
+    conc = res.get("concurrency", {})
+    if conc:  # Fig. 4.11: latency under many clients (perf_analyzer concurrency) and Fig. 4.10: energy
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for k in _labels(conc):
+            rows = conc[k]
+            cs = [c for c in sorted(rows, key=int) if "error" not in rows[c]]
+            a1.plot([int(c) for c in cs], [rows[c]["p99_ms"] for c in cs], marker="o", label=k)
+            a2.plot([int(c) for c in cs], [rows[c]["throughput"] for c in cs], marker="o", label=k)
+        a1.set(xlabel="concurrent requests", ylabel="p99 latency (ms)", title="Fig 4.11 — latency vs clients", xscale="log")
+        a2.set(xlabel="concurrent requests", ylabel="inferences/s", title="throughput vs clients", xscale="log")
+        a1.legend(fontsize=8)
+        save(fig, "fig4_11_clients.png")
+        energy = {k: {c: r["energy_mj_per_inference"] for c, r in conc[k].items() if "energy_mj_per_inference" in r} for k in conc}
+        if any(energy.values()):
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for k in _labels(energy):
+                cs = sorted(energy[k], key=int)
+                ax.plot([int(c) for c in cs], [energy[k][c] for c in cs], marker="o", label=k)
+            ax.set(xlabel="concurrent requests", ylabel="energy per inference (mJ, all GPUs)", xscale="log",
+                   title=f"Fig 4.10 — energy per inference ({device})")
+            ax.legend(fontsize=8)
+            save(fig, "fig4_10_energy.png")
+    rate = {k: v for k, v in res.get("rate", {}).items() if isinstance(v, dict)}
+    if rate:  # Fig. 4.12: throughput and latency vs offered load
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for k in _labels(rate):
+            rows = [r for r in rate[k].values() if "error" not in r]
+            rows.sort(key=lambda r: r["offered_per_s"])
+            a1.plot([r["offered_per_s"] for r in rows], [r["throughput"] for r in rows], marker="o", label=k)
+            a2.plot([r["offered_per_s"] for r in rows], [r["p99_ms"] for r in rows], marker="o", label=k)
+        a1.set(xlabel="offered load (Poisson, req/s)", ylabel="served inferences/s", title="Fig 4.12 — throughput vs offered load")
+        a2.set(xlabel="offered load (Poisson, req/s)", ylabel="p99 latency (ms)", title="p99 vs offered load", yscale="log")
+        a1.legend(fontsize=8)
+        save(fig, "fig4_12_offered_load.png")
+    gpus = {k: v for k, v in res.get("gpus", {}).items() if k.isdigit()}
+    if gpus:  # Fig. 4.15-4.16: blocks on 1, 2, 4 GPUs
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for label in ("tensormq", "triton-gpu"):
+            ks = [k for k in sorted(gpus, key=int) if label in gpus[k]]
+            if not ks:
+                continue
+            c1 = [gpus[k][label].get("1", {}).get("p50_ms") for k in ks]
+            cmax = [max((r.get("throughput", 0) for c, r in gpus[k][label].items()), default=0) for k in ks]
+            a1.plot([int(k) for k in ks], c1, marker="o", label=label)
+            a2.plot([int(k) for k in ks], cmax, marker="o", label=label)
+        a1.set(xlabel="GPUs the blocks are spread over", ylabel="p50 latency, batch 1 (ms)", title="Fig 4.15 — latency vs GPUs")
+        a2.set(xlabel="GPUs the blocks are spread over", ylabel="inferences/s (highest concurrency)", title="Fig 4.16 — throughput vs GPUs")
+        a1.legend(fontsize=8)
+        save(fig, "fig4_15_16_gpus.png")
+    return made
+
+
+def write_report(res: dict[str, Any], out: Path) -> None:
+    meta = res["meta"]
+    L: list[str] = [f"# BlockFlow benchmark — {meta['device']}", "",
+                    f"Plan `{meta['plan']}` ({meta['plan_name']}), task `{res['task']}` = {' → '.join(res['path'])}; "
+                    f"{meta['date']} on {meta['host']}; GPUs: {', '.join(meta['gpus']) or 'none'}; torch {meta['torch']}"
+                    + ("; **--quick**" if meta.get("quick") else "") + ".", "",
+                    "Every row was measured in one server, one after the other (compare within this report only). "
+                    "Latencies are perf_analyzer's (HTTP, binary tensors) unless noted.", ""]
+    pipe = res.get("pipeline", {})
+    if pipe:
+        L += ["## Pipeline time (Fig 4.3) and where it goes (Fig 4.4), batch 1, concurrency 1", "",
+              "| model | p50 ms | p99 ms | mean ms | block compute ms | overhead ms | overhead per block ms |", "|---|---|---|---|---|---|---|"]
+        for k in _labels(pipe):
+            r = pipe[k]
+            comp = r.get("block_compute_ms", r.get("server_compute_ms"))
+            n = max(1, len(r.get("blocks", [])))
+            over = r["avg_ms"] - comp if "avg_ms" in r and comp is not None else None
+            L.append(f"| {k} | {_cell(r, 'p50_ms')} | {_cell(r, 'p99_ms')} | {_cell(r, 'avg_ms')} | {_f(comp)} | {_f(over)} | "
+                     f"{_f(over / n if over is not None and 'blocks' in r else None)} |")
+        L += ["", "Block compute is Triton's compute time of each composing model (for `tensormq` it excludes GPU work "
+              "still queued when `execute` returns, which the next block waits for on the GPU).", ""]
+    if res.get("batch"):
+        bs = sorted({b for rows in res["batch"].values() for b in rows}, key=int)
+        L += ["## Batch scaling (Fig 4.7), concurrency 1: p50 ms / inferences per s", "",
+              "| model | " + " | ".join(f"b{b}" for b in bs) + " |", "|---|" + "---|" * len(bs)]
+        for k in _labels(res["batch"]):
+            rows = res["batch"][k]
+            L.append(f"| {k} | " + " | ".join(f"{_cell(rows[b], 'p50_ms')} / {_cell(rows[b], 'throughput', '.0f')}" if b in rows else "—" for b in bs) + " |")
+        L.append("")
+    conc = res.get("concurrency", {})
+    if conc:
+        cs = sorted({c for rows in conc.values() for c in rows}, key=int)
+        L += ["## Concurrency (Fig 4.11), batch 1: p50 / p99 ms, inferences per s", "",
+              "| model | " + " | ".join(f"c{c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+        for k in _labels(conc):
+            rows = conc[k]
+            L.append(f"| {k} | " + " | ".join(f"{_cell(rows[c], 'p50_ms')} / {_cell(rows[c], 'p99_ms')}, {_cell(rows[c], 'throughput', '.0f')}/s"
+                                              if c in rows else "—" for c in cs) + " |")
+        L.append("")
+        if any("energy_mj_per_inference" in r for rows in conc.values() for r in rows.values()):
+            L += ["## Energy per inference (Fig 4.10), GPU utilisation and power (NVML, all GPUs)", "",
+                  "| model | " + " | ".join(f"c{c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+            for k in _labels(conc):
+                rows = conc[k]
+                cells = []
+                for c in cs:
+                    r = rows.get(c, {})
+                    util = r.get("util_pct", [None])
+                    power = r.get("power_w", [None])
+                    cells.append(f"{_f(r.get('energy_mj_per_inference'), '.1f')} mJ, {_f(max(util) if util and util[0] is not None else None, '.0f')}% util, "
+                                 f"{_f(sum(power) if power and power[0] is not None else None, '.0f')} W")
+                L.append(f"| {k} | " + " | ".join(cells) + " |")
+            L.append("")
+    rate = {k: v for k, v in res.get("rate", {}).items() if isinstance(v, dict)}
+    if rate:
+        L += [f"## Offered load (Fig 4.12): Poisson arrivals at fractions of {res['rate']['peak_per_s']:.0f} req/s "
+              "(the best concurrency-sweep throughput); served inferences/s and p99 ms", "",
+              "| model | " + " | ".join(f"{f}×" for f in next(iter(rate.values()))) + " |", "|---|" + "---|" * len(next(iter(rate.values())))]
+        for k in _labels(rate):
+            L.append(f"| {k} | " + " | ".join(f"{_cell(r, 'throughput', '.0f')}/s, p99 {_cell(r, 'p99_ms')}" for r in rate[k].values()) + " |")
+        L.append("")
+    if res.get("clients"):
+        ns = sorted({n for rows in res["clients"].values() for n in rows}, key=int)
+        L += ["## `blockflow load` closed-loop clients (thesis' task generator, §4.2): p50 / p99 ms, inferences per s, errors", "",
+              "| model | " + " | ".join(f"{n} clients" for n in ns) + " |", "|---|" + "---|" * len(ns)]
+        for k in _labels(res["clients"]):
+            rows = res["clients"][k]
+            L.append(f"| {k} | " + " | ".join(f"{_f(rows[n]['p50_ms'])} / {_f(rows[n]['p99_ms'])}, {_f(rows[n]['throughput'], '.0f')}/s, {int(rows[n]['errors'])} err"
+                                              if n in rows else "—" for n in ns) + " |")
+        L.append("")
+    mem = res.get("memory", {})
+    if mem.get("models"):
+        L += ["## Memory per model (processes, RSS, GPU memory from NVML)", "",
+              f"GPU memory used on each GPU after start-up: {', '.join(f'{m:.0f} MiB' for m in mem['gpu_used_mib']) or 'no GPU'}.", "",
+              "| model | processes | RSS MiB | GPU MiB |", "|---|---|---|---|"]
+        for m, r in mem["models"].items():
+            L.append(f"| {m} | {r['processes']} | {r['rss_mib']:.0f} | {_f(r['gpu_mib'], '.0f')} |")
+        L.append("")
+    gpus = res.get("gpus", {})
+    if any(k.isdigit() for k in gpus):
+        L += ["## Blocks spread over GPUs (Fig 4.15–4.16): p50 ms at c1; inferences/s at the highest concurrency", "",
+              "| GPUs | " + " | ".join(("tensormq", "triton-gpu")) + " |", "|---|---|---|"]
+        for k in sorted((k for k in gpus if k.isdigit()), key=int):
+            cells = []
+            for label in ("tensormq", "triton-gpu"):
+                rows = gpus[k].get(label, {})
+                top = max(rows, key=int) if rows else None
+                cells.append(f"{_cell(rows.get('1', {}), 'p50_ms')} ms, {_cell(rows[top], 'throughput', '.0f')}/s" if top else "—")
+            L.append(f"| {k} | " + " | ".join(cells) + " |")
+        L.append("")
+    elif gpus:
+        L += [f"Blocks over several GPUs (Fig 4.15–4.16): skipped ({gpus.get('skipped')}).", ""]
+    try:
+        names = plots(res, out)
+    except ImportError:
+        names = []
+        L += ["(matplotlib is not installed here: draw the plots with `python -m bench.report DIR` where it is.)", ""]
+    if names:
+        L += ["## Plots", ""] + [f"![{n}]({n})" for n in names] + [""]
+    (out / "report.md").write_text("\n".join(L))
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    write_report(json.loads((out / "results.json").read_text()), out)
+    print(f"wrote {out / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""`blockflow bench`: every transport of a task and its monolithic references, side by side, in one server.
+
+What it measures (each maps to a figure of the thesis, ch. 4; see bench/report.py):
+
+* pipeline  — batch 1, concurrency 1: p50/p99 and, per ensemble, each block's compute time
+              and the rest (overhead) from Triton's statistics (Fig. 4.3, 4.4);
+* batch     — batch 1, 8, 32 at concurrency 1 (Fig. 4.7);
+* concurrency — batch 1 at rising concurrency: latency and throughput, GPU utilisation,
+              power and energy per inference from NVML (Fig. 4.10, 4.11);
+* rate      — open-loop Poisson arrivals at fractions of the monolithic model's peak (Fig. 4.12);
+* clients   — `blockflow load` closed-loop clients on the task (Fig. 4.11, the thesis' generator);
+* gpus      — the task's blocks spread over 1, 2, 4 GPUs, one server per layout (Fig. 4.15-4.16).
+
+Everything lands in ``results.json``; ``report.md`` and the PNG plots are drawn from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import platform
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.nvml import GpuSampler
+from blockflow.doctor import perf_analyzer_path
+from blockflow.errors import BlockFlowError, EnvironmentProblem
+from blockflow.plan import Plan, load_plan, parse_plan
+from blockflow.server import ServerOptions, TritonServer, free_port, gpu_count
+from ensemble_gen import generator, naming
+
+
+@dataclass
+class BenchConfig:
+    plan: Path
+    out: Path
+    quick: bool = False
+    seconds: float = 2.0  # perf_analyzer measurement window
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 32])
+    rate_fractions: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
+    clients: list[int] = field(default_factory=lambda: [1, 4, 16])
+    client_seconds: float = 5.0
+    gpu_layouts: list[int] = field(default_factory=lambda: [1, 2, 4])
+
+    @classmethod
+    def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
+        """A few minutes on a CPU machine: every section, fewer and shorter points."""
+        return cls(plan, out, quick=True, seconds=1.0, batches=[1, 4], concurrencies=[1, 4], rate_fractions=[0.5, 1.0],
+                   clients=[1, 4], client_seconds=2.0, gpu_layouts=[1])
+
+
+def _stats(url: str) -> dict[str, dict[str, int]]:
+    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=30) as r:
+        data = json.loads(r.read())
+    out = {}
+    for m in data["model_stats"]:
+        s = m["inference_stats"]
+        out[m["name"]] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
+                          **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")}}
+    return out
+
+
+def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
+
+
+def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
+                  rate: float | None = None) -> dict[str, Any]:
+    """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s)."""
+    pa = perf_analyzer_path()
+    if pa is None:
+        raise EnvironmentProblem("perf_analyzer not found: run ./scripts/setup.sh (or source scripts/gpu_env.sh on a GPU machine)")
+    with tempfile.NamedTemporaryFile(suffix=".csv") as f:
+        cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
+               "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
+               "--stability-percentage", "20", "-f", f.name]
+        if rate is not None:
+            cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson"]
+        else:
+            cmd += ["--concurrency-range", str(concurrency or 1)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
+        if unstable:
+            # A busy or noisy machine: take the last window as it is, and say so in the results.
+            res = subprocess.run(cmd + ["--stability-percentage", "1000", "--max-trials", "3"],
+                                 capture_output=True, text=True, timeout=600, check=False)
+        if res.returncode != 0:
+            return {"error": 1.0, "message": ((res.stderr or res.stdout).strip().splitlines() or ["?"])[-1]}
+        rows = list(csv.DictReader(open(f.name)))
+    if not rows:
+        return {"error": 1.0}
+    row = rows[0]
+    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
+             "Server Compute Infer", "Server Compute Output", "Client Recv")
+    return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
+            "p99_ms": float(row["p99 latency"]) / 1e3, "avg_ms": sum(float(row[p]) for p in parts if p in row) / 1e3,
+            **({"unstable": 1.0} if unstable else {})}
+
+
+class Bench:
+    """Runs the sections against one server; ``log`` receives one line per measurement."""
+
+    def __init__(self, cfg: BenchConfig, log: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.gpus = GpuSampler()
+        self.plan = load_plan(cfg.plan)
+        self.task = next(iter(self.plan.tasks.values()))
+        c, h, w = self.plan.block_in_shape(self.plan.blocks[self.task.path[0]])
+        self.shape = f"IMAGE:{c},{h},{w}"
+        self.image_shape = (c, h, w)
+
+    # ------------------------------------------------------------------ models of a plan
+
+    def models(self, plan: Plan) -> dict[str, dict[str, Any]]:
+        """label -> {model, blocks}: the monolithic references first, then each transport's ensemble."""
+        task = plan.tasks[self.task.name]
+        out: dict[str, dict[str, Any]] = {}
+        for v in plan.raw.references:
+            out[f"monolithic-{v}"] = {"model": naming.reference_model(task.name, v == "graph"), "blocks": []}
+        for tr in plan.transports_of(task):
+            out[str(tr)] = {"model": naming.task_model(task.name, tr, task.transport),
+                            "blocks": [naming.block_model(naming.segment_model([b.name for b in seg]), tr, plan.transport)
+                                       for seg in plan.segments(task)]}
+        return out
+
+    def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
+                rate: float | None = None) -> dict[str, Any]:
+        before = _stats(server.http_url)
+        e0, t0 = self.gpus.energy_mj(), time.monotonic()
+        r: dict[str, Any] = dict(perf_analyzer(server.http_url, model["model"], self.shape, batch, self.cfg.seconds, concurrency, rate))
+        t1, e1 = time.monotonic(), self.gpus.energy_mj()
+        d = _delta(_stats(server.http_url), before)
+        top = d.get(model["model"], {})
+        inferences = top.get("inferences", 0)
+        if self.gpus.available and inferences:
+            r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1)) / inferences
+            r.update(self.gpus.window(t0, t1))
+        n = max(1, top.get("executions", 0))
+        r["server_compute_ms"] = (top.get("compute_input_ns", 0) + top.get("compute_infer_ns", 0) + top.get("compute_output_ns", 0)) / n / 1e6
+        blocks = []
+        for b in model["blocks"]:
+            s = d.get(b, {})
+            nb = max(1, s.get("executions", 0))
+            blocks.append({"block": b, "compute_ms": (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0)
+                                                      + s.get("compute_output_ns", 0)) / nb / 1e6,
+                           "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
+                           "batch_per_execution": s.get("inferences", 0) / nb})
+        if blocks:
+            r["blocks"] = blocks
+            r["block_compute_ms"] = sum(b["compute_ms"] for b in blocks)
+        return r
+
+    def _line(self, section: str, label: str, point: str, r: dict[str, Any]) -> None:
+        keys = ("p50_ms", "p99_ms", "throughput", "energy_mj_per_inference")
+        self.log(f"[bench] {section:11s} {label:18s} {point:8s} " + "  ".join(f"{k}={r[k]:.3f}" for k in keys if k in r)
+                 + ("  FAILED" if "error" in r else ""))
+
+    # ------------------------------------------------------------------ sections
+
+    def _serve(self, plan: Plan) -> TritonServer:
+        repo = Path(tempfile.mkdtemp(prefix="blockflow-bench-"))
+        generator.write(generator.render(plan), repo)
+        server = TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()))
+        server.start(900)
+        return server
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        res: dict[str, Any] = {"meta": self._meta(), "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+                               "task": self.task.name, "path": list(self.task.path)}
+        self.gpus.start()
+        server = self._serve(self.plan)
+        try:
+            models = self.models(self.plan)
+            res["models"] = {k: v["model"] for k, v in models.items()}
+            res["memory"] = self._memory(server)
+            for label, m in models.items():  # warm-up, not recorded
+                perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
+            res["pipeline"] = {}
+            res["batch"] = {}
+            for label, m in models.items():
+                for b in cfg.batches:
+                    r = self.measure(server, m, b, concurrency=1)
+                    res["batch"].setdefault(label, {})[str(b)] = r
+                    self._line("batch", label, f"b{b}", r)
+                res["pipeline"][label] = res["batch"][label][str(cfg.batches[0])]
+            res["concurrency"] = {}
+            for label, m in models.items():
+                for c in cfg.concurrencies:
+                    r = self.measure(server, m, 1, concurrency=c)
+                    res["concurrency"].setdefault(label, {})[str(c)] = r
+                    self._line("concurrency", label, f"c{c}", r)
+            peak = self._peak(res["concurrency"])
+            res["rate"] = {"peak_per_s": peak}
+            for label, m in models.items():
+                for frac in cfg.rate_fractions:
+                    r = self.measure(server, m, 1, rate=max(1.0, peak * frac))
+                    r["offered_per_s"] = max(1.0, peak * frac)
+                    res["rate"].setdefault(label, {})[f"{frac:g}"] = r
+                    self._line("rate", label, f"{frac:g}x", r)
+            res["clients"] = self._clients(server, models)
+        finally:
+            server.stop()
+        res["gpus"] = self._gpu_layouts()
+        self.gpus.stop()
+        return res
+
+    def _meta(self) -> dict[str, Any]:
+        import torch
+
+        return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "plan": str(self.cfg.plan),
+                "plan_name": self.plan.raw.name, "gpus": self.gpus.names(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "quick": self.cfg.quick}
+
+    def _peak(self, conc: dict[str, dict[str, dict[str, Any]]]) -> float:
+        """The offered-load scale: the best throughput any model reached in the concurrency sweep."""
+        best = [r.get("throughput", 0.0) for rows in conc.values() for r in rows.values()]
+        return float(max(best + [1.0]))
+
+    def _memory(self, server: TritonServer) -> dict[str, Any]:
+        stubs = server.stub_processes()
+        per_pid = self.gpus.process_memory_mib(p for pids in stubs.values() for p in pids) if self.gpus.available else {}
+        import psutil
+
+        out: dict[str, Any] = {"gpu_used_mib": self.gpus.memory_used_mib() if self.gpus.available else [], "models": {}}
+        for model, pids in sorted(stubs.items()):
+            rss = 0.0
+            for p in pids:
+                try:
+                    rss += psutil.Process(p).memory_info().rss / 2**20
+                except psutil.Error:
+                    pass
+            gpu = [per_pid[p] for p in pids if p in per_pid]
+            out["models"][model] = {"processes": len(pids), "rss_mib": rss, "gpu_mib": sum(gpu) if gpu else None}
+        return out
+
+    def _clients(self, server: TritonServer, models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        from clients.load import LoadSpec, run_load, summarize
+
+        out: dict[str, Any] = {}
+        for label, m in models.items():
+            for n in self.cfg.clients:
+                spec = LoadSpec(url=server.http_url, tasks=[m["model"]], shape=self.image_shape, clients=n,
+                                duration_s=self.cfg.client_seconds)
+                records = asyncio.run(run_load(spec))
+                s = summarize(records, self.cfg.client_seconds).get(m["model"], {})
+                row = {"requests": s.get("requests", 0.0), "errors": s.get("errors", 0.0), "throughput": s.get("throughput", 0.0),
+                       "p50_ms": s.get("p50", float("nan")), "p99_ms": s.get("p99", float("nan"))}
+                out.setdefault(label, {})[str(n)] = row
+                self._line("clients", label, f"n{n}", row)
+        return out
+
+    def _gpu_layouts(self) -> dict[str, Any]:
+        """The task's blocks round-robin over k GPUs (k = 1, 2, 4 as available), one server per layout."""
+        have = gpu_count()
+        layouts = [k for k in self.cfg.gpu_layouts if 1 <= k <= have]
+        if not layouts:
+            return {"skipped": f"{have} GPU(s) visible"}
+        out: dict[str, Any] = {}
+        for k in layouts:
+            plan = spread(self.plan, self.task.name, k)
+            server = self._serve(plan)
+            try:
+                models = {label: m for label, m in self.models(plan).items() if label in ("tensormq", "triton-gpu")}
+                for label, m in models.items():
+                    perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
+                    for c in (1, max(self.cfg.concurrencies)):
+                        r = self.measure(server, m, 1, concurrency=c)
+                        out.setdefault(str(k), {}).setdefault(label, {})[str(c)] = r
+                        self._line(f"gpus={k}", label, f"c{c}", r)
+            finally:
+                server.stop()
+        return out
+
+
+def spread(plan: Plan, task: str, k: int) -> Plan:
+    """``plan`` with ``task``'s blocks placed round-robin on GPUs 0..k-1 (only that task, tensormq + triton-gpu)."""
+    raw = plan.raw.model_dump(mode="json", exclude_none=True)
+    path = plan.tasks[task].path
+    raw["blocks"] = {b: dict(raw["blocks"][b], placement=[i % k]) for i, b in enumerate(path)}
+    raw["tasks"] = {task: raw["tasks"][task]}
+    raw["compare"] = [t for t in ("triton-gpu",) if t != raw.get("transport")]
+    raw["references"] = []
+    raw["name"] = f"{plan.raw.name}-on-{k}-gpus"
+    return parse_plan(raw, source=f"{plan.source} spread over {k} GPU(s)", base_dir=plan.base_dir)
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
+    """Run everything, write results.json, report.md and the plots; returns the output directory."""
+    from bench.report import write_report
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    try:
+        results = Bench(cfg, log).run()
+    except OSError as exc:
+        raise BlockFlowError(f"benchmark failed: {exc}") from exc
+    (cfg.out / "results.json").write_text(json.dumps(results, indent=2))
+    write_report(results, cfg.out)
+    return cfg.out

@@ -1,0 +1,111 @@
+"""What a running server is doing, per task and per block: `blockflow status`.
+
+Built only from what Triton exposes: the repository index and model configs, the
+statistics extension (``/v2/models/stats``: cumulative counts and times) and the
+metrics endpoint (``nv_inference_request_summary_us`` quantiles and the block
+monitor's ``blockflow_block_*`` gauges). Rates and per-request times are deltas
+between two snapshots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from blockflow.errors import BlockFlowError
+
+
+@dataclass
+class Snapshot:
+    at: float
+    ready: dict[str, bool]  # model -> READY
+    ensembles: set[str]
+    instances: dict[str, int]  # python model -> instances in its config
+    stats: dict[str, dict[str, Any]]  # model -> inference_stats
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)  # metric -> [(labels, value)]
+
+    def metric(self, name: str, **match: str) -> list[tuple[dict[str, str], float]]:
+        return [(lab, v) for lab, v in self.samples.get(name, []) if all(lab.get(k) == x for k, x in match.items())]
+
+
+def _url(url: str) -> str:
+    return url if url.startswith("http") else f"http://{url}"
+
+
+def snapshot(http_url: str, metrics_url: str, client: httpx.Client) -> Snapshot:
+    base = _url(http_url)
+    try:
+        index = client.post(f"{base}/v2/repository/index", json={}).json()
+        ready = {str(e["name"]): e.get("state") == "READY" for e in index}
+        ensembles, instances = set(), {}
+        for name, ok in ready.items():
+            if not ok:
+                continue
+            cfg = client.get(f"{base}/v2/models/{name}/config").json()
+            if cfg.get("platform") == "ensemble":
+                ensembles.add(name)
+            else:
+                instances[name] = sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []))
+        stats = {s["name"]: s["inference_stats"] for s in client.get(f"{base}/v2/models/stats").json().get("model_stats", [])}
+        text = client.get(_url(metrics_url)).text
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise BlockFlowError(f"cannot read the server's state at {base} / {metrics_url}: {exc}") from None
+    samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith(("blockflow_", "nv_inference_request_summary_us")):
+                samples[s.name].append((dict(s.labels), float(s.value)))
+    return Snapshot(time.monotonic(), ready, ensembles, instances, stats, dict(samples))
+
+
+def _count(stats: dict[str, Any], key: str) -> tuple[int, int]:
+    d = stats.get(key, {})
+    return int(d.get("count", 0)), int(d.get("ns", 0))
+
+
+def _delta(a: Snapshot, b: Snapshot, model: str, key: str) -> tuple[int, int]:
+    c0, n0 = _count(a.stats.get(model, {}), key)
+    c1, n1 = _count(b.stats.get(model, {}), key)
+    return max(0, c1 - c0), max(0, n1 - n0)
+
+
+def _quantile(s: Snapshot, model: str, q: str) -> float | None:
+    hits = [v for lab, v in s.metric("nv_inference_request_summary_us", model=model, quantile=q) if v == v]  # drop NaN
+    return hits[0] / 1000.0 if hits else None
+
+
+def task_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
+    dt = max(b.at - a.at, 1e-9)
+    rows = []
+    for model in sorted(b.ensembles | {m for m in a.ensembles if m in b.ready}):
+        n, _ = _delta(a, b, model, "success")
+        failed, _ = _delta(a, b, model, "fail")
+        rows.append({"task": model, "ready": b.ready.get(model, False), "rate": n / dt, "failed": failed,
+                     "p50_ms": _quantile(b, model, "0.5"), "p99_ms": _quantile(b, model, "0.99")})
+    return rows
+
+
+def block_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
+    dt = max(b.at - a.at, 1e-9)
+    rows = []
+    for model in sorted(b.instances):
+        n, queue_ns = _delta(a, b, model, "queue")
+        _, compute_ns = _delta(a, b, model, "compute_infer")
+        gpus = sorted({lab.get("gpu", "?") for lab, _ in b.metric("blockflow_block_monitor_samples_total", block=model)})
+        gpu_mem = sum(v for _, v in b.metric("blockflow_block_gpu_memory_bytes", block=model))
+        rss = sum(v for _, v in b.metric("blockflow_block_rss_bytes", block=model))
+        util = [v for _, v in b.metric("blockflow_block_gpu_utilization_ratio", block=model)]
+        cpu = sum(v for _, v in b.metric("blockflow_block_cpu_utilization_ratio", block=model))
+        rows.append({
+            "block": model, "ready": b.ready.get(model, False), "instances": b.instances[model],
+            "device": ",".join(f"gpu{g}" if g != "cpu" else "cpu" for g in gpus) or "-",
+            "gpu_mem_mib": gpu_mem / 2**20 if gpu_mem else None, "rss_mib": rss / 2**20 if rss else None,
+            "gpu_util": max(util) if util else None, "cpu_util": cpu,
+            "rate": n / dt, "queue_ms": queue_ns / n / 1e6 if n else None, "compute_ms": compute_ns / n / 1e6 if n else None,
+        })
+    return rows

@@ -1,0 +1,95 @@
+"""Pure logic of live updates: the difference between a plan and what a server runs, and the load order."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from blockflow.apply import Applier, Change, Report, Served, compute_diff, expected_instances
+from blockflow.plan import load_plan
+from ensemble_gen import generator
+from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
+
+ROOT = Path(__file__).resolve().parents[2]
+A = load_plan(ROOT / "tests" / "plans" / "live_a.yaml")
+B = load_plan(ROOT / "tests" / "plans" / "live_b.yaml")
+
+
+def _served(plan_files: dict[str, bytes]) -> list[Served]:
+    out = []
+    for name, files in generator.by_model(plan_files).items():
+        cfg = parse_pbtxt(files["config.pbtxt"].decode())
+        out.append(Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value))
+    return out
+
+
+def test_same_plan_is_no_change() -> None:
+    files = generator.render(A)
+    d = compute_diff(files, _served(files))
+    assert d.empty and d.lines()[0].startswith("no change") and len(d.unchanged) == 7
+
+
+def test_a_to_b_in_order_blocks_then_ensembles_then_removals() -> None:
+    d = compute_diff(generator.render(B), _served(generator.render(A)) + [Served("someone_elses", False, None)])
+    assert [str(c) for c in d.changes] == [
+        "+ block head_new", "+ block head_swap_b", "~ block head_keep", "+ ensemble new", "~ ensemble swap",
+        "- ensemble gone", "- block head_gone", "- block head_swap_a"]
+    assert d.unchanged == ("keep", "trunk") and d.foreign == ("someone_elses",)
+
+
+def test_digest_follows_weights_file_contents(tmp_path: Path) -> None:
+    from blockflow.plan import parse_plan
+
+    w = tmp_path / "w.pt"
+    import torch
+
+    torch.save({}, w)
+    raw = A.raw.model_dump(mode="json", exclude_none=True)
+    raw["blocks"]["head_keep"]["weights"] = {"file": str(w)}
+    before = generator.render(parse_plan(raw, base_dir=tmp_path))
+    torch.save({"x": torch.zeros(1)}, w)
+    after = generator.render(parse_plan(raw, base_dir=tmp_path))
+    assert [str(c) for c in compute_diff(after, _served(before)).changes] == ["~ block head_keep"]
+
+
+def test_expected_instances_per_device() -> None:
+    files = generator.render(B)
+    assert expected_instances(files, gpus=0) == {"trunk": 1, "head_keep": 2, "head_swap_b": 1, "head_new": 1}
+    assert expected_instances(files, gpus=2)["head_keep"] == 4  # placement auto: each GPU gets the instances
+
+
+class _Recorder(Applier):
+    """The applier's ordering with the server calls recorded instead of sent (pure logic)."""
+
+    def __init__(self, repository: Path) -> None:
+        self.repository = repository
+        self.lock = threading.Lock()
+        self._log = lambda _m: None
+        self.waves: list[list[str]] = []
+        self.on_disk: dict[str, bool] = {}
+
+    def _load_all(self, changes: list[Change], report: Report) -> None:
+        self.waves.append(sorted(c.model for c in changes))
+        for c in changes:
+            self.on_disk[c.model] = (self.repository / c.model / "config.pbtxt").is_file()
+
+
+def test_load_waves_respect_dependencies(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    generator.write(generator.render(A), repo)
+    rec = _Recorder(repo)
+    files = generator.render(B)
+    wanted = generator.by_model(files)
+    d = compute_diff(files, _served(generator.render(A)))
+    backup = {c.model: generator.read_model(repo, c.model) for c in d.changes}
+    blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
+    ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
+    via = {s for c in ensembles for s in parse_pbtxt(wanted[c.model]["config.pbtxt"].decode()).ensemble_scheduling.step
+           for s in [s.model_name]}
+    for c in blocks:
+        generator.write_model(repo, c.model, wanted[c.model])
+    done: list[Change] = []
+    rec._load_waves(blocks, ensembles, via, wanted, backup, done, Report(d))
+    # head_keep is reloaded alone (its reload also reloads `keep`); the new ensembles bring their new blocks.
+    assert rec.waves == [["head_keep", "new", "swap"]]
+    assert all(rec.on_disk.values())

@@ -1,0 +1,29 @@
+"""The Grafana dashboard only queries metrics that BlockFlow or Triton export."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from backend import monitor
+from backend.tensormq import metrics as tmq
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "monitoring" / "grafana" / "blockflow.json"
+TRITON = {"nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_summary_us",
+          "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us"}
+
+
+def test_dashboard_queries_known_metrics() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ours = set(monitor.GAUGES) | set(monitor.COUNTERS) | set(tmq.GAUGES) | set(tmq.COUNTERS)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        names = set(re.findall(r"\b((?:blockflow|nv)_[a-z0-9_]+)\b", expr))
+        assert names, expr
+        unknown = names - ours - TRITON
+        assert not unknown, f"{unknown} in {expr!r}"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
