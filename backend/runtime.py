@@ -128,6 +128,10 @@ class BlockRunner:
                 self._eager(torch.zeros((b, *self.spec.in_shape), device=self.device))
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+            # cuDNN's algorithm search (benchmark mode) leaves large workspaces cached in the allocator;
+            # a block process keeps them for its lifetime unless released here (bench.memory measures it).
+            if os.environ.get("BLOCKFLOW_KEEP_ALLOCATOR_CACHE") != "1":
+                torch.cuda.empty_cache()
 
     def _capture(self, batch: int, pool: Any) -> _Graph:
         static_in = torch.zeros((batch, *self.spec.in_shape), device=self.device, dtype=self.dtype)

@@ -37,6 +37,9 @@ from blockflow.server import ServerOptions, TritonServer, free_port, gpu_count
 from ensemble_gen import generator, naming
 
 
+SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
+
+
 @dataclass
 class BenchConfig:
     plan: Path
@@ -48,13 +51,14 @@ class BenchConfig:
     rate_fractions: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
     clients: list[int] = field(default_factory=lambda: [1, 4, 16])
     client_seconds: float = 5.0
-    gpu_layouts: list[int] = field(default_factory=lambda: [1, 2, 4])
+    gpu_layouts: list[int] = field(default_factory=lambda: [2, 4])  # 1 GPU is the main run itself
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
 
     @classmethod
     def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
         """A few minutes on a CPU machine: every section, fewer and shorter points."""
         return cls(plan, out, quick=True, seconds=1.0, batches=[1, 4], concurrencies=[1, 4], rate_fractions=[0.5, 1.0],
-                   clients=[1, 4], client_seconds=2.0, gpu_layouts=[1])
+                   clients=[1, 4], client_seconds=2.0, gpu_layouts=[2])
 
 
 def _stats(url: str) -> dict[str, dict[str, int]]:
@@ -187,30 +191,34 @@ class Bench:
                 perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
             res["pipeline"] = {}
             res["batch"] = {}
-            for label, m in models.items():
-                for b in cfg.batches:
+            for label, m in models.items():  # batch 1 is the pipeline figure; the batch sweep adds the rest
+                for b in cfg.batches if "batch" in cfg.sections else cfg.batches[:1]:
                     r = self.measure(server, m, b, concurrency=1)
                     res["batch"].setdefault(label, {})[str(b)] = r
                     self._line("batch", label, f"b{b}", r)
                 res["pipeline"][label] = res["batch"][label][str(cfg.batches[0])]
             res["concurrency"] = {}
-            for label, m in models.items():
-                for c in cfg.concurrencies:
-                    r = self.measure(server, m, 1, concurrency=c)
-                    res["concurrency"].setdefault(label, {})[str(c)] = r
-                    self._line("concurrency", label, f"c{c}", r)
-            peak = self._peak(res["concurrency"])
-            res["rate"] = {"peak_per_s": peak}
-            for label, m in models.items():
-                for frac in cfg.rate_fractions:
-                    r = self.measure(server, m, 1, rate=max(1.0, peak * frac))
-                    r["offered_per_s"] = max(1.0, peak * frac)
-                    res["rate"].setdefault(label, {})[f"{frac:g}"] = r
-                    self._line("rate", label, f"{frac:g}x", r)
-            res["clients"] = self._clients(server, models)
+            if "concurrency" in cfg.sections or "gpus" in cfg.sections:
+                for label, m in models.items():
+                    for c in cfg.concurrencies:
+                        r = self.measure(server, m, 1, concurrency=c)
+                        res["concurrency"].setdefault(label, {})[str(c)] = r
+                        self._line("concurrency", label, f"c{c}", r)
+            if "rate" in cfg.sections:
+                peak = self._peak(res["concurrency"])
+                res["rate"] = {"peak_per_s": peak}
+                for label, m in models.items():
+                    for frac in cfg.rate_fractions:
+                        r = self.measure(server, m, 1, rate=max(1.0, peak * frac))
+                        r["offered_per_s"] = max(1.0, peak * frac)
+                        res["rate"].setdefault(label, {})[f"{frac:g}"] = r
+                        self._line("rate", label, f"{frac:g}x", r)
+            if "clients" in cfg.sections:
+                res["clients"] = self._clients(server, models)
         finally:
             server.stop()
-        res["gpus"] = self._gpu_layouts()
+        if "gpus" in cfg.sections:
+            res["gpus"] = self._gpu_layouts(res["concurrency"])
         self.gpus.stop()
         return res
 
@@ -259,13 +267,21 @@ class Bench:
                 self._line("clients", label, f"n{n}", row)
         return out
 
-    def _gpu_layouts(self) -> dict[str, Any]:
-        """The task's blocks round-robin over k GPUs (k = 1, 2, 4 as available), one server per layout."""
+    def _gpu_layouts(self, one_gpu: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The task's blocks round-robin over k GPUs (k = 2, 4 as available), one server per layout.
+
+        k = 1 is the main run (every block on GPU 0); its tensormq and triton-gpu rows are reused.
+        """
         have = gpu_count()
-        layouts = [k for k in self.cfg.gpu_layouts if 1 <= k <= have]
-        if not layouts:
-            return {"skipped": f"{have} GPU(s) visible"}
         out: dict[str, Any] = {}
+        if have >= 1 and one_gpu:
+            top = str(max(self.cfg.concurrencies))
+            out["1"] = {label: {c: one_gpu[label][c] for c in ("1", top) if c in one_gpu.get(label, {})}
+                        for label in ("tensormq", "triton-gpu") if label in one_gpu}
+        layouts = [k for k in self.cfg.gpu_layouts if 2 <= k <= have]
+        if not layouts:
+            out["skipped"] = f"{have} GPU(s) visible: no layout over several GPUs"
+            return out
         for k in layouts:
             plan = spread(self.plan, self.task.name, k)
             server = self._serve(plan)

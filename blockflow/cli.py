@@ -541,15 +541,81 @@ def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for results.json, report.md and the plots.")
 @click.option("--quick", is_flag=True, help="Fewer, shorter points: a few minutes on a CPU machine.")
 @click.option("--seconds", type=click.FloatRange(0.5), default=None, help="perf_analyzer measurement window per point.")
-def bench(plan: Path, out: Path, quick: bool, seconds: Optional[float]) -> None:
+@click.option("--sections", default=None, help="Comma-separated subset of: batch, concurrency, rate, clients, gpus (default: all).")
+@click.option("--concurrency", "concurrencies", default=None, help="Comma-separated concurrency levels (default 1,4,16,32).")
+def bench(plan: Path, out: Path, quick: bool, seconds: Optional[float], sections: Optional[str], concurrencies: Optional[str]) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
-    from bench.suite import BenchConfig, run_bench
+    from bench.suite import SECTIONS, BenchConfig, run_bench
 
     cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
     if seconds is not None:
         cfg.seconds = seconds
+    if sections is not None:
+        cfg.sections = [x.strip() for x in sections.split(",") if x.strip()]
+        unknown = set(cfg.sections) - set(SECTIONS)
+        if unknown:
+            raise click.BadParameter(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}", param_hint="--sections")
+    if concurrencies is not None:
+        try:
+            cfg.concurrencies = sorted({int(x) for x in concurrencies.split(",")})
+        except ValueError:
+            raise click.BadParameter("give integers, e.g. 1,8,32", param_hint="--concurrency") from None
     where = run_bench(cfg, log=lambda line: out_console.print(line, markup=False, highlight=False))
     out_console.print(f"[green]done[/]: {where / 'report.md'}, {where / 'results.json'}")
+
+
+@app.command("plan-memory")
+@click.argument("plan", type=click.Path(path_type=Path), required=False)
+@click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs to place on (default: the GPUs NVML sees, at least 1).")
+@click.option("--calibration", type=click.Path(path_type=Path, exists=True), default=None,
+              help="Constants measured by `python -m bench.memory` (default: bench/results/h100/memory_calibration.json if present).")
+@click.option("--scenarios", "arch", type=click.Choice(["resnet50", "resnet152"]), default=None,
+              help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
+@click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
+@click.option("--cuda-pool-mb", type=click.IntRange(0), default=2048, show_default=True, help="Triton's CUDA pool per GPU, as `serve` sets it.")
+def plan_memory(plan: Optional[Path], gpus: Optional[int], calibration: Optional[Path], arch: Optional[str], n_tasks: int,
+                cuda_pool_mb: int) -> None:
+    """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""
+    from blockflow import memory
+    from blockflow.plan import load_plan
+    from blockflow.server import gpu_count
+
+    default_cal = Path(__file__).resolve().parent.parent / "bench" / "results" / "h100" / "memory_calibration.json"
+    cal_path = calibration or (default_cal if default_cal.is_file() else None)
+    cal = memory.Calibration.load(cal_path) if cal_path else memory.Calibration()
+    out.print(f"calibration: {cal.source} (process {cal.process_mib:.0f} MiB, activation factor {cal.activation_factor:.2f}, "
+              f"server {cal.server_mib:.0f} MiB + CUDA pool {cuda_pool_mb} MiB per GPU)")
+    if arch is not None:
+        table = Table(title=f"{arch}, N = {n_tasks} tasks, one GPU: predicted MiB (thesis Table 4.4 scenarios)")
+        for col in ("scenario", "A / B / C", "modular", "fused", "traditional", "saving", "saving fused", "processes mod / fused / trad"):
+            table.add_column(col, justify="right")
+        for r in memory.scenario_table(arch, n_tasks, cal, cuda_pool_mb):
+            table.add_row(str(r["scenario"]), f"{r['class_a']:.0%} / {r['class_b']:.0%} / {r['class_c']:.0%}",
+                          f"{r['modular_mib']:,.0f}", f"{r['fused_mib']:,.0f}", f"{r['traditional_mib']:,.0f}",
+                          f"{r['saving_modular']:+.1%}", f"{r['saving_fused']:+.1%}",
+                          f"{r['processes_modular']:.0f} / {r['processes_fused']:.0f} / {r['processes_traditional']:.0f}")
+        out.print(table)
+        return
+    if plan is None:
+        raise click.UsageError("give a PLAN, or --scenarios resnet50|resnet152")
+    p = load_plan(plan)
+    n = gpus if gpus is not None else max(1, gpu_count())
+    mod, trad = memory.modular(p, n, cal), memory.traditional(p, n, cal)
+    table = Table(title=f"{plan}: predicted GPU memory per process (MiB)")
+    for col in ("model", "GPU", "overhead", "weights", "activations", "TensorMQ pool", "total"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for pr in mod:
+        table.add_row(pr.model, str(pr.gpu), f"{pr.overhead_mib:.0f}", f"{pr.weights_mib:.1f}", f"{pr.activations_mib:.1f}",
+                      f"{pr.pool_mib:.0f}", f"{pr.total_mib:.0f}")
+    out.print(table)
+    m, t = memory.per_gpu(mod, n, cal, cuda_pool_mb), memory.per_gpu(trad, n, cal, cuda_pool_mb)
+    summary = Table(title="per GPU (MiB, with the server): BlockFlow vs one full model per task")
+    for col in ("GPU", "BlockFlow", "processes", "traditional", "processes", "saving"):
+        summary.add_column(col, justify="right")
+    for g in sorted(set(m) | set(t)):
+        summary.add_row(str(g), f"{m.get(g, 0):,.0f}", str(sum(1 for x in mod if x.gpu == g)), f"{t.get(g, 0):,.0f}",
+                        str(sum(1 for x in trad if x.gpu == g)), f"{1 - m.get(g, 0) / t[g]:+.1%}" if t.get(g) else "—")
+    out.print(summary)
 
 
 @app.command()

@@ -1,0 +1,218 @@
+"""What a block process's GPU memory is made of, and the memory model's calibration and check.
+
+    python -m bench.memory --out bench/results/h100          # on a GPU machine, nothing else running on GPU 0
+
+1. Breakdown: a fresh process per setting builds a block the way a block instance does
+   (backend.runtime.BlockRunner) and reports GPU 0's used memory after each step: CUDA
+   context, weights, warm-up / CUDA-graph capture, and after ``torch.cuda.empty_cache()``.
+2. Calibration: real servers (`blockflow serve`'s settings) for several plans; GPU 0's used
+   memory with the plan loaded minus before; least squares for the per-process overhead,
+   the activation factor and the server's own share (blockflow/memory.py's model).
+3. Check: predicted vs measured for every plan, and the thesis' eight scenarios predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BREAKDOWN_CHILD = r'''
+import json, os, sys, torch
+from blockflow.plan import load_plan
+from ensemble_gen.generator import segment_spec
+from backend.runtime import BlockRunner
+def used():
+    torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(0); return (total - free) / 2**20
+plan = load_plan(sys.argv[1]); block = plan.blocks[sys.argv[2]]
+base = float(sys.argv[3]); steps = {}
+torch.zeros(1, device="cuda:0"); steps["context"] = used() - base
+if os.environ.get("BF_CUDNN_BENCHMARK") == "0": torch.backends.cudnn.benchmark = False
+spec, _ = segment_spec(plan, (block,), plan.transport)
+r = BlockRunner(spec, torch.device("cuda", 0))
+if os.environ.get("BF_CUDNN_BENCHMARK") == "0": torch.backends.cudnn.benchmark = False
+steps["weights"] = used() - base
+r.warmup(); steps["warmup"] = used() - base  # warmup() itself empties the allocator cache unless told not to
+torch.cuda.empty_cache(); steps["empty_cache"] = used() - base
+steps["torch_allocated"] = torch.cuda.memory_allocated() / 2**20
+steps["torch_reserved"] = torch.cuda.memory_reserved() / 2**20
+print(json.dumps(steps))
+'''
+
+
+def _gpu_used_mib() -> float:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used) / 2**20
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
+    settings = {"default (lazy modules, cuDNN benchmark, graphs)": {},
+                "eager module loading": {"CUDA_MODULE_LOADING": "EAGER"},
+                "cuDNN benchmark off": {"BF_CUDNN_BENCHMARK": "0"},
+                "no CUDA graphs": {"BLOCKFLOW_DISABLE_CUDA_GRAPHS": "1"},
+                "expandable segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+                "allocator cache kept after warm-up": {"BLOCKFLOW_KEEP_ALLOCATOR_CACHE": "1"}}
+    rows = []
+    for block in blocks:
+        for label, env in settings.items():
+            base = _gpu_used_mib()
+            res = subprocess.run([sys.executable, "-c", BREAKDOWN_CHILD, str(plan), block, str(base)], capture_output=True, text=True,
+                                 env={**os.environ, **env, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                                 timeout=300, check=False)
+            row: dict[str, Any] = {"block": block, "setting": label}
+            if res.returncode == 0:
+                row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+            else:
+                row["error"] = res.stderr.strip().splitlines()[-1:] if res.stderr else "?"
+            rows.append(row)
+            print(f"[memory] breakdown {block:10s} {label:48s} {json.dumps({k: round(v, 1) for k, v in row.items() if isinstance(v, float)})}", flush=True)
+            time.sleep(1)
+    return rows
+
+
+def measure_plan(plan_path: Path, cuda_pool_mb: int) -> dict[str, Any]:
+    from blockflow.plan import load_plan
+    from blockflow.server import ServerOptions, TritonServer, free_port
+    from ensemble_gen import generator
+
+    plan = load_plan(plan_path)
+    repo = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+    generator.write(generator.render(plan), repo)
+    before = _gpu_used_mib()
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), cuda_pool_mb=cuda_pool_mb)
+    with TritonServer(opts) as server:
+        time.sleep(3)
+        during = _gpu_used_mib()
+        stubs = {m: len(p) for m, p in server.stub_processes().items()}
+    time.sleep(3)
+    return {"plan": str(plan_path), "measured_mib": during - before, "stubs": stubs}
+
+
+def _design(plan_path: Path, cal: Any) -> tuple[float, float, float, float]:
+    """(fixed MiB: weights + pools + CUDA pool, process count, activation MiB at factor 1, server count) of a plan on GPU 0."""
+    from blockflow import memory
+    from blockflow.plan import load_plan
+
+    plan = load_plan(plan_path)
+    unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, server_mib=0.0)
+    procs = memory.modular(plan, 1, unit) + _references(plan, unit)
+    fixed = sum(p.weights_mib + p.pool_mib for p in procs)
+    return fixed, float(len(procs)), sum(p.activations_mib for p in procs), 1.0
+
+
+def _references(plan: Any, cal: Any) -> list[Any]:
+    """Reference models a plan also serves (measured servers run them too)."""
+    from blockflow import memory
+
+    out = []
+    for task in plan.tasks.values():
+        blocks = [plan.blocks[b] for b in task.path]
+        for variant in plan.raw.references:
+            deploy = blocks[0]
+            import dataclasses
+
+            deploy = dataclasses.replace(deploy, precision="fp32", cuda_graphs=variant == "graph",
+                                         max_batch_size=min(b.max_batch_size for b in blocks), instances=1)
+            out.append(memory._process(plan, f"{task.name}__ref", blocks, deploy, 0, 0.0, cal))
+    return out
+
+
+def main() -> None:
+    import numpy as np
+
+    from blockflow import memory
+    from blockflow.plan import load_plan
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cuda-pool-mb", type=int, default=2048)
+    ap.add_argument("--plans", nargs="*", default=["plans/default.yaml", "plans/default_fused.yaml", "plans/bench_r50.yaml",
+                                                   "tests/plans/fused.yaml", "tests/plans/r18_three_cuts.yaml"])
+    ap.add_argument("--skip-breakdown", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {}
+    if not args.skip_breakdown:
+        result["breakdown"] = breakdown(ROOT / "plans" / "default.yaml", ["r50_s0", "r50_s3a"])
+    measured = []
+    for p in args.plans:
+        m = measure_plan(ROOT / p, args.cuda_pool_mb)
+        print(f"[memory] plan {p}: {m['measured_mib']:.0f} MiB over {sum(m['stubs'].values())} processes", flush=True)
+        measured.append(m)
+    result["plans"] = measured
+    # measured - weights - pools - CUDA pool = server + n_proc * process + factor * activations
+    rows, ys = [], []
+    for m in measured:
+        fixed, n, act, srv = _design(Path(ROOT / m["plan"]), None)
+        rows.append([srv, n, act])
+        ys.append(m["measured_mib"] - fixed - args.cuda_pool_mb)
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    server, process, factor = (float(c) for c in coef)
+    cal = memory.Calibration(process_mib=process, activation_factor=max(0.0, factor), server_mib=server,
+                             source=f"fitted to {len(measured)} plans on {_device()} ({time.strftime('%Y-%m-%d')})")
+    cal.save(args.out / "memory_calibration.json")
+    checks = []
+    for m in measured:
+        plan = load_plan(ROOT / m["plan"])
+        pred = memory.per_gpu(memory.modular(plan, 1, cal) + _references(plan, cal), 1, cal, args.cuda_pool_mb)[0]
+        checks.append({"plan": m["plan"], "processes": sum(m["stubs"].values()), "measured_mib": m["measured_mib"],
+                       "predicted_mib": pred, "error": pred / m["measured_mib"] - 1})
+    result["calibration"] = cal.__dict__
+    result["checks"] = checks
+    result["scenarios"] = {arch: memory.scenario_table(arch, 100, cal, args.cuda_pool_mb) for arch in ("resnet50", "resnet152")}
+    (args.out / "memory.json").write_text(json.dumps(result, indent=2))
+    write_report(result, args.out / "memory.md")
+    print((args.out / "memory.md").read_text())
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def write_report(res: dict[str, Any], path: Path) -> None:
+    cal = res["calibration"]
+    L = [f"# GPU memory — {cal['source']}", ""]
+    if res.get("breakdown"):
+        L += ["## What one block process holds (GPU 0 used memory, MiB, cumulative after each step)", "",
+              "| block | setting | context | + weights | + warm-up/graphs | after empty_cache | torch allocated | torch reserved |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in res["breakdown"]:
+            if "error" in r:
+                L.append(f"| {r['block']} | {r['setting']} | failed: {r['error']} | | | | | |")
+                continue
+            L.append(f"| {r['block']} | {r['setting']} | {r['context']:.0f} | {r['weights']:.0f} | {r['warmup']:.0f} | "
+                     f"{r['empty_cache']:.0f} | {r['torch_allocated']:.0f} | {r['torch_reserved']:.0f} |")
+        L.append("")
+    L += ["## Model", "", f"process overhead {cal['process_mib']:.0f} MiB, activation factor {cal['activation_factor']:.2f}, "
+          f"server {cal['server_mib']:.0f} MiB (+ its CUDA pool)", "",
+          "## Predicted vs measured (whole plan on GPU 0, server included)", "",
+          "| plan | processes | measured MiB | predicted MiB | error |", "|---|---|---|---|---|"]
+    for c in res["checks"]:
+        L.append(f"| {c['plan']} | {c['processes']} | {c['measured_mib']:.0f} | {c['predicted_mib']:.0f} | {c['error']:+.1%} |")
+    for arch, rows in res.get("scenarios", {}).items():
+        L += ["", f"## Thesis scenarios (Table 4.4), {arch}, N = 100 tasks, one GPU (predicted MiB)", "",
+              "| scenario | A / B / C | modular | modular, fuse: auto | traditional | saving | saving with fusion |",
+              "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            L.append(f"| {r['scenario']} | {r['class_a']:.0%} / {r['class_b']:.0%} / {r['class_c']:.0%} | {r['modular_mib']:,.0f} | "
+                     f"{r['fused_mib']:,.0f} | {r['traditional_mib']:,.0f} | {r['saving_modular']:+.1%} | {r['saving_fused']:+.1%} |")
+    path.write_text("\n".join(L) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""GPU memory of a plan, predicted: BlockFlow's deployment vs one full model per task.
+
+Every block instance is a process, and on a GPU each process costs
+
+    overhead (CUDA context, torch, cuBLAS/cuDNN handles: calibrated, ``process_mib``)
+  + weights (parameters and buffers of its stages, at its precision)
+  + activations (``activation_factor`` x max batch x the largest tensor its stages make per sample;
+                 the CUDA-graph pool or the caching allocator's peak)
+  + its TensorMQ pool (``tensormq.pool_mb``, when it hands activations on over TensorMQ).
+
+The server process adds ``server_mib`` plus Triton's CUDA pool per GPU, for either deployment.
+The *traditional* deployment of the same tasks runs each task's whole path in one process
+(one full model per task, the same settings, no TensorMQ pool). Calibration
+(``python -m bench.memory``) fits the constants to NVML measurements of real plans.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from blockflow.plan import Block, Plan
+
+BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    process_mib: float = 520.0  # per process: CUDA context, torch, library handles
+    activation_factor: float = 3.0
+    server_mib: float = 500.0  # tritonserver's own CUDA context (its CUDA pool is added separately)
+    source: str = "built-in estimate (not calibrated)"
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        data = json.loads(path.read_text())
+        return cls(**{k: data[k] for k in ("process_mib", "activation_factor", "server_mib", "source") if k in data})
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process (a model instance) on one GPU, with its predicted memory."""
+
+    model: str
+    gpu: int
+    weights_mib: float
+    activations_mib: float
+    pool_mib: float
+    overhead_mib: float
+
+    @property
+    def total_mib(self) -> float:
+        return self.weights_mib + self.activations_mib + self.pool_mib + self.overhead_mib
+
+
+@lru_cache(maxsize=64)
+def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[int, ...], num_classes: int,
+                   first: int, last: int) -> tuple[int, int]:
+    """(parameter + buffer count, largest tensor's element count per sample) of stages first..last (meta device)."""
+    import torch
+    import torchvision.models as tvm
+
+    from blockflow.arch import slice_stages
+
+    with torch.device("meta"):
+        net = getattr(tvm, arch)(weights=None, num_classes=num_classes).eval()
+        x = torch.empty((1, *input_shape))
+        for i in range(first):
+            x = slice_stages(net, arch, cut_points, i, i)(x)
+        part = slice_stages(net, arch, cut_points, first, last)
+        largest = [x.numel()]
+
+        def hook(_m: object, _i: object, out: object) -> None:
+            if isinstance(out, torch.Tensor):
+                largest[0] = max(largest[0], out.numel())
+
+        handles = [m.register_forward_hook(hook) for m in part.modules() if not list(m.children())]
+        part(x)
+        for h in handles:
+            h.remove()
+    params = sum(p.numel() for p in part.parameters()) + sum(b.numel() for b in part.buffers())
+    return params, largest[0]
+
+
+def _gpus_of(block: Block, gpus: int) -> list[int]:
+    if block.placement == "cpu" or (block.placement == "auto" and gpus == 0):
+        return []
+    if isinstance(block.placement, tuple):
+        return list(block.placement)
+    return list(range(gpus))
+
+
+def _process(plan: Plan, name: str, blocks: list[Block], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
+    m = plan.models[blocks[0].model]
+    params, largest = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+                                     blocks[0].first, blocks[-1].last)
+    width = BYTES[deploy.precision]
+    return Process(name, gpu, params * width / 2**20, cal.activation_factor * deploy.max_batch_size * largest * width / 2**20,
+                   pool_mib, cal.process_mib)
+
+
+def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
+    """The processes `blockflow serve` starts for ``plan`` (every transport variant; references excluded)."""
+    from ensemble_gen import naming
+
+    out: list[Process] = []
+    seen: set[str] = set()
+    for task in plan.tasks.values():
+        for transport in plan.transports_of(task):
+            segments = plan.segments(task)
+            for i, seg in enumerate(segments):
+                name = naming.block_model(naming.segment_model([b.name for b in seg]), transport, plan.transport)
+                if name in seen:
+                    continue
+                seen.add(name)
+                deploy = seg[0]
+                producer = transport == "tensormq" and i < len(segments) - 1
+                pool = float(plan.raw.tensormq.pool_mb) if producer else 0.0
+                for gpu in _gpus_of(deploy, gpus):
+                    out += [_process(plan, name, list(seg), deploy, gpu, pool, cal)] * deploy.instances
+    return out
+
+
+def traditional(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
+    """One full model per task: its whole path in one process, deployed like its first block."""
+    out: list[Process] = []
+    for task in plan.tasks.values():
+        blocks = [plan.blocks[b] for b in task.path]
+        for gpu in _gpus_of(blocks[0], gpus):
+            out += [_process(plan, task.name, blocks, blocks[0], gpu, 0.0, cal)] * blocks[0].instances
+    return out
+
+
+def per_gpu(processes: list[Process], gpus: int, cal: Calibration, cuda_pool_mb: int = 2048) -> dict[int, float]:
+    """Predicted MiB on each GPU: the processes on it, plus the server's context and CUDA pool."""
+    total = {g: cal.server_mib + cuda_pool_mb for g in range(gpus)}
+    for p in processes:
+        total[p.gpu] = total.get(p.gpu, cal.server_mib + cuda_pool_mb) + p.total_mib
+    return total
+
+
+# --------------------------------------------------------------------------- the thesis' scenarios
+
+SCENARIOS: dict[int, tuple[float, float, float]] = {  # thesis Table 4.4: share of tasks in class A, B, C
+    1: (1 / 3, 1 / 3, 1 / 3), 2: (0.10, 0.30, 0.60), 3: (0.05, 0.20, 0.75), 4: (0.05, 0.05, 0.90),
+    5: (0.01, 0.04, 0.95), 6: (0.60, 0.30, 0.10), 7: (0.75, 0.20, 0.05), 8: (0.90, 0.05, 0.05),
+}
+
+
+def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True) -> Plan:
+    """The thesis' service classes (§4.3) as a plan: class A tasks run a whole network of their own;
+    class B share stages 0-1 and own stages 2-3; class C share stages 0-2 and own stage 3."""
+    from blockflow.plan import parse_plan
+
+    n_a = round(n_tasks * shares[0])
+    n_b = round(n_tasks * shares[1])
+    n_c = n_tasks - n_a - n_b
+    blocks: dict[str, object] = {"s0": {"model": "m", "stages": 0}, "s1": {"model": "m", "stages": 1},
+                                 "s2": {"model": "m", "stages": 2}}
+    tasks: dict[str, object] = {}
+    for i in range(n_a):
+        blocks[f"a{i}"] = {"model": "m", "stages": [0, 3], "weights": {"seed": 1000 + i}}
+        tasks[f"task_a{i}"] = {"path": [f"a{i}"]}
+    for i in range(n_b):
+        blocks[f"b{i}_2"] = {"model": "m", "stages": 2, "weights": {"seed": 2000 + i}}
+        blocks[f"b{i}_3"] = {"model": "m", "stages": 3, "weights": {"seed": 2000 + i}}
+        tasks[f"task_b{i}"] = {"path": ["s0", "s1", f"b{i}_2", f"b{i}_3"]}
+    for i in range(n_c):
+        blocks[f"c{i}_3"] = {"model": "m", "stages": 3, "weights": {"seed": 3000 + i}}
+        tasks[f"task_c{i}"] = {"path": ["s0", "s1", "s2", f"c{i}_3"]}
+    if n_c == 0:
+        del blocks["s2"]
+    if n_b + n_c == 0:
+        del blocks["s0"], blocks["s1"]
+    raw = {"version": 1, "name": f"{arch}-scenario", "fuse": "auto" if fuse else "none",
+           "models": {"m": {"arch": arch, "cut_points": ["layer1", "layer2", "layer3"]}},
+           "defaults": {"placement": [0]}, "blocks": blocks, "tasks": tasks, "transport": "tensormq",
+           # Pools sized to need: 64 MiB holds several batches of 8 of any of these activations.
+           "tensormq": {"pool_mb": 64}}
+    return parse_plan(raw, source=f"{arch} scenario {shares}")
+
+
+def scenario_table(arch: str, n_tasks: int, cal: Calibration, cuda_pool_mb: int = 2048) -> list[dict[str, float]]:
+    """Predicted GPU memory (one GPU) for the eight scenarios: modular, modular fused, traditional."""
+    rows = []
+    for number, shares in SCENARIOS.items():
+        mod = scenario_plan(arch, n_tasks, shares, fuse=False)
+        fused = scenario_plan(arch, n_tasks, shares, fuse=True)
+        m = per_gpu(modular(mod, 1, cal), 1, cal, cuda_pool_mb)[0]
+        f = per_gpu(modular(fused, 1, cal), 1, cal, cuda_pool_mb)[0]
+        t = per_gpu(traditional(mod, 1, cal), 1, cal, cuda_pool_mb)[0]
+        rows.append({"scenario": number, "class_a": shares[0], "class_b": shares[1], "class_c": shares[2],
+                     "modular_mib": m, "fused_mib": f, "traditional_mib": t,
+                     "processes_modular": float(len(modular(mod, 1, cal))), "processes_fused": float(len(modular(fused, 1, cal))),
+                     "processes_traditional": float(len(traditional(mod, 1, cal))),
+                     "saving_modular": 1 - m / t, "saving_fused": 1 - f / t})
+    return rows
