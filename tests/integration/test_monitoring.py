@@ -27,6 +27,13 @@ TASK = "cls_a"
 PATH = ["r50_s0", "r50_s1", "r50_s2", "r50_s3a"]
 
 
+def _device_label() -> str:
+    """The `gpu` label blocks of placement `auto` get: GPU 0 where there is one, else "cpu"."""
+    import torch
+
+    return "0" if torch.cuda.is_available() else "cpu"
+
+
 def _metrics(served: Served) -> dict[str, list[tuple[dict[str, str], float]]]:
     text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
     out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
@@ -73,12 +80,17 @@ def test_every_block_instance_reports_labelled_metrics(served: Served) -> None:
         assert python_models <= labelled, f"{name} is missing for {sorted(python_models - labelled)}"
         for lab, value in m[name]:
             assert set(lab) == {"block", "instance", "gpu"}, lab
-            assert lab["instance"].startswith(lab["block"]) and lab["gpu"] == "cpu"  # CI has no GPU
+            assert lab["instance"].startswith(lab["block"]) and lab["gpu"] == _device_label()
             assert value >= 0
     assert _value(m, "blockflow_block_rss_bytes", "r50_s0") > 100 * 2**20  # torch and a ResNet stage
     # The TensorMQ pool gauges carry the same labels.
     text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
-    assert 'blockflow_tmq_pool_slots_in_use{block="r50_s0",gpu="cpu",instance="r50_s0_0_0"}' in text
+    assert f'blockflow_tmq_pool_slots_in_use{{block="r50_s0",gpu="{_device_label()}",instance="r50_s0_0_0"}}' in text
+    if _device_label() != "cpu":  # on a GPU the monitor also reads NVML and torch's allocator
+        # (blockflow_block_gpu_memory_bytes needs NVML to list this PID, which a container may hide)
+        for name in ("blockflow_block_torch_reserved_bytes", "blockflow_block_gpu_power_watts",
+                     "blockflow_block_gpu_sm_clock_hertz", "blockflow_block_gpu_temperature_celsius"):
+            assert _value(m, name, "r50_s0") > 0, name
 
 
 def test_metrics_move_under_load(served: Served) -> None:
@@ -117,7 +129,7 @@ def test_status_command_shows_tasks_and_blocks_under_load(served: Served) -> Non
     assert tasks[TASK]["p50_ms"] is not None and tasks[TASK]["p99_ms"] >= tasks[TASK]["p50_ms"]
     for b in PATH:
         row = blocks[b]
-        assert row["ready"] and row["instances"] >= 1 and row["device"] == "cpu"
+        assert row["ready"] and row["instances"] >= 1 and row["device"] == ("gpu0" if _device_label() == "0" else "cpu")
         assert row["rss_mib"] > 100 and row["rate"] > 0 and row["compute_ms"] > 0 and row["queue_ms"] is not None
     # The table form runs too (what a person reads).
     res = subprocess.run([*BLOCKFLOW, "status", "--url", served.http, "--metrics-url", f"http://{host}:{port}/metrics",
