@@ -56,7 +56,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "monitor_overhead.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Block monitor overhead — {result['device']}", "",
-             "Same 4-block ResNet-50 task (tensormq, CUDA graphs, batch 1, concurrency 1), monitor every 0.5 s vs off,",
+             "Same 4-block ResNet-50 task (tensormq, CUDA graphs, batch 1, concurrency 1), monitor at its default period (2 s) vs off,",
              "measured in alternating turns in one server (`python -m bench.monitor_overhead`).", "",
              "| round | p50 on (ms) | p50 off (ms) | on/off |", "|---|---|---|---|"]
     for r in ok:

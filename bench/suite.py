@@ -87,7 +87,9 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
                "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
                "--stability-percentage", "20", "-f", f.name]
         if rate is not None:
-            cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson"]
+            # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
+            # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
+            cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson", "--max-threads", "64"]
         else:
             cmd += ["--concurrency-range", str(concurrency or 1)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
