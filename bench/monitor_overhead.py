@@ -1,7 +1,7 @@
 """What the block monitor costs: p50 latency of the same task with the monitor on and off.
 
 One server runs plans/bench_monitor.yaml (the task twice, on separate blocks; the monitor
-samples every 0.5 s, 4x the default, on one copy and is off on the other). perf_analyzer
+samples at its default period, 2 s, on one copy and is off on the other). perf_analyzer
 measures the two in turns (``--rounds`` times each, batch 1, concurrency 1), so drifts of
 the machine hit both alike; the report gives each round and the median ratio.
 
