@@ -166,8 +166,8 @@ def test_a_failed_update_leaves_the_old_plan_serving(live: Live, tmp_path: Path)
     msg = r.json()["error"]
     assert "new" in msg and "rolled back" in msg and "previous plan" in msg, msg
     assert _served_tasks(live) == TASKS_A
-    for t in TASKS_A:
-        np.testing.assert_array_equal(_infer(client, t, _image()), before[t])
+    for t in TASKS_A:  # a reloaded block may pick other cuDNN kernels on a GPU: equal to float noise
+        np.testing.assert_allclose(_infer(client, t, _image()), before[t], rtol=0, atol=1e-4)
     for t in TASKS_B - TASKS_A:
         with pytest.raises(Exception, match="unknown model|not found|unavailable"):
             _infer(client, t, _image())

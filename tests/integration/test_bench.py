@@ -1,0 +1,34 @@
+"""`blockflow bench --quick` runs end to end against a real server and writes its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    res = subprocess.run([sys.executable, "-m", "blockflow", "bench", "--quick", "--plan", "tests/plans/fused.yaml", "--out", str(out),
+                          "--sections", "batch,concurrency,rate"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["models"]) == {"monolithic-eager", "tensormq", "triton-cpu"}
+    for label in results["models"]:
+        r = results["pipeline"][label]
+        assert "error" not in r, (label, r)
+        assert r["p50_ms"] > 0 and r["throughput"] > 0
+    assert [b["block"] for b in results["pipeline"]["tensormq"]["blocks"]] == ["trunk0__to__trunk1", "h1_a__to__h1_b"]
+    assert set(results["concurrency"]["tensormq"]) == {"1", "4"} and set(results["rate"]["tensormq"]) == {"0.5", "1"}
+    report = (out / "report.md").read_text()
+    for heading in ("Pipeline time (Fig 4.3)", "Batch scaling (Fig 4.7)", "Concurrency (Fig 4.11)", "Offered load (Fig 4.12)"):
+        assert heading in report
+    for png in ("fig4_3_pipeline.png", "fig4_4_breakdown.png", "fig4_7_batch.png", "fig4_11_clients.png", "fig4_12_offered_load.png"):
+        assert (out / png).stat().st_size > 5000, png
