@@ -61,7 +61,7 @@ class BenchConfig:
                    clients=[1, 4], client_seconds=2.0, gpu_layouts=[2])
 
 
-def _stats(url: str) -> dict[str, dict[str, int]]:
+def model_stats(url: str) -> dict[str, dict[str, int]]:
     with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=30) as r:
         data = json.loads(r.read())
     out = {}
@@ -72,7 +72,7 @@ def _stats(url: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
 
 
@@ -140,11 +140,11 @@ class Bench:
 
     def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
                 rate: float | None = None) -> dict[str, Any]:
-        before = _stats(server.http_url)
+        before = model_stats(server.http_url)
         e0, t0 = self.gpus.energy_mj(), time.monotonic()
         r: dict[str, Any] = dict(perf_analyzer(server.http_url, model["model"], self.shape, batch, self.cfg.seconds, concurrency, rate))
         t1, e1 = time.monotonic(), self.gpus.energy_mj()
-        d = _delta(_stats(server.http_url), before)
+        d = delta(model_stats(server.http_url), before)
         top = d.get(model["model"], {})
         inferences = top.get("inferences", 0)
         if self.gpus.available and inferences:

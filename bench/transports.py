@@ -10,15 +10,12 @@ splits an ensemble's latency into block compute and per-hop overhead.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from blockflow.doctor import perf_analyzer_path
+from bench.suite import delta, model_stats, perf_analyzer
 from blockflow.plan import load_plan
 from blockflow.server import ServerOptions, TritonServer, free_port
 from ensemble_gen import generator, naming
@@ -26,41 +23,8 @@ from ensemble_gen import generator, naming
 CONFIGS = [("b1-c1", 1, 1), ("b8-c1", 8, 1), ("b1-c32", 1, 32)]
 
 
-def model_stats(url: str) -> dict[str, dict[str, int]]:
-    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=30) as r:
-        data = json.loads(r.read())
-    out = {}
-    for m in data["model_stats"]:
-        s = m["inference_stats"]
-        out[m["name"]] = {
-            "executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
-            **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
-        }
-    return out
-
-
-def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
-
-
-def perf(url: str, model: str, shape: str, batch: int, concurrency: int, seconds: int) -> dict[str, float]:
-    pa = perf_analyzer_path()
-    if pa is None:
-        raise SystemExit("perf_analyzer not found (./scripts/setup.sh, or scripts/gpu_env.sh on a GPU machine)")
-    with tempfile.NamedTemporaryFile(suffix=".csv") as f:
-        cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
-               "--concurrency-range", str(concurrency), "--measurement-interval", str(seconds * 1000),
-               "--percentile", "50", "--max-trials", "5", "-f", f.name]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-        if res.returncode != 0:
-            return {"error": 1.0}
-        row = next(csv.DictReader(open(f.name)))
-    # perf_analyzer's CSV splits the average latency into its client and server parts.
-    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
-             "Server Compute Infer", "Server Compute Output", "Client Recv")
-    avg_us = sum(float(row[p]) for p in parts if p in row)
-    return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
-            "p99_ms": float(row["p99 latency"]) / 1e3, "avg_ms": avg_us / 1e3}
+def perf(url: str, model: str, shape: str, batch: int, concurrency: int, seconds: int) -> dict[str, Any]:
+    return perf_analyzer(url, model, shape, batch, seconds, concurrency=concurrency)
 
 
 def main() -> None:
