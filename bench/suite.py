@@ -76,6 +76,22 @@ def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -
     return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
 
 
+def compute_ms(s: dict[str, int]) -> float:
+    """Triton's compute time (input + infer + output) per execution, from a statistics delta."""
+    return (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0) + s.get("compute_output_ns", 0)) / max(1, s.get("executions", 0)) / 1e6
+
+
+def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int) -> list[dict[str, Any]]:
+    """Per composing model of an ensemble: compute per execution, queue time per request, batch formed."""
+    out = []
+    for b in blocks:
+        s = d.get(b, {})
+        out.append({"block": b, "compute_ms": compute_ms(s),
+                    "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
+                    "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))})
+    return out
+
+
 def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
                   rate: float | None = None) -> dict[str, Any]:
     """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s)."""
@@ -150,16 +166,8 @@ class Bench:
         if self.gpus.available and inferences:
             r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1)) / inferences
             r.update(self.gpus.window(t0, t1))
-        n = max(1, top.get("executions", 0))
-        r["server_compute_ms"] = (top.get("compute_input_ns", 0) + top.get("compute_infer_ns", 0) + top.get("compute_output_ns", 0)) / n / 1e6
-        blocks = []
-        for b in model["blocks"]:
-            s = d.get(b, {})
-            nb = max(1, s.get("executions", 0))
-            blocks.append({"block": b, "compute_ms": (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0)
-                                                      + s.get("compute_output_ns", 0)) / nb / 1e6,
-                           "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
-                           "batch_per_execution": s.get("inferences", 0) / nb})
+        r["server_compute_ms"] = compute_ms(top)
+        blocks = block_breakdown(d, model["blocks"], batch)
         if blocks:
             r["blocks"] = blocks
             r["block_compute_ms"] = sum(b["compute_ms"] for b in blocks)

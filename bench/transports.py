@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.suite import delta, model_stats, perf_analyzer
+from bench.suite import block_breakdown, compute_ms, delta, model_stats, perf_analyzer
 from blockflow.plan import load_plan
 from blockflow.server import ServerOptions, TritonServer, free_port
 from ensemble_gen import generator, naming
@@ -60,18 +60,9 @@ def main() -> None:
                 r: dict[str, Any] = dict(perf(server.http_url, model, shape, batch, conc, args.seconds))
                 d = delta(model_stats(server.http_url), before)
                 if name in refs:
-                    s = d.get(model, {})
-                    n = max(1, s.get("executions", 0))
-                    r["compute_ms"] = (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0) + s.get("compute_output_ns", 0)) / n / 1e6
+                    r["compute_ms"] = compute_ms(d.get(model, {}))
                 if name in blocks:
-                    per_block: list[dict[str, Any]] = []
-                    for b in blocks[name]:
-                        s = d.get(b, {})
-                        n = max(1, s.get("executions", 0))
-                        per_block.append({"block": b, "compute_ms": (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0)
-                                                                    + s.get("compute_output_ns", 0)) / n / 1e6,
-                                          "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
-                                          "batch_per_execution": s.get("inferences", 0) / n})
+                    per_block = block_breakdown(d, blocks[name], batch)
                     r["blocks"] = per_block
                     if conc == 1 and "p50_ms" in r:
                         compute = float(sum(float(b["compute_ms"]) for b in per_block))
