@@ -21,7 +21,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from blockflow.memory import Calibration, Process
+    from blockflow.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,32 +105,28 @@ def measure_plan(plan_path: Path, cuda_pool_mb: int) -> dict[str, Any]:
     return {"plan": str(plan_path), "measured_mib": during - before, "stubs": stubs}
 
 
-def _design(plan_path: Path, cal: Any) -> tuple[float, float, float, float]:
-    """(fixed MiB: weights + pools + CUDA pool, process count, activation MiB at factor 1, server count) of a plan on GPU 0."""
+def _design(plan_path: Path) -> tuple[float, float, float]:
+    """(fixed MiB: weights + pools, process count, activation MiB at factor 1) of a plan on GPU 0."""
     from blockflow import memory
     from blockflow.plan import load_plan
 
     plan = load_plan(plan_path)
     unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, server_mib=0.0)
     procs = memory.modular(plan, 1, unit) + _references(plan, unit)
-    fixed = sum(p.weights_mib + p.pool_mib for p in procs)
-    return fixed, float(len(procs)), sum(p.activations_mib for p in procs), 1.0
+    return sum(p.weights_mib + p.pool_mib for p in procs), float(len(procs)), sum(p.activations_mib for p in procs)
 
 
-def _references(plan: Any, cal: Any) -> list[Any]:
-    """Reference models a plan also serves (measured servers run them too)."""
+def _references(plan: Plan, cal: Calibration) -> list[Process]:
+    """Reference models a plan also serves (measured servers run them too), deployed as the generator deploys them."""
     from blockflow import memory
+    from ensemble_gen.generator import reference_spec
 
     out = []
     for task in plan.tasks.values():
         blocks = [plan.blocks[b] for b in task.path]
         for variant in plan.raw.references:
-            deploy = blocks[0]
-            import dataclasses
-
-            deploy = dataclasses.replace(deploy, precision="fp32", cuda_graphs=variant == "graph",
-                                         max_batch_size=min(b.max_batch_size for b in blocks), instances=1)
-            out.append(memory._process(plan, f"{task.name}__ref", blocks, deploy, 0, 0.0, cal))
+            _, deploy = reference_spec(plan, task, graph=variant == "graph")
+            out.append(memory._process(plan, deploy.name, blocks, deploy, 0, 0.0, cal))
     return out
 
 
@@ -156,8 +156,8 @@ def main() -> None:
     # measured - weights - pools - CUDA pool = server + n_proc * process + factor * activations
     rows, ys = [], []
     for m in measured:
-        fixed, n, act, srv = _design(Path(ROOT / m["plan"]), None)
-        rows.append([srv, n, act])
+        fixed, n, act = _design(Path(ROOT / m["plan"]))
+        rows.append([1.0, n, act])  # one server per plan
         ys.append(m["measured_mib"] - fixed - args.cuda_pool_mb)
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
     server, process, factor = (float(c) for c in coef)
