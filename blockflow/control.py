@@ -120,10 +120,8 @@ class Controller:
         for t in plan.tasks.values():
             models = [naming.task_model(t.name, tr, t.transport) for tr in plan.transports_of(t)]
             out["tasks"][t.name] = {"ready": all(m in served for m in models), "ensembles": models, "path": t.path}
-        for name, model_files in generator.by_model(generator.render(plan)).items():
-            if b'platform: "ensemble"' in model_files["config.pbtxt"]:
-                continue
-            out["blocks"][name] = {"ready": name in served, "instances": self.expected.get(name, 0)}
+        for name, instances in sorted(self.expected.items()):  # every Python-backend model of the plan
+            out["blocks"][name] = {"ready": name in served, "instances": instances}
         return out
 
 

@@ -66,7 +66,7 @@ class Consumer:
 
     def _handshake(self, pid: int, gen: int) -> dict[str, Any]:
         path = socket_path(self.runtime_dir, pid, gen)
-        if not path.exists() or not listening(path):
+        if not listening(path):  # also false when the socket file is gone
             raise TicketError(f"stale ticket: producer {pid:016x} generation {gen:08x} is not running "
                               "(its block was stopped, restarted or reloaded)")
         sock = self._ctx.socket(zmq.DEALER)
