@@ -26,6 +26,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 from backend.monitor import BlockMonitor
 from backend.runtime import BlockRunner
 from backend.tensormq.metrics import TmqMetrics
+from backend.trace import Tracer, trace_dir
 from blockflow.errors import BlockError, RequestError
 from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
@@ -72,8 +73,19 @@ class TritonPythonModel:
         self.out_name = LOGITS if spec.gives_logits else ACTIVATION_OUT
         self.to_host = spec.transport == "triton-cpu"
         self.logger = pb_utils.Logger
+        directory = trace_dir()
+        self.tracer = Tracer(directory, args["model_name"], args["model_instance_name"], self.device) if directory else None
+        if self.tracer is not None:
+            self.tracer.memory("start", cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"))
+            if self.device.type == "cuda":
+                torch.zeros(1, device=self.device)
+                self.tracer.memory("context")
         self.runner = BlockRunner(spec, self.device)
+        if self.tracer is not None:
+            self.tracer.memory("weights")
         self.runner.warmup()
+        if self.tracer is not None:
+            self.tracer.memory("warmup")
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         if spec.transport == "tensormq" and spec.tensormq is not None:
@@ -84,6 +96,8 @@ class TritonPythonModel:
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device)
+            if self.tracer is not None:
+                self.tracer.memory("tensormq")
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = {"block": args["model_name"], "instance": args["model_instance_name"],
@@ -95,6 +109,8 @@ class TritonPythonModel:
             metrics = self.metrics
             refresh = (lambda: metrics.publish(self.producer, self.consumer, force=True)) if metrics is not None else None
             self.monitor = BlockMonitor(pb_utils, labels, self.device, spec.monitor_period_s, extra=refresh)
+            if self.tracer is not None:
+                self.tracer.memory("monitor")
         self.logger.log_info(
             f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}, {spec.precision}, "
@@ -119,6 +135,14 @@ class TritonPythonModel:
         return x
 
     def execute(self, requests: list[Any]) -> list[Any]:
+        if self.tracer is None:
+            return self._execute(requests)
+        self.tracer.begin()
+        responses = self._execute(requests)
+        self.tracer.end(len(requests))
+        return responses
+
+    def _execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         batch: list[torch.Tensor] = []
         owners: list[int] = []
@@ -134,7 +158,12 @@ class TritonPythonModel:
         sizes = [int(t.shape[0]) for t in batch]
         try:
             joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
+            if self.tracer is not None:
+                self.tracer.mark()  # inputs read
+                self.tracer.gpu_begin()
             outputs = self._run(joined)
+            if self.tracer is not None:
+                self.tracer.mark()  # work queued (or done, where the transport syncs)
             for i, rows in zip(owners, torch.split(outputs, sizes)):
                 tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
@@ -174,6 +203,8 @@ class TritonPythonModel:
         return torch.from_numpy(np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES).copy())
 
     def finalize(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
         if self.monitor is not None:
             self.monitor.close()
         if self.consumer is not None:

@@ -127,6 +127,19 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
             **({"unstable": 1.0} if unstable else {})}
 
 
+def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
+    """label -> {model, blocks}: the task's monolithic references first, then each transport's ensemble."""
+    task = plan.tasks[task_name]
+    out: dict[str, dict[str, Any]] = {}
+    for v in plan.raw.references:
+        out[f"monolithic-{v}"] = {"model": naming.reference_model(task.name, v == "graph"), "blocks": []}
+    for tr in plan.transports_of(task):
+        out[str(tr)] = {"model": naming.task_model(task.name, tr, task.transport),
+                        "blocks": [naming.block_model(naming.segment_model([b.name for b in seg]), tr, plan.transport)
+                                   for seg in plan.segments(task)]}
+    return out
+
+
 class Bench:
     """Runs the sections against one server; ``log`` receives one line per measurement."""
 
@@ -143,16 +156,7 @@ class Bench:
     # ------------------------------------------------------------------ models of a plan
 
     def models(self, plan: Plan) -> dict[str, dict[str, Any]]:
-        """label -> {model, blocks}: the monolithic references first, then each transport's ensemble."""
-        task = plan.tasks[self.task.name]
-        out: dict[str, dict[str, Any]] = {}
-        for v in plan.raw.references:
-            out[f"monolithic-{v}"] = {"model": naming.reference_model(task.name, v == "graph"), "blocks": []}
-        for tr in plan.transports_of(task):
-            out[str(tr)] = {"model": naming.task_model(task.name, tr, task.transport),
-                            "blocks": [naming.block_model(naming.segment_model([b.name for b in seg]), tr, plan.transport)
-                                       for seg in plan.segments(task)]}
-        return out
+        return task_models(plan, self.task.name)
 
     def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
                 rate: float | None = None) -> dict[str, Any]:

@@ -1,0 +1,178 @@
+"""Where one request's time goes, block by block: host timestamps and GPU times, one request at a time.
+
+    python -m bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300]
+
+Starts one server with ``BLOCKFLOW_TRACE_DIR`` set (see backend/trace.py), sends sequential
+batch-1 requests to every model of the plan's first task (the monolithic references and each
+transport's ensemble), and lines up each request's client send/receive times with every
+block's ``execute`` timestamps (CLOCK_MONOTONIC is shared by all processes). Medians of:
+
+- client → first block: HTTP, Triton's ensemble scheduler, the first block's queue;
+- in each block: reading inputs, queuing (or running) the work, building responses;
+- block → next block: from one ``execute``'s return to the next one's entry (Triton's
+  ensemble step, the Python backend's messages, the dynamic batcher's queue);
+- last block → client: the response path;
+- each block's GPU time (CUDA events around its own kernels).
+
+Writes ``timeline.json`` and ``timeline.md``. Compare rows within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.suite import block_breakdown, delta, model_stats, task_models
+from blockflow.plan import load_plan
+from blockflow.server import ServerOptions, TritonServer, free_port
+from ensemble_gen import generator
+
+
+def _client_times(url: str, model: str, shape: tuple[int, ...], n: int, warmup: int) -> list[tuple[int, int]]:
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url, connection_timeout=60.0, network_timeout=600.0)
+    x = np.random.default_rng(0).standard_normal((1, *shape), dtype=np.float32)
+    inp = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    out = [httpclient.InferRequestedOutput("LOGITS", binary_data=True)]
+    times = []
+    for i in range(warmup + n):
+        t0 = time.perf_counter_ns()
+        client.infer(model, [inp], outputs=out)
+        t1 = time.perf_counter_ns()
+        if i >= warmup:
+            times.append((t0, t1))
+        time.sleep(0.002)  # let every block's trace line land before the next request
+    client.close()
+    return times
+
+
+def read_traces(directory: Path) -> dict[str, list[dict[str, Any]]]:
+    """Model name -> its trace records (all instances), in time order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in directory.glob("*.jsonl"):
+        model = path.name.split(".")[0]
+        for line in path.read_text().splitlines():
+            if line.strip():
+                out.setdefault(model, []).append(json.loads(line))
+    for records in out.values():
+        records.sort(key=lambda r: r["t"][0] if isinstance(r["t"], list) else r["t"])
+    return out
+
+
+def _match(execs: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, Any] | None:
+    hits = [e for e in execs if window[0] <= e["t"][0] <= window[1] and len(e["t"]) == 4]
+    return hits[0] if len(hits) == 1 else None
+
+
+def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median milliseconds of each part of a request's path through ``stages``."""
+    execs = {s: [r for r in traces.get(s, []) if r.get("kind") == "execute"] for s in stages}
+    parts: dict[str, list[float]] = {}
+
+    def add(key: str, ns: float) -> None:
+        parts.setdefault(key, []).append(ns / 1e6)
+
+    matched = 0
+    for send, recv in times:
+        hits = [_match(execs[s], (send, recv)) for s in stages]
+        if any(h is None for h in hits):
+            continue
+        matched += 1
+        add("end_to_end", recv - send)
+        add("client_to_first", hits[0]["t"][0] - send)  # type: ignore[index]
+        for i, (stage, h) in enumerate(zip(stages, hits)):
+            assert h is not None
+            t = h["t"]
+            add(f"{stage}.read", t[1] - t[0])
+            add(f"{stage}.run", t[2] - t[1])
+            add(f"{stage}.respond", t[3] - t[2])
+            add(f"{stage}.execute", t[3] - t[0])
+            if "gpu_ms" in h:
+                parts.setdefault(f"{stage}.gpu", []).append(float(h["gpu_ms"]))
+            if i + 1 < len(stages):
+                add(f"{stage}.hop", hits[i + 1]["t"][0] - t[3])  # type: ignore[index]
+        add("last_to_client", recv - hits[-1]["t"][3])  # type: ignore[index]
+    return {"requests": len(times), "matched": matched,
+            "median_ms": {k: statistics.median(v) for k, v in parts.items()},
+            "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in parts.items()}}
+
+
+def write_report(res: dict[str, Any], path: Path) -> None:
+    L = [f"# Request anatomy — {res['device']}", "",
+         f"Plan `{res['plan']}`, task `{res['task']}`; {res['requests']} sequential batch-1 HTTP requests per model "
+         "after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
+         "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
+         "*respond* = responses built; *hop* = that block's return → the next block's entry; *gpu* = CUDA events "
+         "around the block's own kernels.", ""]
+    for label, r in res["models"].items():
+        m = r["median_ms"]
+        L += [f"## {label} (`{r['model']}`): end to end {m.get('end_to_end', float('nan')):.3f} ms "
+              f"({r['matched']}/{r['requests']} requests matched)", "",
+              "| part | median ms | p90 ms |", "|---|---|---|"]
+        order = ["client_to_first"]
+        for s in r["stages"]:
+            order += [f"{s}.read", f"{s}.run", f"{s}.respond", f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
+        order += ["last_to_client", "end_to_end"]
+        for k in order:
+            if k in m:
+                L.append(f"| {k} | {m[k]:.3f} | {r['p90_ms'][k]:.3f} |")
+        if r.get("triton"):
+            L += ["", "Triton's statistics over the same requests (per request): "
+                  + ", ".join(f"{b['block']} queue {b['queue_ms']:.3f} / compute {b['compute_ms']:.3f}" for b in r["triton"])]
+        L.append("")
+    path.write_text("\n".join(L) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=50)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = load_plan(args.plan)
+    task = next(iter(plan.tasks.values()))
+    shape = plan.block_in_shape(plan.blocks[task.path[0]])
+    models = task_models(plan, task.name)
+    repo = Path(tempfile.mkdtemp(prefix="bench-timeline-"))
+    generator.write(generator.render(plan), repo)
+    trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
+    os.environ["BLOCKFLOW_TRACE_DIR"] = str(trace)  # inherited by the server and its block processes
+    runs: dict[str, Any] = {}
+    with TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())) as server:
+        for label, m in models.items():
+            before = model_stats(server.http_url)
+            runs[label] = {"model": m["model"], "times": _client_times(server.http_url, m["model"], shape, args.requests, args.warmup)}
+            runs[label]["triton"] = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"], 1)
+            print(f"[timeline] {label}: {args.requests} requests", flush=True)
+    del os.environ["BLOCKFLOW_TRACE_DIR"]
+    traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        device = "?"
+    res: dict[str, Any] = {"device": device, "plan": str(args.plan), "task": task.name, "requests": args.requests, "models": {}}
+    for label, m in models.items():
+        stages = m["blocks"] or [m["model"]]
+        a = anatomy(runs[label]["times"], stages, traces)
+        res["models"][label] = {"model": m["model"], "stages": stages, "triton": runs[label]["triton"], **a}
+    res["memory"] = {model: [r for r in recs if r.get("kind") == "memory"] for model, recs in traces.items()}
+    (args.out / "timeline.json").write_text(json.dumps(res, indent=2))
+    write_report(res, args.out / "timeline.md")
+    print((args.out / "timeline.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
