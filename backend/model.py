@@ -59,6 +59,11 @@ def _runtime_dir() -> Path:
     return Path(value)
 
 
+def _split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
+    return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
+
+
 class TritonPythonModel:
     """Triton's entry points for one block instance."""
 
@@ -80,6 +85,7 @@ class TritonPythonModel:
             if self.device.type == "cuda":
                 torch.zeros(1, device=self.device)
                 self.tracer.memory("context")
+        self._stream_handle: int | None = None
         self.runner = BlockRunner(spec, self.device)
         if self.tracer is not None:
             self.tracer.memory("weights")
@@ -118,7 +124,12 @@ class TritonPythonModel:
         )
 
     def _stream(self) -> int:
-        return int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
+        # The stream every block's work goes on (torch's current stream, fixed for the instance's
+        # life); read once, as each lookup costs a torch call on the request path.
+        if self._stream_handle is None:
+            cuda = self.device.type == "cuda"
+            self._stream_handle = int(torch.cuda.current_stream(self.device).cuda_stream) if cuda else 0
+        return self._stream_handle
 
     def _input(self, request: Any, releases: list[Any]) -> torch.Tensor:
         tensor = pb_utils.get_input_tensor_by_name(request, self.in_name)
@@ -164,7 +175,7 @@ class TritonPythonModel:
             outputs = self._run(joined)
             if self.tracer is not None:
                 self.tracer.mark()  # work queued (or done, where the transport syncs)
-            for i, rows in zip(owners, torch.split(outputs, sizes)):
+            for i, rows in zip(owners, _split(outputs, sizes)):
                 tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
         except Exception as exc:  # one failed batch must not take the stub down
@@ -174,11 +185,7 @@ class TritonPythonModel:
         finally:
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see backend.tensormq).
-                event = None
-                if self.device.type == "cuda":
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record()
-                self.consumer.release_after(releases, event)
+                self.consumer.release_after(releases, self._stream())
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
@@ -200,7 +207,9 @@ class TritonPythonModel:
             self.producer.abort(reservation)
             raise
         tickets = self.producer.commit(reservation, self._stream())
-        return torch.from_numpy(np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES).copy())
+        # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
+        # A bytearray is writable, so torch takes it without a copy.
+        return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
 
     def finalize(self) -> None:
         if self.tracer is not None:

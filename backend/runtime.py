@@ -166,9 +166,10 @@ class BlockRunner:
         if self.use_graphs:
             g = self._graphs.get(bucket_for(batch, self.buckets))
             if g is not None:
-                g.static_in[:batch].copy_(x, non_blocking=True)
+                full = batch == g.static_in.shape[0]  # the usual case at batch 1: no slicing calls
+                (g.static_in if full else g.static_in[:batch]).copy_(x, non_blocking=True)
                 g.graph.replay()
-                result = g.static_out[:batch]
+                result = g.static_out if full else g.static_out[:batch]
         if result is None:
             result = self._eager(x)
         if out is not None:

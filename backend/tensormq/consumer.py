@@ -13,12 +13,14 @@ from typing import Any
 import torch
 import zmq
 
+from backend.tensormq import cuda
 from backend.tensormq import ticket as tk
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, read_key, socket_path
 from backend.tensormq.ticket import TicketError
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
+RELEASE_EVENTS = 64
 
 
 @dataclass
@@ -57,8 +59,17 @@ class Consumer:
         # issue tickets, and both must be readable until the old one drains.
         self._remotes: dict[tuple[int, int], _Remote] = {}
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        # Items: (event to wait for, releases, set when sent); None stops the thread.
-        self._queue: queue.Queue[tuple[torch.cuda.Event | None, list[Release], threading.Event | None] | None] = queue.Queue()
+        # Items: (CUDA event to wait for, releases, set when sent); None stops the thread.
+        self._queue: queue.Queue[tuple[int | None, list[Release], threading.Event | None] | None] = queue.Queue()
+        # A ring of plain events marks "the reads of this batch are done". Reusing one before the
+        # release thread waited on it only makes that wait longer (it then waits for a later batch),
+        # never shorter, so a release is never sent early. Blocking-sync events let the release thread
+        # sleep rather than spin a core while it waits.
+        self._ring: list[int] = []
+        self._next = 0
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                self._ring = [cuda.event_create() for _ in range(RELEASE_EVENTS)]
         self._releaser = threading.Thread(target=self._release_loop, name="tmq-releaser", daemon=True)
         self._releaser.start()
 
@@ -126,7 +137,7 @@ class Consumer:
         """
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != tk.TICKET_BYTES:
             raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
-        data = raw.cpu().contiguous().numpy().tobytes()
+        data = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy().tobytes()
         parts: list[torch.Tensor] = []
         seen: list[Release] = []  # every authentic ticket of this request, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
@@ -165,13 +176,21 @@ class Consumer:
 
     @staticmethod
     def _view(r: _Remote, t: tk.Ticket, n: int) -> torch.Tensor:
-        raw = r.segment.tensor[t.offset:t.offset + n * t.nbytes]
-        return raw.view(t.dtype).view(n, *t.shape)
+        return r.segment.view(t.offset, (n, *t.shape), t.dtype)
 
-    def release_after(self, releases: list[Release], stream_event: torch.cuda.Event | None) -> None:
-        """Send ``releases`` once ``stream_event`` (recorded after the reads) has completed."""
-        if releases:
-            self._queue.put((stream_event, releases, None))
+    def release_after(self, releases: list[Release], stream: int | None) -> None:
+        """Send ``releases`` once the work queued so far on ``stream`` (which read the slots) is done.
+
+        ``stream`` None (or a host consumer) sends them as soon as the release thread gets to them.
+        """
+        if not releases:
+            return
+        event = None
+        if self._ring and stream is not None:
+            event = self._ring[self._next]
+            self._next = (self._next + 1) % len(self._ring)
+            cuda.event_record(event, stream)
+        self._queue.put((event, releases, None))
 
     def release_now(self, releases: list[Release]) -> None:
         self.release_after(releases, None)
@@ -185,6 +204,8 @@ class Consumer:
     # ------------------------------------------------------------------ release thread
 
     def _release_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # driver calls below need the context current in this thread
         sockets: dict[tuple[int, int], zmq.Socket[Any]] = {}
         while True:
             item = self._queue.get()
@@ -192,7 +213,7 @@ class Consumer:
                 break
             event, releases, done = item
             if event is not None:
-                event.synchronize()
+                cuda.event_synchronize(event)
             by_producer: dict[tuple[int, int], list[bytes]] = defaultdict(list)
             for pid, gen, slot, seq, sample in releases:
                 by_producer[(pid, gen)].append(RELEASE_ITEM.pack(gen, slot, seq, sample))
@@ -223,3 +244,8 @@ class Consumer:
         self._releaser.join(5)
         for r in list(self._remotes.values()):
             self._drop(r)
+        if self._ring:
+            with torch.cuda.device(self.device):
+                for e in self._ring:
+                    cuda.event_destroy(e)
+            self._ring = []

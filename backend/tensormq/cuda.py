@@ -15,6 +15,7 @@ from blockflow.errors import BlockError
 
 IPC_HANDLE_BYTES = 64
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CU_EVENT_BLOCKING_SYNC = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_EVENT_INTERPROCESS = 0x4
 
@@ -53,6 +54,7 @@ def _lib() -> Any:
         "cuIpcOpenEventHandle": [P(vp), _IpcHandle],
         "cuEventDestroy_v2": [vp],
         "cuEventRecord": [vp, vp],
+        "cuEventSynchronize": [vp],
         "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
         "cuGetErrorName": [ctypes.c_int, P(ctypes.c_char_p)],
     }
@@ -98,9 +100,18 @@ def ipc_close_mem(ptr: int) -> None:
 
 
 def event_create_ipc() -> int:
+    return event_create(CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)
+
+
+def event_create(flags: int = CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC) -> int:
     ev = ctypes.c_void_p()
-    _check(_lib().cuEventCreate(ctypes.byref(ev), CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS), "cuEventCreate")
+    _check(_lib().cuEventCreate(ctypes.byref(ev), flags), "cuEventCreate")
     return int(ev.value or 0)
+
+
+def event_synchronize(event: int) -> None:
+    """Wait for ``event`` (ctypes drops the GIL meanwhile; a blocking-sync event sleeps instead of spinning)."""
+    _check(_lib().cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize")
 
 
 def ipc_event_handle(event: int) -> bytes:

@@ -9,6 +9,7 @@ events are no-ops there.
 from __future__ import annotations
 
 import mmap
+from collections import OrderedDict
 import os
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from backend.tensormq import cuda
 from backend.tensormq.ticket import DEVICE_CUDA, DEVICE_HOST
 
 SHM_DIR = Path("/dev/shm")
+VIEW_CACHE = 1024  # cached (offset, shape, dtype) views per segment
 
 
 class _CudaArray:
@@ -35,6 +37,34 @@ class Segment:
     kind: int
     nbytes: int
     tensor: torch.Tensor
+    _typed: dict[torch.dtype, torch.Tensor]
+    _views: OrderedDict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A row-major ``shape`` view of ``dtype`` starting ``offset`` bytes in (aligned to the item size).
+
+        Views are cached: under steady load a pool hands out the same few (offset, shape) ranges
+        again and again, and building a view costs several torch calls (~20-40 us each on a busy
+        host), which sat on every request's path.
+        """
+        key = (offset, shape, dtype)
+        hit = self._views.get(key)
+        if hit is not None:
+            self._views.move_to_end(key)
+            return hit
+        typed = self._typed.get(dtype)
+        if typed is None:
+            usable = self.nbytes - self.nbytes % dtype.itemsize
+            typed = self._typed[dtype] = self.tensor[:usable].view(dtype)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        out = typed.as_strided(shape, tuple(reversed(strides)), offset // dtype.itemsize)
+        self._views[key] = out
+        if len(self._views) > VIEW_CACHE:
+            self._views.popitem(last=False)
+        return out
 
     def describe(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -48,6 +78,7 @@ class HostSegment(Segment):
 
     def __init__(self, name: str, nbytes: int, create: bool) -> None:
         self.name, self.nbytes, self.owner = name, nbytes, create
+        self._typed, self._views = {}, OrderedDict()
         path = SHM_DIR / name
         if create:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -73,6 +104,8 @@ class HostSegment(Segment):
         return {"kind": "host", "name": self.name, "nbytes": self.nbytes}
 
     def close(self) -> None:
+        self._typed.clear()
+        self._views.clear()
         del self.tensor
         try:
             self._map.close()
@@ -87,6 +120,7 @@ class CudaSegment(Segment):
 
     def __init__(self, device: int, nbytes: int, handle: bytes | None = None) -> None:
         self.device, self.nbytes = device, nbytes
+        self._typed, self._views = {}, OrderedDict()
         with torch.cuda.device(device):
             torch.cuda.init()  # type: ignore[no-untyped-call]
             if handle is None:
@@ -103,6 +137,8 @@ class CudaSegment(Segment):
         return {"kind": "cuda", "handle": self.handle.hex(), "nbytes": self.nbytes, "device": self.device}
 
     def close(self) -> None:
+        self._typed.clear()
+        self._views.clear()
         del self.tensor
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()

@@ -92,6 +92,7 @@ class Reservation:
     slot: Slot
     view: torch.Tensor  # [batch, *sample_shape] in the pool
     sample_shape: tuple[int, ...]
+    sample_bytes: int
 
 
 class Producer:
@@ -146,7 +147,8 @@ class Producer:
     def reserve(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> Reservation:
         """A pool range for one batch; waits at most ``wait_s`` for space, then fails the request."""
         sample_shape = tuple(batch_shape[1:])
-        nbytes = math.prod(batch_shape) * torch.empty((), dtype=dtype).element_size()
+        sample_bytes = math.prod(sample_shape) * dtype.itemsize
+        nbytes = sample_bytes * batch_shape[0]
         deadline = time.monotonic() + self.wait_s
         with self._cond:
             slot = self.table.allocate(nbytes, batch_shape[0], time.monotonic() + self.lease_s)
@@ -164,8 +166,7 @@ class Producer:
                 self._reap_locked()
                 slot = self.table.allocate(nbytes, batch_shape[0], time.monotonic() + self.lease_s)
             self.stats.allocations += 1
-        raw = self.segment.tensor[slot.offset:slot.offset + nbytes]
-        return Reservation(slot, raw.view(dtype).view(batch_shape), sample_shape)
+        return Reservation(slot, self.segment.view(slot.offset, batch_shape, dtype), sample_shape, sample_bytes)
 
     def abort(self, r: Reservation) -> None:
         with self._cond:
@@ -175,7 +176,7 @@ class Producer:
     def commit(self, r: Reservation, stream: int) -> list[bytes]:
         """Record the slot's event after the writes queued on ``stream``; one ticket per sample."""
         self.events.record(r.slot.index, stream)
-        per_sample = r.view[0].numel() * r.view.element_size()
+        per_sample = r.sample_bytes
         dev_index = int(self.device.index or 0) if self.device.type == "cuda" else 0
         out = []
         for i in range(r.view.shape[0]):
