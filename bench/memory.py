@@ -34,11 +34,15 @@ import json, os, sys, torch
 from blockflow.plan import load_plan
 from ensemble_gen.generator import segment_spec
 from backend.runtime import BlockRunner
+import pynvml
+pynvml.nvmlInit(); _h = pynvml.nvmlDeviceGetHandleByIndex(0)
 def used():
-    torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(0); return (total - free) / 2**20
+    # NVML's figure, as for the baseline: CUDA's total - free counts differently (H100: ~470 MiB apart).
+    torch.cuda.synchronize(); return pynvml.nvmlDeviceGetMemoryInfo(_h).used / 2**20
 plan = load_plan(sys.argv[1]); block = plan.blocks[sys.argv[2]]
 base = float(sys.argv[3]); steps = {}
 torch.zeros(1, device="cuda:0"); steps["context"] = used() - base
+free, total = torch.cuda.mem_get_info(0); steps["context_cuda_total_minus_free"] = (total - free) / 2**20 - base
 if os.environ.get("BF_CUDNN_BENCHMARK") == "0": torch.backends.cudnn.benchmark = False
 spec, _ = segment_spec(plan, (block,), plan.transport)
 r = BlockRunner(spec, torch.device("cuda", 0))
@@ -142,11 +146,15 @@ def main() -> None:
     ap.add_argument("--plans", nargs="*", default=["plans/default.yaml", "plans/default_fused.yaml", "plans/bench_r50.yaml",
                                                    "tests/plans/fused.yaml", "tests/plans/r18_three_cuts.yaml"])
     ap.add_argument("--skip-breakdown", action="store_true")
+    ap.add_argument("--breakdown-only", action="store_true", help="only the standalone per-step breakdown (breakdown.json)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {}
     if not args.skip_breakdown:
         result["breakdown"] = breakdown(ROOT / "plans" / "default.yaml", ["r50_s0", "r50_s3a"])
+    if args.breakdown_only:
+        (args.out / "breakdown.json").write_text(json.dumps(result, indent=2))
+        return
     measured = []
     for p in args.plans:
         m = measure_plan(ROOT / p, args.cuda_pool_mb)
