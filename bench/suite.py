@@ -53,6 +53,7 @@ class BenchConfig:
     client_seconds: float = 5.0
     gpu_layouts: list[int] = field(default_factory=lambda: [2, 4])  # 1 GPU is the main run itself
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    mps: bool = False  # serve under a private MPS daemon (blockflow.mps)
 
     @classmethod
     def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
@@ -187,7 +188,8 @@ class Bench:
     def _serve(self, plan: Plan) -> TritonServer:
         repo = Path(tempfile.mkdtemp(prefix="blockflow-bench-"))
         generator.write(generator.render(plan), repo)
-        server = TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()))
+        server = TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                            mps=self.cfg.mps))
         server.start(900)
         return server
 

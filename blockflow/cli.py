@@ -157,8 +157,11 @@ PORT = click.IntRange(0, 65535)
                    "written to <runtime dir>/control.token).")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=None,
               help="Where the control service keeps the last plans (default: the runtime dir).")
+@click.option("--mps", is_flag=True, help="Run the block processes under a private NVIDIA MPS daemon, so blocks' "
+              "kernels share the GPU concurrently (more throughput under load; see README, Benchmarks).")
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path],
-          timeout: float, cuda_pool_mb: int, control_port: int, token_file: Optional[Path], state_dir: Optional[Path]) -> None:
+          timeout: float, cuda_pool_mb: int, control_port: int, token_file: Optional[Path], state_dir: Optional[Path],
+          mps: bool) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
@@ -184,7 +187,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     repo = repository or runtime / "model_repository"
     files = generator.render(p)
     generator.write(files, repo)
-    options = ServerOptions([repo], host, http_port, grpc_port, metrics_port, cuda_pool_mb=cuda_pool_mb)
+    options = ServerOptions([repo], host, http_port, grpc_port, metrics_port, cuda_pool_mb=cuda_pool_mb, mps=mps)
     server = TritonServer(options, runtime_dir=runtime)
     stop = _install_stop_handlers()
     err.print(f"starting tritonserver with {len(generator.model_names(files))} models from {plan} (log: {server.log_path}) …")
@@ -543,11 +546,14 @@ def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object
 @click.option("--seconds", type=click.FloatRange(0.5), default=None, help="perf_analyzer measurement window per point.")
 @click.option("--sections", default=None, help="Comma-separated subset of: batch, concurrency, rate, clients, gpus (default: all).")
 @click.option("--concurrency", "concurrencies", default=None, help="Comma-separated concurrency levels (default 1,4,16,32).")
-def bench(plan: Path, out: Path, quick: bool, seconds: Optional[float], sections: Optional[str], concurrencies: Optional[str]) -> None:
+@click.option("--mps", is_flag=True, help="Serve under a private NVIDIA MPS daemon (as `blockflow serve --mps`).")
+def bench(plan: Path, out: Path, quick: bool, seconds: Optional[float], sections: Optional[str], concurrencies: Optional[str],
+          mps: bool) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
     from bench.suite import SECTIONS, BenchConfig, run_bench
 
     cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
+    cfg.mps = mps
     if seconds is not None:
         cfg.seconds = seconds
     if sections is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from blockflow.errors import PortInUseError, ServerError
+from blockflow.mps import MpsDaemon
 from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
 
 
@@ -67,6 +68,8 @@ class ServerOptions:
     # (bench.stress: 50-60% of 120 concurrent requests wrong with the 64 MiB default, none with
     # 1 GiB; with no pool the server crashed). Size it for the activations in flight.
     cuda_pool_mb: int = 2048
+    # Run the block processes as clients of a private MPS daemon (see blockflow.mps).
+    mps: bool = False
     extra_args: Sequence[str] = field(default_factory=list)
 
 
@@ -80,6 +83,7 @@ class TritonServer:
         self.runtime_dir = runtime_dir or make_runtime_dir()
         self.log_path = self.runtime_dir / "tritonserver.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.mps = MpsDaemon(self.runtime_dir / "mps") if options.mps else None
 
     @property
     def http_url(self) -> str:
@@ -125,11 +129,20 @@ class TritonServer:
             check_port(o.host, port, what)
         cmd = self.command()
         prepare_tensormq(self.runtime_dir)
+        env = server_env(self.install, self.runtime_dir)
+        if self.mps is not None:
+            self.mps.start()
+            env.update(self.mps.env)
         log = self.log_path.open("wb")
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=server_env(self.install, self.runtime_dir), start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-        log.close()
+        try:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        except BaseException:
+            if self.mps is not None:
+                self.mps.stop()
+            raise
+        finally:
+            log.close()
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -215,6 +228,8 @@ class TritonServer:
         """SIGTERM the server (it unloads models and ends its stubs), then SIGKILL its whole process group."""
         proc = self.process
         if proc is None:
+            if self.mps is not None:
+                self.mps.stop()
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -230,6 +245,8 @@ class TritonServer:
             time.sleep(0.1)
         self._remove_shm()
         self.process = None
+        if self.mps is not None:
+            self.mps.stop()  # after every client (stub) is gone
         if self._own_runtime:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
