@@ -69,6 +69,7 @@ def model_stats(url: str) -> dict[str, dict[str, int]]:
     for m in data["model_stats"]:
         s = m["inference_stats"]
         out[m["name"]] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
+                          "requests": int(s["success"]["count"]),
                           **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")}}
     return out
 
@@ -78,8 +79,13 @@ def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -
 
 
 def compute_ms(s: dict[str, int]) -> float:
-    """Triton's compute time (input + infer + output) per execution, from a statistics delta."""
-    return (s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0) + s.get("compute_output_ns", 0)) / max(1, s.get("executions", 0)) / 1e6
+    """Triton's compute time (input + infer + output) per execution, from a statistics delta.
+
+    Triton adds a batch's compute time once for every request in it, so the sum is divided by
+    requests, not executions (which overstated it by the batch size under load).
+    """
+    total = s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0) + s.get("compute_output_ns", 0)
+    return total / max(1, s.get("requests", s.get("executions", 0))) / 1e6
 
 
 def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int) -> list[dict[str, Any]]:
