@@ -3,8 +3,8 @@
 Without MPS, each block process has its own CUDA context and the GPU time-slices between
 them: kernels of different blocks never overlap. Under MPS the block processes' kernels share
 the GPU concurrently. On an H100 (bench/results/h100/mps/) that raised the 4-block ResNet-50's
-throughput at concurrency 32 from 0.85x to 1.21x the monolithic CUDA-graph model's; latency at
-concurrency 1 did not change and neither did per-process memory.
+throughput at concurrency 32 from 0.85x to 1.20x the monolithic CUDA-graph model's; per-process
+memory did not change.
 
 The daemon gets its own pipe and log directories inside the server's private runtime directory
 (``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``), so only this server's processes use
