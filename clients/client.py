@@ -54,13 +54,23 @@ def _explain(exc: Exception, task: str) -> ClientError:
 
 
 class TaskClient:
-    """Synchronous client. ``url`` is ``host:port`` of the HTTP or gRPC endpoint."""
+    """Synchronous client. ``url`` is ``host:port`` of the HTTP or gRPC endpoint.
 
-    def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0) -> None:
+    ``input_memory="cuda"`` sends images through a CUDA shared-memory region on GPU ``device``
+    (see clients.cuda_shm): images already on that GPU (torch tensors) never cross the host.
+    """
+
+    def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
+                 input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:
+        if input_memory not in ("host", "cuda"):
+            raise ClientError(f"input_memory must be 'host' or 'cuda', not {input_memory!r}")
         self.url = url
         self.protocol = protocol
         self._mod = _module(protocol)
         self.timeout_s = timeout_s
+        self.input_memory = input_memory
+        self.device = device
+        self._region: Any = None
         try:
             if protocol == "http":
                 self._client = self._mod.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
@@ -84,13 +94,17 @@ class TaskClient:
             return [{"name": m.name, "state": m.state} for m in index.models]
         return [{"name": m["name"], "state": m.get("state", "")} for m in index]
 
-    def infer(self, task: str, images: npt.NDArray[Any]) -> Array:
+    def infer(self, task: str, images: Any) -> Array:
+        """Logits of ``images`` (numpy, or with ``input_memory="cuda"`` also a torch tensor)."""
         return self.infer_timed(task, images).logits
 
-    def infer_timed(self, task: str, images: npt.NDArray[Any]) -> Timed:
-        x = _check_images(images)
-        inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
+    def infer_timed(self, task: str, images: Any) -> Timed:
+        if self.input_memory == "cuda":
+            inp = self._cuda_input(images)
+        else:
+            x = _check_images(images)
+            inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
         out = self._mod.InferRequestedOutput(LOGITS)
         kwargs: dict[str, Any] = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
         start = time.perf_counter()
@@ -104,7 +118,27 @@ class TaskClient:
             raise ClientError(f"task {task!r} returned no {LOGITS}")
         return Timed(np.asarray(logits, dtype=np.float32), latency)
 
+    def _cuda_input(self, images: Any) -> Any:
+        from clients.cuda_shm import CudaInputRegion, region_name
+
+        shape = list(images.shape)
+        if len(shape) != 4 or shape[1] != 3:
+            raise ClientError(f"images must be [batch, 3, H, W]; got shape {shape}")
+        nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
+        if self._region is None or self._region.byte_size < nbytes:
+            if self._region is not None:
+                self._region.close()
+                self._region = None
+            self._region = CudaInputRegion(self._client, region_name(), nbytes, self.device)
+        self._region.write(images)
+        inp = self._mod.InferInput(IMAGE, shape, "FP32")
+        inp.set_shared_memory(self._region.name, nbytes)
+        return inp
+
     def close(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
         self._client.close()
 
     def __enter__(self) -> TaskClient:

@@ -92,3 +92,19 @@ def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:
     c = th.InferenceServerClient(gpu_server)
     cfg = c.get_model_config("g_fp16_0")
     assert cfg["instance_group"][0]["kind"] == "KIND_GPU"
+
+
+def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str) -> None:
+    import tritonclient.http as th
+
+    from clients.client import TaskClient
+
+    with TaskClient(gpu_server) as host, TaskClient(gpu_server, input_memory="cuda") as dev:
+        for batch in (1, 3, 8, 2):  # the region grows once (1 -> 3 -> 8) and is reused for 2
+            x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
+            want = host.infer("g_fp32_eager", x)
+            assert np.array_equal(dev.infer("g_fp32_eager", x), want)
+            assert np.array_equal(dev.infer("g_fp32_eager", torch.from_numpy(x).cuda()), want)  # never via the host
+        regions = th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status()
+        assert len(regions) == 1 and regions[0]["byte_size"] == 8 * 3 * 224 * 224 * 4
+    assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # unregistered on close

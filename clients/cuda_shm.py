@@ -1,0 +1,83 @@
+"""CUDA shared-memory inputs: images that go from the client's GPU memory to Triton without a host copy.
+
+A region is one device allocation of its own (``cuMemAlloc``, so its CUDA IPC handle covers
+exactly it), registered with the server under a name; a request then names the region instead
+of carrying the tensor. The server must run on the same machine and see the same GPU.
+Lifetime: the client owns the memory; :meth:`CudaInputRegion.close` unregisters the region
+first and frees it after, so the server never holds a handle to freed memory. A region is
+rewritten per request, so one region serves one request at a time (use one per thread).
+
+    with TaskClient("127.0.0.1:8000", input_memory="cuda") as c:   # numpy or torch CUDA images
+        logits = c.infer("cls_a", images)
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from typing import Any
+
+from blockflow.errors import ClientError
+
+
+class CudaInputRegion:
+    """``byte_size`` bytes on GPU ``device``, registered with a tritonclient client as ``name``."""
+
+    def __init__(self, client: Any, name: str, byte_size: int, device: int = 0) -> None:
+        try:
+            import torch
+
+            from backend.tensormq import cuda
+            from backend.tensormq.memory import _CudaArray
+        except ImportError as exc:
+            raise ClientError(f"CUDA shared-memory inputs need torch with CUDA: {exc}") from exc
+        if not torch.cuda.is_available() or device >= torch.cuda.device_count():
+            raise ClientError(f"CUDA shared-memory inputs need a CUDA GPU {device} on this machine; use input_memory='host'")
+        self._client, self.name, self.byte_size, self.device = client, name, byte_size, device
+        self._cuda = cuda
+        with torch.cuda.device(device):
+            torch.cuda.init()  # type: ignore[no-untyped-call]
+            self._ptr = cuda.mem_alloc(byte_size)
+            handle = cuda.ipc_mem_handle(self._ptr)
+            self.tensor = torch.as_tensor(_CudaArray(self._ptr, byte_size), device=f"cuda:{device}")
+        try:
+            client.register_cuda_shared_memory(name, base64.b64encode(handle).decode(), device, byte_size)
+        except Exception as exc:
+            self._free()
+            raise ClientError(f"the server refused CUDA shared-memory region {name!r} ({byte_size} bytes on GPU {device}): "
+                              f"{str(exc).strip()}; it must run on this machine and see this GPU") from exc
+        self._registered = True
+
+    def write(self, images: Any) -> int:
+        """Copy ``images`` (numpy or torch, fp32, contiguous) into the region; returns the bytes written."""
+        import torch
+
+        x = images if isinstance(images, torch.Tensor) else torch.from_numpy(images)
+        x = x.to(torch.float32).contiguous()
+        nbytes = x.numel() * 4
+        if nbytes > self.byte_size:
+            raise ClientError(f"{nbytes} bytes of images do not fit region {self.name!r} of {self.byte_size}")
+        self.tensor[:nbytes].view(torch.float32).view(x.shape).copy_(x)
+        torch.cuda.synchronize(self.device)  # the server reads the region as soon as the request arrives
+        return nbytes
+
+    def _free(self) -> None:
+        import torch
+
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            del self.tensor
+            self._cuda.mem_free(self._ptr)
+
+    def close(self) -> None:
+        if not getattr(self, "_registered", False):
+            return
+        self._registered = False
+        try:
+            self._client.unregister_cuda_shared_memory(self.name)
+        finally:
+            self._free()
+
+
+def region_name() -> str:
+    return f"blockflow-in-{os.getpid()}-{os.urandom(4).hex()}"
