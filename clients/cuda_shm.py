@@ -36,7 +36,7 @@ class CudaInputRegion:
         self._client, self.name, self.byte_size, self.device = client, name, byte_size, device
         self._cuda = cuda
         with torch.cuda.device(device):
-            torch.cuda.init()  # type: ignore[no-untyped-call]
+            torch.zeros(1, device=f"cuda:{device}")  # makes the primary context current; init() alone does not
             self._ptr = cuda.mem_alloc(byte_size)
             handle = cuda.ipc_mem_handle(self._ptr)
             self.tensor = torch.as_tensor(_CudaArray(self._ptr, byte_size), device=f"cuda:{device}")
