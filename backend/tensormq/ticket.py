@@ -52,7 +52,6 @@ assert _HEAD.size == 152
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
-ITEMSIZE: dict[torch.dtype, int] = {d: d.itemsize for d in DTYPES.values()}
 DEVICE_HOST, DEVICE_CUDA = 0, 1
 
 
@@ -127,7 +126,7 @@ def decode(raw: bytes, key: bytes) -> Ticket:
     if any(d <= 0 for d in shape) or any(shape_all[ndim:]) or any(strides_all[ndim:]):
         raise TicketError(f"ticket shape {list(shape_all)} is invalid")
     dtype = DTYPES[dcode]
-    itemsize = ITEMSIZE[dtype]
+    itemsize = dtype.itemsize
     if nbytes != math.prod(shape) * itemsize:
         raise TicketError(f"ticket says {nbytes} bytes but shape {list(shape)} of {dtype} needs {math.prod(shape) * itemsize}")
     t = Ticket(producer, generation, slot, seq, sample, offset, nbytes, dtype, shape, device_type, device_index, segment)
