@@ -85,8 +85,10 @@ class TritonPythonModel:
             if self.device.type == "cuda":
                 torch.zeros(1, device=self.device)
                 self.tracer.memory("context")
-        self._stream_handle: int | None = None
         self.runner = BlockRunner(spec, self.device)
+        # The stream every block's work goes on (torch's current stream, fixed for the instance's
+        # life); read once here, as each lookup costs a torch call on the request path.
+        self.stream = int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
         if self.tracer is not None:
             self.tracer.memory("weights")
         self.runner.warmup()
@@ -123,21 +125,13 @@ class TritonPythonModel:
             f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport})"
         )
 
-    def _stream(self) -> int:
-        # The stream every block's work goes on (torch's current stream, fixed for the instance's
-        # life); read once, as each lookup costs a torch call on the request path.
-        if self._stream_handle is None:
-            cuda = self.device.type == "cuda"
-            self._stream_handle = int(torch.cuda.current_stream(self.device).cuda_stream) if cuda else 0
-        return self._stream_handle
-
     def _input(self, request: Any, releases: list[Any]) -> torch.Tensor:
         tensor = pb_utils.get_input_tensor_by_name(request, self.in_name)
         if tensor is None:
             raise RequestError(f"request has no input {self.in_name!r}")
         x = from_dlpack(tensor.to_dlpack())
         if self.consumer is not None:
-            view, rel = self.consumer.gather(x, self.spec.in_shape, self._stream())
+            view, rel = self.consumer.gather(x, self.spec.in_shape, self.stream)
             releases.extend(rel)
             return view
         if x.dtype != torch.float32 or tuple(x.shape[1:]) != self.spec.in_shape:
@@ -185,7 +179,7 @@ class TritonPythonModel:
         finally:
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see backend.tensormq).
-                self.consumer.release_after(releases, self._stream())
+                self.consumer.release_after(releases, self.stream)
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
@@ -206,7 +200,7 @@ class TritonPythonModel:
         except BaseException:
             self.producer.abort(reservation)
             raise
-        tickets = self.producer.commit(reservation, self._stream())
+        tickets = self.producer.commit(reservation, self.stream)
         # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
         # A bytearray is writable, so torch takes it without a copy.
         return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))

@@ -9,8 +9,8 @@ events are no-ops there.
 from __future__ import annotations
 
 import mmap
-from collections import OrderedDict
 import os
+from collections import OrderedDict
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,16 @@ class Segment:
     kind: int
     nbytes: int
     tensor: torch.Tensor
-    _typed: dict[torch.dtype, torch.Tensor]
-    _views: OrderedDict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._views: OrderedDict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = OrderedDict()
+
+    def _forget_views(self) -> None:
+        """Drop every cached view (they hold the segment's tensor) before it is unmapped or freed."""
+        self._typed.clear()
+        self._views.clear()
+        del self.tensor
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A row-major ``shape`` view of ``dtype`` starting ``offset`` bytes in (aligned to the item size).
@@ -77,8 +85,8 @@ class HostSegment(Segment):
     kind = DEVICE_HOST
 
     def __init__(self, name: str, nbytes: int, create: bool) -> None:
-        self.name, self.nbytes, self.owner = name, nbytes, create
-        self._typed, self._views = {}, OrderedDict()
+        super().__init__(nbytes)
+        self.name, self.owner = name, create
         path = SHM_DIR / name
         if create:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -104,9 +112,7 @@ class HostSegment(Segment):
         return {"kind": "host", "name": self.name, "nbytes": self.nbytes}
 
     def close(self) -> None:
-        self._typed.clear()
-        self._views.clear()
-        del self.tensor
+        self._forget_views()
         try:
             self._map.close()
         except BufferError:
@@ -119,8 +125,8 @@ class CudaSegment(Segment):
     kind = DEVICE_CUDA
 
     def __init__(self, device: int, nbytes: int, handle: bytes | None = None) -> None:
-        self.device, self.nbytes = device, nbytes
-        self._typed, self._views = {}, OrderedDict()
+        super().__init__(nbytes)
+        self.device = device
         with torch.cuda.device(device):
             torch.cuda.init()  # type: ignore[no-untyped-call]
             if handle is None:
@@ -137,9 +143,7 @@ class CudaSegment(Segment):
         return {"kind": "cuda", "handle": self.handle.hex(), "nbytes": self.nbytes, "device": self.device}
 
     def close(self) -> None:
-        self._typed.clear()
-        self._views.clear()
-        del self.tensor
+        self._forget_views()
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
             (cuda.mem_free if self.owner else cuda.ipc_close_mem)(self.ptr)
