@@ -128,7 +128,9 @@ class CudaSegment(Segment):
         super().__init__(nbytes)
         self.device = device
         with torch.cuda.device(device):
-            torch.cuda.init()  # type: ignore[no-untyped-call]
+            # The driver calls below need the primary context current; torch.cuda.init() alone does not
+            # make it so (a process with no tensor yet got CUDA_ERROR_INVALID_CONTEXT on an H100).
+            torch.zeros(1, device=f"cuda:{device}")
             if handle is None:
                 self.owner = True
                 self.ptr = cuda.mem_alloc(nbytes)
