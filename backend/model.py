@@ -5,7 +5,9 @@ its config (parameter ``blockflow.spec``), builds the block on the instance's
 device, warms it up and, for TensorMQ, opens its producer pool and consumer.
 ``execute`` runs every request of the call as one batch (this is where dynamic
 batching across tasks that share the block pays off) and gives each request its
-own rows; a request that cannot be read fails alone with a clear error.
+own rows; a request that cannot be read fails alone with a clear error. A head
+pack (``pack: heads``) holds several tasks' heads and runs, per request, the
+heads whose outputs it asks for.
 
 Tensors cross the stub boundary by DLPack in both directions: the Python
 backend mishandles numpy 2 arrays, and DLPack keeps GPU tensors on the GPU.
@@ -85,13 +87,26 @@ class TritonPythonModel:
             if self.device.type == "cuda":
                 torch.zeros(1, device=self.device)
                 self.tracer.memory("context")
-        self.runner = BlockRunner(spec, self.device)
+        # A head pack (several tasks' heads in this one process) has a runner per head, keyed by the
+        # output that answers its task; every other model has one runner.
+        self.heads: dict[str, BlockRunner] | None = None
+        if spec.heads:
+            self.heads = {out: BlockRunner(s, self.device) for out, s in spec.head_specs()}
+            self.runner = next(iter(self.heads.values()))
+        else:
+            self.runner = BlockRunner(spec, self.device)
         # The stream every block's work goes on (torch's current stream, fixed for the instance's
         # life); read once here, as each lookup costs a torch call on the request path.
         self.stream = int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
         if self.tracer is not None:
             self.tracer.memory("weights")
-        self.runner.warmup()
+        if self.heads is None:
+            self.runner.warmup()
+        else:
+            # The heads run one after another on one stream, so their CUDA graphs share one memory pool.
+            pool = torch.cuda.graph_pool_handle() if self.runner.use_graphs else None
+            for runner in self.heads.values():
+                runner.warmup(pool)
         if self.tracer is not None:
             self.tracer.memory("warmup")
         self.producer: Producer | None = None
@@ -121,7 +136,7 @@ class TritonPythonModel:
                 self.tracer.memory("monitor")
         self.logger.log_info(
             f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
-            f"(stages {spec.first_stage}-{spec.last_stage}, {spec.precision}, "
+            f"(stages {spec.first_stage}-{spec.last_stage}{f', {len(spec.heads)} heads' if spec.heads else ''}, {spec.precision}, "
             f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport})"
         )
 
@@ -160,22 +175,24 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         if not batch:
             return responses
-        sizes = [int(t.shape[0]) for t in batch]
         try:
-            joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
-            if self.tracer is not None:
-                self.tracer.mark()  # inputs read
-                self.tracer.gpu_begin()
-            outputs = self._run(joined)
-            if self.tracer is not None:
-                self.tracer.mark()  # work queued (or done, where the transport syncs)
-            for i, rows in zip(owners, _split(outputs, sizes)):
-                tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
-        except Exception as exc:  # one failed batch must not take the stub down
-            self.logger.log_error(f"blockflow: {self.spec.name}: batch of {sum(sizes)} failed: {exc!r}")
-            for i in owners:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
+            if self.heads is not None:
+                self._execute_heads(requests, owners, batch, responses)
+                return responses
+            sizes = [int(t.shape[0]) for t in batch]
+            try:
+                joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
+                if self.tracer is not None:
+                    self.tracer.mark()  # inputs read
+                    self.tracer.gpu_begin()
+                outputs = self._run(joined)
+                if self.tracer is not None:
+                    self.tracer.mark()  # work queued (or done, where the transport syncs)
+                for i, rows in zip(owners, _split(outputs, sizes)):
+                    tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
+            except Exception as exc:  # one failed batch must not take the stub down
+                self._fail(responses, owners, sum(sizes), exc)
         finally:
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see backend.tensormq).
@@ -183,6 +200,43 @@ class TritonPythonModel:
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
+
+    def _fail(self, responses: list[Any], owners: list[int], samples: int, exc: Exception) -> None:
+        self.logger.log_error(f"blockflow: {self.spec.name}: batch of {samples} failed: {exc!r}")
+        for i in owners:
+            responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
+
+    def _execute_heads(self, requests: list[Any], owners: list[int], batch: list[torch.Tensor], responses: list[Any]) -> None:
+        """A head pack's batch: each head runs on the rows of the requests that ask for its output.
+
+        An ensemble step asks only for the outputs in its output map, so a task's request runs
+        its own head; a direct request that names no output gets every head's.
+        """
+        assert self.heads is not None
+        groups: dict[str, list[int]] = {}  # output -> positions in ``batch``
+        for k, i in enumerate(owners):
+            for name in requests[i].requested_output_names() or self.heads:
+                groups.setdefault(name, []).append(k)
+        tensors: list[list[Any]] = [[] for _ in batch]
+        failed: set[int] = set()
+        for name, ks in groups.items():
+            runner = self.heads[name]  # Triton refuses requests for outputs the config does not list
+            xs = [batch[k] for k in ks]
+            try:
+                outputs = runner.run(xs[0] if len(xs) == 1 else torch.cat([x.to(self.device) for x in xs]))
+                if self.to_host:
+                    outputs = outputs.cpu()
+                for k, rows in zip(ks, _split(outputs, [int(x.shape[0]) for x in xs])):
+                    tensors[k].append(pb_utils.Tensor.from_dlpack(name, to_dlpack(rows)))
+            except Exception as exc:  # one head's failure fails only the requests that asked for it
+                failed.update(ks)
+                self._fail(responses, [owners[k] for k in ks], sum(int(x.shape[0]) for x in xs), exc)
+        if self.device.type == "cuda":
+            # Triton reads the outputs once execute returns; the kernels must be done by then.
+            torch.cuda.current_stream(self.device).synchronize()
+        for k, i in enumerate(owners):
+            if k not in failed:
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors[k])
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.producer is None:
@@ -217,5 +271,6 @@ class TritonPythonModel:
             # still be on their way to the next block (a plan update, a reload): wait for them.
             self.producer.close(drain_s=DRAIN_S)
         self.runner = None  # type: ignore[assignment]
+        self.heads = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

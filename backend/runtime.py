@@ -116,11 +116,17 @@ class BlockRunner:
         self._graphs: dict[int, _Graph] = {}
 
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """Run every bucket once (capturing its CUDA graph) so no request pays first-call costs."""
+    def warmup(self, pool: Any = None) -> None:
+        """Run every bucket once (capturing its CUDA graph) so no request pays first-call costs.
+
+        ``pool``: a graph memory pool to capture into (``torch.cuda.graph_pool_handle()``), shared by
+        every runner of one process whose graphs never run at the same time (the heads of a pack).
+        Sharing is safe because ``run`` copies a graph's output out before the next replay on the
+        same stream, and each graph's static input and output stay allocated for its lifetime.
+        """
         sizes = sorted(self.buckets, reverse=True) if self.is_cuda else [1]
         if self.use_graphs:
-            pool = torch.cuda.graph_pool_handle()
+            pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             for b in sizes:  # largest first, so smaller graphs reuse its pool
                 self._graphs[b] = self._capture(b, pool)
         else:

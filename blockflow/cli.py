@@ -593,13 +593,15 @@ def plan_memory(plan: Optional[Path], gpus: Optional[int], calibration: Optional
               f"server {cal.server_mib:.0f} MiB + CUDA pool {cuda_pool_mb} MiB per GPU)")
     if arch is not None:
         table = Table(title=f"{arch}, N = {n_tasks} tasks, one GPU: predicted MiB (thesis Table 4.4 scenarios)")
-        for col in ("scenario", "A / B / C", "modular", "fused", "traditional", "saving", "saving fused", "processes mod / fused / trad"):
+        for col in ("scenario", "A / B / C", "modular", "fused", "fused + packed", "traditional", "saving", "saving fused",
+                    "saving fused + packed", "processes mod / fused / packed / trad"):
             table.add_column(col, justify="right")
         for r in memory.scenario_table(arch, n_tasks, cal, cuda_pool_mb):
             table.add_row(str(r["scenario"]), f"{r['class_a']:.0%} / {r['class_b']:.0%} / {r['class_c']:.0%}",
-                          f"{r['modular_mib']:,.0f}", f"{r['fused_mib']:,.0f}", f"{r['traditional_mib']:,.0f}",
-                          f"{r['saving_modular']:+.1%}", f"{r['saving_fused']:+.1%}",
-                          f"{r['processes_modular']:.0f} / {r['processes_fused']:.0f} / {r['processes_traditional']:.0f}")
+                          f"{r['modular_mib']:,.0f}", f"{r['fused_mib']:,.0f}", f"{r['packed_mib']:,.0f}", f"{r['traditional_mib']:,.0f}",
+                          f"{r['saving_modular']:+.1%}", f"{r['saving_fused']:+.1%}", f"{r['saving_packed']:+.1%}",
+                          f"{r['processes_modular']:.0f} / {r['processes_fused']:.0f} / {r['processes_packed']:.0f} / "
+                          f"{r['processes_traditional']:.0f}")
         out.print(table)
         return
     if plan is None:

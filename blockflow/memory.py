@@ -95,10 +95,18 @@ def _gpus_of(block: Block, gpus: int) -> list[int]:
     return list(range(gpus))
 
 
-def _process(plan: Plan, name: str, blocks: list[Block], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
-    m = plan.models[blocks[0].model]
-    params, largest = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
-                                     blocks[0].first, blocks[-1].last)
+def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
+    """One process running ``chains`` (one chain of consecutive blocks, or a head pack's heads).
+
+    A pack's heads share one CUDA-graph pool (they never run at once): their activations are the
+    largest head's, their weights the sum.
+    """
+    m = plan.models[deploy.model]
+    params, largest = 0, 0
+    for blocks in chains:
+        p, a = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+                              blocks[0].first, blocks[-1].last)
+        params, largest = params + p, max(largest, a)
     width = BYTES[deploy.precision]
     return Process(name, gpu, params * width / 2**20, cal.activation_factor * deploy.max_batch_size * largest * width / 2**20,
                    pool_mib, cal.process_mib)
@@ -111,18 +119,20 @@ def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
     out: list[Process] = []
     seen: set[str] = set()
     for task in plan.tasks.values():
+        pack = plan.head_packs.get(task.name)
         for transport in plan.transports_of(task):
-            segments = plan.segments(task)
-            for i, seg in enumerate(segments):
-                name = naming.block_model(naming.segment_model([b.name for b in seg]), transport, plan.transport)
+            deployed = plan.deployed(task)
+            for i, (segment, seg) in enumerate(deployed):
+                name = naming.block_model(segment, transport, plan.transport)
                 if name in seen:
                     continue
                 seen.add(name)
+                chains = [list(h) for h in pack.heads] if pack is not None and i == len(deployed) - 1 else [list(seg)]
                 deploy = seg[0]
-                producer = transport == "tensormq" and i < len(segments) - 1
+                producer = transport == "tensormq" and i < len(deployed) - 1
                 pool = float(plan.raw.tensormq.pool_mb) if producer else 0.0
                 for gpu in _gpus_of(deploy, gpus):
-                    out += [_process(plan, name, list(seg), deploy, gpu, pool, cal)] * deploy.instances
+                    out += [_process(plan, name, chains, deploy, gpu, pool, cal)] * deploy.instances
     return out
 
 
@@ -132,7 +142,7 @@ def traditional(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
     for task in plan.tasks.values():
         blocks = [plan.blocks[b] for b in task.path]
         for gpu in _gpus_of(blocks[0], gpus):
-            out += [_process(plan, task.name, blocks, blocks[0], gpu, 0.0, cal)] * blocks[0].instances
+            out += [_process(plan, task.name, [blocks], blocks[0], gpu, 0.0, cal)] * blocks[0].instances
     return out
 
 
@@ -152,9 +162,13 @@ SCENARIOS: dict[int, tuple[float, float, float]] = {  # thesis Table 4.4: share 
 }
 
 
-def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True) -> Plan:
+def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> Plan:
     """The thesis' service classes (§4.3) as a plan: class A tasks run a whole network of their own;
-    class B share stages 0-1 and own stages 2-3; class C share stages 0-2 and own stage 3."""
+    class B share stages 0-1 and own stages 2-3; class C share stages 0-2 and own stage 3.
+
+    With ``pack``, the heads of class B (after the shared stages 0-1) and of class C (after
+    stage 2) run as one head pack each; class A's whole networks stay one model per task, as in
+    the traditional deployment."""
     from blockflow.plan import parse_plan
 
     n_a = round(n_tasks * shares[0])
@@ -177,7 +191,7 @@ def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], f
         del blocks["s2"]
     if n_b + n_c == 0:
         del blocks["s0"], blocks["s1"]
-    raw = {"version": 1, "name": f"{arch}-scenario", "fuse": "auto" if fuse else "none",
+    raw = {"version": 1, "name": f"{arch}-scenario", "fuse": "auto" if fuse else "none", "pack": "heads" if pack else "none",
            "models": {"m": {"arch": arch, "cut_points": ["layer1", "layer2", "layer3"]}},
            "defaults": {"placement": [0]}, "blocks": blocks, "tasks": tasks, "transport": "tensormq",
            # Pools sized to need: 64 MiB holds several batches of 8 of any of these activations.
@@ -186,17 +200,20 @@ def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], f
 
 
 def scenario_table(arch: str, n_tasks: int, cal: Calibration, cuda_pool_mb: int = 2048) -> list[dict[str, float]]:
-    """Predicted GPU memory (one GPU) for the eight scenarios: modular, modular fused, traditional."""
+    """Predicted GPU memory (one GPU) for the eight scenarios: modular, fused, fused with packed heads, traditional."""
     rows = []
     for number, shares in SCENARIOS.items():
-        mod = scenario_plan(arch, n_tasks, shares, fuse=False)
-        fused = scenario_plan(arch, n_tasks, shares, fuse=True)
-        m = per_gpu(modular(mod, 1, cal), 1, cal, cuda_pool_mb)[0]
-        f = per_gpu(modular(fused, 1, cal), 1, cal, cuda_pool_mb)[0]
-        t = per_gpu(traditional(mod, 1, cal), 1, cal, cuda_pool_mb)[0]
-        rows.append({"scenario": number, "class_a": shares[0], "class_b": shares[1], "class_c": shares[2],
-                     "modular_mib": m, "fused_mib": f, "traditional_mib": t,
-                     "processes_modular": float(len(modular(mod, 1, cal))), "processes_fused": float(len(modular(fused, 1, cal))),
-                     "processes_traditional": float(len(traditional(mod, 1, cal))),
-                     "saving_modular": 1 - m / t, "saving_fused": 1 - f / t})
+        variants = {"modular": scenario_plan(arch, n_tasks, shares, fuse=False),
+                    "fused": scenario_plan(arch, n_tasks, shares, fuse=True),
+                    "packed": scenario_plan(arch, n_tasks, shares, fuse=True, pack=True)}
+        procs = {k: modular(p, 1, cal) for k, p in variants.items()}
+        procs["traditional"] = traditional(variants["modular"], 1, cal)
+        mib = {k: per_gpu(v, 1, cal, cuda_pool_mb)[0] for k, v in procs.items()}
+        row: dict[str, float] = {"scenario": number, "class_a": shares[0], "class_b": shares[1], "class_c": shares[2]}
+        for k in procs:
+            row[f"{k}_mib"] = mib[k]
+            row[f"processes_{k}"] = float(len(procs[k]))
+            if k != "traditional":
+                row[f"saving_{k}"] = 1 - mib[k] / mib["traditional"]
+        rows.append(row)
     return rows

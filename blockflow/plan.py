@@ -121,6 +121,9 @@ class PlanModel(_Strict):
     # auto: consecutive blocks that exactly the same tasks traverse (with the same deployment
     # settings) run as one model: one process and one hop fewer per fused pair.
     fuse: Literal["none", "auto"] = "none"
+    # heads: the heads of tasks that branch off after the same deployed block (each the last,
+    # task-specific part of its path) run as one model: one process for all of them.
+    pack: Literal["none", "heads"] = "none"
     tensormq: TensorMQSettings = TensorMQSettings()
 
 
@@ -147,6 +150,21 @@ class Task:
     name: str
     path: tuple[str, ...]
     transport: TransportName
+
+
+@dataclass(frozen=True)
+class HeadPack:
+    """Task heads that run as one model (``pack: heads``): one process instead of one per head.
+
+    A task's *head* is the last deployed segment of its path when no other task uses any of
+    its blocks. Heads that follow the same deployed segment, on the same transport and with the
+    same deployment settings, form one pack; the pack answers each task on its own output.
+    """
+
+    name: str  # the pack's segment name, e.g. ``trunk__heads`` (before any transport suffix)
+    after: str  # the deployed segment every head takes its input from
+    tasks: tuple[str, ...]
+    heads: tuple[tuple[Block, ...], ...]  # each task's head segment, in ``tasks`` order
 
 
 class Plan:
@@ -199,6 +217,51 @@ class Plan:
             out.append((b,))
         return out
 
+    def deployed(self, task: Task) -> list[tuple[str, tuple[Block, ...]]]:
+        """``task``'s path as Triton models: (segment name, the task's blocks in it) per model.
+
+        The name is the model's before any transport suffix (``ensemble_gen.naming.block_model``
+        adds it); a packed head is named after its pack.
+        """
+        from ensemble_gen import naming
+
+        out = [(naming.segment_model([b.name for b in seg]), seg) for seg in self.segments(task)]
+        pack = self.head_packs.get(task.name)
+        if pack is not None:
+            out[-1] = (pack.name, out[-1][1])
+        return out
+
+    @cached_property
+    def head_packs(self) -> dict[str, HeadPack]:
+        """Task name -> the head pack its head runs in (empty unless ``pack: heads``)."""
+        if self.raw.pack != "heads":
+            return {}
+        from ensemble_gen import naming
+
+        users = self.sharing()
+        groups: dict[tuple[Any, ...], list[tuple[str, tuple[Block, ...]]]] = {}
+        for task in self.tasks.values():
+            segments = self.segments(task)
+            head = segments[-1]
+            if len(segments) < 2 or any(users[b.name] != [task.name] for b in head):
+                continue
+            after = naming.segment_model([b.name for b in segments[-2]])
+            first = head[0]
+            key = (after, task.transport, first.model, first.placement, first.instances, first.max_batch_size,
+                   first.precision, first.cuda_graphs)
+            groups.setdefault(key, []).append((task.name, head))
+        out: dict[str, HeadPack] = {}
+        named: dict[str, int] = {}
+        for key, members in groups.items():
+            if len(members) < 2:
+                continue  # a lone head stays a model of its own
+            after = str(key[0])
+            named[after] = named.get(after, 0) + 1
+            pack = HeadPack(naming.head_pack(after, named[after]), after, tuple(t for t, _ in members),
+                            tuple(h for _, h in members))
+            out.update(dict.fromkeys(pack.tasks, pack))
+        return out
+
     def sharing(self) -> dict[str, list[str]]:
         """Block name -> the tasks whose path uses it."""
         users: dict[str, list[str]] = {b: [] for b in self.blocks}
@@ -238,7 +301,11 @@ class Plan:
 
     def warnings(self) -> list[str]:
         used = set(self.used_blocks())
-        return [f"blocks.{b}: no task uses this block; it is not deployed" for b in self.blocks if b not in used]
+        out = [f"blocks.{b}: no task uses this block; it is not deployed" for b in self.blocks if b not in used]
+        if self.raw.pack == "heads" and not self.head_packs:
+            out.append("pack: 'heads' packs nothing: no two tasks have heads of their own after the same block "
+                       "with the same deployment settings")
+        return out
 
 
 def _deployed_alike(a: Block, b: Block) -> bool:

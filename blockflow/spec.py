@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
 TransportName = Literal["tensormq", "triton-gpu", "triton-cpu"]
@@ -46,6 +46,22 @@ class Part(_Strict):
     weights: WeightsSource
 
 
+class Head(_Strict):
+    """One task's head inside a head pack: its parts, answered on output ``LOGITS__<task>``."""
+
+    task: str
+    parts: tuple[Part, ...] = Field(min_length=1)
+
+    @property
+    def output(self) -> str:
+        return head_output(self.task)
+
+
+def head_output(task: str) -> str:
+    """The output tensor of ``task``'s head in a head pack."""
+    return f"{LOGITS}__{task}"
+
+
 class TensorMQSettings(_Strict):
     """Pool and protocol settings of every TensorMQ producer in a plan."""
 
@@ -58,7 +74,7 @@ class TensorMQSettings(_Strict):
 class ModelSpec(_Strict):
     """Everything a block process needs to build and run its model."""
 
-    kind: Literal["block", "reference"]
+    kind: Literal["block", "reference", "pack"]
     name: str
     arch: str
     cut_points: tuple[str, ...]
@@ -73,6 +89,20 @@ class ModelSpec(_Strict):
     out_shape: tuple[int, ...]
     tensormq: TensorMQSettings | None = None
     monitor_period_s: float = 0.0
+    # A head pack (kind "pack") runs several tasks' heads in one process: ``parts`` is the first
+    # head's, and every head covers the same stages (see blockflow.plan.HeadPack).
+    heads: tuple[Head, ...] = ()
+
+    @model_validator(mode="after")
+    def _pack_has_heads(self) -> ModelSpec:
+        if (self.kind == "pack") != bool(self.heads):
+            raise ValueError("a spec has heads exactly when its kind is 'pack'")
+        return self
+
+    def head_specs(self) -> list[tuple[str, ModelSpec]]:
+        """(output name, single-chain spec) for each head of a pack."""
+        return [(h.output, self.model_copy(update={"kind": "block", "name": f"{self.name}/{h.task}", "parts": h.parts, "heads": ()}))
+                for h in self.heads]
 
     @property
     def first_stage(self) -> int:
@@ -94,4 +124,6 @@ class ModelSpec(_Strict):
         """Canonical JSON (sorted keys, no spaces): same spec, same bytes."""
         import json
 
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        # ``heads`` is left out when empty, so specs written before head packs keep their bytes (and digests).
+        data = self.model_dump(mode="json", exclude={"heads"} if not self.heads else None)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))

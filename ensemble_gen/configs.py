@@ -56,7 +56,9 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
         cfg.input.append(_tensor(ACTIVATION_IN, [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8))
     else:
         cfg.input.append(_tensor(ACTIVATION_IN, spec.in_shape, mc.ModelInput))
-    if spec.gives_logits:
+    if spec.heads:  # a head pack answers each task on its own output
+        cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
+    elif spec.gives_logits:
         cfg.output.append(_tensor(LOGITS, spec.out_shape, mc.ModelOutput))
     elif tmq:
         cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
@@ -78,10 +80,12 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
 
 @dataclass(frozen=True)
 class Step:
-    """One ensemble step: a model and the spec it runs (for its tensor names)."""
+    """One ensemble step: a model, the spec it runs (for its tensor names) and, for the last step,
+    which of its outputs holds the task's logits (a head pack has one per task)."""
 
     model: str
     spec: ModelSpec
+    logits: str = LOGITS
 
 
 def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int], logits_shape: Sequence[int]) -> mc.ModelConfig:
@@ -99,7 +103,9 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         step.model_version = -1
         step.input_map[IMAGE if s.spec.takes_image else ACTIVATION_IN] = carried
         if s.spec.gives_logits:
-            step.output_map[LOGITS] = LOGITS
+            # The step's output map is also what the step's request asks for: a head pack
+            # runs only the heads whose outputs are requested.
+            step.output_map[s.logits] = LOGITS
         else:
             carried = f"hop{i}_{s.model}"
             step.output_map[ACTIVATION_OUT] = carried

@@ -12,15 +12,15 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.errors import GenerateError
-from blockflow.plan import Block, Plan, Task
-from blockflow.spec import ModelSpec, Part, Precision, TransportName
+from blockflow.plan import Block, HeadPack, Plan, Task
+from blockflow.spec import LOGITS, Head, ModelSpec, Part, Precision, TransportName, head_output
 from ensemble_gen import naming
 from ensemble_gen.configs import DIGEST_PARAMETER, Step, ensemble_config, python_model_config, to_pbtxt
 
@@ -45,8 +45,12 @@ __all__ = ["TritonPythonModel"]
 '''
 
 
-def _path_spec(plan: Plan, kind: Literal["block", "reference"], name: str, blocks: list[Block], transport: TransportName,
-               precision: Precision, cuda_graphs: bool, max_batch_size: int) -> ModelSpec:
+def _parts(blocks: Sequence[Block]) -> tuple[Part, ...]:
+    return tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights) for b in blocks)
+
+
+def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: str, blocks: list[Block], transport: TransportName,
+               precision: Precision, cuda_graphs: bool, max_batch_size: int, heads: tuple[Head, ...] = ()) -> ModelSpec:
     """A spec running ``blocks`` (consecutive stages of one model, each with its own weights) in one process."""
     model = plan.models[blocks[0].model]
     return ModelSpec(
@@ -56,7 +60,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference"], name: str, block
         cut_points=tuple(model.cut_points),
         num_classes=model.num_classes,
         input_shape=tuple(model.input_shape),
-        parts=tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights) for b in blocks),
+        parts=_parts(blocks),
         precision=precision,
         cuda_graphs=cuda_graphs,
         max_batch_size=max_batch_size,
@@ -65,6 +69,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference"], name: str, block
         out_shape=plan.block_out_shape(blocks[-1]),
         tensormq=plan.raw.tensormq if transport == "tensormq" else None,
         monitor_period_s=blocks[0].monitor_period_s,
+        heads=heads,
     )
 
 
@@ -80,6 +85,24 @@ def segment_spec(plan: Plan, segment: tuple[Block, ...], transport: TransportNam
     first = segment[0]
     spec = _path_spec(plan, "block", name, list(segment), transport, first.precision, first.cuda_graphs, first.max_batch_size)
     return spec, dataclasses.replace(first, name=name)
+
+
+def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[ModelSpec, Block]:
+    """The model of a head pack: every member's head in one process, deployed like the first head."""
+    first = pack.heads[0][0]
+    heads = tuple(Head(task=t, parts=_parts(h)) for t, h in zip(pack.tasks, pack.heads))
+    spec = _path_spec(plan, "pack", pack.name, list(pack.heads[0]), transport, first.precision, first.cuda_graphs,
+                      first.max_batch_size, heads)
+    return spec, dataclasses.replace(first, name=pack.name)
+
+
+def deployed_spec(plan: Plan, task: Task, index: int, transport: TransportName) -> tuple[ModelSpec, Block]:
+    """Spec and deployment of the ``index``-th model of ``task``'s path (see ``Plan.deployed``)."""
+    segments = plan.segments(task)
+    pack = plan.head_packs.get(task.name)
+    if pack is not None and index == len(segments) - 1:
+        return pack_spec(plan, pack, transport)
+    return segment_spec(plan, segments[index], transport)
 
 
 def reference_spec(plan: Plan, task: Task, graph: bool) -> tuple[ModelSpec, Block]:
@@ -124,18 +147,19 @@ def render(plan: Plan) -> dict[str, bytes]:
 
     def python_model(name: str, spec: ModelSpec, deploy: Block) -> None:
         cfg = python_model_config(name, spec, deploy)
-        weights = [Path(p.weights.file) for p in spec.parts if p.weights.file is not None]
+        parts = [p for h in spec.heads for p in h.parts] if spec.heads else list(spec.parts)
+        weights = [Path(p.weights.file) for p in parts if p.weights.file is not None]
         _emit(files, cfg, {"1/model.py": MODEL_PY.encode()}, weights)
 
     for task in plan.tasks.values():
         for transport in plan.transports_of(task):
             steps = []
-            for segment in plan.segments(task):
-                spec, deploy = segment_spec(plan, segment, transport)
+            for index in range(len(plan.segments(task))):
+                spec, deploy = deployed_spec(plan, task, index, transport)
                 mname = naming.block_model(deploy.name, transport, plan.transport)
                 if f"{mname}/config.pbtxt" not in files:
                     python_model(mname, spec, deploy)
-                steps.append(Step(mname, spec))
+                steps.append(Step(mname, spec, head_output(task.name) if spec.heads else LOGITS))
             ename = naming.task_model(task.name, transport, task.transport)
             first, last = plan.blocks[task.path[0]], plan.blocks[task.path[-1]]
             cfg = ensemble_config(ename, steps, plan.block_in_shape(first), plan.block_out_shape(last))

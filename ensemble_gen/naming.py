@@ -5,6 +5,8 @@
 * Any other transport variant appends ``__`` and the transport with ``-`` made
   ``_``: ensemble ``cls_a__triton_cpu`` runs blocks ``r50_s0__triton_cpu`` ….
 * Blocks fused into one model (``fuse: auto``) are named ``<first>__to__<last>``.
+* Task heads packed into one model (``pack: heads``) after segment ``<seg>``
+  are ``<seg>__heads`` (``<seg>__heads2``, … when several packs follow it).
 * The monolithic reference of a task (same weights, unsplit) is
   ``<task>__ref`` (eager) and ``<task>__ref_graph`` (CUDA graphs).
 
@@ -37,3 +39,8 @@ def reference_model(task: str, graph: bool) -> str:
 def segment_model(blocks: list[str] | tuple[str, ...]) -> str:
     """The model running ``blocks`` (consecutive, fused): the block's own name when there is one."""
     return blocks[0] if len(blocks) == 1 else f"{blocks[0]}{SEP}to{SEP}{blocks[-1]}"
+
+
+def head_pack(after: str, index: int = 1) -> str:
+    """The model running the packed heads that follow segment ``after`` (``index`` > 1 for further packs)."""
+    return f"{after}{SEP}heads" + (str(index) if index > 1 else "")

@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_PLANS = [ROOT / "plans" / "default.yaml", ROOT / "tests" / "plans" / "r18_three_cuts.yaml",
-                ROOT / "tests" / "plans" / "r34_late_cuts.yaml", ROOT / "tests" / "plans" / "fused.yaml"]
+                ROOT / "tests" / "plans" / "r34_late_cuts.yaml", ROOT / "tests" / "plans" / "fused.yaml",
+                ROOT / "tests" / "plans" / "packed.yaml"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
