@@ -20,6 +20,7 @@ import json
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from blockflow.plan import Block, Plan
 
@@ -163,14 +164,19 @@ SCENARIOS: dict[int, tuple[float, float, float]] = {  # thesis Table 4.4: share 
 
 
 def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> Plan:
+    """:func:`scenario_raw` parsed."""
+    from blockflow.plan import parse_plan
+
+    return parse_plan(scenario_raw(arch, n_tasks, shares, fuse, pack), source=f"{arch} scenario {shares}")
+
+
+def scenario_raw(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> dict[str, Any]:
     """The thesis' service classes (§4.3) as a plan: class A tasks run a whole network of their own;
     class B share stages 0-1 and own stages 2-3; class C share stages 0-2 and own stage 3.
 
     With ``pack``, the heads of class B (after the shared stages 0-1) and of class C (after
     stage 2) run as one head pack each; class A's whole networks stay one model per task, as in
-    the traditional deployment."""
-    from blockflow.plan import parse_plan
-
+    the traditional deployment. ``shares`` (1, 0, 0) is the traditional deployment itself."""
     n_a = round(n_tasks * shares[0])
     n_b = round(n_tasks * shares[1])
     n_c = n_tasks - n_a - n_b
@@ -196,7 +202,7 @@ def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], f
            "defaults": {"placement": [0]}, "blocks": blocks, "tasks": tasks, "transport": "tensormq",
            # Pools sized to need: 64 MiB holds several batches of 8 of any of these activations.
            "tensormq": {"pool_mb": 64}}
-    return parse_plan(raw, source=f"{arch} scenario {shares}")
+    return raw
 
 
 def scenario_table(arch: str, n_tasks: int, cal: Calibration, cuda_pool_mb: int = 2048) -> list[dict[str, float]]:

@@ -176,20 +176,20 @@ def test_pack_heads_runs_the_heads_after_one_segment_as_one_model() -> None:
 
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     packs = {t: p.name for t, p in plan.head_packs.items()}
-    assert packs == {"p_one": "trunk0__to__trunk1__heads", "p_two": "trunk0__to__trunk1__heads",
-                     "p_three": "mid__heads", "p_four": "mid__heads"}
-    assert [n for n, _ in plan.deployed(plan.tasks["p_one"])] == ["trunk0__to__trunk1", "trunk0__to__trunk1__heads"]
+    assert packs == {"p_one": "ptrunk0__to__ptrunk1__heads", "p_two": "ptrunk0__to__ptrunk1__heads",
+                     "p_three": "pmid__heads", "p_four": "pmid__heads"}
+    assert [n for n, _ in plan.deployed(plan.tasks["p_one"])] == ["ptrunk0__to__ptrunk1", "ptrunk0__to__ptrunk1__heads"]
     files = generator.render(plan)
     names = generator.model_names(files)
-    assert not any(n in names for n in ("h1_a__to__h1_b", "h2", "h3", "h4", "h3__triton_cpu"))
-    cfg = parse_pbtxt(files["trunk0__to__trunk1__heads/config.pbtxt"].decode())
+    assert not any(n in names for n in ("ph1_a__to__ph1_b", "ph2", "ph3", "ph4", "ph3__triton_cpu"))
+    cfg = parse_pbtxt(files["ptrunk0__to__ptrunk1__heads/config.pbtxt"].decode())
     assert [o.name for o in cfg.output] == ["LOGITS__p_one", "LOGITS__p_two"]
     spec = ModelSpec.model_validate_json(cfg.parameters["blockflow.spec"].string_value)
     assert spec.kind == "pack" and [h.task for h in spec.heads] == ["p_one", "p_two"]
-    assert [[p.block for p in h.parts] for h in spec.heads] == [["h1_a", "h1_b"], ["h2"]]
+    assert [[p.block for p in h.parts] for h in spec.heads] == [["ph1_a", "ph1_b"], ["ph2"]]
     ens = parse_pbtxt(files["p_two__triton_cpu/config.pbtxt"].decode())
     last = ens.ensemble_scheduling.step[-1]
-    assert last.model_name == "trunk0__to__trunk1__heads__triton_cpu" and dict(last.output_map) == {"LOGITS__p_two": "LOGITS"}
+    assert last.model_name == "ptrunk0__to__ptrunk1__heads__triton_cpu" and dict(last.output_map) == {"LOGITS__p_two": "LOGITS"}
 
 
 def test_pack_leaves_lone_and_shared_heads_alone() -> None:
@@ -197,7 +197,7 @@ def test_pack_leaves_lone_and_shared_heads_alone() -> None:
 
     raw = _packed_raw()
     del raw["tasks"]["p_two"]  # p_one's head is now the only one after the trunk
-    raw["tasks"]["p_five"] = {"path": ["trunk0", "trunk1", "mid", "h4"]}  # h4 now serves two tasks
+    raw["tasks"]["p_five"] = {"path": ["ptrunk0", "ptrunk1", "pmid", "ph4"]}  # ph4 now serves two tasks
     plan = parse_plan(raw, base_dir=ROOT / "tests" / "plans")
     assert plan.head_packs == {}
     assert any("packs nothing" in w for w in plan.warnings())
@@ -207,13 +207,13 @@ def test_heads_deployed_differently_form_separate_packs() -> None:
     from blockflow.plan import parse_plan
 
     raw = _packed_raw()
-    raw["tasks"]["p_five"] = {"path": ["trunk0", "trunk1", "mid", "h5"]}
-    raw["tasks"]["p_six"] = {"path": ["trunk0", "trunk1", "mid", "h6"]}
+    raw["tasks"]["p_five"] = {"path": ["ptrunk0", "ptrunk1", "pmid", "h5"]}
+    raw["tasks"]["p_six"] = {"path": ["ptrunk0", "ptrunk1", "pmid", "h6"]}
     raw["blocks"]["h5"] = {"model": "r18", "stages": 3, "precision": "fp16", "weights": {"seed": 37}}
     raw["blocks"]["h6"] = {"model": "r18", "stages": 3, "precision": "fp16", "weights": {"seed": 38}}
     plan = parse_plan(raw, base_dir=ROOT / "tests" / "plans")
     packs = {t: p.name for t, p in plan.head_packs.items()}
-    assert packs["p_three"] == packs["p_four"] == "mid__heads" and packs["p_five"] == packs["p_six"] == "mid__heads2"
+    assert packs["p_three"] == packs["p_four"] == "pmid__heads" and packs["p_five"] == packs["p_six"] == "pmid__heads2"
 
 
 def test_a_pack_spec_needs_heads() -> None:
@@ -237,10 +237,21 @@ def test_memory_model_counts_one_process_per_pack() -> None:
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     cal = memory.Calibration()
     names = sorted(p.model for p in memory.modular(plan, 1, cal))
-    assert names == sorted(["trunk0__to__trunk1", "mid", "trunk0__to__trunk1__heads", "mid__heads",
-                            "trunk0__to__trunk1__triton_cpu", "mid__triton_cpu", "trunk0__to__trunk1__heads__triton_cpu",
-                            "mid__heads__triton_cpu"])
+    assert names == sorted(["ptrunk0__to__ptrunk1", "pmid", "ptrunk0__to__ptrunk1__heads", "pmid__heads",
+                            "ptrunk0__to__ptrunk1__triton_cpu", "pmid__triton_cpu", "ptrunk0__to__ptrunk1__heads__triton_cpu",
+                            "pmid__heads__triton_cpu"])
     # N = 100, the thesis' scenario 8 (90% of tasks run a whole network of their own): packing wins it.
     row = next(r for r in memory.scenario_table("resnet50", 100, memory.Calibration(process_mib=805.0, activation_factor=2.34,
                                                                                       server_mib=846.0)) if r["scenario"] == 8)
     assert row["processes_packed"] == 94 and row["packed_mib"] < row["traditional_mib"] < row["fused_mib"]
+
+
+def test_served_test_plans_have_distinct_model_names() -> None:
+    """The integration server serves every test plan at once: a model name in two repositories is ambiguous."""
+    from tests.conftest import SERVED_PLANS
+
+    seen: dict[str, str] = {}
+    for path in SERVED_PLANS:
+        for name in generator.model_names(generator.render(load_plan(path))):
+            assert name not in seen, f"{name} is in both {seen[name]} and {path.name}"
+            seen[name] = path.name
