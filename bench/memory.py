@@ -7,7 +7,8 @@
    context, weights, warm-up / CUDA-graph capture, and after ``torch.cuda.empty_cache()``.
 2. Calibration: real servers (`blockflow serve`'s settings) for several plans; GPU 0's used
    memory with the plan loaded minus before; least squares for the per-process overhead,
-   the activation factor and the server's own share (blockflow/memory.py's model).
+   the graph-pool factor and the server's own share (blockflow/memory.py's model).
+   ``--refit-from FILE ...`` fits to measurements already made (no GPU).
 3. Check: predicted vs measured for every plan, and the thesis' eight scenarios predicted.
 """
 
@@ -106,11 +107,41 @@ def measure_plan(plan_path: Path, cuda_pool_mb: int) -> dict[str, Any]:
         during = _gpu_used_mib()
         stubs = {m: len(p) for m, p in server.stub_processes().items()}
     time.sleep(3)
-    return {"plan": str(plan_path), "measured_mib": during - before, "stubs": stubs}
+    return {"plan": _relative(plan_path), "measured_mib": during - before, "processes": sum(stubs.values()), "stubs": stubs}
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (results stay valid on another machine)."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _local(plan: str, base: Path | None = None) -> Path:
+    """A plan path from a results file: relative to the repository, else to the results file's folder."""
+    p = Path(plan)
+    for candidate in (p, ROOT / p, *((base / p,) if base is not None else ())):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"plan {plan} of a results file is not in this checkout")
+
+
+def _measured_in(path: Path) -> list[dict[str, Any]]:
+    """Measured plans in a results file, with plan paths made local."""
+    data = json.loads(path.read_text())
+    if "variants" in data:  # bench.scenarios
+        rows = [{"plan": v["plan"], "measured_mib": v["measured_mib"], "processes": v["processes"]} for v in data["variants"].values()]
+    else:
+        rows = [{"plan": m["plan"], "measured_mib": m["measured_mib"],
+                 "processes": m.get("processes", sum(m.get("stubs", {}).values()))} for m in data["plans"]]
+    for r in rows:
+        r["plan"] = _relative(_local(r["plan"], path.parent))
+    return rows
 
 
 def _design(plan_path: Path) -> tuple[float, float, float]:
-    """(fixed MiB: weights + pools, process count, activation MiB at factor 1) of a plan on GPU 0."""
+    """(fixed MiB: weights + pools, process count, CUDA-graph pool MiB at factor 1) of a plan on GPU 0."""
     from blockflow import memory
     from blockflow.plan import load_plan
 
@@ -146,37 +177,47 @@ def main() -> None:
     ap.add_argument("--plans", nargs="*", default=["plans/default.yaml", "plans/default_fused.yaml", "plans/bench_r50.yaml",
                                                    "tests/plans/fused.yaml", "tests/plans/r18_three_cuts.yaml"])
     ap.add_argument("--skip-breakdown", action="store_true")
+    ap.add_argument("--refit-from", type=Path, nargs="*", default=[],
+                    help="fit to measurements in these files instead of measuring (memory.json of this tool, "
+                         "results.json of bench.scenarios); no GPU needed")
     ap.add_argument("--breakdown-only", action="store_true", help="only the standalone per-step breakdown (breakdown.json)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {}
-    if not args.skip_breakdown:
+    if not args.skip_breakdown and not args.refit_from:
         result["breakdown"] = breakdown(ROOT / "plans" / "default.yaml", ["r50_s0", "r50_s3a"])
     if args.breakdown_only:
         (args.out / "breakdown.json").write_text(json.dumps(result, indent=2))
         return
-    measured = []
-    for p in args.plans:
-        m = measure_plan(ROOT / p, args.cuda_pool_mb)
-        print(f"[memory] plan {p}: {m['measured_mib']:.0f} MiB over {sum(m['stubs'].values())} processes", flush=True)
-        measured.append(m)
+    if args.refit_from:
+        # No GPU needed: fit to plans measured earlier (bench.memory's memory.json, bench.scenarios' results.json).
+        measured = [m for f in args.refit_from for m in _measured_in(f)]
+        device = "; ".join(sorted({str(json.loads(f.read_text()).get("device", "")) for f in args.refit_from} - {""})) or "earlier runs"
+    else:
+        measured = []
+        for p in args.plans:
+            m = measure_plan(ROOT / p, args.cuda_pool_mb)
+            print(f"[memory] plan {p}: {m['measured_mib']:.0f} MiB over {m['processes']} processes", flush=True)
+            measured.append(m)
+        device = _device()
+    result["device"] = device
     result["plans"] = measured
-    # measured - weights - pools - CUDA pool = server + n_proc * process + factor * activations
+    # measured - weights - pools - CUDA pool = server + n_proc * process + factor * graph activation volume
     rows, ys = [], []
     for m in measured:
-        fixed, n, act = _design(Path(ROOT / m["plan"]))
+        fixed, n, act = _design(_local(m["plan"]))
         rows.append([1.0, n, act])  # one server per plan
         ys.append(m["measured_mib"] - fixed - args.cuda_pool_mb)
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
     server, process, factor = (float(c) for c in coef)
     cal = memory.Calibration(process_mib=process, activation_factor=max(0.0, factor), server_mib=server,
-                             source=f"fitted to {len(measured)} plans on {_device()} ({time.strftime('%Y-%m-%d')})")
+                             source=f"fitted to {len(measured)} plans on {device} ({time.strftime('%Y-%m-%d')})")
     cal.save(args.out / "memory_calibration.json")
     checks = []
     for m in measured:
-        plan = load_plan(ROOT / m["plan"])
+        plan = load_plan(_local(m["plan"]))
         pred = memory.per_gpu(memory.modular(plan, 1, cal) + _references(plan, cal), 1, cal, args.cuda_pool_mb)[0]
-        checks.append({"plan": m["plan"], "processes": sum(m["stubs"].values()), "measured_mib": m["measured_mib"],
+        checks.append({"plan": m["plan"], "processes": m["processes"], "measured_mib": m["measured_mib"],
                        "predicted_mib": pred, "error": pred / m["measured_mib"] - 1})
     result["calibration"] = cal.__dict__
     result["checks"] = checks
@@ -206,7 +247,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
             L.append(f"| {r['block']} | {r['setting']} | {r['context']:.0f} | {r['weights']:.0f} | {r['warmup']:.0f} | "
                      f"{r['empty_cache']:.0f} | {r['torch_allocated']:.0f} | {r['torch_reserved']:.0f} |")
         L.append("")
-    L += ["## Model", "", f"process overhead {cal['process_mib']:.0f} MiB, activation factor {cal['activation_factor']:.2f}, "
+    L += ["## Model", "", f"process overhead {cal['process_mib']:.0f} MiB, CUDA-graph pool factor {cal['activation_factor']:.3f} "
+          "(x max batch x activation volume per sample), "
           f"server {cal['server_mib']:.0f} MiB (+ its CUDA pool)", "",
           "## Predicted vs measured (whole plan on GPU 0, server included)", "",
           "| plan | processes | measured MiB | predicted MiB | error |", "|---|---|---|---|---|"]

@@ -90,7 +90,7 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
             print(f"[scenarios] {path.stem}: {c} clients: {loads[str(c)]['throughput']:.0f}/s, "
                   f"p50 {loads[str(c)]['p50']:.2f} ms, p99 {loads[str(c)]['p99']:.2f} ms, errors {loads[str(c)]['errors']:.0f}", flush=True)
     time.sleep(3)
-    return {"plan": str(path), "processes": sum(stubs.values()), "measured_mib": during - before, "load_s": load_s, "load": loads}
+    return {"plan": f"plans/{path.name}", "processes": sum(stubs.values()), "measured_mib": during - before, "load_s": load_s, "load": loads}
 
 
 def write_report(res: dict[str, Any], path: Path) -> None:

@@ -10,6 +10,7 @@ traceback) and an exit code.
     ├── PlanError            a plan is malformed; lists every problem with its key path
     ├── GenerateError        the model repository could not be written or is stale
     ├── EnvironmentProblem   something BlockFlow needs is missing (server, stub, library)
+    ├── CalibrationError     memory-model constants do not fit this version of the model
     ├── ServerError          tritonserver failed to start, stopped, or a model did not load
     │   └── PortInUseError   a requested port is taken
     ├── ApplyError           a live plan update failed (and was rolled back) or could not start
@@ -65,6 +66,10 @@ class EnvironmentProblem(BlockFlowError):
     """A binary, library or package BlockFlow needs is missing or unusable."""
 
     exit_code = 3
+
+
+class CalibrationError(BlockFlowError):
+    """A memory calibration file cannot be used (fitted for another version of the memory model)."""
 
 
 class ServerError(BlockFlowError):

@@ -4,8 +4,10 @@ Every block instance is a process, and on a GPU each process costs
 
     overhead (CUDA context, torch, cuBLAS/cuDNN handles: calibrated, ``process_mib``)
   + weights (parameters and buffers of its stages, at its precision)
-  + activations (``activation_factor`` x max batch x the largest tensor its stages make per sample;
-                 the CUDA-graph pool or the caching allocator's peak)
+  + CUDA-graph pool, with ``cuda_graphs`` (``activation_factor`` x max batch x the activation
+                 volume per sample: the input plus every layer's output; the heads of a pack share one
+                 pool, sized for the largest head. Without graphs, warm-up ends with
+                 ``torch.cuda.empty_cache()`` and what remains is in the overhead)
   + its TensorMQ pool (``tensormq.pool_mb``, when it hands activations on over TensorMQ).
 
 The server process adds ``server_mib`` plus Triton's CUDA pool per GPU, for either deployment.
@@ -22,21 +24,29 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from blockflow.errors import CalibrationError
 from blockflow.plan import Block, Plan
+
+MODEL_VERSION = 2
 
 BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
 class Calibration:
-    process_mib: float = 520.0  # per process: CUDA context, torch, library handles
-    activation_factor: float = 3.0
+    process_mib: float = 866.0  # per process: CUDA context, torch, library handles, loaded kernels
+    activation_factor: float = 0.28  # CUDA-graph pool per byte of activation volume at max batch
     server_mib: float = 500.0  # tritonserver's own CUDA context (its CUDA pool is added separately)
     source: str = "built-in estimate (not calibrated)"
+    # Which formula the constants belong to: 1 scaled the largest tensor (not the activation volume).
+    model: int = MODEL_VERSION
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         data = json.loads(path.read_text())
+        if data.get("model", 1) != MODEL_VERSION:
+            raise CalibrationError(f"calibration {path} was fitted for memory model {data.get('model', 1)}, this is model "
+                                 f"{MODEL_VERSION}; refit it: python -m bench.memory --refit-from <results> --out DIR")
         return cls(**{k: data[k] for k in ("process_mib", "activation_factor", "server_mib", "source") if k in data})
 
     def save(self, path: Path) -> None:
@@ -62,7 +72,8 @@ class Process:
 @lru_cache(maxsize=64)
 def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[int, ...], num_classes: int,
                    first: int, last: int) -> tuple[int, int]:
-    """(parameter + buffer count, largest tensor's element count per sample) of stages first..last (meta device)."""
+    """(parameter + buffer count, activation volume per sample: elements of the input and of every
+    layer's output) of stages first..last, inferred on the meta device."""
     import torch
     import torchvision.models as tvm
 
@@ -74,18 +85,18 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
         for i in range(first):
             x = slice_stages(net, arch, cut_points, i, i)(x)
         part = slice_stages(net, arch, cut_points, first, last)
-        largest = [x.numel()]
+        volume = [x.numel()]
 
         def hook(_m: object, _i: object, out: object) -> None:
             if isinstance(out, torch.Tensor):
-                largest[0] = max(largest[0], out.numel())
+                volume[0] += out.numel()
 
         handles = [m.register_forward_hook(hook) for m in part.modules() if not list(m.children())]
         part(x)
         for h in handles:
             h.remove()
     params = sum(p.numel() for p in part.parameters()) + sum(b.numel() for b in part.buffers())
-    return params, largest[0]
+    return params, volume[0]
 
 
 def _gpus_of(block: Block, gpus: int) -> list[int]:
@@ -99,18 +110,18 @@ def _gpus_of(block: Block, gpus: int) -> list[int]:
 def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
     """One process running ``chains`` (one chain of consecutive blocks, or a head pack's heads).
 
-    A pack's heads share one CUDA-graph pool (they never run at once): their activations are the
-    largest head's, their weights the sum.
+    A pack's heads share one CUDA-graph pool (they never run at once): its size follows the
+    largest head's activations; the weights are the sum.
     """
     m = plan.models[deploy.model]
-    params, largest = 0, 0
+    params, volume = 0, 0
     for blocks in chains:
-        p, a = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+        p, v = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
                               blocks[0].first, blocks[-1].last)
-        params, largest = params + p, max(largest, a)
+        params, volume = params + p, max(volume, v)
     width = BYTES[deploy.precision]
-    return Process(name, gpu, params * width / 2**20, cal.activation_factor * deploy.max_batch_size * largest * width / 2**20,
-                   pool_mib, cal.process_mib)
+    graphs = cal.activation_factor * deploy.max_batch_size * volume * width / 2**20 if deploy.cuda_graphs else 0.0
+    return Process(name, gpu, params * width / 2**20, graphs, pool_mib, cal.process_mib)
 
 
 def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
