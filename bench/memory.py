@@ -121,7 +121,8 @@ def _relative(path: Path) -> str:
 def _local(plan: str, base: Path | None = None) -> Path:
     """A plan path from a results file: relative to the repository, else to the results file's folder."""
     p = Path(plan)
-    for candidate in (p, ROOT / p, *((base / p,) if base is not None else ())):
+    candidates: list[Path] = [p, ROOT / p] + ([base / p] if base is not None else [])
+    for candidate in candidates:
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(f"plan {plan} of a results file is not in this checkout")

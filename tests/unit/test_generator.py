@@ -241,9 +241,21 @@ def test_memory_model_counts_one_process_per_pack() -> None:
                             "ptrunk0__to__ptrunk1__triton_cpu", "pmid__triton_cpu", "ptrunk0__to__ptrunk1__heads__triton_cpu",
                             "pmid__heads__triton_cpu"])
     # N = 100, the thesis' scenario 8 (90% of tasks run a whole network of their own): packing wins it.
-    row = next(r for r in memory.scenario_table("resnet50", 100, memory.Calibration(process_mib=805.0, activation_factor=2.34,
-                                                                                      server_mib=846.0)) if r["scenario"] == 8)
-    assert row["processes_packed"] == 94 and row["packed_mib"] < row["traditional_mib"] < row["fused_mib"]
+    row = next(r for r in memory.scenario_table("resnet50", 100, memory.Calibration()) if r["scenario"] == 8)
+    assert row["processes_packed"] == 94 < row["processes_traditional"] < row["processes_fused"]
+    assert row["packed_mib"] < min(row["traditional_mib"], row["fused_mib"])
+
+
+def test_an_old_calibration_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from blockflow import memory
+    from blockflow.errors import CalibrationError
+
+    old = tmp_path / "cal.json"
+    old.write_text(json.dumps({"process_mib": 805.0, "activation_factor": 2.34, "server_mib": 846.0}))
+    with pytest.raises(CalibrationError, match="refit"):
+        memory.Calibration.load(old)
+    memory.Calibration().save(old)
+    assert memory.Calibration.load(old) == memory.Calibration()
 
 
 def test_served_test_plans_have_distinct_model_names() -> None:
