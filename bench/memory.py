@@ -141,15 +141,25 @@ def _measured_in(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _design(plan_path: Path) -> tuple[float, float, float]:
-    """(fixed MiB: weights + pools, process count, CUDA-graph pool MiB at factor 1) of a plan on GPU 0."""
+def _design(plan_path: Path) -> tuple[float, list[float]]:
+    """A plan on GPU 0 as the fit sees it: (fixed MiB: weights + pools, [1 server, processes with
+    CUDA graphs, processes without, CUDA-graph pool MiB at factor 1])."""
     from blockflow import memory
     from blockflow.plan import load_plan
 
     plan = load_plan(plan_path)
-    unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, server_mib=0.0)
+    unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, eager_process_mib=0.0, server_mib=0.0)
     procs = memory.modular(plan, 1, unit) + _references(plan, unit)
-    return sum(p.weights_mib + p.pool_mib for p in procs), float(len(procs)), sum(p.activations_mib for p in procs)
+    graphs = float(sum(p.cuda_graphs for p in procs))
+    return (sum(p.weights_mib + p.pool_mib for p in procs),
+            [1.0, graphs, len(procs) - graphs, sum(p.activations_mib for p in procs)])
+
+
+def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    import numpy as np
+
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    return [float(c) for c in coef]
 
 
 def _references(plan: Plan, cal: Calibration) -> list[Process]:
@@ -203,23 +213,28 @@ def main() -> None:
         device = _device()
     result["device"] = device
     result["plans"] = measured
-    # measured - weights - pools - CUDA pool = server + n_proc * process + factor * graph activation volume
-    rows, ys = [], []
+    # measured - weights - pools - CUDA pool = server + graph processes * process + eager processes * eager
+    #                                           + factor * CUDA-graph pools at factor 1
+    rows, ys, fixed = [], [], []
     for m in measured:
-        fixed, n, act = _design(_local(m["plan"]))
-        rows.append([1.0, n, act])  # one server per plan
-        ys.append(m["measured_mib"] - fixed - args.cuda_pool_mb)
-    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
-    server, process, factor = (float(c) for c in coef)
-    cal = memory.Calibration(process_mib=process, activation_factor=max(0.0, factor), server_mib=server,
+        f, row = _design(_local(m["plan"]))
+        rows.append(row)
+        fixed.append(f)
+        ys.append(m["measured_mib"] - f - args.cuda_pool_mb)
+    server, process, eager, factor = _fit(rows, ys)
+    cal = memory.Calibration(process_mib=process, activation_factor=max(0.0, factor), eager_process_mib=eager, server_mib=server,
                              source=f"fitted to {len(measured)} plans on {device} ({time.strftime('%Y-%m-%d')})")
     cal.save(args.out / "memory_calibration.json")
     checks = []
-    for m in measured:
+    for k, m in enumerate(measured):
         plan = load_plan(_local(m["plan"]))
         pred = memory.per_gpu(memory.modular(plan, 1, cal) + _references(plan, cal), 1, cal, args.cuda_pool_mb)[0]
+        # Leave-one-out: the constants fitted without this plan predict it (an out-of-sample check).
+        coef = _fit(rows[:k] + rows[k + 1:], ys[:k] + ys[k + 1:]) if len(rows) > 4 else [float("nan")] * 4
+        loo = fixed[k] + args.cuda_pool_mb + sum(c * x for c, x in zip(coef, rows[k]))
         checks.append({"plan": m["plan"], "processes": m["processes"], "measured_mib": m["measured_mib"],
-                       "predicted_mib": pred, "error": pred / m["measured_mib"] - 1})
+                       "predicted_mib": pred, "error": pred / m["measured_mib"] - 1,
+                       "loo_predicted_mib": loo, "loo_error": loo / m["measured_mib"] - 1})
     result["calibration"] = cal.__dict__
     result["checks"] = checks
     result["scenarios"] = {arch: memory.scenario_table(arch, 100, cal, args.cuda_pool_mb) for arch in ("resnet50", "resnet152")}
@@ -248,13 +263,16 @@ def write_report(res: dict[str, Any], path: Path) -> None:
             L.append(f"| {r['block']} | {r['setting']} | {r['context']:.0f} | {r['weights']:.0f} | {r['warmup']:.0f} | "
                      f"{r['empty_cache']:.0f} | {r['torch_allocated']:.0f} | {r['torch_reserved']:.0f} |")
         L.append("")
-    L += ["## Model", "", f"process overhead {cal['process_mib']:.0f} MiB, CUDA-graph pool factor {cal['activation_factor']:.3f} "
-          "(x max batch x activation volume per sample), "
+    L += ["## Model", "", f"process overhead {cal['process_mib']:.0f} MiB with CUDA graphs, {cal.get('eager_process_mib', float('nan')):.0f} MiB "
+          f"without; CUDA-graph pools {cal['activation_factor']:.2f} x max batch x largest tensor per sample; "
           f"server {cal['server_mib']:.0f} MiB (+ its CUDA pool)", "",
           "## Predicted vs measured (whole plan on GPU 0, server included)", "",
-          "| plan | processes | measured MiB | predicted MiB | error |", "|---|---|---|---|---|"]
+          "*Left out*: predicted by the constants fitted to every other plan (an out-of-sample check).", "",
+          "| plan | processes | measured MiB | predicted MiB | error | left out: predicted | left out: error |",
+          "|---|---|---|---|---|---|---|"]
     for c in res["checks"]:
-        L.append(f"| {c['plan']} | {c['processes']} | {c['measured_mib']:.0f} | {c['predicted_mib']:.0f} | {c['error']:+.1%} |")
+        L.append(f"| {c['plan']} | {c['processes']} | {c['measured_mib']:.0f} | {c['predicted_mib']:.0f} | {c['error']:+.1%} | "
+                 f"{c.get('loo_predicted_mib', float('nan')):.0f} | {c.get('loo_error', float('nan')):+.1%} |")
     for arch, rows in res.get("scenarios", {}).items():
         L += ["", f"## Thesis scenarios (Table 4.4), {arch}, N = 100 tasks, one GPU (predicted MiB)", "",
               "| scenario | A / B / C | modular | fuse: auto | fuse: auto, pack: heads | traditional | saving | saving, fused | "

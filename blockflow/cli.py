@@ -610,7 +610,7 @@ def plan_memory(plan: Optional[Path], gpus: Optional[int], calibration: Optional
     n = gpus if gpus is not None else max(1, gpu_count())
     mod, trad = memory.modular(p, n, cal), memory.traditional(p, n, cal)
     table = Table(title=f"{plan}: predicted GPU memory per process (MiB)")
-    for col in ("model", "GPU", "overhead", "weights", "activations", "TensorMQ pool", "total"):
+    for col in ("model", "GPU", "overhead", "weights", "CUDA-graph pools", "TensorMQ pool", "total"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for pr in mod:
         table.add_row(pr.model, str(pr.gpu), f"{pr.overhead_mib:.0f}", f"{pr.weights_mib:.1f}", f"{pr.activations_mib:.1f}",

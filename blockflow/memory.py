@@ -2,12 +2,13 @@
 
 Every block instance is a process, and on a GPU each process costs
 
-    overhead (CUDA context, torch, cuBLAS/cuDNN handles: calibrated, ``process_mib``)
+    overhead (CUDA context, torch, cuBLAS/cuDNN handles, kernels loaded on first use: calibrated,
+              ``process_mib`` with CUDA graphs, ``eager_process_mib`` without)
   + weights (parameters and buffers of its stages, at its precision)
-  + CUDA-graph pool, with ``cuda_graphs`` (``activation_factor`` x max batch x the activation
-                 volume per sample: the input plus every layer's output; the heads of a pack share one
-                 pool, sized for the largest head. Without graphs, warm-up ends with
-                 ``torch.cuda.empty_cache()`` and what remains is in the overhead)
+  + CUDA-graph pools, with ``cuda_graphs`` (``activation_factor`` x max batch x the largest tensor
+              its stages make per sample; a head pack pays it per head: sharing one pool among the
+              heads' graphs did not measurably save. Without graphs, warm-up ends with
+              ``torch.cuda.empty_cache()`` and what remains is in the overhead)
   + its TensorMQ pool (``tensormq.pool_mb``, when it hands activations on over TensorMQ).
 
 The server process adds ``server_mib`` plus Triton's CUDA pool per GPU, for either deployment.
@@ -34,11 +35,12 @@ BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
 @dataclass(frozen=True)
 class Calibration:
-    process_mib: float = 866.0  # per process: CUDA context, torch, library handles, loaded kernels
-    activation_factor: float = 0.28  # CUDA-graph pool per byte of activation volume at max batch
-    server_mib: float = 500.0  # tritonserver's own CUDA context (its CUDA pool is added separately)
+    process_mib: float = 885.0  # per process with CUDA graphs: CUDA context, torch, library handles, loaded kernels
+    activation_factor: float = 8.8  # CUDA-graph pools per byte of the largest tensor at max batch
+    eager_process_mib: float = 588.0  # per process without CUDA graphs
+    server_mib: float = 738.0  # tritonserver's own CUDA context (its CUDA pool is added separately)
     source: str = "built-in estimate (not calibrated)"
-    # Which formula the constants belong to: 1 scaled the largest tensor (not the activation volume).
+    # Which formula the constants belong to: model 1 had one overhead for every process.
     model: int = MODEL_VERSION
 
     @classmethod
@@ -47,7 +49,7 @@ class Calibration:
         if data.get("model", 1) != MODEL_VERSION:
             raise CalibrationError(f"calibration {path} was fitted for memory model {data.get('model', 1)}, this is model "
                                  f"{MODEL_VERSION}; refit it: python -m bench.memory --refit-from <results> --out DIR")
-        return cls(**{k: data[k] for k in ("process_mib", "activation_factor", "server_mib", "source") if k in data})
+        return cls(**{k: data[k] for k in ("process_mib", "activation_factor", "eager_process_mib", "server_mib", "source") if k in data})
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -63,6 +65,7 @@ class Process:
     activations_mib: float
     pool_mib: float
     overhead_mib: float
+    cuda_graphs: bool = True
 
     @property
     def total_mib(self) -> float:
@@ -72,8 +75,7 @@ class Process:
 @lru_cache(maxsize=64)
 def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[int, ...], num_classes: int,
                    first: int, last: int) -> tuple[int, int]:
-    """(parameter + buffer count, activation volume per sample: elements of the input and of every
-    layer's output) of stages first..last, inferred on the meta device."""
+    """(parameter + buffer count, largest tensor's element count per sample) of stages first..last (meta device)."""
     import torch
     import torchvision.models as tvm
 
@@ -85,18 +87,18 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
         for i in range(first):
             x = slice_stages(net, arch, cut_points, i, i)(x)
         part = slice_stages(net, arch, cut_points, first, last)
-        volume = [x.numel()]
+        largest = [x.numel()]
 
         def hook(_m: object, _i: object, out: object) -> None:
             if isinstance(out, torch.Tensor):
-                volume[0] += out.numel()
+                largest[0] = max(largest[0], out.numel())
 
         handles = [m.register_forward_hook(hook) for m in part.modules() if not list(m.children())]
         part(x)
         for h in handles:
             h.remove()
     params = sum(p.numel() for p in part.parameters()) + sum(b.numel() for b in part.buffers())
-    return params, volume[0]
+    return params, largest[0]
 
 
 def _gpus_of(block: Block, gpus: int) -> list[int]:
@@ -110,18 +112,20 @@ def _gpus_of(block: Block, gpus: int) -> list[int]:
 def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
     """One process running ``chains`` (one chain of consecutive blocks, or a head pack's heads).
 
-    A pack's heads share one CUDA-graph pool (they never run at once): its size follows the
-    largest head's activations; the weights are the sum.
+    A pack pays weights and CUDA-graph pools per head, the overhead once.
     """
     m = plan.models[deploy.model]
-    params, volume = 0, 0
+    params, largest = 0, 0
     for blocks in chains:
-        p, v = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+        p, a = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
                               blocks[0].first, blocks[-1].last)
-        params, volume = params + p, max(volume, v)
+        params, largest = params + p, largest + a
     width = BYTES[deploy.precision]
-    graphs = cal.activation_factor * deploy.max_batch_size * volume * width / 2**20 if deploy.cuda_graphs else 0.0
-    return Process(name, gpu, params * width / 2**20, graphs, pool_mib, cal.process_mib)
+    if deploy.cuda_graphs:
+        graphs, overhead = cal.activation_factor * deploy.max_batch_size * largest * width / 2**20, cal.process_mib
+    else:
+        graphs, overhead = 0.0, cal.eager_process_mib
+    return Process(name, gpu, params * width / 2**20, graphs, pool_mib, overhead, deploy.cuda_graphs)
 
 
 def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
