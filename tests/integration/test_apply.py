@@ -275,3 +275,41 @@ def test_rollback_restores_the_previous_plan(live: Live) -> None:
     assert r.status_code == 200, r.text
     assert _served_tasks(live) == TASKS_B
     assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-b"
+
+
+def test_packing_heads_live_keeps_every_answer(live: Live, tmp_path: Path) -> None:
+    """Plan B with `pack: heads` applied live: its three heads after the trunk become one model, the
+    tasks answer exactly as before; a task added later joins the pack (the pack reloads), and
+    unpacking again restores the per-head models."""
+    import yaml
+
+    client = httpclient.InferenceServerClient(live.http)
+    x = _image(5)
+    assert _apply_cli(live, PLAN_B).returncode == 0  # already served after the rollback test; makes this test stand alone
+
+    def same(a: np.ndarray, b: np.ndarray) -> bool:  # one process or another: on a GPU cuDNN may pick other kernels
+        return bool(np.allclose(a, b, rtol=1e-4, atol=1e-5))
+
+    raw = yaml.safe_load(PLAN_B.read_text())
+    before = {t: _infer(client, t, x) for t in TASKS_B}
+    packed = tmp_path / "packed.yaml"
+    packed.write_text(yaml.safe_dump({**raw, "pack": "heads"}))
+    res = _apply_cli(live, packed)
+    assert res.returncode == 0, res.stdout + res.stderr
+    models = {m["name"]: m.get("state") for m in client.get_model_repository_index()}
+    assert models.get("trunk__heads") == "READY", models
+    assert {t: same(_infer(client, t, x), before[t]) for t in TASKS_B} == dict.fromkeys(TASKS_B, True)
+    raw["blocks"]["head_more"] = {"model": "r18", "stages": 1, "weights": {"seed": 9}}
+    raw["tasks"]["more"] = {"path": ["trunk", "head_more"]}
+    grown = tmp_path / "grown.yaml"
+    grown.write_text(yaml.safe_dump({**raw, "pack": "heads"}))
+    res = _apply_cli(live, grown)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _served_tasks(live) == TASKS_B | {"more"}
+    assert all(same(_infer(client, t, x), before[t]) for t in TASKS_B)
+    assert _infer(client, "more", x).shape == (1, 10)
+    res = _apply_cli(live, PLAN_B)
+    assert res.returncode == 0, res.stdout + res.stderr
+    models = {m["name"]: m.get("state") for m in client.get_model_repository_index()}
+    assert models.get("trunk__heads") != "READY" and _served_tasks(live) == TASKS_B
+    assert all(same(_infer(client, t, x), before[t]) for t in TASKS_B)
