@@ -153,6 +153,22 @@ class BlockRunner:
             static_out = self.module(static_in)
         return _Graph(graph, static_in, static_out)
 
+    def _eager_bucketed(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager run on a GPU at the batch's bucket size (zero rows appended, then cut off).
+
+        With cuDNN benchmark mode every new input shape starts an algorithm search (hundreds of
+        ms for a whole network), and dynamic batching makes any size up to max_batch_size; only
+        the buckets are searched during warm-up, so other sizes run padded to their bucket.
+        """
+        batch = int(x.shape[0])
+        bucket = bucket_for(batch, self.buckets)
+        if not self.is_cuda or bucket == batch:
+            return self._eager(x)
+        padded = torch.zeros((bucket, *self.spec.in_shape), device=self.device, dtype=self.dtype)
+        padded = padded.contiguous(memory_format=self.memory_format)
+        padded[:batch].copy_(x, non_blocking=True)
+        return self._eager(padded)[:batch]
+
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=self.memory_format)
         out: torch.Tensor = self.module(x)
@@ -177,7 +193,7 @@ class BlockRunner:
                 g.graph.replay()
                 result = g.static_out if full else g.static_out[:batch]
         if result is None:
-            result = self._eager(x)
+            result = self._eager_bucketed(x)
         if out is not None:
             out.copy_(result)  # converts dtype and layout in one pass
             return out
