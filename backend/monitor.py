@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
@@ -36,24 +36,40 @@ COUNTERS = {
 }
 
 
+def nvml_handle(nv: Any, device: torch.device) -> Any:
+    """NVML's handle of a torch CUDA device, found by UUID: CUDA and NVML may number devices
+    differently (``CUDA_VISIBLE_DEVICES``, PCI order). NVML must be initialised."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+
+
+def pid_gpu_bytes(nv: Any, handle: Any, pids: Iterable[int]) -> dict[int, float]:
+    """GPU memory (bytes) NVML lists on one GPU for each of ``pids``; a PID it does not list is left out.
+
+    In a container without the host's PID namespace NVML reports host PIDs, which then match nothing.
+    """
+    want = set(pids)
+    return {p.pid: float(p.usedGpuMemory) for p in nv.nvmlDeviceGetComputeRunningProcesses(handle)
+            if p.pid in want and p.usedGpuMemory is not None}
+
+
 class _Nvml:
-    """NVML handles for one GPU, found by UUID (CUDA and NVML may number devices differently)."""
+    """NVML handles for one GPU (see :func:`nvml_handle`)."""
 
     def __init__(self, device: torch.device) -> None:
         import pynvml
 
         self.nv = pynvml
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        self.handle = nvml_handle(pynvml, device)
         self.pid = os.getpid()
 
     def sample(self) -> dict[str, float]:
         nv, h = self.nv, self.handle
         out: dict[str, float] = {}
-        for proc in nv.nvmlDeviceGetComputeRunningProcesses(h):
-            if proc.pid == self.pid and proc.usedGpuMemory is not None:
-                out["blockflow_block_gpu_memory_bytes"] = float(proc.usedGpuMemory)
+        mine = pid_gpu_bytes(nv, h, [self.pid])
+        if self.pid in mine:
+            out["blockflow_block_gpu_memory_bytes"] = mine[self.pid]
         out["blockflow_block_gpu_utilization_ratio"] = nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
         out["blockflow_block_gpu_sm_clock_hertz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM) * 1e6
         out["blockflow_block_gpu_temperature_celsius"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))

@@ -35,8 +35,14 @@ def trace_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def process_gpu_mib(device_index: int | None = None) -> dict[str, float]:
-    """This process's GPU memory (NVML, by PID) and the device's used memory, in MiB; empty without NVML."""
+def process_gpu_mib(device: torch.device | None = None) -> dict[str, float]:
+    """This process's GPU memory (NVML, by PID) and the device's used memory, in MiB; empty without NVML.
+
+    The GPU is found by UUID (as the block monitor finds it) once torch has initialised CUDA; before
+    that, by index, so that the reading itself does not initialise CUDA.
+    """
+    from backend.monitor import nvml_handle, pid_gpu_bytes
+
     try:
         import pynvml
 
@@ -45,11 +51,14 @@ def process_gpu_mib(device_index: int | None = None) -> dict[str, float]:
         return {}
     try:
         out: dict[str, float] = {}
-        h = pynvml.nvmlDeviceGetHandleByIndex(device_index or 0)
+        if device is not None and device.type == "cuda" and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            h = nvml_handle(pynvml, device)
+        else:
+            h = pynvml.nvmlDeviceGetHandleByIndex((device.index or 0) if device is not None and device.type == "cuda" else 0)
         out["device_used_mib"] = float(pynvml.nvmlDeviceGetMemoryInfo(h).used) / 2**20
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
-                out["process_mib"] = float(proc.usedGpuMemory) / 2**20
+        mine = pid_gpu_bytes(pynvml, h, [os.getpid()])
+        if os.getpid() in mine:
+            out["process_mib"] = mine[os.getpid()] / 2**20
         return out
     finally:
         pynvml.nvmlShutdown()
@@ -67,8 +76,7 @@ class Tracer:
         self._start: Any = None
 
     def memory(self, step: str, **extra: Any) -> None:
-        index = self.device.index if self.device.type == "cuda" else None
-        self._write({"kind": "memory", "step": step, "t": time.perf_counter_ns(), **process_gpu_mib(index), **extra})
+        self._write({"kind": "memory", "step": step, "t": time.perf_counter_ns(), **process_gpu_mib(self.device), **extra})
 
     # Per execute: begin() ... mark() ... gpu_begin() / gpu_end() ... end(n).
     def begin(self) -> None:

@@ -50,16 +50,14 @@ class GpuSampler:
         return [self.nv.nvmlDeviceGetMemoryInfo(h).used / 2**20 for h in self.handles]
 
     def process_memory_mib(self, pids: Iterable[int]) -> dict[int, float]:
-        """GPU memory of each of ``pids`` (summed over GPUs); a PID NVML does not list is left out.
+        """GPU memory of each of ``pids`` (summed over GPUs); a PID NVML does not list is left out."""
+        from backend.monitor import pid_gpu_bytes
 
-        In a container without the host's PID namespace NVML reports host PIDs, which then match nothing.
-        """
-        want = set(pids)
+        want = list(pids)
         out: dict[int, float] = {}
         for h in self.handles:
-            for p in self.nv.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid in want and p.usedGpuMemory is not None:
-                    out[p.pid] = out.get(p.pid, 0.0) + p.usedGpuMemory / 2**20
+            for pid, used in pid_gpu_bytes(self.nv, h, want).items():
+                out[pid] = out.get(pid, 0.0) + used / 2**20
         return out
 
     def _run(self) -> None:
