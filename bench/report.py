@@ -133,6 +133,8 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
             a2.plot([int(k) for k in ks], cmax, marker="o", label=label)
         a1.set(xlabel="GPUs the blocks are spread over", ylabel="p50 latency, batch 1 (ms)", title="Fig 4.15 — latency vs GPUs")
         a2.set(xlabel="GPUs the blocks are spread over", ylabel="inferences/s (highest concurrency)", title="Fig 4.16 — throughput vs GPUs")
+        for ax in (a1, a2):  # whole GPUs only: no 1.2, 1.4, ... ticks between them
+            ax.set_xticks(sorted(int(k) for k in gpus))
         a1.legend(fontsize=8)
         save(fig, "fig4_15_16_gpus.png")
     return made
