@@ -187,9 +187,9 @@ def test_pack_heads_runs_the_heads_after_one_segment_as_one_model() -> None:
     spec = ModelSpec.model_validate_json(cfg.parameters["blockflow.spec"].string_value)
     assert spec.kind == "pack" and [h.task for h in spec.heads] == ["p_one", "p_two"]
     assert [[p.block for p in h.parts] for h in spec.heads] == [["ph1_a", "ph1_b"], ["ph2"]]
-    ens = parse_pbtxt(files["p_two__triton_cpu/config.pbtxt"].decode())
+    ens = parse_pbtxt(files["p_three/config.pbtxt"].decode())  # p_three runs on triton-cpu
     last = ens.ensemble_scheduling.step[-1]
-    assert last.model_name == "ptrunk0__to__ptrunk1__heads__triton_cpu" and dict(last.output_map) == {"LOGITS__p_two": "LOGITS"}
+    assert last.model_name == "pmid__heads__triton_cpu" and dict(last.output_map) == {"LOGITS__p_three": "LOGITS"}
 
 
 def test_pack_leaves_lone_and_shared_heads_alone() -> None:
@@ -237,9 +237,8 @@ def test_memory_model_counts_one_process_per_pack() -> None:
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     cal = memory.Calibration()
     names = sorted(p.model for p in memory.modular(plan, 1, cal))
-    assert names == sorted(["ptrunk0__to__ptrunk1", "pmid", "ptrunk0__to__ptrunk1__heads", "pmid__heads",
-                            "ptrunk0__to__ptrunk1__triton_cpu", "pmid__triton_cpu", "ptrunk0__to__ptrunk1__heads__triton_cpu",
-                            "pmid__heads__triton_cpu"])
+    assert names == sorted(["ptrunk0__to__ptrunk1", "ptrunk0__to__ptrunk1__heads", "ptrunk0__to__ptrunk1__triton_cpu",
+                            "pmid__triton_cpu", "pmid__heads__triton_cpu"])
     # N = 100, the thesis' scenario 8 (90% of tasks run a whole network of their own): packing wins it.
     row = next(r for r in memory.scenario_table("resnet50", 100, memory.Calibration()) if r["scenario"] == 8)
     assert row["processes_packed"] == 94 < row["processes_traditional"] < row["processes_fused"]
