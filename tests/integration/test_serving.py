@@ -98,11 +98,8 @@ def test_ensemble_equals_monolithic_reference(served: Served, plan_name: str, en
             assert rel_err(got, want) <= TOL, (ensemble, batch)
 
 
-def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Served) -> None:
-    plan = served.plans["default"]
-    assert isinstance(plan, Plan)
-    tasks = ["cls_a", "cls_b", "det_c"]  # all share r50_s0 and r50_s1
-    jobs = [(tasks[i % 3], images(1 + i % 3, (3, 224, 224), seed=100 + i)) for i in range(36)]
+def _concurrent_jobs_match_references(served: Served, jobs: list[tuple[str, np.ndarray]]) -> None:
+    """Send ``jobs`` (task, images) from 12 threads at once; each answer must be its task's reference's."""
     with TaskClient(served.http) as c:
         expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
 
@@ -114,6 +111,11 @@ def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Serv
         results = list(pool.map(call, jobs))
     for (task, _), got, want in zip(jobs, results, expected):
         assert rel_err(got, want) <= TOL, task
+
+
+def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Served) -> None:
+    tasks = ["cls_a", "cls_b", "det_c"]  # all share r50_s0 and r50_s1
+    _concurrent_jobs_match_references(served, [(tasks[i % 3], images(1 + i % 3, (3, 224, 224), seed=100 + i)) for i in range(36)])
 
 
 @pytest.mark.parametrize(("pack", "tasks"), [("ptrunk0__to__ptrunk1__heads", ("p_one", "p_two")),  # tensormq
@@ -123,27 +125,14 @@ def test_a_head_pack_answers_each_task_with_its_own_head(served: Served, pack: s
     together, and each request still gets its own task's head (the reference's logits)."""
     import tritonclient.http as httpclient
 
-    plan = served.plans["packed"]
-    assert isinstance(plan, Plan)
-    jobs = [(tasks[i % 2], images(1 + i % 2, (3, 32, 32), seed=200 + i)) for i in range(24)]
-    with TaskClient(served.http) as c:
-        expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
     stats = httpclient.InferenceServerClient(served.http.removeprefix("http://"))
 
     def counts() -> tuple[int, int]:
         s = stats.get_inference_statistics(pack)["model_stats"][0]
         return int(s["inference_stats"]["success"]["count"]), int(s["execution_count"])
 
-    before = counts()
-
-    def call(job: tuple[str, np.ndarray]) -> np.ndarray:
-        with TaskClient(served.http) as client:
-            return client.infer(*job)
-
-    with ThreadPoolExecutor(max_workers=12) as pool:
-        results = list(pool.map(call, jobs))
-    for (task, _), got, want in zip(jobs, results, expected):
-        assert rel_err(got, want) <= TOL, task
+    before = counts()  # the reference calls below do not touch the pack
+    _concurrent_jobs_match_references(served, [(tasks[i % 2], images(1 + i % 2, (3, 32, 32), seed=200 + i)) for i in range(24)])
     requests, executions = (a - b for a, b in zip(counts(), before))
     assert requests == 24 and executions < requests, "the pack should have batched requests together"
 
