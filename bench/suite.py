@@ -142,7 +142,7 @@ def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
         out[f"monolithic-{v}"] = {"model": naming.reference_model(task.name, v == "graph"), "blocks": []}
     for tr in plan.transports_of(task):
         out[str(tr)] = {"model": naming.task_model(task.name, tr, task.transport),
-                        "blocks": [naming.block_model(name, tr, plan.transport) for name, _ in plan.deployed(task)]}
+                        "blocks": [naming.block_model(u.name, tr, plan.transport) for u in plan.deployed(task)]}
     return out
 
 

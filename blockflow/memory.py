@@ -135,16 +135,15 @@ def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
     out: list[Process] = []
     seen: set[str] = set()
     for task in plan.tasks.values():
-        pack = plan.head_packs.get(task.name)
+        deployed = plan.deployed(task)
         for transport in plan.transports_of(task):
-            deployed = plan.deployed(task)
-            for i, (segment, seg) in enumerate(deployed):
-                name = naming.block_model(segment, transport, plan.transport)
+            for i, unit in enumerate(deployed):
+                name = naming.block_model(unit.name, transport, plan.transport)
                 if name in seen:
                     continue
                 seen.add(name)
-                chains = [list(h) for h in pack.heads] if pack is not None and i == len(deployed) - 1 else [list(seg)]
-                deploy = seg[0]
+                chains = [list(h) for h in unit.pack.heads] if unit.pack else [list(unit.blocks)]
+                deploy = unit.blocks[0]
                 producer = transport == "tensormq" and i < len(deployed) - 1
                 pool = float(plan.raw.tensormq.pool_mb) if producer else 0.0
                 for gpu in _gpus_of(deploy, gpus):

@@ -167,6 +167,16 @@ class HeadPack:
     heads: tuple[tuple[Block, ...], ...]  # each task's head segment, in ``tasks`` order
 
 
+@dataclass(frozen=True)
+class Deployed:
+    """One Triton model on a task's path: its name (before any transport suffix), the task's
+    blocks in it and, for a packed head, the pack it runs in."""
+
+    name: str
+    blocks: tuple[Block, ...]
+    pack: HeadPack | None = None
+
+
 class Plan:
     """A validated plan. Build it with :func:`load_plan` or :func:`parse_plan`."""
 
@@ -217,18 +227,15 @@ class Plan:
             out.append((b,))
         return out
 
-    def deployed(self, task: Task) -> list[tuple[str, tuple[Block, ...]]]:
-        """``task``'s path as Triton models: (segment name, the task's blocks in it) per model.
-
-        The name is the model's before any transport suffix (``ensemble_gen.naming.block_model``
-        adds it); a packed head is named after its pack.
-        """
+    def deployed(self, task: Task) -> list[Deployed]:
+        """``task``'s path as Triton models, one :class:`Deployed` per model (a packed head is
+        named after its pack; ``ensemble_gen.naming.block_model`` adds any transport suffix)."""
         from ensemble_gen import naming
 
-        out = [(naming.segment_model([b.name for b in seg]), seg) for seg in self.segments(task)]
+        out = [Deployed(naming.segment_model([b.name for b in seg]), seg) for seg in self.segments(task)]
         pack = self.head_packs.get(task.name)
         if pack is not None:
-            out[-1] = (pack.name, out[-1][1])
+            out[-1] = Deployed(pack.name, out[-1].blocks, pack)
         return out
 
     @cached_property

@@ -96,15 +96,6 @@ def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[Mod
     return spec, dataclasses.replace(first, name=pack.name)
 
 
-def deployed_spec(plan: Plan, task: Task, index: int, transport: TransportName) -> tuple[ModelSpec, Block]:
-    """Spec and deployment of the ``index``-th model of ``task``'s path (see ``Plan.deployed``)."""
-    segments = plan.segments(task)
-    pack = plan.head_packs.get(task.name)
-    if pack is not None and index == len(segments) - 1:
-        return pack_spec(plan, pack, transport)
-    return segment_spec(plan, segments[index], transport)
-
-
 def reference_spec(plan: Plan, task: Task, graph: bool) -> tuple[ModelSpec, Block]:
     """The unsplit model of ``task``: its path's parts in one process, fp32, same weights."""
     blocks = [plan.blocks[b] for b in task.path]
@@ -154,8 +145,8 @@ def render(plan: Plan) -> dict[str, bytes]:
     for task in plan.tasks.values():
         for transport in plan.transports_of(task):
             steps = []
-            for index in range(len(plan.segments(task))):
-                spec, deploy = deployed_spec(plan, task, index, transport)
+            for unit in plan.deployed(task):
+                spec, deploy = pack_spec(plan, unit.pack, transport) if unit.pack else segment_spec(plan, unit.blocks, transport)
                 mname = naming.block_model(deploy.name, transport, plan.transport)
                 if f"{mname}/config.pbtxt" not in files:
                     python_model(mname, spec, deploy)

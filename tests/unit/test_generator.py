@@ -178,7 +178,7 @@ def test_pack_heads_runs_the_heads_after_one_segment_as_one_model() -> None:
     packs = {t: p.name for t, p in plan.head_packs.items()}
     assert packs == {"p_one": "ptrunk0__to__ptrunk1__heads", "p_two": "ptrunk0__to__ptrunk1__heads",
                      "p_three": "pmid__heads", "p_four": "pmid__heads"}
-    assert [n for n, _ in plan.deployed(plan.tasks["p_one"])] == ["ptrunk0__to__ptrunk1", "ptrunk0__to__ptrunk1__heads"]
+    assert [u.name for u in plan.deployed(plan.tasks["p_one"])] == ["ptrunk0__to__ptrunk1", "ptrunk0__to__ptrunk1__heads"]
     files = generator.render(plan)
     names = generator.model_names(files)
     assert not any(n in names for n in ("ph1_a__to__ph1_b", "ph2", "ph3", "ph4", "ph3__triton_cpu"))
