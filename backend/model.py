@@ -87,26 +87,22 @@ class TritonPythonModel:
             if self.device.type == "cuda":
                 torch.zeros(1, device=self.device)
                 self.tracer.memory("context")
-        # A head pack (several tasks' heads in this one process) has a runner per head, keyed by the
-        # output that answers its task; every other model has one runner.
-        self.heads: dict[str, BlockRunner] | None = None
+        # A runner per output: a head pack (several tasks' heads in this one process) has one per
+        # task's head; every other model has one.
         if spec.heads:
-            self.heads = {out: BlockRunner(s, self.device) for out, s in spec.head_specs()}
-            self.runner = next(iter(self.heads.values()))
+            self.runners = {out: BlockRunner(s, self.device) for out, s in spec.head_specs()}
         else:
-            self.runner = BlockRunner(spec, self.device)
+            self.runners = {self.out_name: BlockRunner(spec, self.device)}
+        self.runner = next(iter(self.runners.values()))
         # The stream every block's work goes on (torch's current stream, fixed for the instance's
         # life); read once here, as each lookup costs a torch call on the request path.
         self.stream = int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
         if self.tracer is not None:
             self.tracer.memory("weights")
-        if self.heads is None:
-            self.runner.warmup()
-        else:
-            # The heads run one after another on one stream, so their CUDA graphs share one memory pool.
-            pool = torch.cuda.graph_pool_handle() if self.runner.use_graphs else None
-            for runner in self.heads.values():
-                runner.warmup(pool)
+        # A pack's heads run one after another on one stream, so their CUDA graphs share one memory pool.
+        pool = torch.cuda.graph_pool_handle() if spec.heads and self.runner.use_graphs else None
+        for runner in self.runners.values():
+            runner.warmup(pool)
         if self.tracer is not None:
             self.tracer.memory("warmup")
         self.producer: Producer | None = None
@@ -175,24 +171,28 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         if not batch:
             return responses
+        outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
+        failed: set[int] = set()  # positions in ``batch``
         try:
-            if self.heads is not None:
-                self._execute_heads(requests, owners, batch, responses)
-                return responses
-            sizes = [int(t.shape[0]) for t in batch]
-            try:
-                joined = batch[0] if len(batch) == 1 else torch.cat([t.to(self.device) for t in batch])
-                if self.tracer is not None:
-                    self.tracer.mark()  # inputs read
-                    self.tracer.gpu_begin()
-                outputs = self._run(joined)
-                if self.tracer is not None:
-                    self.tracer.mark()  # work queued (or done, where the transport syncs)
-                for i, rows in zip(owners, _split(outputs, sizes)):
-                    tensor = pb_utils.Tensor.from_dlpack(self.out_name, to_dlpack(rows))
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[tensor])
-            except Exception as exc:  # one failed batch must not take the stub down
-                self._fail(responses, owners, sum(sizes), exc)
+            if self.tracer is not None:
+                self.tracer.mark()  # inputs read
+                self.tracer.gpu_begin()
+            for name, ks in self._groups(requests, owners).items():
+                xs = [batch[k] for k in ks]
+                sizes = [int(x.shape[0]) for x in xs]
+                try:
+                    joined = xs[0] if len(xs) == 1 else torch.cat([x.to(self.device) for x in xs])
+                    result = self._run(self.runners[name], joined)
+                    for k, rows in zip(ks, _split(result, sizes)):
+                        outputs[k].append(pb_utils.Tensor.from_dlpack(name, to_dlpack(rows)))
+                except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
+                    failed.update(ks)
+                    self._fail(responses, [owners[k] for k in ks], sum(sizes), exc)
+            if self.tracer is not None:
+                self.tracer.mark()  # work queued (or done, where the transport syncs)
+            for k, i in enumerate(owners):
+                if k not in failed:
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see backend.tensormq).
@@ -201,46 +201,30 @@ class TritonPythonModel:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
 
+    def _groups(self, requests: list[Any], owners: list[int]) -> dict[str, list[int]]:
+        """Output name -> positions in the batch of the requests that want it.
+
+        A model has one output, except a head pack: an ensemble step asks only for the outputs in
+        its output map, so a task's request runs its own head; a direct request that names no
+        output gets every head's.
+        """
+        if not self.spec.heads:
+            return {self.out_name: list(range(len(owners)))}
+        groups: dict[str, list[int]] = {}
+        for k, i in enumerate(owners):
+            for name in requests[i].requested_output_names() or self.runners:
+                groups.setdefault(name, []).append(k)  # Triton refuses outputs the config does not list
+        return groups
+
     def _fail(self, responses: list[Any], owners: list[int], samples: int, exc: Exception) -> None:
         self.logger.log_error(f"blockflow: {self.spec.name}: batch of {samples} failed: {exc!r}")
         for i in owners:
             responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
 
-    def _execute_heads(self, requests: list[Any], owners: list[int], batch: list[torch.Tensor], responses: list[Any]) -> None:
-        """A head pack's batch: each head runs on the rows of the requests that ask for its output.
-
-        An ensemble step asks only for the outputs in its output map, so a task's request runs
-        its own head; a direct request that names no output gets every head's.
-        """
-        assert self.heads is not None
-        groups: dict[str, list[int]] = {}  # output -> positions in ``batch``
-        for k, i in enumerate(owners):
-            for name in requests[i].requested_output_names() or self.heads:
-                groups.setdefault(name, []).append(k)
-        tensors: list[list[Any]] = [[] for _ in batch]
-        failed: set[int] = set()
-        for name, ks in groups.items():
-            runner = self.heads[name]  # Triton refuses requests for outputs the config does not list
-            xs = [batch[k] for k in ks]
-            try:
-                outputs = runner.run(xs[0] if len(xs) == 1 else torch.cat([x.to(self.device) for x in xs]))
-                if self.to_host:
-                    outputs = outputs.cpu()
-                for k, rows in zip(ks, _split(outputs, [int(x.shape[0]) for x in xs])):
-                    tensors[k].append(pb_utils.Tensor.from_dlpack(name, to_dlpack(rows)))
-            except Exception as exc:  # one head's failure fails only the requests that asked for it
-                failed.update(ks)
-                self._fail(responses, [owners[k] for k in ks], sum(int(x.shape[0]) for x in xs), exc)
-        if self.device.type == "cuda":
-            # Triton reads the outputs once execute returns; the kernels must be done by then.
-            torch.cuda.current_stream(self.device).synchronize()
-        for k, i in enumerate(owners):
-            if k not in failed:
-                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors[k])
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, runner: BlockRunner, x: torch.Tensor) -> torch.Tensor:
+        """One batch through ``runner``: its outputs (on the host for triton-cpu), or TensorMQ tickets."""
         if self.producer is None:
-            out = self.runner.run(x)
+            out = runner.run(x)
             if self.to_host:
                 return out.cpu()
             if out.is_cuda:
@@ -248,9 +232,9 @@ class TritonPythonModel:
                 torch.cuda.current_stream(out.device).synchronize()
             return out
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
-        reservation = self.producer.reserve((int(x.shape[0]), *self.spec.out_shape), self.runner.dtype)
+        reservation = self.producer.reserve((int(x.shape[0]), *self.spec.out_shape), runner.dtype)
         try:
-            self.runner.run(x, out=reservation.view)
+            runner.run(x, out=reservation.view)
         except BaseException:
             self.producer.abort(reservation)
             raise
@@ -271,6 +255,6 @@ class TritonPythonModel:
             # still be on their way to the next block (a plan update, a reload): wait for them.
             self.producer.close(drain_s=DRAIN_S)
         self.runner = None  # type: ignore[assignment]
-        self.heads = None
+        self.runners = {}
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
