@@ -3,18 +3,26 @@
 The server runs in its own process session, so stopping it (SIGTERM, then
 SIGKILL for the whole group after a grace period) also ends every Python-backend
 stub it started; nothing is left behind.
+
+A watchdog thread waits on the server process. Python-backend stubs watch their
+parent by PID, and an unreaped (zombie) tritonserver still holds its PID, so
+without the watchdog a server that crashed would leave its stubs, and their GPU
+memory, alive until someone polled it. The watchdog reaps it at once and ends
+the rest of its process group.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +34,8 @@ from types import TracebackType
 from blockflow.errors import PortInUseError, ServerError
 from blockflow.mps import MpsDaemon
 from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,6 +94,9 @@ class TritonServer:
         self.log_path = self.runtime_dir / "tritonserver.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.mps = MpsDaemon(self.runtime_dir / "mps") if options.mps else None
+        # Set by the watchdog once the server process has exited (and been reaped), for any reason.
+        self.exited = threading.Event()
+        self._stopping = False
 
     @property
     def http_url(self) -> str:
@@ -133,21 +146,35 @@ class TritonServer:
         if self.mps is not None:
             self.mps.start()
             env.update(self.mps.env)
-        log = self.log_path.open("wb")
+        logfile = self.log_path.open("wb")
         try:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, start_new_session=True, preexec_fn=_die_with_parent)
         except BaseException:
             if self.mps is not None:
                 self.mps.stop()
             raise
         finally:
-            log.close()
+            logfile.close()
+        self._stopping = False
+        self.exited.clear()
+        threading.Thread(target=self._watch, args=(self.process,), name="tritonserver-watchdog", daemon=True).start()
         try:
             self.wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Reap the server as soon as it exits; if nobody asked it to, end the stubs it leaves."""
+        code = proc.wait()
+        if not self._stopping:
+            # Its stubs would notice the reaped parent within seconds, but a stub stuck in a CUDA
+            # call or a long execute might not: SIGKILL the group, so their GPU memory comes back now.
+            _kill_group(proc.pid)
+            log.error("tritonserver (pid %d) exited unexpectedly with code %s; its block processes were killed "
+                      "(log: %s)", proc.pid, code, self.log_path)
+        self.exited.set()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -231,6 +258,7 @@ class TritonServer:
             if self.mps is not None:
                 self.mps.stop()
             return
+        self._stopping = True
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:

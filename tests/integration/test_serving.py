@@ -254,11 +254,13 @@ def test_a_crashed_block_fails_alone_and_is_reloaded(served: Served) -> None:
 
     server = served.server
     expected = {m: len(p) for m, p in server.stub_processes().items()}
-    assert expected.get("r34_head") == 1 and expected.get("r50_s0") == 1
+    # One process per instance: one on a CPU machine, one per GPU with placement auto.
+    assert expected.get("r34_head", 0) >= 1 and expected.get("r50_s0", 0) >= 1
     os.kill(server.stub_processes()["r34_head"][0], signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while server.stub_processes().get("r34_head") and time.monotonic() < deadline:
+    while len(server.stub_processes().get("r34_head", [])) == expected["r34_head"] and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert len(server.stub_processes().get("r34_head", [])) < expected["r34_head"]
     x = images(2, (3, 64, 64), seed=5)
     with TaskClient(served.http) as c:
         # The server and every other block keep serving while one block is down.
