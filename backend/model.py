@@ -117,6 +117,8 @@ class TritonPythonModel:
                 self.consumer = Consumer(runtime, self.device)
             if self.tracer is not None:
                 self.tracer.memory("tensormq")
+        # Outputs handed to Triton on the GPU (not TensorMQ tickets, not host copies) need one sync per execute.
+        self.sync_outputs = self.device.type == "cuda" and self.producer is None and not self.to_host
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = {"block": args["model_name"], "instance": args["model_instance_name"],
@@ -188,8 +190,17 @@ class TritonPythonModel:
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)
                     self._fail(responses, [owners[k] for k in ks], sum(sizes), exc)
+            if self.sync_outputs:
+                try:
+                    # Triton reads the outputs once execute returns, so their kernels must be done by
+                    # then. One wait for the whole call: a pack queues every head's work first.
+                    torch.cuda.current_stream(self.device).synchronize()
+                except Exception as exc:
+                    rest = [k for k in range(len(batch)) if k not in failed]
+                    failed.update(rest)
+                    self._fail(responses, [owners[k] for k in rest], sum(int(batch[k].shape[0]) for k in rest), exc)
             if self.tracer is not None:
-                self.tracer.mark()  # work queued (or done, where the transport syncs)
+                self.tracer.mark()  # work done (TensorMQ: queued)
             for k, i in enumerate(owners):
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
@@ -225,12 +236,7 @@ class TritonPythonModel:
         """One batch through ``runner``: its outputs (on the host for triton-cpu), or TensorMQ tickets."""
         if self.producer is None:
             out = runner.run(x)
-            if self.to_host:
-                return out.cpu()
-            if out.is_cuda:
-                # Triton reads the output once execute returns; the kernels must be done by then.
-                torch.cuda.current_stream(out.device).synchronize()
-            return out
+            return out.cpu() if self.to_host else out  # on the GPU, _execute waits for it once
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
         reservation = self.producer.reserve((int(x.shape[0]), *self.spec.out_shape), runner.dtype)
         try:

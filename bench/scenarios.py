@@ -7,12 +7,15 @@ stages 0-1, C shares stages 0-2) are deployed three ways, one server at a time, 
 
 * ``traditional``: one full model per task;
 * ``fused``: BlockFlow with ``fuse: auto``;
-* ``packed``: BlockFlow with ``fuse: auto`` and ``pack: heads``.
+* ``packed``: BlockFlow with ``fuse: auto`` and ``pack: heads``;
+* ``packed2`` (only when asked for): ``packed`` with two instances of each pack, for the
+  throughput that a second process per pack buys.
 
 For each: GPU 0's used memory with the server loaded minus before (NVML), next to what
 ``blockflow plan-memory`` predicts with the calibrated constants; then closed-loop clients
 (``blockflow load``'s generator) over all the tasks, round-robin, batch 1, for throughput and
-latency. Writes ``report.md``, ``results.json`` and the plans it served (``plans/``).
+latency, with the busiest models during each load from Triton's statistics (where the time
+goes). Writes ``report.md``, ``results.json`` and the plans it served (``plans/``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("traditional", "fused", "packed")
+# How many of the busiest models each load's summary keeps.
+BUSIEST = 4
 
 
 def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str, Path]:
@@ -39,6 +44,9 @@ def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str,
     raws = {"traditional": memory.scenario_raw(arch, n_tasks, (1.0, 0.0, 0.0), fuse=True),
             "fused": memory.scenario_raw(arch, n_tasks, shares, fuse=True),
             "packed": memory.scenario_raw(arch, n_tasks, shares, fuse=True, pack=True)}
+    raws["packed2"] = memory.scenario_raw(arch, n_tasks, shares, fuse=True, pack=True)
+    for name in _packed_blocks(raws["packed"]):
+        raws["packed2"]["blocks"][name]["instances"] = 2
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, raw in raws.items():
@@ -46,6 +54,35 @@ def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str,
         paths[name].write_text(f"# bench.scenarios: thesis scenario {number} {shares}, {n_tasks} tasks, deployed {name}\n"
                                + yaml.safe_dump(raw, sort_keys=False))
     return paths
+
+
+def _packed_blocks(raw: dict[str, Any]) -> set[str]:
+    """The blocks that ``pack: heads`` puts into packs in the plan ``raw``."""
+    from blockflow.plan import parse_plan
+
+    plan = parse_plan(raw)
+    return {b.name for task in plan.head_packs for b in plan.deployed(plan.tasks[task])[-1].blocks}
+
+
+def busiest(d: dict[str, dict[str, int]], models: set[str], seconds: float, instances: dict[str, int]) -> list[dict[str, Any]]:
+    """The models (not ensembles) that were busiest over a statistics delta of ``seconds``.
+
+    ``busy`` is the fraction of the time the model's instances were executing (1.0: always, the
+    bottleneck of a closed loop); ``batch`` is requests per execution.
+    """
+    from bench.suite import compute_ms
+
+    rows: list[dict[str, Any]] = []
+    for m in models:
+        s = d.get(m, {})
+        if not s.get("executions"):
+            continue
+        per_exec = compute_ms(s)
+        rows.append({"model": m, "executions": s["executions"], "batch": s["requests"] / s["executions"],
+                     "compute_ms": per_exec, "queue_ms": s.get("queue_ns", 0) / max(1, s["requests"]) / 1e6,
+                     "busy": per_exec * s["executions"] / 1e3 / seconds / max(1, instances.get(m, 1))})
+    rows.sort(key=lambda r: -r["busy"])
+    return rows[:BUSIEST]
 
 
 def _gpu_used_mib() -> float:
@@ -60,6 +97,7 @@ def _gpu_used_mib() -> float:
 
 def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: float) -> dict[str, Any]:
     """Serve ``path`` alone; measured memory and, per client count, the load summary over all tasks."""
+    from bench.suite import delta, model_stats
     from blockflow.plan import load_plan
     from blockflow.server import ServerOptions, TritonServer, free_port
     from clients.load import LoadSpec, run_load, summarize
@@ -82,19 +120,31 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
         asyncio.run(run_load(LoadSpec(server.http_url, tasks, shape, clients=len(tasks), max_requests=2 * len(tasks),  # type: ignore[arg-type]
                                       duration_s=60.0)))
         loads = {}
+        models = set(stubs)
         for c in clients:
             spec = LoadSpec(server.http_url, tasks, shape, duration_s=seconds, clients=c)  # type: ignore[arg-type]
+            before_stats = model_stats(server.http_url)
             start = time.monotonic()
             records = asyncio.run(run_load(spec))
-            loads[str(c)] = summarize(records, time.monotonic() - start)["all"]
-            print(f"[scenarios] {path.stem}: {c} clients: {loads[str(c)]['throughput']:.0f}/s, "
-                  f"p50 {loads[str(c)]['p50']:.2f} ms, p99 {loads[str(c)]['p99']:.2f} ms, errors {loads[str(c)]['errors']:.0f}", flush=True)
+            elapsed = time.monotonic() - start
+            summary: dict[str, Any] = dict(summarize(records, elapsed)["all"])
+            # Triton's statistics lag the responses by a little; the load's last requests may be missing.
+            time.sleep(0.5)
+            summary["busiest"] = top = busiest(delta(model_stats(server.http_url), before_stats), models, elapsed, stubs)
+            loads[str(c)] = summary
+            print(f"[scenarios] {path.stem}: {c} clients: {summary['throughput']:.0f}/s, "
+                  f"p50 {summary['p50']:.2f} ms, p99 {summary['p99']:.2f} ms, errors {summary['errors']:.0f}"
+                  + (f"; busiest {top[0]['model']} {top[0]['busy']:.0%}" if top else ""), flush=True)
     time.sleep(3)
     return {"plan": f"plans/{path.name}", "processes": sum(stubs.values()), "measured_mib": during - before, "load_s": load_s, "load": loads}
 
 
+def _saving(measured: float, traditional: float | None) -> str:
+    return f"{1 - measured / traditional:+.1%}" if traditional else "-"
+
+
 def write_report(res: dict[str, Any], path: Path) -> None:
-    trad = res["variants"]["traditional"]["measured_mib"]
+    trad = res["variants"].get("traditional", {}).get("measured_mib")
     L = [f"# Thesis scenario {res['scenario']} ({res['shares']}), {res['arch']}, {res['tasks']} tasks — {res['device']}", "",
          f"Command: `{res['command']}`. One server at a time on GPU 0; memory is NVML's used memory with the server "
          "loaded minus before (the server and its CUDA pool included). Predicted: `blockflow plan-memory` with "
@@ -103,12 +153,19 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          "|---|---|---|---|---|---|---|"]
     for name, v in res["variants"].items():
         L.append(f"| {name} | {v['processes']} | {v['measured_mib']:,.0f} | {v['predicted_mib']:,.0f} | "
-                 f"{v['predicted_mib'] / v['measured_mib'] - 1:+.1%} | {1 - v['measured_mib'] / trad:+.1%} | {v['load_s']:.0f} |")
+                 f"{v['predicted_mib'] / v['measured_mib'] - 1:+.1%} | {_saving(v['measured_mib'], trad)} | {v['load_s']:.0f} |")
     L += ["", "Closed-loop clients over all tasks (round-robin), batch 1:", "",
           "| deployment | clients | inferences/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
     for name, v in res["variants"].items():
         for c, s in v["load"].items():
             L.append(f"| {name} | {c} | {s['throughput']:.0f} | {s['p50']:.2f} | {s['p99']:.2f} | {s['errors']:.0f} |")
+    L += ["", "Busiest models at the most clients (Triton's statistics over the load): *busy* is the share of the",
+          "time its instances were executing, *batch* the requests per execution, *compute* the time per execution.", "",
+          "| deployment | clients | model | busy | batch | compute ms | queue ms |", "|---|---|---|---|---|---|---|"]
+    for name, v in res["variants"].items():
+        c, s = max(v["load"].items(), key=lambda kv: int(kv[0]))
+        for r in s.get("busiest", []):
+            L.append(f"| {name} | {c} | {r['model']} | {r['busy']:.0%} | {r['batch']:.1f} | {r['compute_ms']:.2f} | {r['queue_ms']:.2f} |")
     path.write_text("\n".join(L) + "\n")
 
 
@@ -126,14 +183,23 @@ def main() -> None:
     ap.add_argument("--scenario", type=int, choices=sorted(memory.SCENARIOS), default=1)
     ap.add_argument("--tasks", type=int, default=18)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="of traditional, fused, packed, packed2")
     ap.add_argument("--clients", default="1,16", help="closed-loop client counts")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--cuda-pool-mb", type=int, default=2048)
     ap.add_argument("--calibration", type=Path, default=ROOT / "bench" / "results" / "h100" / "memory_calibration.json")
     args = ap.parse_args()
+    unknown = set(args.variants.split(",")) - {*VARIANTS, "packed2"}
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from traditional, fused, packed, packed2")
     cal = memory.Calibration.load(args.calibration)
     paths = scenario_plans(args.arch, args.scenario, args.tasks, args.out / "plans")
+    from blockflow.errors import PlanError
+    from blockflow.server import gpu_count
+
+    issues = load_plan(paths["packed"]).device_issues(gpu_count())
+    if issues:  # the scenario plans place every block on GPU 0
+        sys.exit(f"bench.scenarios needs a GPU: {PlanError(issues, str(paths['packed']))}")
     res: dict[str, Any] = {"arch": args.arch, "scenario": args.scenario, "shares": [round(x, 3) for x in memory.SCENARIOS[args.scenario]],
                            "tasks": args.tasks, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                            "command": "python -m bench.scenarios " + shlex.join(sys.argv[1:]),
@@ -146,9 +212,8 @@ def main() -> None:
               f"predicted {v['predicted_mib']:.0f} MiB", flush=True)
         res["variants"][name] = v
         (args.out / "results.json").write_text(json.dumps(res, indent=2))
-    if "traditional" in res["variants"]:
-        write_report(res, args.out / "report.md")
-        print((args.out / "report.md").read_text())
+    write_report(res, args.out / "report.md")
+    print((args.out / "report.md").read_text())
 
 
 if __name__ == "__main__":

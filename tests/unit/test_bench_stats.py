@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.suite import block_breakdown, compute_ms, delta
 
 
@@ -18,3 +20,30 @@ def test_delta_subtracts_only_what_was_there() -> None:
     before = {"m": {"executions": 1, "requests": 1}}
     after = {"m": {"executions": 3, "requests": 5}, "n": {"executions": 2, "requests": 2}}
     assert delta(after, before) == {"m": {"executions": 2, "requests": 4}, "n": {"executions": 2, "requests": 2}}
+
+
+def test_busiest_is_the_share_of_time_each_instance_executed() -> None:
+    from bench.scenarios import busiest
+
+    # 10 s of load: "pack" ran 1000 executions of 8 ms on 2 instances (40% busy); "s0" 500 of 2 ms on one.
+    d = {"pack": {"executions": 1000, "requests": 4000, "compute_infer_ns": 4000 * 8_000_000, "queue_ns": 4000 * 1_000_000},
+         "s0": {"executions": 500, "requests": 500, "compute_infer_ns": 500 * 2_000_000},
+         "task": {"executions": 900, "requests": 900, "compute_infer_ns": 1}, "idle": {"executions": 0, "requests": 0}}
+    rows = busiest(d, {"pack", "s0", "idle"}, 10.0, {"pack": 2, "s0": 1})
+    assert [r["model"] for r in rows] == ["pack", "s0"]  # ensembles (not asked for) and idle models left out
+    assert abs(rows[0]["busy"] - 0.4) < 1e-9 and rows[0]["batch"] == 4.0 and rows[0]["queue_ms"] == 1.0
+    assert abs(rows[1]["busy"] - 0.1) < 1e-9
+
+
+def test_packed2_doubles_only_the_blocks_that_get_packed(tmp_path: Path) -> None:
+    import yaml
+
+    from bench.scenarios import scenario_plans
+    from blockflow.plan import load_plan
+
+    paths = scenario_plans("resnet50", 2, 4, tmp_path)
+    plan = load_plan(paths["packed2"])
+    packed = {b.name for task in plan.head_packs for b in plan.deployed(plan.tasks[task])[-1].blocks}
+    raw = yaml.safe_load(paths["packed2"].read_text())
+    doubled = {name for name, b in raw["blocks"].items() if b.get("instances") == 2}
+    assert doubled == packed == {"c0_3", "c1_3", "c2_3"}  # b0 is the only B task: its head stays alone
