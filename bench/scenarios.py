@@ -68,19 +68,19 @@ def busiest(d: dict[str, dict[str, int]], models: set[str], seconds: float, inst
     """The models (not ensembles) that were busiest over a statistics delta of ``seconds``.
 
     ``busy`` is the fraction of the time the model's instances were executing (1.0: always, the
-    bottleneck of a closed loop); ``batch`` is requests per execution.
+    bottleneck of a closed loop), from Triton's per-batch-size statistics, which count each
+    execution once (the per-request ones weight an execution by its requests, which overstates
+    it where bigger batches take longer, as in a head pack); ``batch`` is requests per execution.
     """
-    from bench.suite import compute_ms
-
     rows: list[dict[str, Any]] = []
     for m in models:
         s = d.get(m, {})
         if not s.get("executions"):
             continue
-        per_exec = compute_ms(s)
+        busy_ms = s.get("execution_ns", 0) / 1e6
         rows.append({"model": m, "executions": s["executions"], "batch": s["requests"] / s["executions"],
-                     "compute_ms": per_exec, "queue_ms": s.get("queue_ns", 0) / max(1, s["requests"]) / 1e6,
-                     "busy": per_exec * s["executions"] / 1e3 / seconds / max(1, instances.get(m, 1))})
+                     "compute_ms": busy_ms / s["executions"], "queue_ms": s.get("queue_ns", 0) / max(1, s["requests"]) / 1e6,
+                     "busy": busy_ms / 1e3 / seconds / max(1, instances.get(m, 1))})
     rows.sort(key=lambda r: -r["busy"])
     return rows[:BUSIEST]
 
@@ -95,7 +95,7 @@ def _gpu_used_mib() -> float:
         return float("nan")
 
 
-def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: float) -> dict[str, Any]:
+def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: float, mps: bool = False) -> dict[str, Any]:
     """Serve ``path`` alone; measured memory and, per client count, the load summary over all tasks."""
     from bench.suite import delta, model_stats
     from blockflow.plan import load_plan
@@ -108,7 +108,8 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
     generator.write(generator.render(plan), repo)
     shape = plan.block_in_shape(plan.blocks[next(iter(plan.tasks.values())).path[0]])
     before = _gpu_used_mib()
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), cuda_pool_mb=cuda_pool_mb)
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), cuda_pool_mb=cuda_pool_mb,
+                         mps=mps)
     t0 = time.monotonic()
     with TritonServer(opts) as server:
         load_s = time.monotonic() - t0
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,16", help="closed-loop client counts")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--cuda-pool-mb", type=int, default=2048)
+    ap.add_argument("--mps", action="store_true", help="block processes as clients of a private MPS daemon (as `blockflow serve --mps`)")
     ap.add_argument("--calibration", type=Path, default=ROOT / "bench" / "results" / "h100" / "memory_calibration.json")
     args = ap.parse_args()
     unknown = set(args.variants.split(",")) - {*VARIANTS, "packed2"}
@@ -205,7 +207,7 @@ def main() -> None:
                            "command": "python -m bench.scenarios " + shlex.join(sys.argv[1:]),
                            "calibration": f"{cal.source} (process {cal.process_mib:.0f} MiB)", "variants": {}}
     for name in args.variants.split(","):
-        v = run_variant(paths[name], args.cuda_pool_mb, [int(c) for c in args.clients.split(",")], args.seconds)
+        v = run_variant(paths[name], args.cuda_pool_mb, [int(c) for c in args.clients.split(",")], args.seconds, args.mps)
         plan = load_plan(paths[name])
         v["predicted_mib"] = memory.per_gpu(memory.modular(plan, 1, cal), 1, cal, args.cuda_pool_mb)[0]
         print(f"[scenarios] {name}: {v['processes']} processes, measured {v['measured_mib']:.0f} MiB, "

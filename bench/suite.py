@@ -70,7 +70,10 @@ def model_stats(url: str) -> dict[str, dict[str, int]]:
         s = m["inference_stats"]
         out[m["name"]] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
                           "requests": int(s["success"]["count"]),
-                          **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")}}
+                          **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
+                          # Each execution once (inference_stats count a batch once per request in it).
+                          "execution_ns": sum(int(b[k]["ns"]) for b in m.get("batch_stats", [])
+                                              for k in ("compute_input", "compute_infer", "compute_output"))}
     return out
 
 

@@ -25,13 +25,16 @@ def test_delta_subtracts_only_what_was_there() -> None:
 def test_busiest_is_the_share_of_time_each_instance_executed() -> None:
     from bench.scenarios import busiest
 
-    # 10 s of load: "pack" ran 1000 executions of 8 ms on 2 instances (40% busy); "s0" 500 of 2 ms on one.
-    d = {"pack": {"executions": 1000, "requests": 4000, "compute_infer_ns": 4000 * 8_000_000, "queue_ns": 4000 * 1_000_000},
-         "s0": {"executions": 500, "requests": 500, "compute_infer_ns": 500 * 2_000_000},
-         "task": {"executions": 900, "requests": 900, "compute_infer_ns": 1}, "idle": {"executions": 0, "requests": 0}}
+    # 10 s of load: "pack" ran 1000 executions of 8 ms on 2 instances (40% busy), 4 requests each,
+    # whose per-request statistics count each execution 4 times; "s0" ran 500 of 2 ms on one.
+    d = {"pack": {"executions": 1000, "requests": 4000, "compute_infer_ns": 4000 * 8_000_000, "queue_ns": 4000 * 1_000_000,
+                  "execution_ns": 1000 * 8_000_000},
+         "s0": {"executions": 500, "requests": 500, "compute_infer_ns": 500 * 2_000_000, "execution_ns": 500 * 2_000_000},
+         "task": {"executions": 900, "requests": 900, "execution_ns": 1}, "idle": {"executions": 0, "requests": 0}}
     rows = busiest(d, {"pack", "s0", "idle"}, 10.0, {"pack": 2, "s0": 1})
     assert [r["model"] for r in rows] == ["pack", "s0"]  # ensembles (not asked for) and idle models left out
-    assert abs(rows[0]["busy"] - 0.4) < 1e-9 and rows[0]["batch"] == 4.0 and rows[0]["queue_ms"] == 1.0
+    assert abs(rows[0]["busy"] - 0.4) < 1e-9 and rows[0]["compute_ms"] == 8.0
+    assert rows[0]["batch"] == 4.0 and rows[0]["queue_ms"] == 1.0
     assert abs(rows[1]["busy"] - 0.1) < 1e-9
 
 
