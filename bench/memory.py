@@ -128,6 +128,19 @@ def _local(plan: str, base: Path | None = None) -> Path:
     raise FileNotFoundError(f"plan {plan} of a results file is not in this checkout")
 
 
+def _distinct(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per plan text and measurement: results files that re-ran a plan with the same
+    result (a later run of some of the same variants) would otherwise weigh it twice."""
+    seen: set[tuple[str, float]] = set()
+    out = []
+    for m in measured:
+        key = (_local(m["plan"]).read_text().split("\n", 1)[-1], round(float(m["measured_mib"])))
+        if key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
 def _measured_in(path: Path) -> list[dict[str, Any]]:
     """Measured plans in a results file, with plan paths made local."""
     data = json.loads(path.read_text())
@@ -148,11 +161,13 @@ def _design(plan_path: Path) -> tuple[float, list[float]]:
     from blockflow.plan import load_plan
 
     plan = load_plan(plan_path)
-    unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, eager_process_mib=0.0, server_mib=0.0)
+    unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, eager_process_mib=0.0, server_mib=0.0, pack_head_factor=0.0)
+    heads = memory.Calibration(process_mib=0.0, activation_factor=0.0, eager_process_mib=0.0, server_mib=0.0, pack_head_factor=1.0)
     procs = memory.modular(plan, 1, unit) + _references(plan, unit)
     graphs = float(sum(p.cuda_graphs for p in procs))
     return (sum(p.weights_mib + p.pool_mib for p in procs),
-            [1.0, graphs, len(procs) - graphs, sum(p.activations_mib for p in procs)])
+            [1.0, graphs, len(procs) - graphs, sum(p.activations_mib for p in procs),
+             sum(p.activations_mib for p in memory.modular(plan, 1, heads))])
 
 
 def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -202,7 +217,7 @@ def main() -> None:
         return
     if args.refit_from:
         # No GPU needed: fit to plans measured earlier (bench.memory's memory.json, bench.scenarios' results.json).
-        measured = [m for f in args.refit_from for m in _measured_in(f)]
+        measured = _distinct([m for f in args.refit_from for m in _measured_in(f)])
         device = "; ".join(sorted({str(json.loads(f.read_text()).get("device", "")) for f in args.refit_from} - {""})) or "earlier runs"
     else:
         measured = []
@@ -221,16 +236,16 @@ def main() -> None:
         rows.append(row)
         fixed.append(f)
         ys.append(m["measured_mib"] - f - args.cuda_pool_mb)
-    server, process, eager, factor = _fit(rows, ys)
+    server, process, eager, factor, head_factor = _fit(rows, ys)
     cal = memory.Calibration(process_mib=process, activation_factor=max(0.0, factor), eager_process_mib=eager, server_mib=server,
-                             source=f"fitted to {len(measured)} plans on {device} ({time.strftime('%Y-%m-%d')})")
+                             pack_head_factor=max(0.0, head_factor), source=f"fitted to {len(measured)} plans on {device} ({time.strftime('%Y-%m-%d')})")
     cal.save(args.out / "memory_calibration.json")
     checks = []
     for k, m in enumerate(measured):
         plan = load_plan(_local(m["plan"]))
         pred = memory.per_gpu(memory.modular(plan, 1, cal) + _references(plan, cal), 1, cal, args.cuda_pool_mb)[0]
         # Leave-one-out: the constants fitted without this plan predict it (an out-of-sample check).
-        coef = _fit(rows[:k] + rows[k + 1:], ys[:k] + ys[k + 1:]) if len(rows) > 4 else [float("nan")] * 4
+        coef = _fit(rows[:k] + rows[k + 1:], ys[:k] + ys[k + 1:]) if len(rows) > len(rows[k]) else [float("nan")] * len(rows[k])
         loo = fixed[k] + args.cuda_pool_mb + sum(c * x for c, x in zip(coef, rows[k]))
         checks.append({"plan": m["plan"], "processes": m["processes"], "measured_mib": m["measured_mib"],
                        "predicted_mib": pred, "error": pred / m["measured_mib"] - 1,
@@ -264,7 +279,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
                      f"{r['empty_cache']:.0f} | {r['torch_allocated']:.0f} | {r['torch_reserved']:.0f} |")
         L.append("")
     L += ["## Model", "", f"process overhead {cal['process_mib']:.0f} MiB with CUDA graphs, {cal.get('eager_process_mib', float('nan')):.0f} MiB "
-          f"without; CUDA-graph pools {cal['activation_factor']:.2f} x max batch x largest tensor per sample; "
+          f"without; CUDA-graph pools {cal['activation_factor']:.2f} x max batch x largest tensor per sample "
+          f"(each further head of a pack: {cal.get('pack_head_factor', cal['activation_factor']):.2f} x); "
           f"server {cal['server_mib']:.0f} MiB (+ its CUDA pool)", "",
           "## Predicted vs measured (whole plan on GPU 0, server included)", "",
           "*Left out*: predicted by the constants fitted to every other plan (an out-of-sample check).", "",

@@ -6,9 +6,10 @@ Every block instance is a process, and on a GPU each process costs
               ``process_mib`` with CUDA graphs, ``eager_process_mib`` without)
   + weights (parameters and buffers of its stages, at its precision)
   + CUDA-graph pools, with ``cuda_graphs`` (``activation_factor`` x max batch x the largest tensor
-              its stages make per sample; a head pack pays it per head: sharing one pool among the
-              heads' graphs did not measurably save. Without graphs, warm-up ends with
-              ``torch.cuda.empty_cache()`` and what remains is in the overhead)
+              its stages make per sample; in a head pack, that for its largest head, plus
+              ``pack_head_factor`` x max batch x the largest tensor of each other head: what each
+              further head's graphs keep beside the pool they share. Without graphs, warm-up ends
+              with ``torch.cuda.empty_cache()`` and what remains is in the overhead)
   + its TensorMQ pool (``tensormq.pool_mb``, when it hands activations on over TensorMQ).
 
 The server process adds ``server_mib`` plus Triton's CUDA pool per GPU, for either deployment.
@@ -28,7 +29,7 @@ from typing import Any
 from blockflow.errors import CalibrationError
 from blockflow.plan import Block, Plan
 
-MODEL_VERSION = 2
+MODEL_VERSION = 3
 
 BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
@@ -36,11 +37,13 @@ BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 @dataclass(frozen=True)
 class Calibration:
     process_mib: float = 885.0  # per process with CUDA graphs: CUDA context, torch, library handles, loaded kernels
-    activation_factor: float = 8.8  # CUDA-graph pools per byte of the largest tensor at max batch
-    eager_process_mib: float = 588.0  # per process without CUDA graphs
-    server_mib: float = 738.0  # tritonserver's own CUDA context (its CUDA pool is added separately)
+    activation_factor: float = 8.4  # CUDA-graph pools per byte of the largest tensor at max batch
+    eager_process_mib: float = 544.0  # per process without CUDA graphs
+    server_mib: float = 913.0  # tritonserver's own CUDA context (its CUDA pool is added separately)
+    pack_head_factor: float = 4.3  # graph memory of each head of a pack after its largest, per byte as above
     source: str = "built-in estimate (not calibrated)"
-    # Which formula the constants belong to: model 1 had one overhead for every process.
+    # Which formula the constants belong to: model 1 had one overhead for every process; model 2
+    # charged every head of a pack a full graph pool.
     model: int = MODEL_VERSION
 
     @classmethod
@@ -49,7 +52,8 @@ class Calibration:
         if data.get("model", 1) != MODEL_VERSION:
             raise CalibrationError(f"calibration {path} was fitted for memory model {data.get('model', 1)}, this is model "
                                  f"{MODEL_VERSION}; refit it: python -m bench.memory --refit-from <results> --out DIR")
-        return cls(**{k: data[k] for k in ("process_mib", "activation_factor", "eager_process_mib", "server_mib", "source") if k in data})
+        keys = ("process_mib", "activation_factor", "eager_process_mib", "server_mib", "pack_head_factor", "source")
+        return cls(**{k: data[k] for k in keys if k in data})
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -112,17 +116,19 @@ def _gpus_of(block: Block, gpus: int) -> list[int]:
 def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
     """One process running ``chains`` (one chain of consecutive blocks, or a head pack's heads).
 
-    A pack pays weights and CUDA-graph pools per head, the overhead once.
+    A pack pays weights per head, the overhead once, and a graph pool sized by its largest head
+    plus a smaller share for each other head.
     """
     m = plan.models[deploy.model]
-    params, largest = 0, 0
+    params, largests = 0, []
     for blocks in chains:
         p, a = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
                               blocks[0].first, blocks[-1].last)
-        params, largest = params + p, largest + a
+        params, largests = params + p, largests + [a]
     width = BYTES[deploy.precision]
     if deploy.cuda_graphs:
-        graphs, overhead = cal.activation_factor * deploy.max_batch_size * largest * width / 2**20, cal.process_mib
+        per_sample = cal.activation_factor * max(largests) + cal.pack_head_factor * (sum(largests) - max(largests))
+        graphs, overhead = deploy.max_batch_size * per_sample * width / 2**20, cal.process_mib
     else:
         graphs, overhead = 0.0, cal.eager_process_mib
     return Process(name, gpu, params * width / 2**20, graphs, pool_mib, overhead, deploy.cuda_graphs)

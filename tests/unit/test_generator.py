@@ -245,6 +245,27 @@ def test_memory_model_counts_one_process_per_pack() -> None:
     assert row["packed_mib"] < min(row["traditional_mib"], row["fused_mib"])
 
 
+def test_a_pack_pays_one_full_graph_pool_and_a_share_for_each_further_head() -> None:
+    import yaml
+
+    from blockflow import memory
+    from blockflow.plan import parse_plan
+
+    packed = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
+    raw = yaml.safe_load((ROOT / "tests" / "plans" / "packed.yaml").read_text())
+    raw["pack"] = "none"
+    unpacked = parse_plan(raw)
+    one = memory.Calibration(activation_factor=1.0, pack_head_factor=1.0)
+    split = memory.Calibration(activation_factor=3.0, pack_head_factor=1.0)
+    pack = next(p for p in memory.modular(packed, 1, one) if p.model == "ptrunk0__to__ptrunk1__heads")
+    heads = [p for p in memory.modular(unpacked, 1, one) if p.model in ("ph1_a__to__ph1_b", "ph2")]
+    assert len(heads) == 2 and pack.weights_mib == sum(h.weights_mib for h in heads)
+    # Factors of 1: the pack pays what its heads would alone; with 3 for the largest, that head's pool thrice.
+    assert abs(pack.activations_mib - sum(h.activations_mib for h in heads)) < 1e-9
+    pack3 = next(p for p in memory.modular(packed, 1, split) if p.model == pack.model)
+    assert abs(pack3.activations_mib - (3 * max(h.activations_mib for h in heads) + min(h.activations_mib for h in heads))) < 1e-9
+
+
 def test_an_old_calibration_is_refused_with_the_fix(tmp_path: Path) -> None:
     from blockflow import memory
     from blockflow.errors import CalibrationError
