@@ -85,6 +85,30 @@ def busiest(d: dict[str, dict[str, int]], models: set[str], seconds: float, inst
     return rows[:BUSIEST]
 
 
+def _process_mib(server: Any) -> dict[str, list[float]]:
+    """NVML's GPU memory (MiB) of each process of ``server`` on GPU 0, by model (``tritonserver``
+    for the server itself); empty without NVML."""
+    try:
+        import pynvml
+        import torch
+
+        from backend.monitor import nvml_handle, pid_gpu_bytes
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver: a dry run
+        return {}
+    try:
+        owners = {pid: model for model, pids in server.stub_processes().items() for pid in pids}
+        owners[server.process.pid] = "tritonserver"
+        used = pid_gpu_bytes(pynvml, nvml_handle(pynvml, torch.device("cuda", 0)), owners)
+        out: dict[str, list[float]] = {}
+        for pid, b in sorted(used.items()):
+            out.setdefault(owners[pid], []).append(b / 2**20)
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _gpu_used_mib() -> float:
     """GPU 0's used memory (NVML), or NaN on a machine without one (a dry run of the load part)."""
     from bench.memory import _gpu_used_mib as used
@@ -115,6 +139,7 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
         load_s = time.monotonic() - t0
         time.sleep(3)
         during = _gpu_used_mib()
+        per_process = _process_mib(server)
         stubs = {m: len(p) for m, p in server.stub_processes().items()}
         tasks = list(plan.tasks)
         # Every task once first: no measured request pays a first call.
@@ -137,7 +162,8 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
                   f"p50 {summary['p50']:.2f} ms, p99 {summary['p99']:.2f} ms, errors {summary['errors']:.0f}"
                   + (f"; busiest {top[0]['model']} {top[0]['busy']:.0%}" if top else ""), flush=True)
     time.sleep(3)
-    return {"plan": f"plans/{path.name}", "processes": sum(stubs.values()), "measured_mib": during - before, "load_s": load_s, "load": loads}
+    return {"plan": f"plans/{path.name}", "processes": sum(stubs.values()), "measured_mib": during - before, "load_s": load_s,
+            "process_mib": per_process, "load": loads}
 
 
 def _saving(measured: float, traditional: float | None) -> str:
@@ -167,6 +193,12 @@ def write_report(res: dict[str, Any], path: Path) -> None:
         c, s = max(v["load"].items(), key=lambda kv: int(kv[0]))
         for r in s.get("busiest", []):
             L.append(f"| {name} | {c} | {r['model']} | {r['busy']:.0%} | {r['batch']:.1f} | {r['compute_ms']:.2f} | {r['queue_ms']:.2f} |")
+    if any(v.get("process_mib") for v in res["variants"].values()):
+        L += ["", "GPU memory of each process (NVML, MiB; the sum misses what NVML charges to no process):", "",
+              "| deployment | model | instances | MiB each |", "|---|---|---|---|"]
+        for name, v in res["variants"].items():
+            for model, mibs in sorted(v.get("process_mib", {}).items()):
+                L.append(f"| {name} | {model} | {len(mibs)} | {', '.join(f'{m:,.0f}' for m in mibs)} |")
     path.write_text("\n".join(L) + "\n")
 
 

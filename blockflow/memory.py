@@ -120,7 +120,8 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
     plus a smaller share for each other head.
     """
     m = plan.models[deploy.model]
-    params, largests = 0, []
+    params = 0
+    largests: list[int] = []
     for blocks in chains:
         p, a = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
                               blocks[0].first, blocks[-1].last)
