@@ -209,7 +209,9 @@ def main() -> None:
     import torch
 
     from blockflow import memory
+    from blockflow.errors import PlanError
     from blockflow.plan import load_plan
+    from blockflow.server import gpu_count
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["resnet50", "resnet152"], default="resnet50")
@@ -228,9 +230,6 @@ def main() -> None:
         ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from traditional, fused, packed, packed2")
     cal = memory.Calibration.load(args.calibration)
     paths = scenario_plans(args.arch, args.scenario, args.tasks, args.out / "plans")
-    from blockflow.errors import PlanError
-    from blockflow.server import gpu_count
-
     issues = load_plan(paths["packed"]).device_issues(gpu_count())
     if issues:  # the scenario plans place every block on GPU 0
         sys.exit(f"bench.scenarios needs a GPU: {PlanError(issues, str(paths['packed']))}")
