@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import click
 from rich.console import Console, Group
@@ -21,6 +21,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from blockflow.errors import BlockFlowError, PlanError
+
+if TYPE_CHECKING:
+    from blockflow.plan import Plan
 
 DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "default.yaml"
 
@@ -180,6 +183,10 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         raise PlanError(device_issues, str(plan))
     for w in p.warnings():
         err.print(f"[yellow]warning[/]: {w}")
+    if not mps:
+        hint = mps_hint(p, gpus)
+        if hint:
+            err.print(f"[cyan]hint[/]: {hint}")
     if control_port:
         check_port(host, control_port, "control")
     token = _control_token(token_file) if control_port else ""
@@ -230,6 +237,27 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
 
         shutil.rmtree(runtime, ignore_errors=True)
     err.print("stopped; no process left behind")
+
+
+# From this many block processes on one GPU, `blockflow serve` suggests --mps.
+MPS_HINT_PROCESSES = 8
+
+
+def mps_hint(p: Plan, gpus: int) -> str:
+    """A suggestion to serve under MPS when many block processes share a GPU, or ''."""
+    from collections import Counter
+
+    from blockflow import memory
+
+    per_gpu = Counter(proc.gpu for proc in memory.modular(p, gpus, memory.Calibration()))
+    if not per_gpu:
+        return ""
+    gpu, count = per_gpu.most_common(1)[0]
+    if count < MPS_HINT_PROCESSES:
+        return ""
+    return (f"{count} block processes share GPU {gpu}; without MPS they take turns on it under load. "
+            "--mps lets their kernels run together (2.5x the throughput for a 22-process plan on an H100: "
+            "bench/results/h100/scenario2_r50_n20_packs/)")
 
 
 def _write_private(path: Path, text: str) -> None:

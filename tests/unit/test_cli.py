@@ -116,3 +116,15 @@ def test_serve_refuses_a_gpu_placement_without_gpus(tmp_path: Path) -> None:
     res = blockflow("serve", "--plan", str(plan), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "GPU 3 does not exist" in res.stderr
+
+
+def test_serve_suggests_mps_only_when_many_processes_share_a_gpu() -> None:
+    from blockflow import memory
+    from blockflow.cli import MPS_HINT_PROCESSES, mps_hint
+    from blockflow.plan import load_plan
+
+    many = memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True)  # 22 processes on GPU 0
+    assert "22 block processes share GPU 0" in mps_hint(many, 1) and "--mps" in mps_hint(many, 1)
+    packed = memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True, pack=True)  # 6 processes
+    assert len(memory.modular(packed, 1, memory.Calibration())) < MPS_HINT_PROCESSES and mps_hint(packed, 1) == ""
+    assert mps_hint(load_plan(ROOT / "plans" / "default.yaml"), 0) == ""  # placement auto on a CPU machine: no GPU
