@@ -37,6 +37,13 @@ err = Console(stderr=True, soft_wrap=True)
 @click.version_option(package_name="blockflow", prog_name="blockflow")
 def app() -> None:
     """Serve DNNs cut into shared blocks on NVIDIA Triton."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    # Library warnings (e.g. the server watchdog's) on stderr, in the CLI's own style.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_time=False, show_path=False)])
 
 
 PLAN = click.argument("plan", type=click.Path(path_type=Path))
