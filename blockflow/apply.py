@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,8 +333,8 @@ def _steps(files: Mapping[str, bytes]) -> list[str]:
     return [step.model_name for step in cfg.ensemble_scheduling.step]
 
 
-def expected_instances(files: Mapping[str, bytes], gpus: int) -> dict[str, int]:
-    """Stub processes each Python-backend model of a rendered repository should have."""
+def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Counter[int | None]]:
+    """Stub processes of each Python-backend model of a rendered repository, by GPU index (``None``: the CPU)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     out = {}
@@ -341,11 +342,17 @@ def expected_instances(files: Mapping[str, bytes], gpus: int) -> dict[str, int]:
         cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
         if cfg.backend != "python":
             continue
-        n = 0
+        devices: Counter[int | None] = Counter()
         for g in cfg.instance_group:
             if g.kind == mc.ModelInstanceGroup.KIND_CPU or (g.kind == mc.ModelInstanceGroup.KIND_AUTO and gpus == 0):
-                n += g.count
+                devices[None] += g.count
             else:  # one set of instances per listed GPU, or per visible GPU when none are listed
-                n += g.count * (len(g.gpus) or gpus)
-        out[name] = n
+                for gpu in g.gpus or range(gpus):
+                    devices[gpu] += g.count
+        out[name] = devices
     return out
+
+
+def expected_instances(files: Mapping[str, bytes], gpus: int) -> dict[str, int]:
+    """Stub processes each Python-backend model of a rendered repository should have."""
+    return {name: sum(devices.values()) for name, devices in instances_by_device(files, gpus).items()}

@@ -23,7 +23,7 @@ from rich.table import Table
 from blockflow.errors import BlockFlowError, PlanError
 
 if TYPE_CHECKING:
-    from blockflow.plan import Plan
+    from collections.abc import Mapping
 
 DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "default.yaml"
 
@@ -190,10 +190,6 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         raise PlanError(device_issues, str(plan))
     for w in p.warnings():
         err.print(f"[yellow]warning[/]: {w}")
-    if not mps:
-        hint = mps_hint(p, gpus)
-        if hint:
-            err.print(f"[cyan]hint[/]: {hint}")
     if control_port:
         check_port(host, control_port, "control")
     token = _control_token(token_file) if control_port else ""
@@ -201,6 +197,9 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     repo = repository or runtime / "model_repository"
     files = generator.render(p)
     generator.write(files, repo)
+    hint = "" if mps else mps_hint(files, gpus)
+    if hint:
+        err.print(f"[cyan]hint[/]: {hint}")
     options = ServerOptions([repo], host, http_port, grpc_port, metrics_port, cuda_pool_mb=cuda_pool_mb, mps=mps)
     server = TritonServer(options, runtime_dir=runtime)
     stop = _install_stop_handlers()
@@ -250,13 +249,16 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
 MPS_HINT_PROCESSES = 8
 
 
-def mps_hint(p: Plan, gpus: int) -> str:
-    """A suggestion to serve under MPS when many block processes share a GPU, or ''."""
+def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
+    """A suggestion to serve under MPS when many block processes of a rendered repository share a GPU, or ''."""
     from collections import Counter
 
-    from blockflow import memory
+    from blockflow.apply import instances_by_device
 
-    per_gpu = Counter(proc.gpu for proc in memory.modular(p, gpus, memory.Calibration()))
+    per_gpu: Counter[int | None] = Counter()
+    for devices in instances_by_device(files, gpus).values():
+        per_gpu.update(devices)
+    per_gpu.pop(None, None)  # processes on the CPU
     if not per_gpu:
         return ""
     gpu, count = per_gpu.most_common(1)[0]

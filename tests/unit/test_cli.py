@@ -122,9 +122,10 @@ def test_serve_suggests_mps_only_when_many_processes_share_a_gpu() -> None:
     from blockflow import memory
     from blockflow.cli import MPS_HINT_PROCESSES, mps_hint
     from blockflow.plan import load_plan
+    from ensemble_gen.generator import render
 
-    many = memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True)  # 22 processes on GPU 0
+    many = render(memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True))  # 22 processes on GPU 0
     assert "22 block processes share GPU 0" in mps_hint(many, 1) and "--mps" in mps_hint(many, 1)
     packed = memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True, pack=True)  # 6 processes
-    assert len(memory.modular(packed, 1, memory.Calibration())) < MPS_HINT_PROCESSES and mps_hint(packed, 1) == ""
-    assert mps_hint(load_plan(ROOT / "plans" / "default.yaml"), 0) == ""  # placement auto on a CPU machine: no GPU
+    assert len(memory.modular(packed, 1, memory.Calibration())) < MPS_HINT_PROCESSES and mps_hint(render(packed), 1) == ""
+    assert mps_hint(render(load_plan(ROOT / "plans" / "default.yaml")), 0) == ""  # placement auto on a CPU machine: no GPU
