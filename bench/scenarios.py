@@ -60,8 +60,7 @@ def _packed_blocks(raw: dict[str, Any]) -> set[str]:
     """The blocks that ``pack: heads`` puts into packs in the plan ``raw``."""
     from blockflow.plan import parse_plan
 
-    plan = parse_plan(raw)
-    return {b.name for task in plan.head_packs for b in plan.deployed(plan.tasks[task])[-1].blocks}
+    return {b.name for pack in parse_plan(raw).head_packs.values() for head in pack.heads for b in head}
 
 
 def busiest(d: dict[str, dict[str, int]], models: set[str], seconds: float, instances: dict[str, int]) -> list[dict[str, Any]]:
