@@ -85,16 +85,27 @@ def busiest(d: dict[str, dict[str, int]], models: set[str], seconds: float, inst
 
 
 def _process_mib(server: Any) -> dict[str, list[float]]:
-    """NVML's GPU memory (MiB) of each process of ``server``, by model (``tritonserver`` for the
-    server itself); empty without NVML."""
-    from bench.nvml import GpuSampler
+    """NVML's GPU memory (MiB) of each process of ``server`` on GPU 0, by model (``tritonserver``
+    for the server itself); empty without NVML."""
+    try:
+        import pynvml
+        import torch
 
-    owners = {pid: model for model, pids in server.stub_processes().items() for pid in pids}
-    owners[server.process.pid] = "tritonserver"
-    out: dict[str, list[float]] = {}
-    for pid, mib in sorted(GpuSampler().process_memory_mib(owners).items()):
-        out.setdefault(owners[pid], []).append(mib)
-    return out
+        from backend.monitor import nvml_handle, pid_gpu_bytes
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver: a dry run
+        return {}
+    try:
+        owners = {pid: model for model, pids in server.stub_processes().items() for pid in pids}
+        owners[server.process.pid] = "tritonserver"
+        used = pid_gpu_bytes(pynvml, nvml_handle(pynvml, torch.device("cuda", 0)), owners)
+        out: dict[str, list[float]] = {}
+        for pid, b in sorted(used.items()):
+            out.setdefault(owners[pid], []).append(b / 2**20)
+        return out
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _gpu_used_mib() -> float:
