@@ -30,7 +30,7 @@ from backend.runtime import BlockRunner
 from backend.tensormq.metrics import TmqMetrics
 from backend.trace import Tracer, trace_dir
 from blockflow.errors import BlockError, RequestError
-from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
+from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, LOGITS_ON_GPU_ENV, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
 DRAIN_S = 10.0
@@ -78,7 +78,13 @@ class TritonPythonModel:
         self.device = _device(args)
         self.in_name = IMAGE if spec.takes_image else ACTIVATION_IN
         self.out_name = LOGITS if spec.gives_logits else ACTIVATION_OUT
-        self.to_host = spec.transport == "triton-cpu"
+        # Logits leave the GPU here, in the process that made them, with one copy per execute.
+        # Handed to Triton on the GPU, they cost a CUDA IPC hand-off and a device-to-host copy in
+        # the server's own CUDA context (its HTTP and gRPC responses need them in host memory);
+        # without MPS that context waits for a time slice behind the block processes, which made
+        # the last block the pipeline's bottleneck under load (bench/results/h100/tail/).
+        logits_on_gpu = os.environ.get(LOGITS_ON_GPU_ENV) == "1"
+        self.to_host = self.device.type == "cuda" and (spec.transport == "triton-cpu" or (spec.gives_logits and not logits_on_gpu))
         self.logger = pb_utils.Logger
         directory = trace_dir()
         self.tracer = Tracer(directory, args["model_name"], args["model_instance_name"], self.device) if directory else None
@@ -117,8 +123,9 @@ class TritonPythonModel:
                 self.consumer = Consumer(runtime, self.device)
             if self.tracer is not None:
                 self.tracer.memory("tensormq")
-        # Outputs handed to Triton on the GPU (not TensorMQ tickets, not host copies) need one sync per execute.
-        self.sync_outputs = self.device.type == "cuda" and self.producer is None and not self.to_host
+        # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
+        # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
+        self.sync_outputs = self.device.type == "cuda" and self.producer is None
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = {"block": args["model_name"], "instance": args["model_instance_name"],
@@ -192,8 +199,9 @@ class TritonPythonModel:
                     self._fail(responses, [owners[k] for k in ks], sum(sizes), exc)
             if self.sync_outputs:
                 try:
-                    # Triton reads the outputs once execute returns, so their kernels must be done by
-                    # then. One wait for the whole call: a pack queues every head's work first.
+                    # Triton reads the outputs once execute returns, so their kernels (and copies to
+                    # the host) must be done by then. One wait for the whole call: a pack queues every
+                    # head's work first.
                     torch.cuda.current_stream(self.device).synchronize()
                 except Exception as exc:
                     rest = [k for k in range(len(batch)) if k not in failed]
@@ -233,10 +241,11 @@ class TritonPythonModel:
             responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
 
     def _run(self, runner: BlockRunner, x: torch.Tensor) -> torch.Tensor:
-        """One batch through ``runner``: its outputs (on the host for triton-cpu), or TensorMQ tickets."""
+        """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets."""
         if self.producer is None:
             out = runner.run(x)
-            return out.cpu() if self.to_host else out  # on the GPU, _execute waits for it once
+            # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
+            return out.to("cpu", non_blocking=True) if self.to_host else out
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
         reservation = self.producer.reserve((int(x.shape[0]), *self.spec.out_shape), runner.dtype)
         try:

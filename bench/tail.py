@@ -14,7 +14,9 @@ at ``--rate`` to each chosen model of the plan's first task, twice: with ``block
   (backend/trace.py): slow executes (and their GPU time) tell apart from waits between them;
 - ``nomonitor``: the block monitor off (``monitor_period_s: 0``: its NVML and psutil samples);
 - ``mps``: the server's block processes under a private NVIDIA MPS daemon (no time-slicing
-  between their CUDA contexts).
+  between their CUDA contexts);
+- ``gpulogits``: logits handed to Triton on the GPU (``BLOCKFLOW_LOGITS_ON_GPU=1``, the
+  behaviour before blocks copied them to the host themselves; see backend/model.py).
 
 Writes ``tail.json``, ``tail.md`` and ``tail.png`` (latency against send time).
 """
@@ -36,10 +38,11 @@ from bench.suite import block_breakdown, delta, model_stats, perf_analyzer, task
 from bench.timeline import read_traces
 from blockflow.plan import Plan, load_plan, parse_plan
 from blockflow.server import ServerOptions, TritonServer, free_port
+from blockflow.spec import LOGITS_ON_GPU_ENV
 from clients.load import LoadSpec, run_load, write_csv
 from ensemble_gen import generator
 
-VARIANTS = ("default", "trace", "nomonitor", "mps")
+VARIANTS = ("default", "trace", "nomonitor", "mps", "gpulogits")
 SLOW_MS = 50.0  # a request this slow is counted as a stall (the monolithic graph's p99 is ~15-20 ms)
 
 
@@ -90,6 +93,8 @@ def run_variant(plan: Plan, variant: str, labels: list[str], rate: float, second
     generator.write(generator.render(plan), repo)
     trace = None if variant != "trace" else Path(tempfile.mkdtemp(prefix="bench-tail-trace-"))
     env = {"BLOCKFLOW_TRACE_DIR": str(trace)} if trace else {}
+    if variant == "gpulogits":
+        env[LOGITS_ON_GPU_ENV] = "1"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the server (and so every block process) inherits it
     try:
