@@ -50,3 +50,28 @@ def test_packed2_doubles_only_the_blocks_that_get_packed(tmp_path: Path) -> None
     raw = yaml.safe_load(paths["packed2"].read_text())
     doubled = {name for name, b in raw["blocks"].items() if b.get("instances") == 2}
     assert doubled == packed == {"c0_3", "c1_3", "c2_3"}  # b0 is the only B task: its head stays alone
+
+
+def test_tail_serves_only_the_chosen_models_and_switches_the_monitor_off() -> None:
+    from bench.suite import task_models
+    from bench.tail import _variant_plan
+    from blockflow.plan import load_plan
+
+    plan = load_plan(Path(__file__).resolve().parents[2] / "plans" / "bench_r50.yaml")
+    labels = ["tensormq", "triton-gpu", "monolithic-graph"]
+    default = _variant_plan(plan, "default", labels)
+    assert sorted(task_models(default, "r50")) == sorted(labels)  # no triton-cpu blocks, no eager reference
+    assert all(b.monitor_period_s == 2.0 for b in default.blocks.values())
+    quiet = _variant_plan(plan, "nomonitor", labels)
+    assert all(b.monitor_period_s == 0 for b in quiet.blocks.values())
+
+
+def test_tail_percentiles_count_stalls() -> None:
+    import numpy as np
+
+    from bench.tail import SLOW_MS, _percentiles
+
+    ms = np.array([5.0] * 98 + [SLOW_MS + 1, 200.0])
+    q = _percentiles(ms)
+    assert q["p50"] == 5.0 and q["max"] == 200.0 and q["slow_share"] == 0.02
+    assert _percentiles(np.array([])) == {}
