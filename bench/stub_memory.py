@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -55,41 +54,33 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
     import tritonclient.http as httpclient
 
     trace = Path(tempfile.mkdtemp(prefix="bench-stubmem-"))
-    saved = {k: os.environ.get(k) for k in [*env, "BLOCKFLOW_TRACE_DIR"]}
-    os.environ.update({**env, "BLOCKFLOW_TRACE_DIR": str(trace)})
     gpus = GpuSampler()
     rows = []
-    try:
-        opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), load=(),
-                             cuda_pool_mb=cuda_pool_mb)
-        with TritonServer(opts) as server:
-            assert server.process is not None
-            server_pid = server.process.pid
-            client = httpclient.InferenceServerClient(server.http_url, network_timeout=900.0)
-            time.sleep(2)
-            for model in models:
-                before = gpus.memory_used_mib()[0] if gpus.available else 0.0
-                server_before = gpus.process_memory_mib([server_pid]).get(server_pid, 0.0) if gpus.available else 0.0
-                client.load_model(model)
-                time.sleep(3)
-                pids = server.stub_processes().get(model, [])
-                row: dict[str, Any] = {"model": model, "processes": len(pids)}
-                if gpus.available:
-                    per = gpus.process_memory_mib([*pids, server_pid])
-                    row.update(device_delta_mib=gpus.memory_used_mib()[0] - before,
-                               stub_mib=sum(per.get(p, 0.0) for p in pids),
-                               server_delta_mib=per.get(server_pid, 0.0) - server_before)
-                client.unload_model(model)
-                _settle(gpus, server, model)
-                rows.append(row)
-                print(f"[stub-memory] {json.dumps(row)}", flush=True)
-            client.close()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), load=(),
+                         cuda_pool_mb=cuda_pool_mb,
+                         env={**env, "BLOCKFLOW_TRACE_DIR": str(trace)})
+    with TritonServer(opts) as server:
+        assert server.process is not None
+        server_pid = server.process.pid
+        client = httpclient.InferenceServerClient(server.http_url, network_timeout=900.0)
+        time.sleep(2)
+        for model in models:
+            before = gpus.memory_used_mib()[0] if gpus.available else 0.0
+            server_before = gpus.process_memory_mib([server_pid]).get(server_pid, 0.0) if gpus.available else 0.0
+            client.load_model(model)
+            time.sleep(3)
+            pids = server.stub_processes().get(model, [])
+            row: dict[str, Any] = {"model": model, "processes": len(pids)}
+            if gpus.available:
+                per = gpus.process_memory_mib([*pids, server_pid])
+                row.update(device_delta_mib=gpus.memory_used_mib()[0] - before,
+                           stub_mib=sum(per.get(p, 0.0) for p in pids),
+                           server_delta_mib=per.get(server_pid, 0.0) - server_before)
+            client.unload_model(model)
+            _settle(gpus, server, model)
+            rows.append(row)
+            print(f"[stub-memory] {json.dumps(row)}", flush=True)
+        client.close()
     traces = read_traces(trace)
     for row in rows:
         row["steps"] = {r["step"]: {k: r[k] for k in ("process_mib", "device_used_mib", "cuda_module_loading") if k in r}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -95,42 +94,33 @@ def run_variant(plan: Plan, variant: str, labels: list[str], rate: float, second
     env = {"BLOCKFLOW_TRACE_DIR": str(trace)} if trace else {}
     if variant == "gpulogits":
         env[LOGITS_ON_GPU_ENV] = "1"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the server (and so every block process) inherits it
-    try:
-        opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), mps=variant == "mps")
-        with TritonServer(opts) as server:
-            res: dict[str, Any] = {}
-            for label, m in models.items():
-                perf_analyzer(server.http_url, m["model"], f"IMAGE:{c},{h},{w}", 1, 0.5, 1)  # warm-up
-                spec = LoadSpec(server.http_url, [m["model"]], (c, h, w), duration_s=seconds, rate=rate)
-                before = model_stats(server.http_url)
-                t0 = time.perf_counter_ns()
-                records = asyncio.run(run_load(spec))
-                t1 = time.perf_counter_ns()
-                time.sleep(0.5)  # Triton's statistics lag the responses
-                stats = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"] or [m["model"]], 1)
-                write_csv(records, out / f"{variant}_{label}.csv")
-                ms = np.array([r.latency_ms for r in records if r.ok])
-                row: dict[str, Any] = {"model": m["model"], "requests": len(records), "errors": sum(not r.ok for r in records),
-                                       "throughput": len(ms) / seconds, "load": _percentiles(ms), "blocks": stats,
-                                       "series": [[round(r.sent_s, 4), round(r.latency_ms, 2)] for r in records if r.ok]}
-                if trace:
-                    row["executes"] = _executes(trace, m["blocks"] or [m["model"]], t0, t1)
-                pa = perf_analyzer(server.http_url, m["model"], f"IMAGE:{c},{h},{w}", 1, 2.0, rate=rate)
-                row["perf_analyzer"] = {k: pa[k] for k in ("p50_ms", "p99_ms", "throughput") if k in pa}
-                res[label] = row
-                print(f"[tail] {variant:9s} {label:16s} load p50 {row['load'].get('p50', float('nan')):7.2f} "
-                      f"p99 {row['load'].get('p99', float('nan')):7.2f} max {row['load'].get('max', float('nan')):7.1f} ms, "
-                      f">{SLOW_MS:.0f} ms {row['load'].get('slow_share', 0):.2%}; perf_analyzer p99 {pa.get('p99_ms', float('nan')):.2f}",
-                      flush=True)
-            return res
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), mps=variant == "mps", env=env)
+    with TritonServer(opts) as server:
+        res: dict[str, Any] = {}
+        for label, m in models.items():
+            perf_analyzer(server.http_url, m["model"], f"IMAGE:{c},{h},{w}", 1, 0.5, 1)  # warm-up
+            spec = LoadSpec(server.http_url, [m["model"]], (c, h, w), duration_s=seconds, rate=rate)
+            before = model_stats(server.http_url)
+            t0 = time.perf_counter_ns()
+            records = asyncio.run(run_load(spec))
+            t1 = time.perf_counter_ns()
+            time.sleep(0.5)  # Triton's statistics lag the responses
+            stats = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"] or [m["model"]], 1)
+            write_csv(records, out / f"{variant}_{label}.csv")
+            ms = np.array([r.latency_ms for r in records if r.ok])
+            row: dict[str, Any] = {"model": m["model"], "requests": len(records), "errors": sum(not r.ok for r in records),
+                                   "throughput": len(ms) / seconds, "load": _percentiles(ms), "blocks": stats,
+                                   "series": [[round(r.sent_s, 4), round(r.latency_ms, 2)] for r in records if r.ok]}
+            if trace:
+                row["executes"] = _executes(trace, m["blocks"] or [m["model"]], t0, t1)
+            pa = perf_analyzer(server.http_url, m["model"], f"IMAGE:{c},{h},{w}", 1, 2.0, rate=rate)
+            row["perf_analyzer"] = {k: pa[k] for k in ("p50_ms", "p99_ms", "throughput") if k in pa}
+            res[label] = row
+            print(f"[tail] {variant:9s} {label:16s} load p50 {row['load'].get('p50', float('nan')):7.2f} "
+                  f"p99 {row['load'].get('p99', float('nan')):7.2f} max {row['load'].get('max', float('nan')):7.1f} ms, "
+                  f">{SLOW_MS:.0f} ms {row['load'].get('slow_share', 0):.2%}; perf_analyzer p99 {pa.get('p99_ms', float('nan')):.2f}",
+                  flush=True)
+        return res
 
 
 def write_report(res: dict[str, Any], out: Path) -> None:

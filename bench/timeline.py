@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -147,15 +146,15 @@ def main() -> None:
     repo = Path(tempfile.mkdtemp(prefix="bench-timeline-"))
     generator.write(generator.render(plan), repo)
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
-    os.environ["BLOCKFLOW_TRACE_DIR"] = str(trace)  # inherited by the server and its block processes
     runs: dict[str, Any] = {}
-    with TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())) as server:
+    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         env={"BLOCKFLOW_TRACE_DIR": str(trace)})  # every block process traces its calls
+    with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)
             runs[label] = {"model": m["model"], "times": _client_times(server.http_url, m["model"], shape, args.requests, args.warmup)}
             runs[label]["triton"] = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"], 1)
             print(f"[timeline] {label}: {args.requests} requests", flush=True)
-    del os.environ["BLOCKFLOW_TRACE_DIR"]
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     try:
         import torch

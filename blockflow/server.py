@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -81,6 +81,8 @@ class ServerOptions:
     # Run the block processes as clients of a private MPS daemon (see blockflow.mps).
     mps: bool = False
     extra_args: Sequence[str] = field(default_factory=list)
+    # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 class TritonServer:
@@ -143,6 +145,7 @@ class TritonServer:
         cmd = self.command()
         prepare_tensormq(self.runtime_dir)
         env = server_env(self.install, self.runtime_dir)
+        env.update(o.env)
         if self.mps is not None:
             self.mps.start()
             env.update(self.mps.env)
