@@ -148,6 +148,8 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     + ("; **--quick**" if meta.get("quick") else "") + ".", "",
                     "Every row was measured in one server, one after the other (compare within this report only). "
                     "Latencies are perf_analyzer's (HTTP, binary tensors) unless noted.", ""]
+    if not meta.get("complete", True):  # results.json of a run cut short (results files before this flag are complete)
+        L += ["**Incomplete run**: it stopped before its end; the sections below are those it finished.", ""]
     pipe = res.get("pipeline", {})
     if pipe:
         L += ["## Pipeline time (Fig 4.3) and where it goes (Fig 4.4), batch 1, concurrency 1", "",

@@ -150,11 +150,15 @@ def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
 
 
 class Bench:
-    """Runs the sections against one server; ``log`` receives one line per measurement."""
+    """Runs the sections against one server; ``log`` receives one line per measurement and
+    ``checkpoint`` the results so far after each model of a section (``meta.complete`` is false
+    until the end)."""
 
-    def __init__(self, cfg: BenchConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: BenchConfig, log: Callable[[str], None] = print,
+                 checkpoint: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.cfg = cfg
         self.log = log
+        self.checkpoint = checkpoint or (lambda _res: None)
         self.gpus = GpuSampler()
         self.plan = load_plan(cfg.plan)
         self.task = next(iter(self.plan.tasks.values()))
@@ -211,6 +215,7 @@ class Bench:
             models = self.models(self.plan)
             res["models"] = {k: v["model"] for k, v in models.items()}
             res["memory"] = self._memory(server)
+            self.checkpoint(res)
             for label, m in models.items():  # warm-up, not recorded
                 perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
             res["pipeline"] = {}
@@ -221,6 +226,7 @@ class Bench:
                     res["batch"].setdefault(label, {})[str(b)] = r
                     self._line("batch", label, f"b{b}", r)
                 res["pipeline"][label] = res["batch"][label][str(cfg.batches[0])]
+                self.checkpoint(res)
             res["concurrency"] = {}
             if "concurrency" in cfg.sections or "gpus" in cfg.sections:
                 for label, m in models.items():
@@ -228,6 +234,7 @@ class Bench:
                         r = self.measure(server, m, 1, concurrency=c)
                         res["concurrency"].setdefault(label, {})[str(c)] = r
                         self._line("concurrency", label, f"c{c}", r)
+                    self.checkpoint(res)
             if "rate" in cfg.sections:
                 peak = self._peak(res["concurrency"])
                 res["rate"] = {"peak_per_s": peak}
@@ -237,13 +244,16 @@ class Bench:
                         r["offered_per_s"] = max(1.0, peak * frac)
                         res["rate"].setdefault(label, {})[f"{frac:g}"] = r
                         self._line("rate", label, f"{frac:g}x", r)
+                    self.checkpoint(res)
             if "clients" in cfg.sections:
                 res["clients"] = self._clients(server, models)
+                self.checkpoint(res)
         finally:
             server.stop()
         if "gpus" in cfg.sections:
-            res["gpus"] = self._gpu_layouts(res["concurrency"])
+            res["gpus"] = self._gpu_layouts(res["concurrency"], lambda layouts: self.checkpoint({**res, "gpus": layouts}))
         self.gpus.stop()
+        res["meta"]["complete"] = True
         return res
 
     def _meta(self) -> dict[str, Any]:
@@ -251,7 +261,8 @@ class Bench:
 
         return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "plan": str(self.cfg.plan),
                 "plan_name": self.plan.raw.name, "gpus": self.gpus.names(), "torch": torch.__version__,
-                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "quick": self.cfg.quick}
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "quick": self.cfg.quick,
+                "complete": False}
 
     def _peak(self, conc: dict[str, dict[str, dict[str, Any]]]) -> float:
         """The offered-load scale: the best throughput any model reached in the concurrency sweep."""
@@ -291,10 +302,12 @@ class Bench:
                 self._line("clients", label, f"n{n}", row)
         return out
 
-    def _gpu_layouts(self, one_gpu: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def _gpu_layouts(self, one_gpu: dict[str, dict[str, Any]],
+                     progress: Callable[[dict[str, Any]], None] = lambda _layouts: None) -> dict[str, Any]:
         """The task's blocks round-robin over k GPUs (k = 2, 4 as available), one server per layout.
 
         k = 1 is the main run (every block on GPU 0); its tensormq and triton-gpu rows are reused.
+        ``progress`` gets the layouts measured so far after each one.
         """
         have = gpu_count()
         out: dict[str, Any] = {}
@@ -319,6 +332,7 @@ class Bench:
                         self._line(f"gpus={k}", label, f"c{c}", r)
             finally:
                 server.stop()
+            progress(out)
         return out
 
 
@@ -339,10 +353,18 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
     from bench.report import write_report
 
     cfg.out.mkdir(parents=True, exist_ok=True)
+
+    def save(res: dict[str, Any]) -> None:
+        # After every section, so a run cut short (a time limit, a crash) keeps what it measured:
+        # `python -m bench.report DIR` draws a report from it. Replaced atomically, never half-written.
+        tmp = cfg.out / "results.json.tmp"
+        tmp.write_text(json.dumps(res, indent=2))
+        tmp.replace(cfg.out / "results.json")
+
     try:
-        results = Bench(cfg, log).run()
+        results = Bench(cfg, log, checkpoint=save).run()
     except OSError as exc:
-        raise BlockFlowError(f"benchmark failed: {exc}") from exc
-    (cfg.out / "results.json").write_text(json.dumps(results, indent=2))
+        raise BlockFlowError(f"benchmark failed: {exc}; what it measured before is in {cfg.out / 'results.json'}") from exc
+    save(results)
     write_report(results, cfg.out)
     return cfg.out

@@ -20,6 +20,7 @@ def test_quick_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
                           "--sections", "batch,concurrency,rate"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["complete"] is True and not (out / "results.json.tmp").exists()
     assert set(results["models"]) == {"monolithic-eager", "tensormq", "triton-cpu"}
     for label in results["models"]:
         r = results["pipeline"][label]

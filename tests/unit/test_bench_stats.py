@@ -75,3 +75,19 @@ def test_tail_percentiles_count_stalls() -> None:
     q = _percentiles(ms)
     assert q["p50"] == 5.0 and q["max"] == 200.0 and q["slow_share"] == 0.02
     assert _percentiles(np.array([])) == {}
+
+
+def test_a_run_cut_short_still_gives_a_report_that_says_so(tmp_path: Path) -> None:
+    import json
+
+    from bench.report import write_report
+
+    full = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "session6" / "results.json").read_text())
+    cut = {k: v for k, v in full.items() if k in ("meta", "config", "task", "path", "models", "memory", "pipeline", "batch", "concurrency")}
+    cut["meta"] = dict(full["meta"], complete=False)
+    cut["concurrency"] = {k: v for k, v in full["concurrency"].items() if k != "triton-cpu"}  # stopped inside the section
+    write_report(cut, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "Incomplete run" in report and "Concurrency (Fig 4.11)" in report and "Offered load" not in report
+    write_report(full, tmp_path)  # a finished run (and results files from before the flag) says nothing of the kind
+    assert "Incomplete run" not in (tmp_path / "report.md").read_text()
