@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from backend.trace import ENV as TRACE_ENV
 from bench.nvml import GpuSampler
 from bench.timeline import read_traces
 from blockflow.plan import load_plan
@@ -58,7 +59,7 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
     rows = []
     opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), load=(),
                          cuda_pool_mb=cuda_pool_mb,
-                         env={**env, "BLOCKFLOW_TRACE_DIR": str(trace)})
+                         env={**env, TRACE_ENV: str(trace)})
     with TritonServer(opts) as server:
         assert server.process is not None
         server_pid = server.process.pid

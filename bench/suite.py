@@ -353,18 +353,21 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
     from bench.report import write_report
 
     cfg.out.mkdir(parents=True, exist_ok=True)
+    saved: list[bool] = []  # whether this run has written results.json yet (the folder may hold an older one)
 
     def save(res: dict[str, Any]) -> None:
-        # After every section, so a run cut short (a time limit, a crash) keeps what it measured:
-        # `python -m bench.report DIR` draws a report from it. Replaced atomically, never half-written.
+        # After every model of every section, so a run cut short (a time limit, a crash) keeps what
+        # it measured: `python -m bench.report DIR` draws a report from it. Replaced atomically.
         tmp = cfg.out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=2))
         tmp.replace(cfg.out / "results.json")
+        saved.append(True)
 
     try:
         results = Bench(cfg, log, checkpoint=save).run()
     except OSError as exc:
-        raise BlockFlowError(f"benchmark failed: {exc}; what it measured before is in {cfg.out / 'results.json'}") from exc
+        kept = f"; what it measured before is in {cfg.out / 'results.json'}" if saved else ""
+        raise BlockFlowError(f"benchmark failed: {exc}{kept}") from exc
     save(results)
     write_report(results, cfg.out)
     return cfg.out

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from backend.trace import ENV as TRACE_ENV
+from bench.memory import _device
 from bench.suite import block_breakdown, delta, model_stats, perf_analyzer, task_models
 from bench.timeline import read_traces
 from blockflow.plan import Plan, load_plan, parse_plan
@@ -88,17 +90,18 @@ def run_variant(plan: Plan, variant: str, labels: list[str], rate: float, second
     task = next(iter(plan.tasks.values()))
     models = {k: v for k, v in task_models(plan, task.name).items() if k in labels}
     c, h, w = plan.block_in_shape(plan.blocks[task.path[0]])
+    shape = f"IMAGE:{c},{h},{w}"
     repo = Path(tempfile.mkdtemp(prefix="bench-tail-"))
     generator.write(generator.render(plan), repo)
     trace = None if variant != "trace" else Path(tempfile.mkdtemp(prefix="bench-tail-trace-"))
-    env = {"BLOCKFLOW_TRACE_DIR": str(trace)} if trace else {}
+    env = {TRACE_ENV: str(trace)} if trace else {}
     if variant == "gpulogits":
         env[LOGITS_ON_GPU_ENV] = "1"
     opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), mps=variant == "mps", env=env)
     with TritonServer(opts) as server:
         res: dict[str, Any] = {}
         for label, m in models.items():
-            perf_analyzer(server.http_url, m["model"], f"IMAGE:{c},{h},{w}", 1, 0.5, 1)  # warm-up
+            perf_analyzer(server.http_url, m["model"], shape, 1, 0.5, 1)  # warm-up
             spec = LoadSpec(server.http_url, [m["model"]], (c, h, w), duration_s=seconds, rate=rate)
             before = model_stats(server.http_url)
             t0 = time.perf_counter_ns()
@@ -113,7 +116,7 @@ def run_variant(plan: Plan, variant: str, labels: list[str], rate: float, second
                                    "series": [[round(r.sent_s, 4), round(r.latency_ms, 2)] for r in records if r.ok]}
             if trace:
                 row["executes"] = _executes(trace, m["blocks"] or [m["model"]], t0, t1)
-            pa = perf_analyzer(server.http_url, m["model"], f"IMAGE:{c},{h},{w}", 1, 2.0, rate=rate)
+            pa = perf_analyzer(server.http_url, m["model"], shape, 1, 2.0, rate=rate)
             row["perf_analyzer"] = {k: pa[k] for k in ("p50_ms", "p99_ms", "throughput") if k in pa}
             res[label] = row
             print(f"[tail] {variant:9s} {label:16s} load p50 {row['load'].get('p50', float('nan')):7.2f} "
@@ -188,17 +191,16 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
-    args.out.mkdir(parents=True, exist_ok=True)
     plan = load_plan(args.plan)
-    res: dict[str, Any] = {"plan": str(args.plan), "rate": args.rate, "seconds": args.seconds, "variants": {}}
-    try:
-        import torch
-
-        res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:
-        res["device"] = "unknown"
+    labels = [m for m in args.models.split(",") if m]
+    served = task_models(plan, next(iter(plan.tasks)))
+    missing = sorted(set(labels) - set(served))
+    if missing:
+        ap.error(f"model(s) {missing} are not in {args.plan}'s first task; it has {', '.join(served)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"plan": str(args.plan), "rate": args.rate, "seconds": args.seconds, "variants": {}, "device": _device()}
     for v in variants:
-        res["variants"][v] = run_variant(plan, v, args.models.split(","), args.rate, args.seconds, args.out)
+        res["variants"][v] = run_variant(plan, v, labels, args.rate, args.seconds, args.out)
         (args.out / "tail.json").write_text(json.dumps(res))
     write_report(res, args.out)
     print((args.out / "tail.md").read_text())

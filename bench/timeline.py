@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from backend.trace import ENV as TRACE_ENV
 from bench.suite import block_breakdown, delta, model_stats, task_models
 from blockflow.plan import load_plan
 from blockflow.server import ServerOptions, TritonServer, free_port
@@ -148,7 +149,7 @@ def main() -> None:
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
     runs: dict[str, Any] = {}
     opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                         env={"BLOCKFLOW_TRACE_DIR": str(trace)})  # every block process traces its calls
+                         env={TRACE_ENV: str(trace)})  # every block process traces its calls
     with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)
