@@ -118,9 +118,10 @@ class TritonPythonModel:
             if not spec.gives_logits:
                 t = spec.tensormq
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
-                                         t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s)
+                                         t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
+                                         max_samples=spec.max_batch_size, claim_s=t.claim_window_s)
             if not spec.takes_image:
-                self.consumer = Consumer(runtime, self.device)
+                self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
             if self.tracer is not None:
                 self.tracer.memory("tensormq")
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one

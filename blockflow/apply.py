@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from blockflow import access
 from blockflow.errors import ApplyError
 from blockflow.plan import Plan
 from ensemble_gen import generator
@@ -143,10 +144,12 @@ class Applier:
     """Applies plans to the Triton at ``url`` whose (explicit-mode) repository is ``repository``."""
 
     def __init__(self, url: str, repository: Path, lock: threading.Lock | None = None, timeout: float = 900.0,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, admin_key: str = "") -> None:
         import tritonclient.http as httpclient
 
         self.url = url.removeprefix("http://")
+        # Load, unload and the repository index are Triton's restricted APIs (blockflow.access).
+        self._headers = access.admin_headers(admin_key) if admin_key else None
         self.repository = repository
         self.lock = lock or threading.Lock()
         self._log = log or (lambda _msg: None)
@@ -161,13 +164,13 @@ class Applier:
         from tritonclient.utils import InferenceServerException
 
         try:
-            index = self._client.get_model_repository_index()
+            index = self._client.get_model_repository_index(headers=self._headers)
             out = []
             for entry in index:
                 if entry.get("state") != "READY":
                     continue
                 name = str(entry["name"])
-                cfg = self._client.get_model_config(name)
+                cfg = self._client.get_model_config(name, headers=self._headers)
                 out.append(Served(name, cfg.get("platform") == "ensemble", _digest_of(cfg)))
         except InferenceServerException as exc:
             raise ApplyError(f"cannot read what the server at {self.url} runs: {exc.message()}") from None
@@ -187,7 +190,7 @@ class Applier:
         # One client per call: loads run in parallel threads (Triton loads them concurrently).
         client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=self._timeout)
         try:
-            client.load_model(model)
+            client.load_model(model, headers=self._headers)
         except InferenceServerException as exc:
             raise ApplyError(f"loading {model} failed: {exc.message()}") from None
         finally:
@@ -216,7 +219,7 @@ class Applier:
         from tritonclient.utils import InferenceServerException
 
         try:
-            self._client.unload_model(model)
+            self._client.unload_model(model, headers=self._headers)
         except InferenceServerException as exc:
             raise ApplyError(f"unloading {model} failed: {exc.message()}") from None
 

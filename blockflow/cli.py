@@ -177,6 +177,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     Plan changes arrive through the control service (`blockflow apply`) and are applied
     through Triton's model control API while the server keeps serving.
     """
+    from blockflow.access import write_private
     from blockflow.apply import Applier
     from blockflow.control import ControlServer, Controller, create_app
     from blockflow.plan import load_plan
@@ -209,7 +210,8 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     try:
         server.start(timeout)
         lock = threading.Lock()
-        applier = Applier(server.http_url, repo, lock=lock, log=lambda m: err.print(f"apply: {m}", markup=False, highlight=False))
+        applier = Applier(server.http_url, repo, lock=lock, log=lambda m: err.print(f"apply: {m}", markup=False, highlight=False),
+                          admin_key=server.admin_key)
         controller = Controller(applier, state_dir or runtime / "plans", base_dir=plan.parent.resolve(), gpus=gpus)
         controller.adopt(plan.read_text(encoding="utf-8"), p)
         _print_endpoints(p, server, time.monotonic() - t0)
@@ -218,7 +220,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
             control.start()
             token_path = token_file or runtime / "control.token"
             if token_file is None:
-                _write_private(token_path, token)
+                write_private(token_path, token)
             out.print(f"  control {control.url} (bearer token in {token_path})")
             out.print(f"  blockflow apply PLAN --url {control.url} --token-file {token_path}")
         while not stop.is_set():
@@ -269,28 +271,27 @@ def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
             "bench/results/h100/scenario2_r50_n20_packs/)")
 
 
-def _write_private(path: Path, text: str) -> None:
-    import os
+def _read_secret(path: Path, flag: str) -> str:
+    from blockflow.access import read_secret
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
+    try:
+        return read_secret(path)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=flag) from None
 
 
 def _control_token(token_file: Optional[Path]) -> str:
     """The control service's token: from ``token_file``, $BLOCKFLOW_TOKEN, or a new random one."""
     import os
-    import secrets
+
+    from blockflow.access import new_secret
 
     if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise click.BadParameter(f"cannot read {token_file}: {exc.strerror}", param_hint="--token-file") from None
+        token = _read_secret(token_file, "--token-file")
         if len(token) < 16:
             raise click.BadParameter(f"the token in {token_file} is shorter than 16 characters", param_hint="--token-file")
         return token
-    return os.environ.get("BLOCKFLOW_TOKEN") or secrets.token_urlsafe(32)
+    return os.environ.get("BLOCKFLOW_TOKEN") or new_secret()
 
 
 @app.command()
@@ -300,7 +301,11 @@ def _control_token(token_file: Optional[Path]) -> str:
 @click.option("--dry-run", is_flag=True, help="Only print what would change.")
 @click.option("--triton-url", default=None, help="Apply straight to this Triton (explicit model control) instead of the control service; needs --repository.")
 @click.option("--repository", type=click.Path(path_type=Path), default=None, help="With --triton-url: the server's BlockFlow model repository.")
-def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, triton_url: Optional[str], repository: Optional[Path]) -> None:
+@click.option("--admin-key-file", type=click.Path(path_type=Path), default=None,
+              help="With --triton-url: the key of Triton's restricted model-repository API (blockflow serve writes it to "
+                   "<runtime dir>/admin.key).")
+def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, triton_url: Optional[str], repository: Optional[Path],
+          admin_key_file: Optional[Path]) -> None:
     """Make a running server serve PLAN, without stopping it.
 
     New and changed blocks load first, then the ensembles that use them; removed tasks and
@@ -318,7 +323,8 @@ def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, trito
 
         if repository is None:
             raise click.UsageError("--triton-url needs --repository (the directory the server loads models from)")
-        applier = Applier(triton_url, repository, log=lambda m: err.print(m, markup=False, highlight=False))
+        admin_key = _read_secret(admin_key_file, "--admin-key-file") if admin_key_file is not None else ""
+        applier = Applier(triton_url, repository, log=lambda m: err.print(m, markup=False, highlight=False), admin_key=admin_key)
         try:
             report = applier.apply(p, dry_run=dry_run)
         finally:
@@ -327,7 +333,7 @@ def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, trito
     else:
         import httpx
 
-        token = (token_file.read_text().strip() if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", ""))
+        token = _read_secret(token_file, "--token-file") if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", "")
         if not token:
             raise click.UsageError("give the control service's token with --token-file or $BLOCKFLOW_TOKEN")
         try:

@@ -16,7 +16,6 @@ Plans are kept as numbered files in ``state_dir`` (the last ``keep``).
 
 from __future__ import annotations
 
-import hmac
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from blockflow.access import same_secret
 from blockflow.apply import Applier, Report, expected_instances
 from blockflow.errors import ApplyError, BlockFlowError, PlanError
 from blockflow.plan import Plan, parse_plan_text
@@ -131,7 +131,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
     bearer = HTTPBearer(auto_error=False)
 
     def authorized(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if cred is None or not hmac.compare_digest(cred.credentials.encode(), token.encode()):
+        if cred is None or not same_secret(cred.credentials, token):
             raise HTTPException(401, "missing or wrong token: send 'Authorization: Bearer <token>'",
                                 headers={"WWW-Authenticate": "Bearer"})
 

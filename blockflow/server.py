@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from blockflow import access
 from blockflow.errors import PortInUseError, ServerError
 from blockflow.mps import MpsDaemon
 from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
@@ -45,7 +46,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_port(host: str, port: int, what: str) -> None:
+    """Raise :class:`PortInUseError` if something listens on ``host:port``.
+
+    SO_REUSEADDR as every server sets it (Triton included): connections in TIME_WAIT, which a
+    load test leaves for a minute, do not make a free port look taken.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -83,6 +90,9 @@ class ServerOptions:
     extra_args: Sequence[str] = field(default_factory=list)
     # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
     env: Mapping[str, str] = field(default_factory=dict)
+    # The key of Triton's restricted APIs (model repository, trace, logging; see blockflow.access).
+    # Empty: a new random one, written to <runtime dir>/admin.key.
+    admin_key: str = ""
 
 
 class TritonServer:
@@ -99,6 +109,16 @@ class TritonServer:
         # Set by the watchdog once the server process has exited (and been reaped), for any reason.
         self.exited = threading.Event()
         self._stopping = False
+        self.admin_key = options.admin_key or access.new_secret()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """Headers that open Triton's restricted APIs (load, unload, repository index, trace, logging)."""
+        return access.admin_headers(self.admin_key)
+
+    @property
+    def admin_key_file(self) -> Path:
+        return self.runtime_dir / access.ADMIN_KEY_FILE
 
     @property
     def http_url(self) -> str:
@@ -126,6 +146,7 @@ class TritonServer:
             f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             f"--log-verbose={o.log_verbose}",
+            *access.restricted_args(self.admin_key),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
             "--metrics-config=summary_latencies=true",
             "--exit-timeout-secs=20",
@@ -144,6 +165,7 @@ class TritonServer:
             check_port(o.host, port, what)
         cmd = self.command()
         prepare_tensormq(self.runtime_dir)
+        access.write_private(self.admin_key_file, self.admin_key)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
         if self.mps is not None:
@@ -216,7 +238,8 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s (log: {self.log_path}):\n{self.log_tail()}")
 
     def repository_index(self) -> list[dict[str, str]]:
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST",
+                                     headers=self.admin_headers)
         with urllib.request.urlopen(req, timeout=10) as r:
             data: list[dict[str, str]] = json.loads(r.read())
         return data
@@ -246,7 +269,8 @@ class TritonServer:
         reloaded = []
         for model, count in expected.items():
             if len(live.get(model, [])) < count:
-                req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}", method="POST")
+                req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
+                                             method="POST", headers=self.admin_headers)
                 try:
                     with urllib.request.urlopen(req, timeout=600):
                         reloaded.append(model)

@@ -65,6 +65,9 @@ def head_output(task: str) -> str:
     return f"{LOGITS}__{task}"
 
 
+CLAIM_S = 10.0
+
+
 class TensorMQSettings(_Strict):
     """Pool and protocol settings of every TensorMQ producer in a plan."""
 
@@ -72,6 +75,20 @@ class TensorMQSettings(_Strict):
     slots: int = Field(default=64, ge=1, le=4096)
     lease_s: float = Field(default=30.0, gt=0, le=3600)
     wait_s: float = Field(default=5.0, ge=0, le=600)
+    # How long a ticket may wait to be accepted by the next block; past it the ticket is refused
+    # and its sample reclaimed (tickets that left the ensemble hold no memory for the whole lease).
+    # None: the smaller of CLAIM_S and lease_s.
+    claim_s: float | None = Field(default=None, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _claim_within_lease(self) -> TensorMQSettings:
+        if self.claim_s is not None and self.claim_s > self.lease_s:
+            raise ValueError(f"claim_s ({self.claim_s:g}) must not exceed lease_s ({self.lease_s:g})")
+        return self
+
+    @property
+    def claim_window_s(self) -> float:
+        return self.claim_s if self.claim_s is not None else min(CLAIM_S, self.lease_s)
 
 
 class ModelSpec(_Strict):
@@ -95,6 +112,9 @@ class ModelSpec(_Strict):
     # A head pack (kind "pack") runs several tasks' heads in one process: ``parts`` is the first
     # head's, and every head covers the same stages (see blockflow.plan.HeadPack).
     heads: tuple[Head, ...] = ()
+    # TensorMQ consumers: the Triton models whose tickets this model accepts (the blocks before it
+    # on some task's path); a ticket from any other block is refused as redirected.
+    accepts_from: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _pack_has_heads(self) -> ModelSpec:
@@ -128,5 +148,5 @@ class ModelSpec(_Strict):
         import json
 
         # ``heads`` is left out when empty, so specs written before head packs keep their bytes (and digests).
-        data = self.model_dump(mode="json", exclude={"heads"} if not self.heads else None)
+        data = self.model_dump(mode="json", exclude={k for k in ("heads", "accepts_from") if not getattr(self, k)})
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -40,18 +40,16 @@ def _url(url: str) -> str:
 def snapshot(http_url: str, metrics_url: str, client: httpx.Client) -> Snapshot:
     base = _url(http_url)
     try:
-        index = client.post(f"{base}/v2/repository/index", json={}).json()
-        ready = {str(e["name"]): e.get("state") == "READY" for e in index}
+        # The statistics list every loaded model; the repository index would need the admin key.
+        stats = {s["name"]: s["inference_stats"] for s in client.get(f"{base}/v2/models/stats").json().get("model_stats", [])}
+        ready = dict.fromkeys(stats, True)
         ensembles, instances = set(), {}
-        for name, ok in ready.items():
-            if not ok:
-                continue
+        for name in ready:
             cfg = client.get(f"{base}/v2/models/{name}/config").json()
             if cfg.get("platform") == "ensemble":
                 ensembles.add(name)
             else:
                 instances[name] = sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []))
-        stats = {s["name"]: s["inference_stats"] for s in client.get(f"{base}/v2/models/stats").json().get("model_stats", [])}
         text = client.get(_url(metrics_url)).text
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         raise BlockFlowError(f"cannot read the server's state at {base} / {metrics_url}: {exc}") from None

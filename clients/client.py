@@ -86,13 +86,16 @@ class TaskClient:
             return False
 
     def models(self) -> list[dict[str, str]]:
+        """The server's loaded models (from its statistics: the repository index is an admin API)."""
         try:
-            index = self._client.get_model_repository_index()
+            stats = self._client.get_inference_statistics()
         except Exception as exc:
             raise ClientError(f"cannot reach the server at {self.url} over {self.protocol}: {exc}") from exc
         if self.protocol == "grpc":
-            return [{"name": m.name, "state": m.state} for m in index.models]
-        return [{"name": m["name"], "state": m.get("state", "")} for m in index]
+            names = sorted({m.name for m in stats.model_stats})
+        else:
+            names = sorted({str(m["name"]) for m in stats.get("model_stats", [])})
+        return [{"name": n, "state": "READY"} for n in names]
 
     def infer(self, task: str, images: Any) -> Array:
         """Logits of ``images`` (numpy, or with ``input_memory="cuda"`` also a torch tensor)."""

@@ -6,6 +6,7 @@ import json
 import queue
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import zmq
 
 from backend.tensormq import cuda
 from backend.tensormq import ticket as tk
+from backend.tensormq.claims import ClaimTable, claims_path
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, read_key, socket_path
 from backend.tensormq.ticket import TicketError
@@ -30,6 +32,7 @@ class _Remote:
     segment: Segment
     events: EventRing
     max_slots: int
+    claims: ClaimTable
 
 
 @dataclass
@@ -38,6 +41,7 @@ class ConsumerStats:
     hellos: int = 0
     tickets: int = 0
     bad_tickets: int = 0
+    refused_tickets: int = 0  # authentic, but replayed, redirected, stale or expired
     releases_sent: int = 0
 
 
@@ -49,8 +53,11 @@ class Consumer:
     and sends a batch's releases once the GPU work that read it has finished.
     """
 
-    def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0) -> None:
+    def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0,
+                 accepts_from: Iterable[str] | None = None) -> None:
         self.runtime_dir = runtime_dir
+        # The blocks that feed this one (Triton model names); None accepts any producer (tests).
+        self.accepts = None if accepts_from is None else {tk.model_id(m): m for m in accepts_from}
         self.key = read_key(runtime_dir)
         self.device = device
         self.hello_timeout_ms = int(hello_timeout_s * 1000)
@@ -119,8 +126,14 @@ class Consumer:
             dev = int(self.device.index or 0)
             segment = CudaSegment(dev, int(seg_info["nbytes"]), bytes.fromhex(seg_info["handle"]))
             events = EventRing(dev, handles=[bytes.fromhex(h) for h in info["events"]])
+        try:
+            claims = ClaimTable(claims_path(socket_path(self.runtime_dir, t.producer, t.generation)))
+        except (OSError, ValueError) as exc:
+            events.close()
+            segment.close()
+            raise TicketError(f"producer {t.producer:016x} has no usable claim table: {exc}") from None
         self.stats.handle_opens += 1 + len(events.events)
-        r = _Remote(t.producer, t.generation, segment, events, int(info["max_slots"]))
+        r = _Remote(t.producer, t.generation, segment, events, int(info["max_slots"]), claims)
         self._remotes[(t.producer, t.generation)] = r
         return r
 
@@ -128,6 +141,7 @@ class Consumer:
         del self._remotes[(r.producer, r.generation)]
         r.events.close()
         r.segment.close()
+        r.claims.close()
 
     def gather(self, raw: torch.Tensor, sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
         """Views of the samples that ``raw`` (uint8 ``[n, 256]``) names, as one ``[n, *sample_shape]`` tensor.
@@ -139,19 +153,30 @@ class Consumer:
             raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
         data = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy().tobytes()
         parts: list[torch.Tensor] = []
-        seen: list[Release] = []  # every authentic ticket of this request, released whatever happens next
+        seen: list[Release] = []  # every ticket this request claimed, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
         run_start: tuple[_Remote, tk.Ticket, int] | None = None
         try:
             for i in range(raw.shape[0]):
                 t = tk.decode(data[i * tk.TICKET_BYTES:(i + 1) * tk.TICKET_BYTES], self.key)
-                seen.append((t.producer, t.generation, t.slot, t.seq, t.sample))
+                if self.accepts is not None and t.model not in self.accepts:
+                    self.stats.refused_tickets += 1
+                    raise TicketError("redirected ticket: it was issued by a block that does not feed this one "
+                                      f"(this block takes tickets from {', '.join(sorted(self.accepts.values()))})")
                 if t.shape != sample_shape:
                     raise TicketError(f"ticket carries shape {list(t.shape)}; this block takes {list(sample_shape)}")
                 r = self._remote(t)
                 if t.slot >= r.max_slots or t.segment != 0 or t.offset + t.nbytes > r.segment.nbytes:
                     raise TicketError(f"ticket range {t.offset}+{t.nbytes} (slot {t.slot}) is outside producer "
                                       f"{t.producer:016x}'s pool of {r.segment.nbytes} bytes / {r.max_slots} slots")
+                # One-shot: the first reader claims the sample; a replay (here or at another instance)
+                # is refused before anything is read. Only claimed tickets are ever released, so a
+                # refused copy cannot free a slot that its rightful reader still uses.
+                why = r.claims.claim(t.slot, t.seq, t.sample)
+                if why is not None:
+                    self.stats.refused_tickets += 1
+                    raise TicketError(why)
+                seen.append((t.producer, t.generation, t.slot, t.seq, t.sample))
                 if (t.producer, t.generation, t.slot) not in waited:
                     r.events.wait(t.slot, stream)
                     waited.add((t.producer, t.generation, t.slot))
@@ -167,7 +192,7 @@ class Consumer:
                 parts.append(self._view(*run_start))
         except TicketError:
             self.stats.bad_tickets += 1
-            # Whatever was authentic is still released, so a bad request leaks no slots.
+            # What this request claimed is still released, so a bad request leaks no slots.
             self.release_now(seen)
             raise
         self.stats.tickets += raw.shape[0]

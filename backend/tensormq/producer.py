@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from backend.tensormq import ticket as tk
+from backend.tensormq.claims import ClaimTable, claims_path
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from backend.tensormq.slots import Slot, SlotTable
 from blockflow.errors import BlockError
@@ -85,6 +86,7 @@ class Stats:
     pool_waits: int = 0
     pool_failures: int = 0
     hellos: int = 0
+    unclaimed_tickets: int = 0  # samples reclaimed because no consumer claimed them in time
 
 
 @dataclass
@@ -104,11 +106,14 @@ class Producer:
     """
 
     def __init__(self, name: str, runtime_dir: Path, device: torch.device, pool_bytes: int, max_slots: int,
-                 lease_s: float, wait_s: float) -> None:
+                 lease_s: float, wait_s: float, model: str = "", max_samples: int = 64, claim_s: float | None = None) -> None:
         self.name = name
         self.runtime_dir = runtime_dir
         self.key = read_key(runtime_dir)
         self.id = producer_id(name)
+        self.model_id = tk.model_id(model or name.split("/", 1)[0])
+        self.max_samples = max_samples
+        self.claim_s = min(lease_s, claim_s if claim_s is not None else lease_s)
         self.generation = int.from_bytes(os.urandom(4), "little") | 1
         self.device = device
         self.lease_s, self.wait_s = lease_s, wait_s
@@ -134,6 +139,9 @@ class Producer:
             old = socket_path(runtime_dir, self.id, gen)
             if not listening(old):
                 old.unlink(missing_ok=True)
+                claims_path(old).unlink(missing_ok=True)
+        # Created before the socket exists, so a consumer that reaches the socket finds the table.
+        self.claims = ClaimTable(claims_path(sock_path), max_slots, max_samples, create=True)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -146,6 +154,8 @@ class Producer:
 
     def reserve(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> Reservation:
         """A pool range for one batch; waits at most ``wait_s`` for space, then fails the request."""
+        if not 1 <= batch_shape[0] <= self.max_samples:
+            raise BlockError(f"batch of {batch_shape[0]} is above {self.name}'s TensorMQ limit of {self.max_samples} samples")
         sample_shape = tuple(batch_shape[1:])
         sample_bytes = math.prod(sample_shape) * dtype.itemsize
         nbytes = sample_bytes * batch_shape[0]
@@ -174,14 +184,21 @@ class Producer:
             self._cond.notify_all()
 
     def commit(self, r: Reservation, stream: int) -> list[bytes]:
-        """Record the slot's event after the writes queued on ``stream``; one ticket per sample."""
+        """Record the slot's event after the writes queued on ``stream``; one ticket per sample.
+
+        The slot's claim entry is opened before any ticket of this use exists, so each ticket
+        can be accepted exactly once, until ``claim_s`` from now.
+        """
         self.events.record(r.slot.index, stream)
+        with self._cond:
+            r.slot.claim_deadline = time.monotonic() + self.claim_s
+            self.claims.open_slot(r.slot.index, r.slot.seq, r.slot.claim_deadline)
         per_sample = r.sample_bytes
         dev_index = int(self.device.index or 0) if self.device.type == "cuda" else 0
         out = []
         for i in range(r.view.shape[0]):
             t = tk.Ticket(self.id, self.generation, r.slot.index, r.slot.seq, i, r.slot.offset + i * per_sample,
-                          per_sample, r.view.dtype, r.sample_shape, self.device_type, dev_index)
+                          per_sample, r.view.dtype, r.sample_shape, self.device_type, dev_index, 0, self.model_id)
             out.append(tk.encode(t, self.key))
         self.stats.tickets += len(out)
         return out
@@ -194,7 +211,18 @@ class Producer:
     # ------------------------------------------------------------------ server thread
 
     def _reap_locked(self) -> None:
-        expired = self.table.reap(time.monotonic())
+        now = time.monotonic()
+        # Samples nobody claimed within the claim window will never be read (consumers refuse
+        # them from then on): give them back now rather than at the end of the lease.
+        for slot in self.table.unclaimed_due(now):
+            claimed = self.claims.claimed(slot.index, slot.seq)
+            if claimed is None:
+                continue
+            for sample in sorted(slot.pending - claimed):
+                self.table.release(slot.index, slot.seq, sample)
+                self.stats.unclaimed_tickets += 1
+            self._cond.notify_all()
+        expired = self.table.reap(now)
         if expired:
             self.stats.lease_expiries += len(expired)
             self.stats.expired_tickets += sum(len(s.pending) for s in expired)
@@ -256,6 +284,9 @@ class Producer:
         self._stop.set()
         self._thread.join(2)
         self._router.close(0)
-        socket_path(self.runtime_dir, self.id, self.generation).unlink(missing_ok=True)
+        path = socket_path(self.runtime_dir, self.id, self.generation)
+        path.unlink(missing_ok=True)
+        self.claims.close()
+        claims_path(path).unlink(missing_ok=True)
         self.events.close()
         self.segment.close()

@@ -24,6 +24,9 @@ class Slot:
     nbytes: int
     pending: set[int]
     deadline: float
+    # Until when consumers may claim its samples (backend.tensormq.claims); after it, the samples
+    # nobody claimed are released by the producer. inf until the slot is committed.
+    claim_deadline: float = float("inf")
 
 
 class SlotTable:
@@ -66,6 +69,13 @@ class SlotTable:
         if not slot.pending:
             self._free_slot(slot)
         return True
+
+    def unclaimed_due(self, now: float) -> list[Slot]:
+        """Live slots whose claim window closed, still waiting for some sample (each is returned once)."""
+        due = [s for s in self.live.values() if s.claim_deadline <= now]
+        for s in due:
+            s.claim_deadline = float("inf")
+        return due
 
     def release_all(self, index: int, seq: int) -> None:
         slot = self.live.get(index)

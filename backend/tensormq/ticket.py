@@ -19,14 +19,16 @@ One ticket names one sample (one row of a batch) that lies in a producer's pool:
     52     4     segment index
     56     32    shape, 8 x u32 (per sample; unused dims 0)
     88     64    strides, 8 x i64 (elements; only row-major is accepted)
-    152    88    reserved, zero
+    152    8     model id of the producing block (:func:`model_id` of its Triton model name)
+    160    80    reserved, zero
     240    16    MAC: keyed BLAKE2b-128 over bytes 0..239
 
 A ticket is untrusted input (a client can send one straight to a block model):
 :func:`decode` checks the MAC (the key lives in the server's private runtime
 directory), the layout and every field, and raises :class:`TicketError` with a
-clear message for anything wrong. Bounds against the producer's pool are
-checked by the consumer once it knows the pool.
+clear message for anything wrong. Bounds against the producer's pool, the hop (is
+the producing block one that feeds this one?) and the one-shot rule
+(:mod:`backend.tensormq.claims`) are checked by the consumer.
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ from blockflow.errors import RequestError
 from blockflow.spec import TICKET_BYTES as TICKET_BYTES
 
 MAGIC = b"BFTQ"
-VERSION = 1
+VERSION = 2
 MAX_DIMS = 8
 MAC_BYTES = 16
-_HEAD = struct.Struct("<4sHHQIIIIQQBBBBI8I8q")
+_HEAD = struct.Struct("<4sHHQIIIIQQBBBBI8I8qQ")
 _BODY_END = TICKET_BYTES - MAC_BYTES
-assert _HEAD.size == 152
+assert _HEAD.size == 160
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -73,6 +75,7 @@ class Ticket:
     device_type: int
     device_index: int
     segment: int = 0
+    model: int = 0  # model_id() of the block that issued it
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -81,6 +84,11 @@ class Ticket:
             out.append(step)
             step *= d
         return tuple(reversed(out))
+
+
+def model_id(model_name: str) -> int:
+    """64-bit id of a Triton model name: which block issued a ticket, and which blocks may take it."""
+    return int.from_bytes(hashlib.blake2b(model_name.encode(), digest_size=8, person=b"bf-model").digest(), "little")
 
 
 def _mac(key: bytes, body: bytes) -> bytes:
@@ -94,7 +102,7 @@ def encode(t: Ticket, key: bytes) -> bytes:
     shape = list(t.shape) + [0] * (MAX_DIMS - len(t.shape))
     strides = list(t.strides) + [0] * (MAX_DIMS - len(t.shape))
     head = _HEAD.pack(MAGIC, VERSION, 0, t.producer, t.generation, t.slot, t.seq, t.sample, t.offset, t.nbytes,
-                      DTYPE_CODES[t.dtype], len(t.shape), t.device_type, t.device_index, t.segment, *shape, *strides)
+                      DTYPE_CODES[t.dtype], len(t.shape), t.device_type, t.device_index, t.segment, *shape, *strides, t.model)
     body = head + bytes(_BODY_END - len(head))
     return body + _mac(key, body)
 
@@ -111,7 +119,7 @@ def decode(raw: bytes, key: bytes) -> Ticket:
     fields = _HEAD.unpack_from(body)
     (_, version, flags, producer, generation, slot, seq, sample, offset, nbytes,
      dcode, ndim, device_type, device_index, segment) = fields[:15]
-    shape_all, strides_all = fields[15:23], fields[23:31]
+    shape_all, strides_all, model = fields[15:23], fields[23:31], fields[31]
     if version != VERSION:
         raise TicketError(f"ticket version {version} is not supported (this runtime speaks {VERSION})")
     if flags != 0 or any(body[_HEAD.size:]):
@@ -129,7 +137,7 @@ def decode(raw: bytes, key: bytes) -> Ticket:
     itemsize = dtype.itemsize
     if nbytes != math.prod(shape) * itemsize:
         raise TicketError(f"ticket says {nbytes} bytes but shape {list(shape)} of {dtype} needs {math.prod(shape) * itemsize}")
-    t = Ticket(producer, generation, slot, seq, sample, offset, nbytes, dtype, shape, device_type, device_index, segment)
+    t = Ticket(producer, generation, slot, seq, sample, offset, nbytes, dtype, shape, device_type, device_index, segment, model)
     if tuple(strides_all[:ndim]) != t.strides:
         raise TicketError(f"ticket strides {list(strides_all[:ndim])} are not row-major for shape {list(shape)}")
     if offset % itemsize:

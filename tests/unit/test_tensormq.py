@@ -270,7 +270,7 @@ def test_restarted_producer_refuses_old_tickets(runtime: Path) -> None:
 
 
 def test_signed_but_out_of_bounds_or_misshaped_tickets_fail_alone(runtime: Path) -> None:
-    prod = Producer("blockE/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=30, wait_s=1)
+    prod = Producer("blockE/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=30, wait_s=1, claim_s=0.5)
     consumer = Consumer(runtime, CPU)
     key = (runtime / "tmq.key").read_bytes()
     try:
@@ -286,7 +286,54 @@ def test_signed_but_out_of_bounds_or_misshaped_tickets_fail_alone(runtime: Path)
             consumer.gather(torch.zeros(1, 255, dtype=torch.uint8), (4, 5), 0)
         consumer.flush()
         time.sleep(0.2)
-        assert prod.usage()[1] == 0  # the valid ticket of the failed request was released
+        # The claimed ticket of the failed request was released; the misshaped one was never
+        # accepted, so its sample goes back when the claim window closes (not at the lease's end).
+        assert prod.usage()[1] == 1 and prod.stats.releases == 1
+        time.sleep(0.6)
+        assert prod.usage()[1] == 0 and prod.stats.unclaimed_tickets == 1 and prod.stats.lease_expiries == 0
     finally:
         consumer.close()
+        prod.close()
+
+
+def test_tickets_are_one_shot_and_bound_to_their_hop(runtime: Path) -> None:
+    """A ticket is accepted once, by a block its producer feeds, within its claim window: a replay
+    (to the same or another consumer), a redirect, a ticket of a reused slot or an expired one is
+    refused before anything is read, and a refused copy never frees its rightful reader's slot."""
+    prod = Producer("trunk/trunk_0_0", runtime, CPU, pool_bytes=1 << 16, max_slots=2, lease_s=30, wait_s=1,
+                    model="trunk", max_samples=8, claim_s=0.4)
+    first = Consumer(runtime, CPU, accepts_from=["trunk"])
+    second = Consumer(runtime, CPU, accepts_from=["trunk", "other"])
+    elsewhere = Consumer(runtime, CPU, accepts_from=["not_trunk"])
+    try:
+        r = prod.reserve((2, 4, 5), torch.float32)
+        r.view.copy_(torch.arange(40, dtype=torch.float32).view(2, 4, 5))
+        tickets = prod.commit(r, 0)
+        with pytest.raises(TicketError, match="redirected ticket: .* takes tickets from not_trunk"):
+            elsewhere.gather(_tickets(tickets), (4, 5), 0)
+        x, rel = first.gather(_tickets(tickets), (4, 5), 0)  # the redirect did not use the ticket up
+        assert torch.equal(x, torch.arange(40, dtype=torch.float32).view(2, 4, 5))
+        for consumer in (first, second):
+            with pytest.raises(TicketError, match="replayed ticket: it was already accepted once"):
+                consumer.gather(_tickets(tickets[1:]), (4, 5), 0)
+            consumer.flush()
+        assert prod.usage()[1] == 1  # refused copies released nothing
+        first.release_now(rel)
+        first.flush()
+        deadline = time.monotonic() + 5
+        while prod.usage()[1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert prod.usage()[1] == 0
+        r2 = prod.reserve((1, 4, 5), torch.float32)  # the same slot, its next use
+        assert r2.slot.index == r.slot.index
+        fresh = prod.commit(r2, 0)
+        with pytest.raises(TicketError, match="replayed or stale ticket: its pool slot has been reused"):
+            second.gather(_tickets(tickets[:1]), (4, 5), 0)
+        time.sleep(0.5)
+        with pytest.raises(TicketError, match="expired ticket"):
+            second.gather(_tickets(fresh), (4, 5), 0)
+        assert first.stats.refused_tickets + second.stats.refused_tickets + elsewhere.stats.refused_tickets == 5
+    finally:
+        for c in (first, second, elsewhere):
+            c.close()
         prod.close()

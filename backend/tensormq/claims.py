@@ -1,0 +1,135 @@
+"""One-shot tickets: a producer's claim table, shared with every consumer of that producer.
+
+A ticket is accepted once: the consumer that reads it first *claims* its sample here, and
+any later presentation of the same ticket (a replay, to this or any other instance) finds
+the claim and is refused. A slot's table entry also says which use of the slot (its
+sequence number) is current, so a ticket of an earlier use is refused before anything is
+read, and until when a sample may be claimed (``claim_s`` after the slot was committed).
+A sample nobody claimed by then (its ticket left the ensemble: a client called a block
+directly, or the request was cancelled) is reclaimed by the producer at once, instead of
+holding pool memory for the whole lease.
+
+The table is a small file next to the producer's socket (``tmq/<id>-<generation>.claims``,
+in the server's 0700 runtime directory, mode 0600), mapped by the producer and its
+consumers. Layout, little-endian, per slot ``i`` at ``HEADER + i * stride``::
+
+    offset  size  field
+    0       8     claim deadline (f64, CLOCK_MONOTONIC seconds; shared by every process of the host)
+    8       8*W   W words: bits 63..32 the slot's sequence number, bits 31..0 claimed samples 32w..32w+31
+
+Every read-modify-write of an entry holds a POSIX record lock on that entry's bytes
+(``fcntl.lockf``), which excludes the other processes; inside the producer process the
+caller's own lock excludes its threads (POSIX locks do not).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+HEADER = struct.Struct("<4sHHII")  # magic, version, reserved, max_slots, words per slot
+MAGIC = b"BFCL"
+VERSION = 1
+_DEADLINE = struct.Struct("<d")
+_WORD = struct.Struct("<Q")
+SAMPLES_PER_WORD = 32
+
+
+def claims_path(socket_path: Path) -> Path:
+    return socket_path.with_suffix(".claims")
+
+
+class ClaimTable:
+    """The shared table of one producer generation (created by it, opened by consumers)."""
+
+    def __init__(self, path: Path, max_slots: int = 0, max_samples: int = 0, create: bool = False) -> None:
+        self.path = path
+        if create:
+            words = max(1, -(-max_samples // SAMPLES_PER_WORD))
+            size = HEADER.size + max_slots * (8 + 8 * words)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.ftruncate(fd, size)
+            os.pwrite(fd, HEADER.pack(MAGIC, VERSION, 0, max_slots, words), 0)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        self._fd = fd
+        size = os.fstat(fd).st_size
+        if size < HEADER.size:
+            os.close(fd)
+            raise ValueError(f"claim table {path} is truncated")
+        self._map = mmap.mmap(fd, size)
+        magic, version, _, self.max_slots, self.words = HEADER.unpack_from(self._map, 0)
+        if magic != MAGIC or version != VERSION or size != HEADER.size + self.max_slots * (8 + 8 * self.words):
+            self.close()
+            raise ValueError(f"{path} is not a TensorMQ claim table of version {VERSION}")
+        self.stride = 8 + 8 * self.words
+        self.max_samples = self.words * SAMPLES_PER_WORD
+
+    def _lock(self, slot: int) -> int:
+        start = HEADER.size + slot * self.stride
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
+        return start
+
+    def _unlock(self, slot: int) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, self.stride, HEADER.size + slot * self.stride)
+
+    # ------------------------------------------------------------------ producer
+
+    def open_slot(self, slot: int, seq: int, deadline: float) -> None:
+        """A new use of ``slot``: sequence ``seq``, nothing claimed, claimable until ``deadline``."""
+        start = self._lock(slot)
+        try:
+            _DEADLINE.pack_into(self._map, start, deadline)
+            for w in range(self.words):
+                _WORD.pack_into(self._map, start + 8 + 8 * w, (seq & 0xFFFFFFFF) << 32)
+        finally:
+            self._unlock(slot)
+
+    def claimed(self, slot: int, seq: int) -> set[int] | None:
+        """Samples of use ``seq`` of ``slot`` that were claimed; None if the entry holds another use."""
+        start = self._lock(slot)
+        try:
+            out: set[int] = set()
+            for w in range(self.words):
+                word = _WORD.unpack_from(self._map, start + 8 + 8 * w)[0]
+                if word >> 32 != seq & 0xFFFFFFFF:
+                    return None
+                bits = word & 0xFFFFFFFF
+                out.update(w * SAMPLES_PER_WORD + b for b in range(SAMPLES_PER_WORD) if bits >> b & 1)
+            return out
+        finally:
+            self._unlock(slot)
+
+    # ------------------------------------------------------------------ consumer
+
+    def claim(self, slot: int, seq: int, sample: int, now: float | None = None) -> str | None:
+        """Claim one sample; None when accepted, else why it is refused."""
+        if not 0 <= slot < self.max_slots or not 0 <= sample < self.max_samples:
+            return f"slot {slot} / sample {sample} is outside the producer's claim table"
+        now = time.monotonic() if now is None else now
+        start = self._lock(slot)
+        try:
+            where = start + 8 + 8 * (sample // SAMPLES_PER_WORD)
+            word = _WORD.unpack_from(self._map, where)[0]
+            if word >> 32 != seq & 0xFFFFFFFF:
+                return "replayed or stale ticket: its pool slot has been reused since it was issued"
+            bit = 1 << (sample % SAMPLES_PER_WORD)
+            if word & bit:
+                return "replayed ticket: it was already accepted once"
+            if now > _DEADLINE.unpack_from(self._map, start)[0]:
+                return "expired ticket: it was not used within its claim window"
+            _WORD.pack_into(self._map, where, word | bit)
+            return None
+        finally:
+            self._unlock(slot)
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass
+        os.close(self._fd)

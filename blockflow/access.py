@@ -1,0 +1,70 @@
+"""Who may do what on a BlockFlow server: the restricted Triton APIs and the secrets that open them.
+
+Task clients get what inference needs and nothing that changes what the server runs:
+
+========================  ==========  ==================================================================
+Triton API (HTTP / gRPC)  open?       why
+========================  ==========  ==================================================================
+health                    open        load balancers and readiness probes
+metadata                  open        a client learns a task's inputs and outputs
+inference                 open        the service itself
+shared-memory             open        registering a CUDA/system shared-memory region for inputs
+                                      (``TaskClient(input_memory="cuda")``, ``perf_analyzer --shared-memory``)
+model-config              open        read-only; ``perf_analyzer`` and ``tritonclient`` read it
+statistics                open        read-only counters; ``perf_analyzer`` reads them for its report
+model-repository          **key**     load/unload run code in the server (a load may carry its own
+                                      ``model.py`` as a file override); the index lists internal models
+trace                     **key**     trace settings name a file the server writes
+logging                   **key**     log settings change what the server records
+========================  ==========  ==================================================================
+
+The key is random per server, written 0600 into the server's 0700 runtime directory
+(:data:`ADMIN_KEY_FILE`) and sent as header :data:`ADMIN_HEADER` by the applier, the heal loop
+and the tools that need it. Triton takes it on its command line, so on a host shared with other
+users mount ``/proc`` with ``hidepid=2`` (containers have their own process namespace).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+# gRPC metadata keys are lower case; Triton compares HTTP header names case-insensitively.
+ADMIN_HEADER = "blockflow-admin-key"
+ADMIN_KEY_FILE = "admin.key"
+RESTRICTED_APIS = ("model-repository", "trace", "logging")
+OPEN_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "statistics")
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (0600 from the start, never wider)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
+
+
+def read_secret(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def restricted_args(key: str) -> list[str]:
+    """``tritonserver`` flags that put the restricted APIs behind ``key``, on HTTP and gRPC."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}"]
+
+
+def admin_headers(key: str) -> dict[str, str]:
+    return {ADMIN_HEADER: key}
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Constant-time comparison (the time taken says nothing about how much of ``given`` matched)."""
+    return hmac.compare_digest(given.encode(), expected.encode())
