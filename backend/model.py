@@ -28,6 +28,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 from backend.monitor import BlockMonitor
 from backend.runtime import BlockRunner
 from backend.tensormq.metrics import TmqMetrics
+from backend.tensormq.producer import PoolExhaustedError
 from backend.trace import Tracer, trace_dir
 from blockflow.errors import BlockError, RequestError
 from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, LOGITS_ON_GPU_ENV, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
@@ -59,6 +60,12 @@ def _runtime_dir() -> Path:
         raise BlockError("TensorMQ needs BLOCKFLOW_RUNTIME_DIR (the server's private runtime directory); "
                          "start the server with `blockflow serve`")
     return Path(value)
+
+
+def _error(message: str, code: str) -> Any:
+    """A Triton error with status ``code`` (a ``TritonError`` constant; older backends know none)."""
+    value = getattr(pb_utils.TritonError, code, None)
+    return pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
 
 
 def _split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -177,8 +184,8 @@ class TritonPythonModel:
             try:
                 batch.append(self._input(request, releases))
                 owners.append(i)
-            except RequestError as exc:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+            except RequestError as exc:  # the caller's fault: HTTP 400 / gRPC INVALID_ARGUMENT, not a server error
+                responses[i] = pb_utils.InferenceResponse(error=_error(str(exc), "INVALID_ARG"))
         if not batch:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
@@ -238,8 +245,10 @@ class TritonPythonModel:
 
     def _fail(self, responses: list[Any], owners: list[int], samples: int, exc: Exception) -> None:
         self.logger.log_error(f"blockflow: {self.spec.name}: batch of {samples} failed: {exc!r}")
+        # A full pool is load, not a fault: UNAVAILABLE tells a client that retrying later can help.
+        code = "UNAVAILABLE" if isinstance(exc, PoolExhaustedError) else "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
         for i in owners:
-            responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"block {self.spec.name!r} failed: {exc}"))
+            responses[i] = pb_utils.InferenceResponse(error=_error(f"block {self.spec.name!r} failed: {exc}", code))
 
     def _run(self, runner: BlockRunner, x: torch.Tensor) -> torch.Tensor:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import os
+import py_compile
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -146,7 +148,7 @@ def render(plan: Plan) -> dict[str, bytes]:
     feeders: dict[str, set[str]] = {}  # model -> the models before it on some task's path
     for task in plan.tasks.values():
         for transport in plan.transports_of(task):
-            steps = []
+            steps: list[Step] = []
             for unit in plan.deployed(task):
                 spec, deploy = pack_spec(plan, unit.pack, transport) if unit.pack else segment_spec(plan, unit.blocks, transport)
                 mname = naming.block_model(deploy.name, transport, plan.transport)
@@ -212,10 +214,7 @@ def write(files: Mapping[str, bytes], root: Path) -> None:
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.new-", dir=root.parent))
     try:
-        for rel, data in files.items():
-            target = tmp / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        _write_files(tmp, files)
         os.chmod(tmp, 0o755)
         if root.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old-", dir=root.parent))
@@ -227,6 +226,22 @@ def write(files: Mapping[str, bytes], root: Path) -> None:
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise GenerateError(f"could not write {root}: {exc}") from exc
+
+
+def _write_files(root: Path, files: Mapping[str, bytes]) -> None:
+    """Write ``files`` under ``root``, each ``model.py`` with its bytecode cache beside it.
+
+    The stub's embedded interpreter ignores PYTHONDONTWRITEBYTECODE and writes
+    ``1/__pycache__/`` while a model loads, after Triton took the directory's modification
+    time; Triton then sees the model as modified and reloads it whenever a model that names it
+    (a task's ensemble) is loaded. An up-to-date cache written here is never rewritten.
+    """
+    for rel, data in files.items():
+        target = root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        if target.name == "model.py":
+            py_compile.compile(str(target), cfile=importlib.util.cache_from_source(str(target)), doraise=True)
 
 
 def by_model(files: Mapping[str, bytes]) -> dict[str, dict[str, bytes]]:
@@ -258,9 +273,7 @@ def write_model(root: Path, model: str, files: Mapping[str, bytes] | None) -> No
     try:
         if files is not None:
             tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.{model}.new-", dir=root.parent))
-            for rel, data in files.items():
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / rel).write_bytes(data)
+            _write_files(tmp, files)
             os.chmod(tmp, 0o755)
         if target.exists():
             os.rename(target, trash / "model")

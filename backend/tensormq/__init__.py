@@ -19,15 +19,29 @@ Who owns a slot when:
 3. LENT — ``Producer.commit`` recorded the slot's event on that stream *after*
    the writes, then issued one ticket per sample (the slot counts one reference
    per ticket). The producer never writes a lent slot.
-4. Consumers read: ``Consumer.gather`` verifies each ticket, maps the producer on
-   first contact (HELLO → segment and event handles, opened once per producer
-   generation and cached), makes its own stream wait on the slot's event (on
-   the GPU; no host synchronisation, no CUDA IPC call per request) and reads.
+4. CLAIMED — ``Consumer.gather`` verifies each ticket (MAC, layout, the hop:
+   the ticket's model id must be one of the blocks that feed this one), maps
+   the producer on first contact (HELLO → segment and event handles, opened
+   once per producer generation and cached), then *claims* the ticket's sample
+   in the producer's claim table (``backend/tensormq/claims.py``). Only then
+   does it make its own stream wait on the slot's event (on the GPU; no host
+   synchronisation, no CUDA IPC call per request) and read.
 5. The consumer records an event after the work that read the slot; its release
-   thread waits for that event, then sends RELEASE(generation, slot, sequence,
-   count) — asynchronous, batched per producer.
-6. The producer drops ``count`` references; at zero the slot is FREE again and
-   its next use gets a new sequence number.
+   thread waits for that event, then sends RELEASE — asynchronous, batched per
+   producer: one frame of ``(generation, slot, sequence, sample)`` items.
+6. The producer drops one reference per item; at zero the slot is FREE again
+   and its next use gets a new sequence number.
+
+A ticket is one-shot and bound to its hop. It is accepted once (the claim is
+an atomic test-and-set under a record lock, shared by every instance of every
+consumer block, so a replay to any of them is refused), by a block its
+producer feeds (the consumer's spec lists them: ``accepts_from``), within
+``claim_s`` of its commit, and only while its slot still holds the use the
+ticket names (the table carries the slot's sequence number). A refused ticket
+is never released, so a copy cannot free a slot its rightful reader still
+uses. Samples nobody claimed by the end of the claim window (tickets that left
+the ensemble: a direct call to a block, a cancelled request) are given back
+by the producer then, not at the end of the lease.
 
 What orders what: the event is recorded before the ticket exists, so a consumer
 that holds the ticket waits on that record. A slot is rewritten (and its event
@@ -52,11 +66,26 @@ Cancel, crash, restart:
   first *drains*: it waits until every lent slot is released or its lease
   runs out (at most ``DRAIN_S`` in ``backend/model.py``), then frees its pool,
   so a ticket already on its way to the next block stays readable.
-- Tickets are untrusted (a client may send one straight to a block model): each
-  carries a keyed BLAKE2b MAC (key in the runtime directory), and layout, dtype,
-  shape and bounds are checked; a bad ticket fails its request alone, and the
-  valid tickets of that request are still released.
+- Tickets are untrusted (a client may call a block model and get or send one):
+  each carries a keyed BLAKE2b MAC (key in the runtime directory), and layout,
+  dtype, shape, bounds, hop and the one-shot claim are checked; a bad ticket
+  fails its request alone, and the tickets that request claimed are still
+  released.
 
-Nothing on any socket is pickled: HELLO answers and STATS are JSON, RELEASE is
-fixed-size little-endian structs.
+Messages (ZeroMQ multipart, DEALER → the producer's ROUTER):
+
+=========  ===========================================  ====================================
+kind       request frames                               answer
+=========  ===========================================  ====================================
+HELLO      ``HELLO``                                    ``WELCOME`` + JSON: producer, generation,
+                                                        segment (kind, name or CUDA IPC handle,
+                                                        bytes), event handles, max_slots
+RELEASE    ``RELEASE``, n × ``<IIII`` items             none (fire and forget)
+STATS      ``STATS``                                    ``STATS`` + JSON of the producer's counters
+other      anything else                                ``ERROR`` + a short text
+=========  ===========================================  ====================================
+
+Nothing on any socket is pickled. Files in ``$BLOCKFLOW_RUNTIME_DIR``: ``tmq.key``
+(ticket MAC key, 0600), ``tmq/<id>-<generation>.sock`` and ``.claims`` (one pair per
+producer generation); host pools are ``/dev/shm/blockflow-tmq-<runtime dir>-<id>-<generation>``.
 """

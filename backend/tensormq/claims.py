@@ -62,7 +62,8 @@ class ClaimTable:
             os.close(fd)
             raise ValueError(f"claim table {path} is truncated")
         self._map = mmap.mmap(fd, size)
-        magic, version, _, self.max_slots, self.words = HEADER.unpack_from(self._map, 0)
+        magic, version, _, max_slots, words = HEADER.unpack_from(self._map, 0)
+        self.max_slots, self.words = int(max_slots), int(words)
         if magic != MAGIC or version != VERSION or size != HEADER.size + self.max_slots * (8 + 8 * self.words):
             self.close()
             raise ValueError(f"{path} is not a TensorMQ claim table of version {VERSION}")
@@ -70,7 +71,7 @@ class ClaimTable:
         self.max_samples = self.words * SAMPLES_PER_WORD
 
     def _lock(self, slot: int) -> int:
-        start = HEADER.size + slot * self.stride
+        start: int = HEADER.size + slot * self.stride
         fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
         return start
 

@@ -81,15 +81,18 @@ def test_load_waves_respect_dependencies(tmp_path: Path) -> None:
     files = generator.render(B)
     wanted = generator.by_model(files)
     d = compute_diff(files, _served(generator.render(A)))
-    backup = {c.model: generator.read_model(repo, c.model) for c in d.changes}
     blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
     ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
-    via = {s for c in ensembles for s in parse_pbtxt(wanted[c.model]["config.pbtxt"].decode()).ensemble_scheduling.step
-           for s in [s.model_name]}
-    for c in blocks:
-        generator.write_model(repo, c.model, wanted[c.model])
     done: list[Change] = []
-    rec._load_waves(blocks, ensembles, via, wanted, backup, done, Report(d))
-    # head_keep is reloaded alone (its reload also reloads `keep`); the new ensembles bring their new blocks.
-    assert rec.waves == [["head_keep", "new", "swap"]]
-    assert all(rec.on_disk.values())
+    old_swap = (repo / "swap" / "config.pbtxt").read_bytes()
+
+    def recording(changes: list[Change], report: Report) -> None:
+        _Recorder._load_all(rec, changes, report)
+        if len(rec.waves) == 1:  # while blocks load, ensembles still name the old blocks on disk
+            assert (repo / "swap" / "config.pbtxt").read_bytes() == old_swap
+
+    rec._load_all = recording  # type: ignore[method-assign]
+    rec._load_waves(blocks, ensembles, wanted, done, Report(d))
+    # Every new and changed block at once, then the ensembles (whose blocks are all loaded by then).
+    assert rec.waves == [["head_keep", "head_new", "head_swap_b"], ["new", "swap"]]
+    assert all(rec.on_disk.values()) and {c.model for c in done} == set(rec.waves[0]) | set(rec.waves[1])
