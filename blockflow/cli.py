@@ -169,9 +169,14 @@ PORT = click.IntRange(0, 65535)
               help="Where the control service keeps the last plans (default: the runtime dir).")
 @click.option("--mps", is_flag=True, help="Run the block processes under a private NVIDIA MPS daemon, so blocks' "
               "kernels share the GPU concurrently (more throughput under load; see README, Benchmarks).")
+@click.option("--weights-dir", "weights_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+              help="A directory plans posted to the control service may read weights files from (repeatable; "
+                   "default: the served plan's directory).")
+@click.option("--load-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+              help="Seconds one model load (a plan change, a block reload) may take before it fails and is rolled back.")
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Optional[Path],
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Optional[Path], state_dir: Optional[Path],
-          mps: bool) -> None:
+          mps: bool, weights_dirs: tuple[Path, ...], load_timeout: float) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
@@ -182,6 +187,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     from blockflow.control import ControlServer, Controller, create_app
     from blockflow.plan import load_plan
     from blockflow.server import ServerOptions, TritonServer, check_port, gpu_count, make_runtime_dir
+    from blockflow.supervisor import Supervisor
     from ensemble_gen import generator
 
     p = load_plan(plan)
@@ -211,8 +217,9 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         server.start(timeout)
         lock = threading.Lock()
         applier = Applier(server.http_url, repo, lock=lock, log=lambda m: err.print(f"apply: {m}", markup=False, highlight=False),
-                          admin_key=server.admin_key)
-        controller = Controller(applier, state_dir or runtime / "plans", base_dir=plan.parent.resolve(), gpus=gpus)
+                          admin_key=server.admin_key, timeout=load_timeout)
+        controller = Controller(applier, state_dir or runtime / "plans", base_dir=plan.parent.resolve(), gpus=gpus,
+                                weights_dirs=list(weights_dirs) or None)
         controller.adopt(plan.read_text(encoding="utf-8"), p)
         _print_endpoints(p, server, time.monotonic() - t0)
         if control_port:
@@ -223,19 +230,9 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
                 write_private(token_path, token)
             out.print(f"  control {control.url} (bearer token in {token_path})")
             out.print(f"  blockflow apply PLAN --url {control.url} --token-file {token_path}")
-        while not stop.is_set():
-            if server.process is not None and server.process.poll() is not None:
-                raise BlockFlowError(f"tritonserver exited unexpectedly with code {server.process.returncode}:\n{server.log_tail(20)}")
-            # A block process that died is brought back; the rest of the server keeps serving meanwhile.
-            # Not while a plan is being applied: a block being swapped is not a dead one.
-            if lock.acquire(blocking=False):
-                try:
-                    healed = server.heal(controller.expected)
-                finally:
-                    lock.release()
-                for model in healed:
-                    err.print(f"[yellow]block {model}: a process died; reloaded it[/]")
-            stop.wait(1.0)
+        # Brings back a dead tritonserver (same plan) and reloads blocks whose process died.
+        Supervisor(server, controller, lock, start_timeout=timeout, load_timeout=load_timeout,
+                   say=lambda m: err.print(f"[yellow]{escape(m)}[/]")).run(stop)
         err.print("stopping …")
     finally:
         if control is not None:

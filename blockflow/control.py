@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from blockflow.access import same_secret
 from blockflow.apply import Applier, Report, expected_instances
-from blockflow.errors import ApplyError, BlockFlowError, PlanError
+from blockflow.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
 from blockflow.plan import Plan, parse_plan_text
 from ensemble_gen import generator, naming
 
@@ -42,13 +43,28 @@ class Entry:
     applied_at: float
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a posted plan may be: a client's plan is untrusted input."""
+
+    max_plan_bytes: int = 1 << 20
+    max_tasks: int = 256
+    max_blocks: int = 512
+    # How long a plan change waits for the one in progress before it is refused (409).
+    busy_wait_s: float = 60.0
+
+
 class Controller:
     """Plan history plus the applier; one plan change at a time."""
 
-    def __init__(self, applier: Applier, state_dir: Path, base_dir: Path, gpus: int = 0, keep: int = 10) -> None:
+    def __init__(self, applier: Applier, state_dir: Path, base_dir: Path, gpus: int = 0, keep: int = 10,
+                 weights_dirs: Sequence[Path] | None = None, limits: Limits = Limits()) -> None:
         self.applier = applier
         self.state_dir = state_dir
         self.base_dir = base_dir  # relative weights files in posted plans are resolved from here
+        # Posted plans may name weights files only under these directories (default: the plan's own).
+        self.weights_dirs = list(weights_dirs) if weights_dirs else [base_dir]
+        self.limits = limits
         self.gpus = gpus
         self.keep = keep
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -76,7 +92,15 @@ class Controller:
             old.path.unlink(missing_ok=True)
 
     def parse(self, text: str, source: str) -> Plan:
-        plan = parse_plan_text(text, source=source, base_dir=self.base_dir)
+        lim = self.limits
+        if len(text.encode()) > lim.max_plan_bytes:
+            raise PlanError([PlanIssue("", f"the plan is larger than {lim.max_plan_bytes} bytes")], source)
+        plan = parse_plan_text(text, source=source, base_dir=self.base_dir, weights_dirs=self.weights_dirs)
+        too_many = [PlanIssue(key, f"{n} {key} are more than this server accepts ({most})")
+                    for key, n, most in (("tasks", len(plan.raw.tasks), lim.max_tasks), ("blocks", len(plan.raw.blocks), lim.max_blocks))
+                    if n > most]
+        if too_many:
+            raise PlanError(too_many, source)
         issues = plan.device_issues(self.gpus)
         if issues:
             raise PlanError(issues, source)
@@ -92,13 +116,18 @@ class Controller:
 
     def submit(self, text: str, dry_run: bool = False, source: str = "POST /plan") -> Report:
         plan = self.parse(text, source)
-        with self._serial:
+        if not self._serial.acquire(timeout=self.limits.busy_wait_s):
+            raise ApplyError(f"another plan change is still in progress after {self.limits.busy_wait_s:g} s; "
+                             "nothing was changed, try again later")
+        try:
             report = self.applier.apply(plan, dry_run=dry_run)
             if not dry_run:
                 self.plan = plan
                 self.expected = expected_instances(generator.render(plan), self.gpus)
                 if not report.diff.empty or not self.history():
                     self._record(text, plan)
+        finally:
+            self._serial.release()
         return report
 
     def rollback(self, steps: int = 1) -> Report:
@@ -153,7 +182,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
 
     @app.post("/plan", dependencies=[Depends(authorized)])
     async def post_plan(request: Request, dry_run: bool = False) -> dict[str, Any]:
-        body = await request.body()
+        body = await _bounded_body(request, controller.limits.max_plan_bytes)
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
@@ -182,6 +211,19 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         return await run_in_threadpool(controller.status)
 
     return app
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` bytes (never read whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"the plan is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"the plan is larger than {limit} bytes")
+    return bytes(body)
 
 
 class ControlServer:

@@ -12,7 +12,8 @@ traceback) and an exit code.
     ├── EnvironmentProblem   something BlockFlow needs is missing (server, stub, library)
     ├── CalibrationError     memory-model constants do not fit this version of the model
     ├── ServerError          tritonserver failed to start, stopped, or a model did not load
-    │   └── PortInUseError   a requested port is taken
+    │   ├── PortInUseError   a requested port is taken
+    │   └── ModelReloadError a block whose process died could not be loaded again
     ├── ApplyError           a live plan update failed (and was rolled back) or could not start
     ├── BlockError           a block failed to build or run (raised inside a block process)
     │   └── RequestError     one request is invalid; it fails alone
@@ -80,6 +81,14 @@ class ServerError(BlockFlowError):
 
 class PortInUseError(ServerError):
     """A port BlockFlow was asked to bind is already taken."""
+
+
+class ModelReloadError(ServerError):
+    """A block whose process died could not be loaded again; ``model`` names it."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message)
+        self.model = model
 
 
 class ApplyError(BlockFlowError):

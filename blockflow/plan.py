@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -180,10 +180,13 @@ class Deployed:
 class Plan:
     """A validated plan. Build it with :func:`load_plan` or :func:`parse_plan`."""
 
-    def __init__(self, raw: PlanModel, source: str = "", base_dir: Path | None = None) -> None:
+    def __init__(self, raw: PlanModel, source: str = "", base_dir: Path | None = None,
+                 weights_dirs: Sequence[Path] | None = None) -> None:
         self.raw = raw
         self.source = source
         self.base_dir = base_dir or Path.cwd()
+        # Where weights files may come from (None: anywhere this user can read; a plan file of one's own).
+        self.weights_dirs = None if weights_dirs is None else [d.resolve() for d in weights_dirs]
 
     @property
     def models(self) -> Mapping[str, ModelDef]:
@@ -367,18 +370,33 @@ def load_plan(path: str | Path) -> Plan:
     return parse_plan_text(text, source=str(p), base_dir=p.parent.resolve())
 
 
-def parse_plan_text(text: str, source: str = "", base_dir: Path | None = None) -> Plan:
+class _PlanLoader(yaml.SafeLoader):
+    """YAML without aliases: a plan has no use for them, and nested aliases expand exponentially
+    (a 1 kB "billion laughs" document is a billion nodes to validate)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not allowed in a plan", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def parse_plan_text(text: str, source: str = "", base_dir: Path | None = None,
+                    weights_dirs: Sequence[Path] | None = None) -> Plan:
     """Parse and fully validate a plan given as YAML or JSON text (JSON is YAML)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_PlanLoader)  # noqa: S506 - a SafeLoader that also refuses aliases
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
         raise PlanError([PlanIssue("", f"not valid YAML/JSON{at}: {getattr(exc, 'problem', exc)}")], source) from None
-    return parse_plan(data, source=source, base_dir=base_dir)
+    except RecursionError:
+        raise PlanError([PlanIssue("", "not a plan: nested too deeply")], source) from None
+    return parse_plan(data, source=source, base_dir=base_dir, weights_dirs=weights_dirs)
 
 
-def parse_plan(data: object, source: str = "", base_dir: Path | None = None) -> Plan:
+def parse_plan(data: object, source: str = "", base_dir: Path | None = None,
+               weights_dirs: Sequence[Path] | None = None) -> Plan:
     """Validate plan data already loaded from YAML/JSON."""
     if not isinstance(data, dict):
         raise PlanError([PlanIssue("", f"a plan is a mapping with keys version, models, blocks, tasks; got {type(data).__name__}")], source)
@@ -386,7 +404,9 @@ def parse_plan(data: object, source: str = "", base_dir: Path | None = None) -> 
         raw = PlanModel.model_validate(data)
     except ValidationError as exc:
         raise PlanError(_pydantic_issues(exc), source) from None
-    plan = Plan(raw, source, base_dir)
+    except RecursionError:
+        raise PlanError([PlanIssue("", "not a plan: nested too deeply")], source) from None
+    plan = Plan(raw, source, base_dir, weights_dirs)
     issues = list(_graph_issues(plan))
     if issues:
         raise PlanError(issues, source)
@@ -511,9 +531,18 @@ def _graph_issues(plan: Plan) -> Iterable[PlanIssue]:
         if b.weights.seed is not None and b.weights.file is not None:
             yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file, not both")
             continue
-        if b.weights.file is not None and not (plan.base_dir / b.weights.file).is_file():
-            yield PlanIssue(f"{loc}.weights.file", f"file not found: {plan.base_dir / b.weights.file} (paths are relative to the plan file)")
-            continue
+        if b.weights.file is not None:
+            # Resolved (links followed) before the check, so '..' or a link cannot leave the allowed directories.
+            file = (plan.base_dir / b.weights.file).resolve()
+            allowed = plan.weights_dirs
+            if allowed is not None and not any(file.is_relative_to(d) for d in allowed):
+                yield PlanIssue(f"{loc}.weights.file", f"{b.weights.file!r} is outside the directories this server reads "
+                                f"weights from ({', '.join(map(str, allowed))}); put the file there, or start "
+                                "`blockflow serve` with --weights-dir naming its directory")
+                continue
+            if not file.is_file():
+                yield PlanIssue(f"{loc}.weights.file", f"file not found: {plan.base_dir / b.weights.file} (paths are relative to the plan file)")
+                continue
         if b.model in good_models:
             good_blocks.add(name)
     for where, settings in [("defaults", raw.defaults), *((f"blocks.{n}", b) for n, b in raw.blocks.items())]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from blockflow import access
-from blockflow.errors import PortInUseError, ServerError
+from blockflow.errors import ModelReloadError, PortInUseError, ServerError
 from blockflow.mps import MpsDaemon
 from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
 
@@ -259,11 +259,12 @@ class TritonServer:
                 out.setdefault(Path(cmd[1].decode()).parent.parent.name, []).append(pid)
         return out
 
-    def heal(self, expected: dict[str, int]) -> list[str]:
+    def heal(self, expected: dict[str, int], timeout: float = 300.0) -> list[str]:
         """Reload (through the model control API) every model with fewer live stubs than ``expected``.
 
         Triton's Python backend does not restart a stub that died: its requests fail until the
-        model is loaded again. Returns the models reloaded.
+        model is loaded again. Returns the models reloaded; a load that fails or takes longer than
+        ``timeout`` raises :class:`ModelReloadError`.
         """
         live = self.stub_processes()
         reloaded = []
@@ -272,10 +273,10 @@ class TritonServer:
                 req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
                                              method="POST", headers=self.admin_headers)
                 try:
-                    with urllib.request.urlopen(req, timeout=600):
+                    with urllib.request.urlopen(req, timeout=timeout):
                         reloaded.append(model)
                 except (urllib.error.URLError, OSError) as exc:
-                    raise ServerError(f"block {model!r} lost a process and could not be reloaded: {exc}") from exc
+                    raise ModelReloadError(model, f"block {model!r} lost a process and could not be reloaded: {exc}") from exc
         return reloaded
 
     def stop(self, grace: float = 25.0) -> None:

@@ -6,7 +6,9 @@ One `blockflow serve` process (real tritonserver, TensorMQ between blocks) runs 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +44,8 @@ class Live:
     token: str
     token_file: Path
     log: Path
+    base: Path  # the only directory posted plans may read weights from (--weights-dir)
+    proc: subprocess.Popen[bytes]
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -55,10 +59,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     log = base / "serve.log"
     cmd = [*BLOCKFLOW, "serve", "--plan", str(PLAN_A), "--http-port", str(http), "--grpc-port", str(free_port()),
            "--metrics-port", str(free_port()), "--control-port", str(control), "--token-file", str(token_file),
-           "--state-dir", str(base / "plans")]
+           "--state-dir", str(base / "plans"), "--weights-dir", str(base)]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    lv = Live(f"127.0.0.1:{http}", f"http://127.0.0.1:{control}", token, token_file, log,
+    lv = Live(f"127.0.0.1:{http}", f"http://127.0.0.1:{control}", token, token_file, log, base, proc,
               {"Authorization": f"Bearer {token}"})
     deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
     try:
@@ -153,8 +157,8 @@ def test_dry_run_and_idempotent_apply(live: Live) -> None:
     assert res.returncode == 0 and "no change" in res.stdout, res.stdout + res.stderr
 
 
-def test_a_failed_update_leaves_the_old_plan_serving(live: Live, tmp_path: Path) -> None:
-    weights = tmp_path / "broken.pt"
+def test_a_failed_update_leaves_the_old_plan_serving(live: Live) -> None:
+    weights = live.base / "broken.pt"
     weights.write_bytes(b"this is not a state dict")
     broken = PLAN_B.read_text().replace("head_new:    {model: r18, stages: 1, weights: {seed: 6}}",
                                         f"head_new:    {{model: r18, stages: 1, weights: {{file: {weights}}}}}")
@@ -313,3 +317,104 @@ def test_packing_heads_live_keeps_every_answer(live: Live, tmp_path: Path) -> No
     models = {m["name"]: m.get("state") for m in client.get_model_repository_index()}
     assert models.get("trunk__heads") != "READY" and _served_tasks(live) == TASKS_B
     assert all(same(_infer(client, t, x), before[t]) for t in TASKS_B)
+
+
+def test_hostile_plans_are_refused_and_change_nothing(live: Live) -> None:
+    """Plans are untrusted input: a YAML bomb, a 50 MB body, 500 tasks, weights outside the allowed
+    directory, malformed bodies. Each is one clear 4xx without a traceback; the plan stays."""
+    before = httpx.get(f"{live.control}/plan", headers=live.headers).json()
+    base = PLAN_B.read_text()
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n" + base
+    many = base.replace("tasks:\n", "tasks:\n" + "".join(f"  t{i}: {{path: [trunk, head_keep]}}\n" for i in range(500)))
+    cases: list[tuple[str, bytes, int, str]] = [
+        ("YAML bomb", bomb.encode(), 422, "aliases"),
+        ("50 MB body", b"# " + b"x" * (50 << 20), 413, "larger than"),
+        ("500 tasks", many.encode(), 422, "tasks"),
+        ("deep nesting", b"[" * 100_000, 422, "not valid YAML|nested"),
+        ("binary", bytes(range(256)) * 4, 400, "UTF-8"),
+        ("JSON garbage", b'{"version": 1, "models": [}', 422, "not valid"),
+    ]
+    for target in ("/etc/passwd", "../../../../etc/passwd", str(ROOT / "pyproject.toml")):
+        cases.append((f"weights {target}", base.replace("{seed: 6}", f"{{file: {json.dumps(target)}}}").encode(), 422,
+                      "outside the directories"))
+    for name, body, status, fragment in cases:
+        t0 = time.monotonic()
+        r = httpx.post(f"{live.control}/plan", headers=live.headers, content=body, timeout=120)
+        assert r.status_code == status, (name, r.status_code, r.text[:500])
+        assert re.search(fragment, r.text), (name, r.text[:500])
+        assert "Traceback" not in r.text and time.monotonic() - t0 < 30, name
+    assert httpx.get(f"{live.control}/plan", headers=live.headers).json() == before
+
+
+def _children(pid: int, marker: bytes) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and marker in cmd:
+            out.append(int(entry.name))
+    return out
+
+
+def _tritonserver(live: Live) -> int:
+    (pid,) = _children(live.proc.pid, b"tritonserver")
+    return pid
+
+
+def _wait_answering(client: httpclient.InferenceServerClient, tasks: set[str], timeout: float) -> float:
+    t0 = time.monotonic()
+    while True:
+        try:
+            for t in sorted(tasks):
+                _infer(client, t, _image())
+            return time.monotonic() - t0
+        except Exception:
+            if time.monotonic() - t0 > timeout:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_killed_block_process_is_reloaded_under_load(live: Live) -> None:
+    """SIGKILL each block's process under load: its requests fail (Triton's stub health check
+    answers them), other tasks lose nothing, and the block answers again after `serve` reloads it."""
+    assert _served_tasks(live) == TASKS_B
+    client = httpclient.InferenceServerClient(live.http, network_timeout=120)
+    server = _tritonserver(live)
+    recovered = {}
+    with Load(live.http, TASKS_B, per_task=2) as load:
+        time.sleep(2)
+        for block, tasks in (("head_swap_b", {"swap"}), ("trunk", TASKS_B)):
+            (victim, *_) = _children(server, f"/{block}/".encode())
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(0.5)
+            recovered[block] = _wait_answering(client, tasks, timeout=120)
+    print("answering again after (s):", {b: round(s, 1) for b, s in recovered.items()},
+          "requests (ok, failed):", {t: (load.ok[t], len(load.failed.get(t, []))) for t in sorted(TASKS_B)})
+    for t in TASKS_B:
+        assert load.ok[t] > 0
+        assert all("not healthy" in m or "unavailable" in m.lower() for m in load.failed.get(t, [])), load.failed[t][:3]
+    assert "a process died; reloaded it" in live.log.read_text()
+    assert _tritonserver(live) == server  # the server itself kept running
+
+
+def test_a_killed_tritonserver_is_restarted_with_the_same_plan(live: Live) -> None:
+    client = httpclient.InferenceServerClient(live.http, network_timeout=120)
+    before = {t: _infer(client, t, _image()) for t in TASKS_B}
+    old = _tritonserver(live)
+    with Load(live.http, TASKS_B, per_task=2):
+        time.sleep(1)
+        os.kill(old, signal.SIGKILL)
+        time.sleep(1)
+        seconds = _wait_answering(client, TASKS_B, timeout=180)
+    print(f"serving again {seconds:.1f} s after tritonserver was killed")
+    assert _tritonserver(live) != old and _served_tasks(live) == TASKS_B
+    assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-b"
+    for t in TASKS_B:
+        np.testing.assert_allclose(_infer(client, t, _image()), before[t], rtol=0, atol=1e-4)
+    text = live.log.read_text()
+    assert "restarting it with plan 'live-b'" in text and "serves plan 'live-b' again" in text
