@@ -68,7 +68,7 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
         for model in models:
             before = gpus.memory_used_mib()[0] if gpus.available else 0.0
             server_before = gpus.process_memory_mib([server_pid]).get(server_pid, 0.0) if gpus.available else 0.0
-            client.load_model(model)
+            client.load_model(model, headers=server.admin_headers)
             time.sleep(3)
             pids = server.stub_processes().get(model, [])
             row: dict[str, Any] = {"model": model, "processes": len(pids)}
@@ -77,7 +77,7 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
                 row.update(device_delta_mib=gpus.memory_used_mib()[0] - before,
                            stub_mib=sum(per.get(p, 0.0) for p in pids),
                            server_delta_mib=per.get(server_pid, 0.0) - server_before)
-            client.unload_model(model)
+            client.unload_model(model, headers=server.admin_headers)
             _settle(gpus, server, model)
             rows.append(row)
             print(f"[stub-memory] {json.dumps(row)}", flush=True)

@@ -270,6 +270,12 @@ class TritonServer:
         reloaded = []
         for model, count in expected.items():
             if len(live.get(model, [])) < count:
+                # Triton loads a model again only if its files changed since the last load, and
+                # for a config that changed it only updates what changed in place (2.51); a newer
+                # file in the version directory makes it replace the model's instances.
+                for repo in self.options.repositories:
+                    for code in (Path(repo) / model).glob("*/model.py"):
+                        os.utime(code)
                 req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
                                              method="POST", headers=self.admin_headers)
                 try:

@@ -337,3 +337,34 @@ def test_tickets_are_one_shot_and_bound_to_their_hop(runtime: Path) -> None:
         for c in (first, second, elsewhere):
             c.close()
         prod.close()
+
+
+def _claim_all(path: str, slots: int, samples: int, seq: int, out: "mp.Queue[int]") -> None:
+    from backend.tensormq.claims import ClaimTable
+
+    table = ClaimTable(Path(path))
+    won = sum(table.claim(s, seq, k) is None for s in range(slots) for k in range(samples))
+    table.close()
+    out.put(won)
+
+
+def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) -> None:
+    from backend.tensormq.claims import ClaimTable
+
+    slots, samples = 16, 40  # two claim words per slot
+    table = ClaimTable(tmp_path / "t.claims", slots, samples, create=True)
+    for s in range(slots):
+        table.open_slot(s, 5, time.monotonic() + 60)
+    assert (tmp_path / "t.claims").stat().st_mode & 0o777 == 0o600
+    ctx = mp.get_context("spawn")
+    out: "mp.Queue[int]" = ctx.Queue()
+    procs = [ctx.Process(target=_claim_all, args=(str(tmp_path / "t.claims"), slots, samples, 5, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    won = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(10)
+    assert sum(won) == slots * samples  # every sample claimed once, by one process only
+    assert all(table.claimed(s, 5) == set(range(samples)) for s in range(slots))
+    assert table.claimed(0, 6) is None and table.claim(0, 6, 0) is not None  # another use of the slot
+    table.close()
