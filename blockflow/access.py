@@ -20,7 +20,7 @@ logging                   **key**     log settings change what the server record
 
 The key is random per server, written 0600 into the server's 0700 runtime directory
 (:data:`ADMIN_KEY_FILE`) and sent as header :data:`ADMIN_HEADER` by the applier, the heal loop
-and the tools that need it. Triton takes it on its command line, so on a host shared with other
+and the tools that need it (over gRPC as metadata :data:`GRPC_ADMIN_HEADER`). Triton takes it on its command line, so on a host shared with other
 users mount ``/proc`` with ``hidepid=2`` (containers have their own process namespace).
 """
 
@@ -33,6 +33,8 @@ from pathlib import Path
 
 # gRPC metadata keys are lower case; Triton compares HTTP header names case-insensitively.
 ADMIN_HEADER = "blockflow-admin-key"
+# Triton looks for the gRPC form under this prefix.
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 ADMIN_KEY_FILE = "admin.key"
 RESTRICTED_APIS = ("model-repository", "trace", "logging")
 OPEN_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "statistics")
@@ -62,7 +64,13 @@ def restricted_args(key: str) -> list[str]:
 
 
 def admin_headers(key: str) -> dict[str, str]:
+    """HTTP headers that open the restricted APIs."""
     return {ADMIN_HEADER: key}
+
+
+def grpc_admin_headers(key: str) -> dict[str, str]:
+    """gRPC metadata that opens the restricted protocols (Triton prefixes the key's name)."""
+    return {GRPC_ADMIN_HEADER: key}
 
 
 def same_secret(given: str, expected: str) -> bool:

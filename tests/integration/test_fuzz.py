@@ -14,13 +14,14 @@ import os
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
 
-from blockflow.access import ADMIN_HEADER
+from blockflow.access import ADMIN_HEADER, grpc_admin_headers
 from clients.client import TaskClient
 
 from ..conftest import Served
@@ -37,8 +38,8 @@ def _stubs(served: Served) -> dict[str, list[int]]:
     return {m: sorted(p) for m, p in served.server.stub_processes().items()}
 
 
-def _raw_infer(http: str, model: str, header: bytes, binary: bytes = b"", content_type: str = "application/json") -> tuple[int, bytes]:
-    host, port = http.split(":")
+def _raw_infer(url: str, model: str, header: bytes, binary: bytes = b"", content_type: str = "application/json") -> tuple[int, bytes]:
+    host, port = url.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = header + binary
     headers = {"Content-Type": content_type}
@@ -101,14 +102,18 @@ def test_malformed_requests_to_every_task_fail_alone(served: Served) -> None:
     rng = random.Random(20261123)
     before = _stubs(served)
     codes: Counter[int] = Counter()
+    wrong: list[tuple[str, int, bytes]] = []
     tasks = sorted(TASKS)
     for i in range(N):
         task = tasks[i % len(tasks)]
         header, binary = _malformed(rng, task, TASKS[task][1])
         status, body = _raw_infer(served.http, task, header, binary)
         codes[status] += 1
-        assert status < 500 or status == 503, (task, status, body[:300])
-        assert b"Traceback" not in body
+        # Triton 2.51's HTTP front end answers a header it cannot parse as JSON with 500 (its own code,
+        # before any model runs); every other refusal is a 4xx (503 only for a full pool).
+        triton_parse_error = status == 500 and body.startswith((b'{"error":"Unable to parse', b'{"error":"failed to parse'))
+        if (status >= 500 and status != 503 and not triton_parse_error) or b"Traceback" in body:
+            wrong.append((task, status, body[:300]))
     # gRPC: the same kinds through tritonclient's own encoder
     c = tg.InferenceServerClient(served.grpc)
     for task in tasks[:3]:
@@ -118,6 +123,7 @@ def test_malformed_requests_to_every_task_fail_alone(served: Served) -> None:
             with pytest.raises(Exception, match="INVALID_ARG|StatusCode.INVALID_ARGUMENT|expected|batch"):
                 c.infer(task, [inp])
     print("HTTP status counts:", dict(codes))
+    assert not wrong, wrong[:10]
     assert served.server.process is not None and served.server.process.poll() is None
     assert _stubs(served) == before, "a block process died or was replaced"
     _assert_tasks_exact(served)
@@ -131,14 +137,15 @@ def _ticket(c: th.InferenceServerClient, block: str, x: np.ndarray) -> np.ndarra
     return out
 
 
-def _send(c: th.InferenceServerClient, block: str, tickets: np.ndarray) -> tuple[bool, str]:
+def _send(c: th.InferenceServerClient, block: str, tickets: np.ndarray) -> tuple[bool, Any]:
+    """(True, the block's output) or (False, the error's text)."""
     inp = th.InferInput("ACTIVATION_IN", list(tickets.shape), "UINT8")
     inp.set_data_from_numpy(tickets)
     try:
-        c.infer(block, [inp])
-        return True, ""
+        result = c.infer(block, [inp])
     except Exception as exc:
         return False, str(exc)
+    return True, result.as_numpy(result.get_response()["outputs"][0]["name"])
 
 
 def test_random_mutated_replayed_and_redirected_tickets_are_refused(served: Served) -> None:
@@ -156,8 +163,8 @@ def test_random_mutated_replayed_and_redirected_tickets_are_refused(served: Serv
         ok, msg = _send(c, "r18_c1__tensormq", first)  # redirected: r18_a does not feed r18_c1
         assert not ok and "[400]" in msg and "redirected ticket" in msg, msg
         outcomes["redirected"] += 1
-        mid = _ticket(c, "r18_b__tensormq", x)
-        assert _send(c, "r18_b__tensormq", first)[0]  # its rightful use, after the redirect failed
+        ok, mid = _send(c, "r18_b__tensormq", first)  # its rightful use, after the redirect failed
+        assert ok and isinstance(mid, np.ndarray)
         for target in ("r18_b__tensormq", "r18_b__tensormq"):  # replayed: to the same block, twice
             ok, msg = _send(c, target, first)
             assert not ok and "[400]" in msg and "replayed" in msg, msg
@@ -206,7 +213,7 @@ def test_the_model_repository_api_needs_the_admin_key(served: Served, tmp_path: 
     g = tg.InferenceServerClient(served.grpc)
     for call in (lambda: g.get_model_repository_index(), lambda: g.unload_model("r18_c1__tensormq"),
                  lambda: g.load_model("evil", config=config, files={"file:1/model.py": evil}),
-                 lambda: g.unload_model("r18_c1__tensormq", headers={ADMIN_HEADER: "wrong"})):
+                 lambda: g.unload_model("r18_c1__tensormq", headers=grpc_admin_headers("wrong"))):
         with pytest.raises(Exception, match="restricted|PERMISSION_DENIED|UNAVAILABLE"):
             call()
         refused += 1
@@ -216,7 +223,7 @@ def test_the_model_repository_api_needs_the_admin_key(served: Served, tmp_path: 
     assert th.InferenceServerClient(served.http).is_model_ready("r18_c1__tensormq")
     index = th.InferenceServerClient(served.http).get_model_repository_index(headers=served.server.admin_headers)
     assert any(m["name"] == "r18_c1__tensormq" for m in index)
-    assert g.get_model_repository_index(headers=served.server.admin_headers).models
+    assert g.get_model_repository_index(headers=grpc_admin_headers(served.server.admin_key)).models
 
 
 def _assert_tasks_exact(served: Served) -> None:
