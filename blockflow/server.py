@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,10 +40,32 @@ from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_
 log = logging.getLogger(__name__)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, outside the kernel's ephemeral range.
+
+    Port 0 would give an ephemeral port, the range every outgoing connection takes its local
+    port from: between this call and the server's bind, a client connection (a load test opens
+    thousands) can take it, and the server then fails to start.
+    """
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(10000, 32768) if not low <= p <= high] or list(range(1024, 65536))
+    rng = random.Random()
+    for port in rng.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ServerError(f"no free port on {host} between 10000 and 32767")
 
 
 def check_port(host: str, port: int, what: str) -> None:
