@@ -29,6 +29,7 @@ from backend.monitor import BlockMonitor
 from backend.runtime import BlockRunner
 from backend.tensormq.metrics import TmqMetrics
 from backend.tensormq.producer import PoolExhaustedError
+from backend.tensormq.ticket import ProducerGoneError
 from backend.trace import Tracer, trace_dir
 from blockflow.errors import BlockError, RequestError
 from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, LOGITS_ON_GPU_ENV, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
@@ -185,7 +186,9 @@ class TritonPythonModel:
                 batch.append(self._input(request, releases))
                 owners.append(i)
             except RequestError as exc:  # the caller's fault: HTTP 400 / gRPC INVALID_ARGUMENT, not a server error
-                responses[i] = pb_utils.InferenceResponse(error=_error(str(exc), "INVALID_ARG"))
+                # ...except a ticket whose block stopped before it was read: UNAVAILABLE, a retry can help.
+                code = "UNAVAILABLE" if isinstance(exc, ProducerGoneError) else "INVALID_ARG"
+                responses[i] = pb_utils.InferenceResponse(error=_error(str(exc), code))
         if not batch:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors

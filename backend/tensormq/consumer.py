@@ -19,7 +19,7 @@ from backend.tensormq import ticket as tk
 from backend.tensormq.claims import ClaimTable, claims_path
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, read_key, socket_path
-from backend.tensormq.ticket import TicketError
+from backend.tensormq.ticket import ProducerGoneError, TicketError
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
 RELEASE_EVENTS = 64
@@ -85,7 +85,7 @@ class Consumer:
     def _handshake(self, pid: int, gen: int) -> dict[str, Any]:
         path = socket_path(self.runtime_dir, pid, gen)
         if not listening(path):  # also false when the socket file is gone
-            raise TicketError(f"stale ticket: producer {pid:016x} generation {gen:08x} is not running "
+            raise ProducerGoneError(f"stale ticket: producer {pid:016x} generation {gen:08x} is not running "
                               "(its block was stopped, restarted or reloaded)")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -93,7 +93,7 @@ class Consumer:
         try:
             sock.send_multipart([HELLO])
             if not sock.poll(self.hello_timeout_ms):
-                raise TicketError(f"producer {pid:016x} did not answer within {self.hello_timeout_ms} ms")
+                raise ProducerGoneError(f"producer {pid:016x} did not answer within {self.hello_timeout_ms} ms")
             kind, body = sock.recv_multipart()[:2]
         finally:
             sock.close(0)

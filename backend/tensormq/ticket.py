@@ -61,6 +61,10 @@ class TicketError(RequestError):
     """A ticket is malformed, forged, stale or out of bounds; the request that carried it fails."""
 
 
+class ProducerGoneError(TicketError):
+    """The block that issued a ticket stopped (a crash, a reload) before it was read: a retry can help."""
+
+
 @dataclass(frozen=True)
 class Ticket:
     producer: int
