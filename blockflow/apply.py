@@ -34,7 +34,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -145,37 +146,49 @@ class Applier:
 
     def __init__(self, url: str, repository: Path, lock: threading.Lock | None = None, timeout: float = 900.0,
                  log: Callable[[str], None] | None = None, admin_key: str = "") -> None:
-        import tritonclient.http as httpclient
-
         self.url = url.removeprefix("http://")
         # Load, unload and the repository index are Triton's restricted APIs (blockflow.access).
         self._headers = access.admin_headers(admin_key) if admin_key else None
         self.repository = repository
         self.lock = lock or threading.Lock()
         self._log = log or (lambda _msg: None)
-        self._timeout = timeout
         # Loading a block starts processes that import torch and build a network: minutes on a slow machine.
-        self._client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=timeout)
+        self._timeout = timeout
+
+    @contextmanager
+    def _client(self, what: str) -> Iterator[Any]:
+        """A tritonclient HTTP client for one call; every failure becomes an :class:`ApplyError` on ``what``.
+
+        One client per call: tritonclient's HTTP client is gevent-based and must stay on the thread
+        that made it, while the control service runs each request on a pool thread and loads run in
+        parallel threads.
+        """
+        import tritonclient.http as httpclient
+        from tritonclient.utils import InferenceServerException
+
+        client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=self._timeout)
+        try:
+            yield client
+        except InferenceServerException as exc:
+            raise ApplyError(f"{what} failed: {exc.message()}") from None
+        except Exception as exc:  # sockets, time-outs, gevent: the server is unreachable or too slow
+            raise ApplyError(f"{what} failed: cannot reach the server at {self.url} "
+                             f"({type(exc).__name__}: {exc or 'no answer'})") from None
+        finally:
+            client.close()
 
     # ------------------------------------------------------------------ reading the server
 
     def served(self) -> list[Served]:
         """The server's READY models, with their BlockFlow digests."""
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            index = self._client.get_model_repository_index(headers=self._headers)
+        with self._client(f"reading what the server at {self.url} runs") as client:
             out = []
-            for entry in index:
+            for entry in client.get_model_repository_index(headers=self._headers):
                 if entry.get("state") != "READY":
                     continue
                 name = str(entry["name"])
-                cfg = self._client.get_model_config(name, headers=self._headers)
+                cfg = client.get_model_config(name, headers=self._headers)
                 out.append(Served(name, cfg.get("platform") == "ensemble", _digest_of(cfg)))
-        except InferenceServerException as exc:
-            raise ApplyError(f"cannot read what the server at {self.url} runs: {exc.message()}") from None
-        except OSError as exc:
-            raise ApplyError(f"cannot reach the server at {self.url}: {exc}") from None
         return out
 
     def diff(self, plan: Plan) -> Diff:
@@ -184,17 +197,8 @@ class Applier:
     # ------------------------------------------------------------------ changing it
 
     def _load(self, model: str) -> None:
-        import tritonclient.http as httpclient
-        from tritonclient.utils import InferenceServerException
-
-        # One client per call: loads run in parallel threads (Triton loads them concurrently).
-        client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=self._timeout)
-        try:
+        with self._client(f"loading {model}") as client:
             client.load_model(model, headers=self._headers)
-        except InferenceServerException as exc:
-            raise ApplyError(f"loading {model} failed: {exc.message()}") from None
-        finally:
-            client.close()
 
     def _load_all(self, changes: list[Change], report: Report) -> None:
         """Load ``changes`` in parallel; every failure is reported, not only the first."""
@@ -216,12 +220,8 @@ class Applier:
             raise ApplyError("; ".join(errors))
 
     def _unload(self, model: str) -> None:
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            self._client.unload_model(model, headers=self._headers)
-        except InferenceServerException as exc:
-            raise ApplyError(f"unloading {model} failed: {exc.message()}") from None
+        with self._client(f"unloading {model}") as client:
+            client.unload_model(model, headers=self._headers)
 
     def _load_waves(self, blocks: list[Change], ensembles: list[Change], wanted: Mapping[str, Mapping[str, bytes]],
                     done: list[Change], report: Report) -> None:
@@ -302,7 +302,7 @@ class Applier:
         return notes
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing to release (clients live for one call); kept for callers that close appliers."""
 
 
 def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Counter[int | None]]:

@@ -177,6 +177,11 @@ def create_app(controller: Controller, token: str) -> FastAPI:
     async def _other_error(_: Request, exc: BlockFlowError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=500)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug: the traceback goes to serve's log only
+        return JSONResponse({"error": f"internal error ({type(exc).__name__}); the serve log has the details"},
+                            status_code=500)
+
     def _report(r: Report) -> dict[str, Any]:
         return {"diff": r.diff.as_dict(), "lines": r.diff.lines(), "steps": r.steps, "seconds": round(r.seconds, 3)}
 
