@@ -2,8 +2,9 @@
 redirected tickets to every TensorMQ block. Each fails alone with a 4xx; no process dies, and every
 task still equals its unsplit reference afterwards.
 
-Counts are modest in CI; ``BLOCKFLOW_FUZZ_N=10000`` runs the big counts (see the closing figures in
-the README's security section).
+Counts are modest in CI (N = 300 requests, N / 4 ticket rounds of 6 bad tickets each);
+``BLOCKFLOW_FUZZ_N=4000`` sends 4,000 requests and 6,000 bad tickets (figures in the README's
+security section).
 """
 
 from __future__ import annotations
