@@ -62,7 +62,7 @@ def image(batch: int = 1) -> np.ndarray:
 
 
 def test_ten_thousand_unconsumed_tickets_are_reclaimed_and_memory_is_flat(served: Served) -> None:
-    """Tickets from calling a producer block directly are never consumed: leases must reclaim them all."""
+    """Tickets from calling a producer block directly are never consumed: the claim window or the lease reclaims them all."""
     runtime = served.server.runtime_dir
     x = image()
 
@@ -85,8 +85,9 @@ def test_ten_thousand_unconsumed_tickets_are_reclaimed_and_memory_is_flat(served
     flood(10_000)
     stats = wait_until_pools_empty(runtime, LEASE_S + 10)
     assert all(s["slots_in_use"] == 0 and s["bytes_in_use"] == 0 for s in stats), stats
-    # Dynamic batching packs several requests into one slot: count tickets, not slots.
-    assert sum(s["expired_tickets"] for s in stats) >= 12_000
+    # Dynamic batching packs several requests into one slot: count tickets, not slots. Nobody claims
+    # them, so most go back when their claim window closes, the rest when the lease ends.
+    assert sum(s["expired_tickets"] + s["unclaimed_tickets"] for s in stats) >= 12_000
     growth = stub_private_rss("r18_a__tensormq") - rss_before
     assert growth < 32 * 2**20, f"producer stub's private memory grew by {growth / 2**20:.1f} MiB over 10,000 requests"
 
