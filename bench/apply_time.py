@@ -65,7 +65,7 @@ def main() -> None:
     with TritonServer(opts) as server:
         t0 = time.monotonic()
         events: list[tuple[float, str]] = []
-        applier = Applier(server.http_url, repo, admin_key=server.admin_key,
+        applier = Applier(server.grpc_url, repo, admin_key=server.admin_key,
                           log=lambda m: events.append((round(time.monotonic() - t0, 3), m)))
         stop = threading.Event()
         shared = sorted(set(plans[0].tasks) & set(plans[1].tasks))

@@ -52,8 +52,6 @@ def _settle(gpus: GpuSampler, server: TritonServer, model: str, timeout: float =
 
 
 def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: int) -> list[dict[str, Any]]:
-    import tritonclient.http as httpclient
-
     trace = Path(tempfile.mkdtemp(prefix="bench-stubmem-"))
     gpus = GpuSampler()
     rows = []
@@ -63,12 +61,12 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
     with TritonServer(opts) as server:
         assert server.process is not None
         server_pid = server.process.pid
-        client = httpclient.InferenceServerClient(server.http_url, network_timeout=900.0)
+        control = server.control()
         time.sleep(2)
         for model in models:
             before = gpus.memory_used_mib()[0] if gpus.available else 0.0
             server_before = gpus.process_memory_mib([server_pid]).get(server_pid, 0.0) if gpus.available else 0.0
-            client.load_model(model, headers=server.admin_headers)
+            control.load(model)
             time.sleep(3)
             pids = server.stub_processes().get(model, [])
             row: dict[str, Any] = {"model": model, "processes": len(pids)}
@@ -77,11 +75,10 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
                 row.update(device_delta_mib=gpus.memory_used_mib()[0] - before,
                            stub_mib=sum(per.get(p, 0.0) for p in pids),
                            server_delta_mib=per.get(server_pid, 0.0) - server_before)
-            client.unload_model(model, headers=server.admin_headers)
+            control.unload(model)
             _settle(gpus, server, model)
             rows.append(row)
             print(f"[stub-memory] {json.dumps(row)}", flush=True)
-        client.close()
     traces = read_traces(trace)
     for row in rows:
         row["steps"] = {r["step"]: {k: r[k] for k in ("process_mib", "device_used_mib", "cuda_module_loading") if k in r}

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from blockflow import access
-from blockflow.errors import ApplyError
+from blockflow.errors import ApplyError, TritonApiError
 from blockflow.plan import Plan
+from blockflow.triton_control import TritonControl
 from ensemble_gen import generator
 from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 
@@ -144,51 +144,33 @@ class Report:
 class Applier:
     """Applies plans to the Triton at ``url`` whose (explicit-mode) repository is ``repository``."""
 
-    def __init__(self, url: str, repository: Path, lock: threading.Lock | None = None, timeout: float = 900.0,
+    def __init__(self, grpc_url: str, repository: Path, lock: threading.Lock | None = None, timeout: float = 900.0,
                  log: Callable[[str], None] | None = None, admin_key: str = "") -> None:
-        self.url = url.removeprefix("http://")
-        # Load, unload and the repository index are Triton's restricted APIs (blockflow.access).
-        self._headers = access.admin_headers(admin_key) if admin_key else None
+        # Load, unload and the repository index are Triton's restricted APIs (blockflow.access),
+        # called over gRPC so that loads never hold up inference (blockflow.triton_control).
+        self.control = TritonControl(grpc_url, admin_key, timeout)
+        self.url = self.control.url
         self.repository = repository
         self.lock = lock or threading.Lock()
         self._log = log or (lambda _msg: None)
-        # Loading a block starts processes that import torch and build a network: minutes on a slow machine.
-        self._timeout = timeout
 
     @contextmanager
-    def _client(self, what: str) -> Iterator[Any]:
-        """A tritonclient HTTP client for one call; every failure becomes an :class:`ApplyError` on ``what``.
-
-        One client per call: tritonclient's HTTP client is gevent-based and must stay on the thread
-        that made it, while the control service runs each request on a pool thread and loads run in
-        parallel threads.
-        """
-        import tritonclient.http as httpclient
-        from tritonclient.utils import InferenceServerException
-
-        client = httpclient.InferenceServerClient(self.url, connection_timeout=30.0, network_timeout=self._timeout)
+    def _failing_as_apply(self) -> Iterator[None]:
         try:
-            yield client
-        except InferenceServerException as exc:
-            raise ApplyError(f"{what} failed: {exc.message()}") from None
-        except Exception as exc:  # sockets, time-outs, gevent: the server is unreachable or too slow
-            raise ApplyError(f"{what} failed: cannot reach the server at {self.url} "
-                             f"({type(exc).__name__}: {exc or 'no answer'})") from None
-        finally:
-            client.close()
+            yield
+        except TritonApiError as exc:
+            raise ApplyError(str(exc)) from None
 
     # ------------------------------------------------------------------ reading the server
 
     def served(self) -> list[Served]:
         """The server's READY models, with their BlockFlow digests."""
-        with self._client(f"reading what the server at {self.url} runs") as client:
-            out = []
-            for entry in client.get_model_repository_index(headers=self._headers):
-                if entry.get("state") != "READY":
-                    continue
-                name = str(entry["name"])
-                cfg = client.get_model_config(name, headers=self._headers)
-                out.append(Served(name, cfg.get("platform") == "ensemble", _digest_of(cfg)))
+        out = []
+        with self._failing_as_apply():
+            for m in self.control.index():
+                if m.state == "READY":
+                    cfg = self.control.config(m.name)
+                    out.append(Served(m.name, cfg.get("platform") == "ensemble", _digest_of(cfg)))
         return out
 
     def diff(self, plan: Plan) -> Diff:
@@ -197,8 +179,8 @@ class Applier:
     # ------------------------------------------------------------------ changing it
 
     def _load(self, model: str) -> None:
-        with self._client(f"loading {model}") as client:
-            client.load_model(model, headers=self._headers)
+        with self._failing_as_apply():
+            self.control.load(model)
 
     def _load_all(self, changes: list[Change], report: Report) -> None:
         """Load ``changes`` in parallel; every failure is reported, not only the first."""
@@ -220,8 +202,8 @@ class Applier:
             raise ApplyError("; ".join(errors))
 
     def _unload(self, model: str) -> None:
-        with self._client(f"unloading {model}") as client:
-            client.unload_model(model, headers=self._headers)
+        with self._failing_as_apply():
+            self.control.unload(model)
 
     def _load_waves(self, blocks: list[Change], ensembles: list[Change], wanted: Mapping[str, Mapping[str, bytes]],
                     done: list[Change], report: Report) -> None:

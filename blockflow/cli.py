@@ -216,7 +216,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     try:
         server.start(timeout)
         lock = threading.Lock()
-        applier = Applier(server.http_url, repo, lock=lock, log=lambda m: err.print(f"apply: {m}", markup=False, highlight=False),
+        applier = Applier(server.grpc_url, repo, lock=lock, log=lambda m: err.print(f"apply: {m}", markup=False, highlight=False),
                           admin_key=server.admin_key, timeout=load_timeout)
         controller = Controller(applier, state_dir or runtime / "plans", base_dir=plan.parent.resolve(), gpus=gpus,
                                 weights_dirs=list(weights_dirs) or None)
@@ -296,10 +296,12 @@ def _control_token(token_file: Optional[Path]) -> str:
 @click.option("--url", default="http://127.0.0.1:8003", show_default=True, help="The control service of `blockflow serve`.")
 @click.option("--token-file", type=click.Path(path_type=Path), default=None, help="File with the bearer token (else $BLOCKFLOW_TOKEN).")
 @click.option("--dry-run", is_flag=True, help="Only print what would change.")
-@click.option("--triton-url", default=None, help="Apply straight to this Triton (explicit model control) instead of the control service; needs --repository.")
-@click.option("--repository", type=click.Path(path_type=Path), default=None, help="With --triton-url: the server's BlockFlow model repository.")
+@click.option("--triton-grpc-url", "triton_url", default=None, metavar="HOST:PORT",
+              help="Apply straight to the Triton whose gRPC endpoint this is (explicit model control; loads go over gRPC "
+                   "so that they never hold up HTTP inference) instead of the control service; needs --repository.")
+@click.option("--repository", type=click.Path(path_type=Path), default=None, help="With --triton-grpc-url: the server's BlockFlow model repository.")
 @click.option("--admin-key-file", type=click.Path(path_type=Path), default=None,
-              help="With --triton-url: the key of Triton's restricted model-repository API (blockflow serve writes it to "
+              help="With --triton-grpc-url: the key of Triton's restricted model-repository API (blockflow serve writes it to "
                    "<runtime dir>/admin.key).")
 def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, triton_url: Optional[str], repository: Optional[Path],
           admin_key_file: Optional[Path]) -> None:
@@ -319,7 +321,7 @@ def apply(plan: Path, url: str, token_file: Optional[Path], dry_run: bool, trito
         from blockflow.apply import Applier
 
         if repository is None:
-            raise click.UsageError("--triton-url needs --repository (the directory the server loads models from)")
+            raise click.UsageError("--triton-grpc-url needs --repository (the directory the server loads models from)")
         admin_key = _read_secret(admin_key_file, "--admin-key-file") if admin_key_file is not None else ""
         applier = Applier(triton_url, repository, log=lambda m: err.print(m, markup=False, highlight=False), admin_key=admin_key)
         try:

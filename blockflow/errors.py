@@ -13,6 +13,7 @@ traceback) and an exit code.
     ├── CalibrationError     memory-model constants do not fit this version of the model
     ├── ServerError          tritonserver failed to start, stopped, or a model did not load
     │   ├── PortInUseError   a requested port is taken
+    │   ├── TritonApiError   a call to Triton's model-repository API failed or reached no server
     │   └── ModelReloadError a block whose process died could not be loaded again
     ├── ApplyError           a live plan update failed (and was rolled back) or could not start
     ├── BlockError           a block failed to build or run (raised inside a block process)
@@ -81,6 +82,10 @@ class ServerError(BlockFlowError):
 
 class PortInUseError(ServerError):
     """A port BlockFlow was asked to bind is already taken."""
+
+
+class TritonApiError(ServerError):
+    """A call to Triton's model-repository API (index, config, load, unload) failed or reached no server."""
 
 
 class ModelReloadError(ServerError):

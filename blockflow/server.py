@@ -14,7 +14,6 @@ the rest of its process group.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import random
@@ -33,9 +32,10 @@ from pathlib import Path
 from types import TracebackType
 
 from blockflow import access
-from blockflow.errors import ModelReloadError, PortInUseError, ServerError
+from blockflow.errors import ModelReloadError, PortInUseError, ServerError, TritonApiError
 from blockflow.mps import MpsDaemon
 from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
+from blockflow.triton_control import TritonControl
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,10 @@ class TritonServer:
     def admin_headers(self) -> dict[str, str]:
         """Headers that open Triton's restricted APIs (load, unload, repository index, trace, logging)."""
         return access.admin_headers(self.admin_key)
+
+    def control(self, timeout: float = 900.0) -> TritonControl:
+        """This server's model-repository API (over gRPC, with the admin key)."""
+        return TritonControl(self.grpc_url, self.admin_key, timeout)
 
     @property
     def admin_key_file(self) -> Path:
@@ -260,13 +264,6 @@ class TritonServer:
             time.sleep(0.25)
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s (log: {self.log_path}):\n{self.log_tail()}")
 
-    def repository_index(self) -> list[dict[str, str]]:
-        req = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST",
-                                     headers=self.admin_headers)
-        with urllib.request.urlopen(req, timeout=10) as r:
-            data: list[dict[str, str]] = json.loads(r.read())
-        return data
-
     def stub_processes(self) -> dict[str, list[int]]:
         """Model name -> PIDs of its live Python-backend stub processes (one per instance)."""
         out: dict[str, list[int]] = {}
@@ -299,13 +296,11 @@ class TritonServer:
                 for repo in self.options.repositories:
                     for code in (Path(repo) / model).glob("*/model.py"):
                         os.utime(code)
-                req = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
-                                             method="POST", headers=self.admin_headers)
                 try:
-                    with urllib.request.urlopen(req, timeout=timeout):
-                        reloaded.append(model)
-                except (urllib.error.URLError, OSError) as exc:
+                    self.control(timeout).load(model)
+                except TritonApiError as exc:
                     raise ModelReloadError(model, f"block {model!r} lost a process and could not be reloaded: {exc}") from exc
+                reloaded.append(model)
         return reloaded
 
     def stop(self, grace: float = 25.0) -> None:

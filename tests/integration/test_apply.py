@@ -183,13 +183,14 @@ def test_a_failed_update_leaves_the_old_plan_serving(live: Live) -> None:
     assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-a"
 
 
-def _client_loop(http: str, task: str, seed: int, stop: Any, ok: Any, failed: Any) -> None:
+def _client_loop(http: str, task: str, seed: int, stop: Any, ok: Any, failed: Any, answered: Any) -> None:
     client = httpclient.InferenceServerClient(http, network_timeout=120)
     x = _image(seed)
     while not stop.is_set():
         try:
             _infer(client, task, x)
             ok[task] = ok.get(task, 0) + 1
+            answered.append(time.time())
         except Exception as exc:  # recorded, judged per task by the test
             failed.append((task, str(exc)[:300]))
             time.sleep(0.05)
@@ -201,13 +202,14 @@ def _load_process(http: str, tasks: list[str], per_task: int, stop: Any, out: An
     os.nice(10)
     ok: dict[str, int] = {}
     failed: list[tuple[str, str]] = []
-    threads = [threading.Thread(target=_client_loop, args=(http, t, i, stop, ok, failed), daemon=True)
+    answered: list[float] = []
+    threads = [threading.Thread(target=_client_loop, args=(http, t, i, stop, ok, failed, answered), daemon=True)
                for t in tasks for i in range(per_task)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(150)
-    out.put((ok, failed))
+    out.put((ok, failed, sorted(answered)))
 
 
 class Load:
@@ -222,6 +224,7 @@ class Load:
         self.proc = ctx.Process(target=_load_process, args=(http, sorted(tasks), per_task, self.stop, self.queue))
         self.ok: Counter[str] = Counter()
         self.failed: dict[str, list[str]] = {}
+        self.answered: list[float] = []  # wall-clock times at which a request was answered
 
     def __enter__(self) -> Load:
         self.proc.start()
@@ -229,11 +232,17 @@ class Load:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        ok, failed = self.queue.get(timeout=300)
+        ok, failed, self.answered = self.queue.get(timeout=300)
         self.proc.join(30)
         self.ok.update(ok)
         for task, msg in failed:
             self.failed.setdefault(task, []).append(msg)
+
+
+def _longest_quiet(answered: list[float], start: float, end: float) -> float:
+    """The longest time within [start, end] in which no request was answered."""
+    times = [start, *(t for t in answered if start < t < end), end]
+    return max(b - a for a, b in zip(times, times[1:]))
 
 
 def test_twenty_alternating_plans_under_load(live: Live) -> None:
@@ -241,11 +250,13 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
     swap_a = _infer(client, "swap", _image())
     both = TASKS_A & TASKS_B
     seconds: list[float] = []
+    windows: list[tuple[float, float]] = []
     with Load(live.http, TASKS_A | TASKS_B, per_task=8) as load:
         time.sleep(5)
         for i in range(20):
             plan, tasks, gone = (PLAN_B, TASKS_B, TASKS_A - TASKS_B) if i % 2 == 0 else (PLAN_A, TASKS_A, TASKS_B - TASKS_A)
             t0 = time.monotonic()
+            w0 = time.time()
             if i < 2:  # the CLI twice; then straight to the control service, as an optimizer would
                 res = _apply_cli(live, plan)
                 assert res.returncode == 0, res.stdout + res.stderr
@@ -255,6 +266,7 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
                 assert r.status_code == 200, r.text
                 assert r.json()["steps"], r.text
             seconds.append(time.monotonic() - t0)
+            windows.append((w0, time.time()))
             # Added tasks answer as soon as apply returns; removed ones are gone.
             for t in tasks:
                 _infer(client, t, _image())
@@ -266,7 +278,13 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
             assert np.allclose(swapped, swap_a, atol=1e-4) == (plan == PLAN_A)
         time.sleep(1)
     counts = {t: (load.ok[t], len(load.failed.get(t, []))) for t in sorted(TASKS_A | TASKS_B)}
-    print("requests (ok, failed) per task:", counts, "apply seconds:", [round(x, 1) for x in seconds])
+    # Serving goes on while blocks load: requests are answered in the middle half of every change
+    # (a load that held up Triton's HTTP threads answered none from its start to its end).
+    quiet = [(round(b - a, 1), round(_longest_quiet(load.answered, a, b), 1)) for a, b in windows]
+    print("requests (ok, failed) per task:", counts, "(apply seconds, longest time without an answer):", quiet)
+    for (a, b), (length, gap) in zip(windows, quiet):
+        mid = [t for t in load.answered if a + (b - a) / 4 <= t <= b - (b - a) / 4]
+        assert mid, f"no request was answered in the middle half of a {length} s plan change"
     for t in both:
         assert not load.failed.get(t), f"{t} lost {len(load.failed[t])} requests, e.g. {load.failed[t][:3]}"
         assert load.ok[t] > 20
