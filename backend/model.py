@@ -27,12 +27,22 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from backend.monitor import BlockMonitor
 from backend.runtime import BlockRunner
+from backend.tensormq.consumer import Consumer
 from backend.tensormq.metrics import TmqMetrics
-from backend.tensormq.producer import PoolExhaustedError
+from backend.tensormq.producer import PoolExhaustedError, Producer
 from backend.tensormq.ticket import ProducerGoneError
 from backend.trace import Tracer, trace_dir
-from blockflow.errors import BlockError, RequestError
-from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, LOGITS_ON_GPU_ENV, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
+from blockflow.core import env
+from blockflow.core.errors import BlockError, RequestError
+from blockflow.core.spec import (
+    ACTIVATION_IN,
+    ACTIVATION_OUT,
+    IMAGE,
+    LOGITS,
+    SPEC_PARAMETER,
+    TICKET_BYTES,
+    ModelSpec,
+)
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
 DRAIN_S = 10.0
@@ -56,7 +66,7 @@ def _device(args: dict[str, str]) -> torch.device:
 
 
 def _runtime_dir() -> Path:
-    value = os.environ.get("BLOCKFLOW_RUNTIME_DIR")
+    value = os.environ.get(env.RUNTIME_DIR)
     if not value or not Path(value).is_dir():
         raise BlockError("TensorMQ needs BLOCKFLOW_RUNTIME_DIR (the server's private runtime directory); "
                          "start the server with `blockflow serve`")
@@ -78,9 +88,6 @@ class TritonPythonModel:
     """Triton's entry points for one block instance."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        from backend.tensormq.consumer import Consumer
-        from backend.tensormq.producer import Producer
-
         config = json.loads(args["model_config"])
         self.spec = spec = _spec_from_config(config)
         self.device = _device(args)
@@ -91,7 +98,7 @@ class TritonPythonModel:
         # the server's own CUDA context (its HTTP and gRPC responses need them in host memory);
         # without MPS that context waits for a time slice behind the block processes, which made
         # the last block the pipeline's bottleneck under load (bench/results/h100/tail/).
-        logits_on_gpu = os.environ.get(LOGITS_ON_GPU_ENV) == "1"
+        logits_on_gpu = os.environ.get(env.LOGITS_ON_GPU) == "1"
         self.to_host = self.device.type == "cuda" and (spec.transport == "triton-cpu" or (spec.gives_logits and not logits_on_gpu))
         self.logger = pb_utils.Logger
         directory = trace_dir()
@@ -203,7 +210,7 @@ class TritonPythonModel:
                 try:
                     joined = xs[0] if len(xs) == 1 else torch.cat([x.to(self.device) for x in xs])
                     result = self._run(self.runners[name], joined)
-                    for k, rows in zip(ks, _split(result, sizes)):
+                    for k, rows in zip(ks, _split(result, sizes), strict=True):
                         outputs[k].append(pb_utils.Tensor.from_dlpack(name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)

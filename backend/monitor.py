@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 import torch
+
+from blockflow.core import nvml
 
 GAUGES = {
     "blockflow_block_gpu_memory_bytes": "GPU memory this block instance's process holds (NVML)",
@@ -37,37 +39,24 @@ COUNTERS = {
 
 
 def nvml_handle(nv: Any, device: torch.device) -> Any:
-    """NVML's handle of a torch CUDA device, found by UUID: CUDA and NVML may number devices
-    differently (``CUDA_VISIBLE_DEVICES``, PCI order). NVML must be initialised."""
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-
-
-def pid_gpu_bytes(nv: Any, handle: Any, pids: Iterable[int]) -> dict[int, float]:
-    """GPU memory (bytes) NVML lists on one GPU for each of ``pids``; a PID it does not list is left out.
-
-    In a container without the host's PID namespace NVML reports host PIDs, which then match nothing.
-    """
-    want = set(pids)
-    return {p.pid: float(p.usedGpuMemory) for p in nv.nvmlDeviceGetComputeRunningProcesses(handle)
-            if p.pid in want and p.usedGpuMemory is not None}
+    """NVML's handle of a torch CUDA device (NVML must be initialised)."""
+    return nvml.handle_by_uuid(nv, str(torch.cuda.get_device_properties(device).uuid))
 
 
 class _Nvml:
     """NVML handles for one GPU (see :func:`nvml_handle`)."""
 
     def __init__(self, device: torch.device) -> None:
-        import pynvml
-
-        self.nv = pynvml
-        pynvml.nvmlInit()
-        self.handle = nvml_handle(pynvml, device)
+        self.nv = nvml.init()
+        if self.nv is None:
+            raise RuntimeError("NVML is not available")
+        self.handle = nvml_handle(self.nv, device)
         self.pid = os.getpid()
 
     def sample(self) -> dict[str, float]:
         nv, h = self.nv, self.handle
         out: dict[str, float] = {}
-        mine = pid_gpu_bytes(nv, h, [self.pid])
+        mine = nvml.pid_gpu_bytes(nv, h, [self.pid])
         if self.pid in mine:
             out["blockflow_block_gpu_memory_bytes"] = mine[self.pid]
         out["blockflow_block_gpu_utilization_ratio"] = nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0

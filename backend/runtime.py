@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockflow import arch
-from blockflow.errors import BlockError, RequestError
-from blockflow.spec import ModelSpec, Part
+from blockflow.core import arch, env
+from blockflow.core.errors import BlockError, RequestError
+from blockflow.core.spec import ModelSpec, Part
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -112,7 +112,7 @@ class BlockRunner:
         self.memory_format = torch.channels_last if self.is_cuda and len(spec.in_shape) == 3 else torch.contiguous_format
         self.module = module.to(device=device, dtype=self.dtype).to(memory_format=self.memory_format)
         self.buckets = batch_buckets(spec.max_batch_size)
-        self.use_graphs = self.is_cuda and spec.cuda_graphs and os.environ.get("BLOCKFLOW_DISABLE_CUDA_GRAPHS") != "1"
+        self.use_graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"
         self._graphs: dict[int, _Graph] = {}
 
     @torch.inference_mode()
@@ -136,7 +136,7 @@ class BlockRunner:
             torch.cuda.synchronize(self.device)
             # cuDNN's algorithm search (benchmark mode) leaves large workspaces cached in the allocator;
             # a block process keeps them for its lifetime unless released here (bench.memory measures it).
-            if os.environ.get("BLOCKFLOW_KEEP_ALLOCATOR_CACHE") != "1":
+            if os.environ.get(env.KEEP_ALLOCATOR_CACHE) != "1":
                 torch.cuda.empty_cache()
 
     def _capture(self, batch: int, pool: Any) -> _Graph:

@@ -27,7 +27,10 @@ from typing import IO, Any
 
 import torch
 
-ENV = "BLOCKFLOW_TRACE_DIR"
+from backend.monitor import nvml_handle
+from blockflow.core import env, nvml
+
+ENV = env.TRACE_DIR
 
 
 def trace_dir() -> Path | None:
@@ -41,27 +44,19 @@ def process_gpu_mib(device: torch.device | None = None) -> dict[str, float]:
     The GPU is found by UUID (as the block monitor finds it) once torch has initialised CUDA; before
     that, by index, so that the reading itself does not initialise CUDA.
     """
-    from backend.monitor import nvml_handle, pid_gpu_bytes
-
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    try:
+    with nvml.session() as nv:
+        if nv is None:
+            return {}
         out: dict[str, float] = {}
         if device is not None and device.type == "cuda" and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            h = nvml_handle(pynvml, device)
+            h = nvml_handle(nv, device)
         else:
-            h = pynvml.nvmlDeviceGetHandleByIndex((device.index or 0) if device is not None and device.type == "cuda" else 0)
-        out["device_used_mib"] = float(pynvml.nvmlDeviceGetMemoryInfo(h).used) / 2**20
-        mine = pid_gpu_bytes(pynvml, h, [os.getpid()])
+            h = nv.nvmlDeviceGetHandleByIndex((device.index or 0) if device is not None and device.type == "cuda" else 0)
+        out["device_used_mib"] = float(nv.nvmlDeviceGetMemoryInfo(h).used) / 2**20
+        mine = nvml.pid_gpu_bytes(nv, h, [os.getpid()])
         if os.getpid() in mine:
             out["process_mib"] = mine[os.getpid()] / 2**20
         return out
-    finally:
-        pynvml.nvmlShutdown()
 
 
 class Tracer:

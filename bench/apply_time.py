@@ -1,7 +1,7 @@
 """How long one live plan change takes: plan A, then B, A, B, ... applied to one real server.
 
 Serves ``--plan-a`` (explicit model control), then applies the two plans in turns through
-:class:`blockflow.apply.Applier`, optionally while closed-loop clients keep every task busy, and
+:class:`blockflow.control.apply.Applier`, optionally while closed-loop clients keep every task busy, and
 writes each change's seconds (and the per-model load log) to ``OUT/apply_time.json``.
 
     python -m bench.apply_time --out DIR [--changes 6] [--clients 2] \\
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from blockflow.apply import Applier
+from blockflow.control.apply import Applier
 from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
+from blockflow.triton.server import ServerOptions, TritonServer
 from clients.client import TaskClient
 from ensemble_gen import generator
 
@@ -59,7 +59,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     repo = Path(tempfile.mkdtemp(prefix="apply-time-")) / "repository"
     generator.write(generator.render(plans[0]), repo)
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    opts = ServerOptions.on_free_ports([repo])
     rows: list[dict[str, Any]] = []
     counts: dict[str, list[int]] = {t: [0, 0] for p in plans for t in p.tasks}
     with TritonServer(opts) as server:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from backend.runtime import BlockRunner
+from blockflow.core.spec import ModelSpec
 from blockflow.plan import load_plan
-from blockflow.spec import ModelSpec
 from ensemble_gen.generator import block_spec, reference_spec
 
 

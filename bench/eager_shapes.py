@@ -18,28 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CHILD = r'''
-import json, sys, time, torch
-from backend.runtime import BlockRunner
-from blockflow.plan import load_plan
-from ensemble_gen.generator import reference_spec
-plan = load_plan(sys.argv[1]); task = plan.tasks[sys.argv[2]]; padded = sys.argv[3] == "padded"
-spec = reference_spec(plan, task, graph=False)[0].model_copy(update={"max_batch_size": 32})
-r = BlockRunner(spec, torch.device("cuda", 0)); r.warmup()
-out = {}
-for b in range(1, 33):
-    x = torch.randn(b, *spec.in_shape, device="cuda")
-    times = []
-    for _ in range(2):
-        torch.cuda.synchronize(); t = time.perf_counter()
-        with torch.inference_mode():
-            r.run(x) if padded else r._eager(x)
-        torch.cuda.synchronize(); times.append((time.perf_counter() - t) * 1e3)
-    out[b] = times
-print(json.dumps(out))
-'''
-
-
 def main() -> None:
     import torch
 
@@ -50,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     res = {}
     for variant in ("unpadded", "padded"):
-        run = subprocess.run([sys.executable, "-c", CHILD, str(args.plan), args.task, variant], capture_output=True, text=True,
+        run = subprocess.run([sys.executable, "-m", "bench.children", "eager-shapes", str(args.plan), args.task, variant], capture_output=True, text=True,
                              check=True, timeout=900, cwd=ROOT)
         res[variant] = json.loads(run.stdout.strip().splitlines()[-1])
     L = [f"# Eager ResNet-50 (`{args.task}` of `{args.plan.name}`, unsplit, fp32) on {torch.cuda.get_device_name(0)}: "

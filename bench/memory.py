@@ -7,7 +7,7 @@
    context, weights, warm-up / CUDA-graph capture, and after ``torch.cuda.empty_cache()``.
 2. Calibration: real servers (`blockflow serve`'s settings) for several plans; GPU 0's used
    memory with the plan loaded minus before; least squares for the per-process overhead,
-   the graph-pool factor and the server's own share (blockflow/memory.py's model).
+   the graph-pool factor and the server's own share (blockflow/plan/memory.py's model).
    ``--refit-from FILE ...`` fits to measurements already made (no GPU).
 3. Check: predicted vs measured for every plan, and the thesis' eight scenarios predicted.
 """
@@ -19,52 +19,21 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.harness import rendered
+from blockflow.core import nvml
+
 if TYPE_CHECKING:
-    from blockflow.memory import Calibration, Process
     from blockflow.plan import Plan
+    from blockflow.plan.memory import Calibration, Process
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BREAKDOWN_CHILD = r'''
-import json, os, sys, torch
-from blockflow.plan import load_plan
-from ensemble_gen.generator import segment_spec
-from backend.runtime import BlockRunner
-import pynvml
-pynvml.nvmlInit(); _h = pynvml.nvmlDeviceGetHandleByIndex(0)
-def used():
-    # NVML's figure, as for the baseline: CUDA's total - free counts differently (H100: ~470 MiB apart).
-    torch.cuda.synchronize(); return pynvml.nvmlDeviceGetMemoryInfo(_h).used / 2**20
-plan = load_plan(sys.argv[1]); block = plan.blocks[sys.argv[2]]
-base = float(sys.argv[3]); steps = {}
-torch.zeros(1, device="cuda:0"); steps["context"] = used() - base
-free, total = torch.cuda.mem_get_info(0); steps["context_cuda_total_minus_free"] = (total - free) / 2**20 - base
-if os.environ.get("BF_CUDNN_BENCHMARK") == "0": torch.backends.cudnn.benchmark = False
-spec, _ = segment_spec(plan, (block,), plan.transport)
-r = BlockRunner(spec, torch.device("cuda", 0))
-if os.environ.get("BF_CUDNN_BENCHMARK") == "0": torch.backends.cudnn.benchmark = False
-steps["weights"] = used() - base
-r.warmup(); steps["warmup"] = used() - base  # warmup() itself empties the allocator cache unless told not to
-torch.cuda.empty_cache(); steps["empty_cache"] = used() - base
-steps["torch_allocated"] = torch.cuda.memory_allocated() / 2**20
-steps["torch_reserved"] = torch.cuda.memory_reserved() / 2**20
-print(json.dumps(steps))
-'''
-
-
 def _gpu_used_mib() -> float:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used) / 2**20
-    finally:
-        pynvml.nvmlShutdown()
+    return nvml.used_mib(0)
 
 
 def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
@@ -78,7 +47,7 @@ def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
     for block in blocks:
         for label, env in settings.items():
             base = _gpu_used_mib()
-            res = subprocess.run([sys.executable, "-c", BREAKDOWN_CHILD, str(plan), block, str(base)], capture_output=True, text=True,
+            res = subprocess.run([sys.executable, "-m", "bench.children", "memory-steps", str(plan), block, str(base)], capture_output=True, text=True,
                                  env={**os.environ, **env, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
                                  timeout=300, check=False)
             row: dict[str, Any] = {"block": block, "setting": label}
@@ -94,14 +63,12 @@ def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
 
 def measure_plan(plan_path: Path, cuda_pool_mb: int) -> dict[str, Any]:
     from blockflow.plan import load_plan
-    from blockflow.server import ServerOptions, TritonServer, free_port
-    from ensemble_gen import generator
+    from blockflow.triton.server import ServerOptions, TritonServer
 
     plan = load_plan(plan_path)
-    repo = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-    generator.write(generator.render(plan), repo)
+    repo = rendered(plan, "bench-memory-")
     before = _gpu_used_mib()
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), cuda_pool_mb=cuda_pool_mb)
+    opts = ServerOptions.on_free_ports([repo], cuda_pool_mb=cuda_pool_mb)
     with TritonServer(opts) as server:
         time.sleep(3)
         during = _gpu_used_mib()
@@ -157,8 +124,7 @@ def _measured_in(path: Path) -> list[dict[str, Any]]:
 def _design(plan_path: Path) -> tuple[float, list[float]]:
     """A plan on GPU 0 as the fit sees it: (fixed MiB: weights + pools, [1 server, processes with
     CUDA graphs, processes without, CUDA-graph pool MiB at factor 1])."""
-    from blockflow import memory
-    from blockflow.plan import load_plan
+    from blockflow.plan import load_plan, memory
 
     plan = load_plan(plan_path)
     unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, eager_process_mib=0.0, server_mib=0.0, pack_head_factor=0.0)
@@ -179,7 +145,7 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 def _references(plan: Plan, cal: Calibration) -> list[Process]:
     """Reference models a plan also serves (measured servers run them too), deployed as the generator deploys them."""
-    from blockflow import memory
+    from blockflow.plan import memory
     from ensemble_gen.generator import reference_spec
 
     out = []
@@ -192,10 +158,8 @@ def _references(plan: Plan, cal: Calibration) -> list[Process]:
 
 
 def main() -> None:
-    import numpy as np
 
-    from blockflow import memory
-    from blockflow.plan import load_plan
+    from blockflow.plan import load_plan, memory
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
@@ -246,7 +210,7 @@ def main() -> None:
         pred = memory.per_gpu(memory.modular(plan, 1, cal) + _references(plan, cal), 1, cal, args.cuda_pool_mb)[0]
         # Leave-one-out: the constants fitted without this plan predict it (an out-of-sample check).
         coef = _fit(rows[:k] + rows[k + 1:], ys[:k] + ys[k + 1:]) if len(rows) > len(rows[k]) else [float("nan")] * len(rows[k])
-        loo = fixed[k] + args.cuda_pool_mb + sum(c * x for c, x in zip(coef, rows[k]))
+        loo = fixed[k] + args.cuda_pool_mb + sum(c * x for c, x in zip(coef, rows[k], strict=True))
         checks.append({"plan": m["plan"], "processes": m["processes"], "measured_mib": m["measured_mib"],
                        "predicted_mib": pred, "error": pred / m["measured_mib"] - 1,
                        "loo_predicted_mib": loo, "loo_error": loo / m["measured_mib"] - 1})

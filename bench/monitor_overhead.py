@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.harness import rendered
 from bench.transports import perf
 from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
-from ensemble_gen import generator
+from blockflow.triton.server import ServerOptions, TritonServer
 
 
 def main() -> None:
@@ -32,9 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     plan = load_plan(args.plan)
     c, h, w = plan.block_in_shape(plan.blocks[plan.tasks["monitored"].path[0]])
-    repo = Path(tempfile.mkdtemp(prefix="bench-monitor-"))
-    generator.write(generator.render(plan), repo)
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    repo = rendered(plan, "bench-monitor-")
+    opts = ServerOptions.on_free_ports([repo])
     rounds: list[dict[str, Any]] = []
     with TritonServer(opts) as server:
         for task in ("monitored", "unmonitored"):  # warm both before measuring

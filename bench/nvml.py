@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from blockflow.core import nvml
+
 
 class GpuSampler:
     """Samples every GPU's utilisation and power every ``period_s`` while running."""
@@ -17,14 +19,9 @@ class GpuSampler:
     def __init__(self, period_s: float = 0.1) -> None:
         self.period_s = period_s
         self.handles: list[Any] = []
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.nv: Any = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:
-            self.nv = None
+        self.nv: Any = nvml.init()
+        if self.nv is not None:
+            self.handles = [self.nv.nvmlDeviceGetHandleByIndex(i) for i in range(self.nv.nvmlDeviceGetCount())]
         self._samples: list[tuple[float, list[float], list[float]]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -51,12 +48,10 @@ class GpuSampler:
 
     def process_memory_mib(self, pids: Iterable[int]) -> dict[int, float]:
         """GPU memory of each of ``pids`` (summed over GPUs); a PID NVML does not list is left out."""
-        from backend.monitor import pid_gpu_bytes
-
         want = list(pids)
         out: dict[int, float] = {}
         for h in self.handles:
-            for pid, used in pid_gpu_bytes(self.nv, h, want).items():
+            for pid, used in nvml.pid_gpu_bytes(self.nv, h, want).items():
                 out[pid] = out.get(pid, 0.0) + used / 2**20
         return out
 

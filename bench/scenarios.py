@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from bench.harness import rendered
+from blockflow.core import nvml
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("traditional", "fused", "packed")
@@ -38,7 +40,7 @@ BUSIEST = 4
 
 def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str, Path]:
     """The three deployments of the scenario as plan files under ``out``."""
-    from blockflow import memory
+    from blockflow.plan import memory
 
     shares = memory.SCENARIOS[number]
     raws = {"traditional": memory.scenario_raw(arch, n_tasks, (1.0, 0.0, 0.0), fuse=True),
@@ -87,25 +89,16 @@ def busiest(d: dict[str, dict[str, int]], models: set[str], seconds: float, inst
 def _process_mib(server: Any) -> dict[str, list[float]]:
     """NVML's GPU memory (MiB) of each process of ``server`` on GPU 0, by model (``tritonserver``
     for the server itself); empty without NVML."""
-    try:
-        import pynvml
-        import torch
-
-        from backend.monitor import nvml_handle, pid_gpu_bytes
-
-        pynvml.nvmlInit()
-    except Exception:  # no driver: a dry run
-        return {}
-    try:
+    with nvml.session() as nv:
+        if nv is None:  # no driver: a dry run
+            return {}
         owners = {pid: model for model, pids in server.stub_processes().items() for pid in pids}
         owners[server.process.pid] = "tritonserver"
-        used = pid_gpu_bytes(pynvml, nvml_handle(pynvml, torch.device("cuda", 0)), owners)
+        used = nvml.pid_gpu_bytes(nv, nv.nvmlDeviceGetHandleByIndex(0), owners)
         out: dict[str, list[float]] = {}
         for pid, b in sorted(used.items()):
             out.setdefault(owners[pid], []).append(b / 2**20)
         return out
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _gpu_used_mib() -> float:
@@ -122,16 +115,14 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
     """Serve ``path`` alone; measured memory and, per client count, the load summary over all tasks."""
     from bench.suite import delta, model_stats
     from blockflow.plan import load_plan
-    from blockflow.server import ServerOptions, TritonServer, free_port
+    from blockflow.triton.server import ServerOptions, TritonServer
     from clients.load import LoadSpec, run_load, summarize
-    from ensemble_gen import generator
 
     plan = load_plan(path)
-    repo = Path(tempfile.mkdtemp(prefix="bench-scenario-"))
-    generator.write(generator.render(plan), repo)
+    repo = rendered(plan, "bench-scenario-")
     shape = plan.block_in_shape(plan.blocks[next(iter(plan.tasks.values())).path[0]])
     before = _gpu_used_mib()
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), cuda_pool_mb=cuda_pool_mb,
+    opts = ServerOptions.on_free_ports([repo], cuda_pool_mb=cuda_pool_mb,
                          mps=mps)
     t0 = time.monotonic()
     with TritonServer(opts) as server:
@@ -207,10 +198,9 @@ def main() -> None:
 
     import torch
 
-    from blockflow import memory
-    from blockflow.errors import PlanError
-    from blockflow.plan import load_plan
-    from blockflow.server import gpu_count
+    from blockflow.core.errors import PlanError
+    from blockflow.core.nvml import gpu_count
+    from blockflow.plan import load_plan, memory
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["resnet50", "resnet152"], default="resnet50")

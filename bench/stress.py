@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
+from blockflow.plan import load_plan, naming
+from blockflow.triton.server import ServerOptions, TritonServer
 from clients.client import TaskClient
-from ensemble_gen import generator, naming
+from ensemble_gen import generator
 
 
 def main() -> None:
@@ -36,8 +36,7 @@ def main() -> None:
     shape = plan.block_in_shape(plan.blocks[plan.tasks[tasks[0]].path[0]])
     repo = Path(os.environ.get("TMPDIR", "/tmp")) / f"stress-repo-{os.getpid()}"
     generator.write(generator.render(plan), repo)
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                         extra_args=args.server_arg)
+    opts = ServerOptions.on_free_ports([repo], extra_args=args.server_arg)
     rng = np.random.default_rng(0)
     jobs = [(tasks[i % len(tasks)], rng.standard_normal((1 + i % 3, *shape), dtype=np.float32)) for i in range(args.jobs)]
     with TritonServer(opts) as server:
@@ -51,7 +50,7 @@ def main() -> None:
         for r in range(args.rounds):
             with ThreadPoolExecutor(max_workers=args.workers) as pool:
                 results = list(pool.map(call, jobs))
-            errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected)]
+            errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected, strict=True)]
             bad = sum(1 for e in errs if not e <= 1e-4)
             print(f"[stress {args.label}] round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}", flush=True)
 

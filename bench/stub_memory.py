@@ -26,7 +26,7 @@ from backend.trace import ENV as TRACE_ENV
 from bench.nvml import GpuSampler
 from bench.timeline import read_traces
 from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
+from blockflow.triton.server import ServerOptions, TritonServer
 from ensemble_gen import generator
 
 VARIANTS: dict[str, dict[str, str]] = {
@@ -55,7 +55,7 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
     trace = Path(tempfile.mkdtemp(prefix="bench-stubmem-"))
     gpus = GpuSampler()
     rows = []
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), load=(),
+    opts = ServerOptions.on_free_ports([repo], load=(),
                          cuda_pool_mb=cuda_pool_mb,
                          env={**env, TRACE_ENV: str(trace)})
     with TritonServer(opts) as server:

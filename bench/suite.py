@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.harness import rendered
 from bench.nvml import GpuSampler
-from blockflow.doctor import perf_analyzer_path
-from blockflow.errors import BlockFlowError, EnvironmentProblem
-from blockflow.plan import Plan, load_plan, parse_plan
-from blockflow.server import ServerOptions, TritonServer, free_port, gpu_count
-from ensemble_gen import generator, naming
-
+from blockflow.core.errors import BlockFlowError, EnvironmentProblem
+from blockflow.core.nvml import gpu_count
+from blockflow.plan import Plan, load_plan, naming, parse_plan
+from blockflow.triton.doctor import perf_analyzer_path
+from blockflow.triton.server import ServerOptions, TritonServer
 
 SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
 
@@ -53,7 +53,7 @@ class BenchConfig:
     client_seconds: float = 5.0
     gpu_layouts: list[int] = field(default_factory=lambda: [2, 4])  # 1 GPU is the main run itself
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
-    mps: bool = False  # serve under a private MPS daemon (blockflow.mps)
+    mps: bool = False  # serve under a private MPS daemon (blockflow.triton.mps)
 
     @classmethod
     def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
@@ -181,7 +181,7 @@ class Bench:
         top = d.get(model["model"], {})
         inferences = top.get("inferences", 0)
         if self.gpus.available and inferences:
-            r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1)) / inferences
+            r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1, strict=True)) / inferences
             r.update(self.gpus.window(t0, t1))
         r["server_compute_ms"] = compute_ms(top)
         blocks = block_breakdown(d, model["blocks"], batch)
@@ -198,10 +198,8 @@ class Bench:
     # ------------------------------------------------------------------ sections
 
     def _serve(self, plan: Plan) -> TritonServer:
-        repo = Path(tempfile.mkdtemp(prefix="blockflow-bench-"))
-        generator.write(generator.render(plan), repo)
-        server = TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                                            mps=self.cfg.mps))
+        repo = rendered(plan, "blockflow-bench-")
+        server = TritonServer(ServerOptions.on_free_ports([repo], mps=self.cfg.mps))
         server.start(900)
         return server
 
@@ -216,7 +214,7 @@ class Bench:
             res["models"] = {k: v["model"] for k, v in models.items()}
             res["memory"] = self._memory(server)
             self.checkpoint(res)
-            for label, m in models.items():  # warm-up, not recorded
+            for m in models.values():  # warm-up, not recorded
                 perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
             res["pipeline"] = {}
             res["batch"] = {}

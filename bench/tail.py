@@ -34,14 +34,14 @@ from typing import Any
 import numpy as np
 
 from backend.trace import ENV as TRACE_ENV
+from bench.harness import rendered
 from bench.memory import _device
 from bench.suite import block_breakdown, delta, model_stats, perf_analyzer, task_models
 from bench.timeline import read_traces
+from blockflow.core import env as blockflow_env
 from blockflow.plan import Plan, load_plan, parse_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
-from blockflow.spec import LOGITS_ON_GPU_ENV
+from blockflow.triton.server import ServerOptions, TritonServer
 from clients.load import LoadSpec, run_load, write_csv
-from ensemble_gen import generator
 
 VARIANTS = ("default", "trace", "nomonitor", "mps", "gpulogits")
 SLOW_MS = 50.0  # a request this slow is counted as a stall (the monolithic graph's p99 is ~15-20 ms)
@@ -91,13 +91,12 @@ def run_variant(plan: Plan, variant: str, labels: list[str], rate: float, second
     models = {k: v for k, v in task_models(plan, task.name).items() if k in labels}
     c, h, w = plan.block_in_shape(plan.blocks[task.path[0]])
     shape = f"IMAGE:{c},{h},{w}"
-    repo = Path(tempfile.mkdtemp(prefix="bench-tail-"))
-    generator.write(generator.render(plan), repo)
+    repo = rendered(plan, "bench-tail-")
     trace = None if variant != "trace" else Path(tempfile.mkdtemp(prefix="bench-tail-trace-"))
     env = {TRACE_ENV: str(trace)} if trace else {}
     if variant == "gpulogits":
-        env[LOGITS_ON_GPU_ENV] = "1"
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), mps=variant == "mps", env=env)
+        env[blockflow_env.LOGITS_ON_GPU] = "1"
+    opts = ServerOptions.on_free_ports([repo], mps=variant == "mps", env=env)
     with TritonServer(opts) as server:
         res: dict[str, Any] = {}
         for label, m in models.items():
@@ -162,11 +161,11 @@ def write_report(res: dict[str, Any], out: Path) -> None:
     variants = list(res["variants"])
     labels = sorted({label for models in res["variants"].values() for label in models})
     fig, axes = plt.subplots(len(variants), 1, figsize=(10, 2.6 * len(variants)), squeeze=False, sharex=True)
-    for ax, v in zip(axes[:, 0], variants):
+    for ax, v in zip(axes[:, 0], variants, strict=True):
         for label in labels:
             series = res["variants"][v].get(label, {}).get("series", [])
             if series:
-                t, lat = zip(*series)
+                t, lat = zip(*series, strict=True)
                 ax.scatter(t, lat, s=3, label=label)
         ax.set_yscale("log")
         ax.set_ylabel("latency ms")

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from backend.trace import ENV as TRACE_ENV
+from bench.harness import rendered
 from bench.suite import block_breakdown, delta, model_stats, task_models
 from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
-from ensemble_gen import generator
+from blockflow.triton.server import ServerOptions, TritonServer
 
 
 def _client_times(url: str, model: str, shape: tuple[int, ...], n: int, warmup: int) -> list[tuple[int, int]]:
@@ -89,7 +89,7 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
         matched += 1
         add("end_to_end", recv - send)
         add("client_to_first", hits[0]["t"][0] - send)  # type: ignore[index]
-        for i, (stage, h) in enumerate(zip(stages, hits)):
+        for i, (stage, h) in enumerate(zip(stages, hits, strict=True)):
             assert h is not None
             t = h["t"]
             add(f"{stage}.read", t[1] - t[0])
@@ -144,12 +144,10 @@ def main() -> None:
     task = next(iter(plan.tasks.values()))
     shape = plan.block_in_shape(plan.blocks[task.path[0]])
     models = task_models(plan, task.name)
-    repo = Path(tempfile.mkdtemp(prefix="bench-timeline-"))
-    generator.write(generator.render(plan), repo)
+    repo = rendered(plan, "bench-timeline-")
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
     runs: dict[str, Any] = {}
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                         env={TRACE_ENV: str(trace)})  # every block process traces its calls
+    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)})  # every block process traces its calls
     with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.harness import rendered
 from bench.suite import block_breakdown, compute_ms, delta, model_stats, perf_analyzer
-from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
-from ensemble_gen import generator, naming
+from blockflow.plan import load_plan, naming
+from blockflow.triton.server import ServerOptions, TritonServer
 
 CONFIGS = [("b1-c1", 1, 1), ("b8-c1", 8, 1), ("b1-c32", 1, 32)]
 
@@ -41,9 +40,8 @@ def main() -> None:
     variants: dict[str, str] = {str(tr): naming.task_model(task.name, tr, task.transport) for tr in plan.transports_of(task)}
     refs = {f"monolithic-{v}": naming.reference_model(task.name, v == "graph") for v in plan.raw.references}
     blocks = {str(tr): [naming.block_model(b, tr, plan.transport) for b in task.path] for tr in plan.transports_of(task)}
-    repo = Path(tempfile.mkdtemp(prefix="bench-repo-"))
-    generator.write(generator.render(plan), repo)
-    opts = ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    repo = rendered(plan, "bench-repo-")
+    opts = ServerOptions.on_free_ports([repo])
     results: dict[str, Any] = {"plan": str(args.plan), "task": task.name, "path": list(task.path), "runs": {}}
     configs = CONFIGS[:1] if args.quick else CONFIGS
     with TritonServer(opts) as server:

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from blockflow.errors import ClientError
-from blockflow.spec import IMAGE, LOGITS
+from blockflow.core.errors import ClientError
+from blockflow.core.spec import IMAGE, LOGITS
 
 Protocol = Literal["http", "grpc"]
 Array = npt.NDArray[np.float32]
@@ -96,6 +96,17 @@ class TaskClient:
         else:
             names = sorted({str(m["name"]) for m in stats.get("model_stats", [])})
         return [{"name": n, "state": "READY"} for n in names]
+
+    def input_shape(self, task: str) -> tuple[int, int, int]:
+        """The (channels, height, width) of one image the task takes."""
+        try:
+            meta = self._client.get_model_metadata(task)
+        except Exception as exc:
+            names = [m["name"] for m in self.models() if m.get("state") == "READY"]
+            raise ClientError(f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})") from exc
+        inputs = meta["inputs"] if isinstance(meta, dict) else [{"shape": list(i.shape)} for i in meta.inputs]
+        dims = [int(d) for d in inputs[0]["shape"]][-3:]
+        return dims[0], dims[1], dims[2]
 
     def infer(self, task: str, images: Any) -> Array:
         """Logits of ``images`` (numpy, or with ``input_memory="cuda"`` also a torch tensor)."""

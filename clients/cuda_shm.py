@@ -17,31 +17,34 @@ import base64
 import os
 from typing import Any
 
-from blockflow.errors import ClientError
+from blockflow.core import cuda
+from blockflow.core.errors import ClientError
 
 
 class CudaInputRegion:
     """``byte_size`` bytes on GPU ``device``, registered with a tritonclient client as ``name``.
 
-    The memory is a TensorMQ :class:`~backend.tensormq.memory.CudaSegment`: one ``cuMemAlloc``
-    of its own with its CUDA IPC handle, which is what Triton's CUDA shared-memory API takes.
+    The memory is one ``cuMemAlloc`` of its own with its CUDA IPC handle, which is what Triton's
+    CUDA shared-memory API takes (torch's caching allocator would hand out part of a larger block).
     """
 
     def __init__(self, client: Any, name: str, byte_size: int, device: int = 0) -> None:
         try:
             import torch
-
-            from backend.tensormq.memory import CudaSegment
         except ImportError as exc:
             raise ClientError(f"CUDA shared-memory inputs need torch with CUDA: {exc}") from exc
         if not torch.cuda.is_available() or device >= torch.cuda.device_count():
             raise ClientError(f"CUDA shared-memory inputs need a CUDA GPU {device} on this machine; use input_memory='host'")
         self._client, self.name, self.byte_size, self.device = client, name, byte_size, device
-        self._segment = CudaSegment(device, byte_size)
+        with torch.cuda.device(device):
+            torch.zeros(1, device=f"cuda:{device}")  # makes the primary context current for the driver calls
+            self._ptr = cuda.mem_alloc(byte_size)
+            handle = cuda.ipc_mem_handle(self._ptr)
+            self._bytes = torch.as_tensor(cuda.DeviceBytes(self._ptr, byte_size), device=f"cuda:{device}")
         try:
-            client.register_cuda_shared_memory(name, base64.b64encode(self._segment.handle).decode(), device, byte_size)
+            client.register_cuda_shared_memory(name, base64.b64encode(handle).decode(), device, byte_size)
         except Exception as exc:
-            self._segment.close()
+            self._free()
             raise ClientError(f"the server refused CUDA shared-memory region {name!r} ({byte_size} bytes on GPU {device}): "
                               f"{str(exc).strip()}; it must run on this machine and see this GPU") from exc
         self._registered = True
@@ -55,7 +58,7 @@ class CudaInputRegion:
         nbytes = x.numel() * 4
         if nbytes > self.byte_size:
             raise ClientError(f"{nbytes} bytes of images do not fit region {self.name!r} of {self.byte_size}")
-        self._segment.view(0, tuple(x.shape), torch.float32).copy_(x)
+        self._bytes[:nbytes].view(torch.float32).view(x.shape).copy_(x)
         torch.cuda.synchronize(self.device)  # the server reads the region as soon as the request arrives
         return nbytes
 
@@ -66,7 +69,15 @@ class CudaInputRegion:
         try:
             self._client.unregister_cuda_shared_memory(self.name)
         finally:
-            self._segment.close()  # synchronises, then frees
+            self._free()
+
+    def _free(self) -> None:
+        import torch
+
+        del self._bytes
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()  # no copy into the region may still be running
+            cuda.mem_free(self._ptr)
 
 
 def region_name() -> str:

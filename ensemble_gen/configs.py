@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from blockflow.core.spec import (
+    ACTIVATION_IN,
+    ACTIVATION_OUT,
+    IMAGE,
+    LOGITS,
+    SPEC_PARAMETER,
+    TICKET_BYTES,
+    ModelSpec,
+)
 from blockflow.plan import Block
-from blockflow.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, TICKET_BYTES, ModelSpec
 
 # Triton's Python backend copies GPU inputs to host memory unless told otherwise.
 FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"

@@ -20,11 +20,24 @@ from typing import Literal
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from blockflow.errors import GenerateError
-from blockflow.plan import Block, HeadPack, Plan, Task
-from blockflow.spec import LOGITS, Head, ModelSpec, Part, Precision, TransportName, head_output
-from ensemble_gen import naming
-from ensemble_gen.configs import DIGEST_PARAMETER, Step, ensemble_config, python_model_config, to_pbtxt
+from blockflow.core.errors import GenerateError
+from blockflow.core.spec import (
+    LOGITS,
+    Head,
+    ModelSpec,
+    Part,
+    Precision,
+    TransportName,
+    head_output,
+)
+from blockflow.plan import Block, HeadPack, Plan, Task, naming
+from ensemble_gen.configs import (
+    DIGEST_PARAMETER,
+    Step,
+    ensemble_config,
+    python_model_config,
+    to_pbtxt,
+)
 
 MARKER = ".blockflow-repository"
 
@@ -92,7 +105,7 @@ def segment_spec(plan: Plan, segment: tuple[Block, ...], transport: TransportNam
 def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[ModelSpec, Block]:
     """The model of a head pack: every member's head in one process, deployed like the first head."""
     first = pack.heads[0][0]
-    heads = tuple(Head(task=t, parts=_parts(h)) for t, h in zip(pack.tasks, pack.heads))
+    heads = tuple(Head(task=t, parts=_parts(h)) for t, h in zip(pack.tasks, pack.heads, strict=True))
     spec = _path_spec(plan, "pack", pack.name, list(pack.heads[0]), transport, first.precision, first.cuda_graphs,
                       first.max_batch_size, heads)
     return spec, dataclasses.replace(first, name=pack.name)
@@ -257,7 +270,7 @@ def by_model(files: Mapping[str, bytes]) -> dict[str, dict[str, bytes]]:
 def read_model(root: Path, model: str) -> dict[str, bytes] | None:
     """The files of one model directory, or None when it does not exist."""
     d = root / model
-    return {k: v for k, v in _on_disk(d).items()} if d.is_dir() else None
+    return _on_disk(d) if d.is_dir() else None
 
 
 def write_model(root: Path, model: str, files: Mapping[str, bytes] | None) -> None:

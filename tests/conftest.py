@@ -30,7 +30,7 @@ class Served:
     """What the session server serves: its URLs and the plans behind it."""
 
     def __init__(self, server: object, plans: dict[str, object]) -> None:
-        from blockflow.server import TritonServer
+        from blockflow.triton.server import TritonServer
 
         assert isinstance(server, TritonServer)
         self.server = server
@@ -46,9 +46,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     Start-up failures show the server log's tail; teardown stops the server and checks
     that no process of its group is left.
     """
-    from blockflow.errors import ServerError
+    from blockflow.core.errors import ServerError
     from blockflow.plan import load_plan
-    from blockflow.server import ServerOptions, TritonServer, free_port, group_members
+    from blockflow.triton.server import (
+        ServerOptions,
+        TritonServer,
+        group_members,
+    )
     from ensemble_gen import generator
 
     base = tmp_path_factory.mktemp("served")
@@ -59,7 +63,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         generator.write(generator.render(plan), repo)
         repos.append(repo)
         plans[path.stem] = plan
-    opts = ServerOptions(repos, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    opts = ServerOptions.on_free_ports(repos)
     server = TritonServer(opts, runtime_dir=base / "runtime")
     (base / "runtime").mkdir(mode=0o700)
     try:

@@ -72,7 +72,8 @@ Cancel, crash, restart:
   fails its request alone, and the tickets that request claimed are still
   released.
 
-Messages (ZeroMQ multipart, DEALER → the producer's ROUTER):
+Messages (ZeroMQ multipart, a consumer's DEALER to the producer generation's ROUTER; the
+constants and frame layouts are in ``backend/tensormq/wire.py``):
 
 =========  ===========================================  ====================================
 kind       request frames                               answer
@@ -81,11 +82,16 @@ HELLO      ``HELLO``                                    ``WELCOME`` + JSON: prod
                                                         segment (kind, name or CUDA IPC handle,
                                                         bytes), event handles, max_slots
 RELEASE    ``RELEASE``, n × ``<IIII`` items             none (fire and forget)
+           (generation, slot, sequence, sample)
 STATS      ``STATS``                                    ``STATS`` + JSON of the producer's counters
 other      anything else                                ``ERROR`` + a short text
 =========  ===========================================  ====================================
 
-Nothing on any socket is pickled. Files in ``$BLOCKFLOW_RUNTIME_DIR``: ``tmq.key``
-(ticket MAC key, 0600), ``tmq/<id>-<generation>.sock`` and ``.claims`` (one pair per
-producer generation); host pools are ``/dev/shm/blockflow-tmq-<runtime dir>-<id>-<generation>``.
+The ticket (256 bytes, inside Triton's tensors, never on these sockets) is laid out in
+``backend/tensormq/ticket.py``; the claim table's layout in ``backend/tensormq/claims.py``.
+
+Nothing on any socket is pickled. Files (named in ``blockflow/core/env.py``): in the runtime
+directory ``$BLOCKFLOW_RUNTIME_DIR``, ``tmq.key`` (ticket MAC key, 0600) and
+``tmq/<id>-<generation>.sock`` and ``.claims`` (one pair per producer generation); host pools
+are ``/dev/shm/blockflow-tmq-<runtime dir>-<id>-<generation>``.
 """

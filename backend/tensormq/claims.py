@@ -31,6 +31,8 @@ import struct
 import time
 from pathlib import Path
 
+from blockflow.core import env
+
 HEADER = struct.Struct("<4sHHII")  # magic, version, reserved, max_slots, words per slot
 MAGIC = b"BFCL"
 VERSION = 1
@@ -40,7 +42,7 @@ SAMPLES_PER_WORD = 32
 
 
 def claims_path(socket_path: Path) -> Path:
-    return socket_path.with_suffix(".claims")
+    return env.claims_file(socket_path)
 
 
 class ClaimTable:

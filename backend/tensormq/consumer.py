@@ -14,12 +14,13 @@ from typing import Any
 import torch
 import zmq
 
-from backend.tensormq import cuda
 from backend.tensormq import ticket as tk
 from backend.tensormq.claims import ClaimTable, claims_path
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
-from backend.tensormq.producer import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, read_key, socket_path
+from backend.tensormq.producer import read_key
 from backend.tensormq.ticket import ProducerGoneError, TicketError
+from backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
+from blockflow.core import cuda
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
 RELEASE_EVENTS = 64

@@ -10,25 +10,18 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections import OrderedDict
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from backend.tensormq import cuda
 from backend.tensormq.ticket import DEVICE_CUDA, DEVICE_HOST
+from blockflow.core import cuda
 
 SHM_DIR = Path("/dev/shm")
 VIEW_CACHE = 1024  # cached (offset, shape, dtype) views per segment
-
-
-class _CudaArray:
-    """Just enough ``__cuda_array_interface__`` for ``torch.as_tensor`` to wrap raw device memory."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
 
 
 class Segment:
@@ -139,7 +132,7 @@ class CudaSegment(Segment):
                 self.owner = False
                 self.ptr = cuda.ipc_open_mem(handle)
                 self.handle = handle
-            self.tensor = torch.as_tensor(_CudaArray(self.ptr, nbytes), device=f"cuda:{device}")
+            self.tensor = torch.as_tensor(cuda.DeviceBytes(self.ptr, nbytes), device=f"cuda:{device}")
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "cuda", "handle": self.handle.hex(), "nbytes": self.nbytes, "device": self.device}

@@ -6,8 +6,6 @@ import hashlib
 import json
 import math
 import os
-import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -21,10 +19,9 @@ from backend.tensormq import ticket as tk
 from backend.tensormq.claims import ClaimTable, claims_path
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from backend.tensormq.slots import Slot, SlotTable
-from blockflow.errors import BlockError
-
-HELLO, WELCOME, RELEASE, STATS, ERROR = b"HELLO", b"WELCOME", b"RELEASE", b"STATS", b"ERROR"
-RELEASE_ITEM = struct.Struct("<IIII")  # generation, slot, seq, sample
+from backend.tensormq.wire import ERROR, HELLO, RELEASE, RELEASE_ITEM, STATS, WELCOME, endpoint, generations, listening, socket_path
+from blockflow.core import env
+from blockflow.core.errors import BlockError
 
 
 class PoolExhaustedError(BlockError):
@@ -36,36 +33,8 @@ def producer_id(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-def socket_path(runtime_dir: Path, pid: int, generation: int) -> Path:
-    """One socket per producer *generation*: while a block reloads, old and new instances both serve."""
-    return runtime_dir / "tmq" / f"{pid:016x}-{generation:08x}.sock"
-
-
-def endpoint(runtime_dir: Path, pid: int, generation: int) -> str:
-    return f"ipc://{socket_path(runtime_dir, pid, generation)}"
-
-
-def generations(runtime_dir: Path, pid: int) -> list[int]:
-    """Generations of producer ``pid`` that have a socket file (live or left by a killed process)."""
-    return [int(p.stem.rsplit("-", 1)[1], 16) for p in sorted((runtime_dir / "tmq").glob(f"{pid:016x}-*.sock"))]
-
-
-def listening(path: Path) -> bool:
-    """Whether a process still accepts connections on the Unix socket ``path``.
-
-    A SIGKILLed producer leaves its socket file behind; connecting to it is refused at once.
-    """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-    return True
-
-
 def read_key(runtime_dir: Path) -> bytes:
-    path = runtime_dir / "tmq.key"
+    path = runtime_dir / env.TMQ_KEY_FILE
     try:
         key = path.read_bytes()
     except OSError as exc:
@@ -126,7 +95,7 @@ class Producer:
             self.events = EventRing(int(device.index or 0), max_slots)
             self.device_type = tk.DEVICE_CUDA
         else:
-            self.segment = HostSegment(f"blockflow-tmq-{runtime_dir.name}-{self.id:016x}-{self.generation:08x}", pool_bytes, create=True)
+            self.segment = HostSegment(f"{env.pool_shm_prefix(runtime_dir)}{self.id:016x}-{self.generation:08x}", pool_bytes, create=True)
             self.events = EventRing(None)
             self.device_type = tk.DEVICE_HOST
         self._welcome = json.dumps({

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockflow.errors import RequestError
-from blockflow.spec import TICKET_BYTES as TICKET_BYTES
+from blockflow.core.errors import RequestError
+from blockflow.core.spec import TICKET_BYTES as TICKET_BYTES
 
 MAGIC = b"BFTQ"
 VERSION = 2

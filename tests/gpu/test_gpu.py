@@ -61,12 +61,12 @@ def test_graph_replay_does_not_alias_outputs() -> None:
 
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from blockflow.server import ServerOptions, TritonServer, free_port
+    from blockflow.triton.server import ServerOptions, TritonServer
     from ensemble_gen import generator
 
     repo = tmp_path_factory.mktemp("gpu") / "repo"
     generator.write(generator.render(load_plan(ROOT / "tests" / "plans" / "gpu_precisions.yaml")), repo)
-    server = TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()))
+    server = TritonServer(ServerOptions.on_free_ports([repo]))
     server.start(600)
     try:
         yield server.http_url

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port
+from blockflow.triton.server import ServerOptions, TritonServer
 from clients.client import TaskClient
 from ensemble_gen import generator
 
@@ -22,7 +22,7 @@ def test_task_spanning_two_gpus_matches_reference(tmp_path: Path) -> None:
         pytest.skip("needs two GPUs")
     repo = tmp_path / "repo"
     generator.write(generator.render(load_plan(ROOT / "tests" / "plans" / "gpu_two_gpus.yaml")), repo)
-    with TritonServer(ServerOptions([repo], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())) as server:
+    with TritonServer(ServerOptions.on_free_ports([repo])) as server:
         with TaskClient(server.http_url) as c:
             for batch in (1, 3, 8):
                 x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)

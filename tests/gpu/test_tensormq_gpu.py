@@ -12,12 +12,12 @@ import torch
 
 from backend.tensormq.consumer import Consumer
 from backend.tensormq.producer import Producer
-from blockflow.server import prepare_tensormq
+from blockflow.triton.server import prepare_tensormq
 
 pytestmark = pytest.mark.gpu
 
 
-def _produce(runtime: str, device: int, conn: "mp.connection.Connection") -> None:
+def _produce(runtime: str, device: int, conn: mp.connection.Connection) -> None:
     torch.cuda.set_device(device)
     prod = Producer("gpu-producer/0", Path(runtime), torch.device("cuda", device), 64 << 20, 16, 30, 5)
     b = 0

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from blockflow.server import free_port
+from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -242,7 +242,7 @@ class Load:
 def _longest_quiet(answered: list[float], start: float, end: float) -> float:
     """The longest time within [start, end] in which no request was answered."""
     times = [start, *(t for t in answered if start < t < end), end]
-    return max(b - a for a, b in zip(times, times[1:]))
+    return max(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 def test_twenty_alternating_plans_under_load(live: Live) -> None:
@@ -282,7 +282,7 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
     # (a load that held up Triton's HTTP threads answered none from its start to its end).
     quiet = [(round(b - a, 1), round(_longest_quiet(load.answered, a, b), 1)) for a, b in windows]
     print("requests (ok, failed) per task:", counts, "(apply seconds, longest time without an answer):", quiet)
-    for (a, b), (length, gap) in zip(windows, quiet):
+    for (a, b), (length, _) in zip(windows, quiet, strict=True):
         mid = [t for t in load.answered if a + (b - a) / 4 <= t <= b - (b - a) / 4]
         assert mid, f"no request was answered in the middle half of a {length} s plan change"
     for t in both:

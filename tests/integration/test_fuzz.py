@@ -22,7 +22,7 @@ import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
 
-from blockflow.access import ADMIN_HEADER, grpc_admin_headers
+from blockflow.triton.access import ADMIN_HEADER, grpc_admin_headers
 from clients.client import TaskClient
 
 from ..conftest import Served
@@ -158,7 +158,7 @@ def test_random_mutated_replayed_and_redirected_tickets_are_refused(served: Serv
     x = np.random.default_rng(1).standard_normal((1, 3, 64, 64), dtype=np.float32)
     outcomes: Counter[str] = Counter()
     rounds = max(1, N // 4)
-    for i in range(rounds):
+    for _ in range(rounds):
         # r18_a feeds r18_b only; r18_b feeds r18_c1 and r18_c2 (tests/plans/r18_three_cuts.yaml).
         first = _ticket(c, "r18_a__tensormq", x)
         ok, msg = _send(c, "r18_c1__tensormq", first)  # redirected: r18_a does not feed r18_c1

@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 from blockflow.plan import load_plan
-from blockflow.server import ServerOptions, TritonServer, free_port, group_members
+from blockflow.triton.server import (
+    ServerOptions,
+    TritonServer,
+    group_members,
+)
 from ensemble_gen import generator
 
 pytestmark = pytest.mark.integration
@@ -23,8 +27,7 @@ PLAN = Path(__file__).resolve().parents[1] / "plans" / "live_a.yaml"
 
 def test_a_crashed_server_leaves_no_block_process(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     generator.write(generator.render(load_plan(PLAN)), tmp_path / "repo")
-    opts = ServerOptions([tmp_path / "repo"], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                         load=("trunk",))
+    opts = ServerOptions.on_free_ports([tmp_path / "repo"], load=("trunk",))
     server = TritonServer(opts)
     server.start(timeout=float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
     try:

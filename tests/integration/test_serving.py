@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockflow.errors import ClientError
-from blockflow.plan import Plan
+from blockflow.core.errors import ClientError
+from blockflow.plan import Plan, naming
 from clients.client import TaskClient
-from ensemble_gen import naming
 
 from ..conftest import Served
 
@@ -110,7 +109,7 @@ def _concurrent_jobs_match_references(served: Served, jobs: list[tuple[str, np.n
 
     with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(call, jobs))
-    for (task, _), got, want in zip(jobs, results, expected):
+    for (task, _), got, want in zip(jobs, results, expected, strict=True):
         assert rel_err(got, want) <= TOL, task
 
 

@@ -14,7 +14,7 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 import zmq
 
-from backend.tensormq.producer import STATS
+from backend.tensormq.wire import STATS
 from clients.client import TaskClient
 
 from ..conftest import Served
@@ -147,9 +147,9 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
         time.sleep(0.6)  # metrics are published at most every 0.5 s, from execute
         tc.infer("t18_one__tensormq", image(2))
     text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
-    lines = [l for l in text.splitlines() if l.startswith("blockflow_tmq_")]
+    lines = [ln for ln in text.splitlines() if ln.startswith("blockflow_tmq_")]
     def value(name: str, model: str) -> float:
-        hits = [float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") and f'block="{model}"' in l]
+        hits = [float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{") and f'block="{model}"' in ln]
         assert hits, f"{name} for {model} missing from the metrics endpoint"
         return sum(hits)
     assert value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
@@ -165,4 +165,4 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
     opens = value("blockflow_tmq_handle_opens_total", "r18_b__tensormq")
     assert opens % per_pair == 0 and 1 <= opens // per_pair <= pairs, (opens, per_pair, pairs)
     assert value("blockflow_tmq_pool_slots_in_use", "r18_b__tensormq") >= 0
-    assert any('instance="' in l for l in lines)
+    assert any('instance="' in ln for ln in lines)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from blockflow.apply import Applier, Change, Report, Served, compute_diff, expected_instances
+from blockflow.control.apply import (
+    Applier,
+    Change,
+    Report,
+    Served,
+    compute_diff,
+    expected_instances,
+)
 from blockflow.plan import load_plan
 from ensemble_gen import generator
 from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt

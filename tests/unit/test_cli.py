@@ -119,9 +119,8 @@ def test_serve_refuses_a_gpu_placement_without_gpus(tmp_path: Path) -> None:
 
 
 def test_serve_suggests_mps_only_when_many_processes_share_a_gpu() -> None:
-    from blockflow import memory
     from blockflow.cli import MPS_HINT_PROCESSES, mps_hint
-    from blockflow.plan import load_plan
+    from blockflow.plan import load_plan, memory
     from ensemble_gen.generator import render
 
     many = render(memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True))  # 22 processes on GPU 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from blockflow.errors import ClientError
+from blockflow.core.errors import ClientError
 from clients.client import TaskClient
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from blockflow.errors import GenerateError
+from blockflow.core.errors import GenerateError
+from blockflow.core.spec import SPEC_PARAMETER, ModelSpec
 from blockflow.plan import load_plan
-from blockflow.spec import SPEC_PARAMETER, ModelSpec
 from ensemble_gen import generator
 from ensemble_gen.configs import parse_pbtxt, to_pbtxt
 
@@ -170,8 +170,8 @@ def _packed_raw() -> dict[str, Any]:
 
 
 def test_pack_heads_runs_the_heads_after_one_segment_as_one_model() -> None:
+    from blockflow.core.spec import ModelSpec
     from blockflow.plan import load_plan
-    from blockflow.spec import ModelSpec
     from ensemble_gen.configs import parse_pbtxt
 
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
@@ -219,8 +219,8 @@ def test_heads_deployed_differently_form_separate_packs() -> None:
 def test_a_pack_spec_needs_heads() -> None:
     from pydantic import ValidationError
 
+    from blockflow.core.spec import ModelSpec
     from blockflow.plan import load_plan
-    from blockflow.spec import ModelSpec
 
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     spec, _ = generator.pack_spec(plan, plan.head_packs["p_one"], "tensormq")
@@ -231,8 +231,7 @@ def test_a_pack_spec_needs_heads() -> None:
 
 
 def test_memory_model_counts_one_process_per_pack() -> None:
-    from blockflow import memory
-    from blockflow.plan import load_plan
+    from blockflow.plan import load_plan, memory
 
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     cal = memory.Calibration()
@@ -248,8 +247,7 @@ def test_memory_model_counts_one_process_per_pack() -> None:
 def test_a_pack_pays_one_full_graph_pool_and_a_share_for_each_further_head() -> None:
     import yaml
 
-    from blockflow import memory
-    from blockflow.plan import parse_plan
+    from blockflow.plan import memory, parse_plan
 
     packed = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     raw = yaml.safe_load((ROOT / "tests" / "plans" / "packed.yaml").read_text())
@@ -267,8 +265,8 @@ def test_a_pack_pays_one_full_graph_pool_and_a_share_for_each_further_head() -> 
 
 
 def test_an_old_calibration_is_refused_with_the_fix(tmp_path: Path) -> None:
-    from blockflow import memory
-    from blockflow.errors import CalibrationError
+    from blockflow.core.errors import CalibrationError
+    from blockflow.plan import memory
 
     old = tmp_path / "cal.json"
     old.write_text(json.dumps({"process_mib": 805.0, "activation_factor": 2.34, "server_mib": 846.0}))

@@ -1,4 +1,4 @@
-"""blockflow.mps: a clear error where the MPS control binary is missing, and the client environment."""
+"""blockflow.triton.mps: a clear error where the MPS control binary is missing, and the client environment."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from blockflow.errors import EnvironmentProblem
-from blockflow.mps import MpsDaemon
+from blockflow.core.errors import EnvironmentProblem
+from blockflow.triton.mps import MpsDaemon
 
 
 def test_missing_control_binary_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 
-from blockflow.errors import PlanError
+from blockflow.core.errors import PlanError
 from blockflow.plan import load_plan, parse_plan
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from backend.runtime import BlockRunner, batch_buckets, bucket_for
-from blockflow import arch
-from blockflow.errors import BlockError, RequestError
+from blockflow.core import arch
+from blockflow.core.errors import BlockError, RequestError
+from blockflow.core.spec import ModelSpec, Part, WeightsSource
 from blockflow.plan import load_plan, parse_plan
-from blockflow.spec import ModelSpec, Part, WeightsSource
 from ensemble_gen.generator import block_spec, reference_spec
 
 ROOT = Path(__file__).resolve().parents[2]

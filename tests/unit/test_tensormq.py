@@ -17,18 +17,20 @@ import zmq
 
 from backend.tensormq import ticket as tk
 from backend.tensormq.consumer import Consumer
-from backend.tensormq.producer import STATS, PoolExhaustedError, Producer, endpoint, generations
+from backend.tensormq.producer import PoolExhaustedError, Producer
 from backend.tensormq.slots import ALIGN, SlotTable
 from backend.tensormq.ticket import TicketError
-from blockflow.server import prepare_tensormq
+from backend.tensormq.wire import STATS, endpoint, generations
+from blockflow.triton.server import prepare_tensormq
 
 KEY = b"k" * 32
 CPU = torch.device("cpu")
 
 
 def sample_ticket(**over: object) -> tk.Ticket:
-    base: dict[str, object] = dict(producer=0x1234, generation=7, slot=3, seq=9, sample=0, offset=4096, nbytes=2 * 3 * 4 * 4,
-                                   dtype=torch.float32, shape=(2, 3, 4), device_type=tk.DEVICE_HOST, device_index=0)
+    base: dict[str, object] = {"producer": 0x1234, "generation": 7, "slot": 3, "seq": 9, "sample": 0, "offset": 4096,
+                               "nbytes": 2 * 3 * 4 * 4, "dtype": torch.float32, "shape": (2, 3, 4),
+                               "device_type": tk.DEVICE_HOST, "device_index": 0}
     base.update(over)
     return tk.Ticket(**base)  # type: ignore[arg-type]
 
@@ -135,7 +137,7 @@ def runtime(tmp_path: Path) -> Iterator[Path]:
         p.unlink()
 
 
-def _producer_proc(runtime: str, name: str, conn: "mp.connection.Connection", lease_s: float) -> None:
+def _producer_proc(runtime: str, name: str, conn: mp.connection.Connection, lease_s: float) -> None:
     """Serves batches on request ("batch"), so leases start when the test is ready."""
     prod = Producer(name, Path(runtime), CPU, pool_bytes=1 << 20, max_slots=8, lease_s=lease_s, wait_s=0.5)
     b = 0
@@ -193,7 +195,7 @@ def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime
         consumer.close()
 
 
-def _consume_and_die(runtime: str, conn: "mp.connection.Connection") -> None:
+def _consume_and_die(runtime: str, conn: mp.connection.Connection) -> None:
     consumer = Consumer(Path(runtime), CPU)
     conn.send("ready")
     consumer.gather(_tickets(conn.recv()), (4, 5), stream=0)
@@ -339,7 +341,7 @@ def test_tickets_are_one_shot_and_bound_to_their_hop(runtime: Path) -> None:
         prod.close()
 
 
-def _claim_all(path: str, slots: int, samples: int, seq: int, out: "mp.Queue[int]") -> None:
+def _claim_all(path: str, slots: int, samples: int, seq: int, out: mp.Queue[int]) -> None:
     from backend.tensormq.claims import ClaimTable
 
     table = ClaimTable(Path(path))
@@ -357,7 +359,7 @@ def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) 
         table.open_slot(s, 5, time.monotonic() + 60)
     assert (tmp_path / "t.claims").stat().st_mode & 0o777 == 0o600
     ctx = mp.get_context("spawn")
-    out: "mp.Queue[int]" = ctx.Queue()
+    out: mp.Queue[int] = ctx.Queue()
     procs = [ctx.Process(target=_claim_all, args=(str(tmp_path / "t.claims"), slots, samples, 5, out)) for _ in range(3)]
     for p in procs:
         p.start()

@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockflow.errors import EnvironmentProblem
+from blockflow.core import nvml
+from blockflow.core.errors import EnvironmentProblem
 
 
 @dataclass(frozen=True)
@@ -48,23 +49,15 @@ def _torch_check() -> Check:
 
 
 def _nvml_check() -> Check:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as exc:
-        return Check("NVML GPUs", True, f"NVML unavailable ({exc.__class__.__name__}): no GPUs, CPU-only serving")
-    try:
-        n = pynvml.nvmlDeviceGetCount()
+    with nvml.session() as nv:
+        if nv is None:
+            return Check("NVML GPUs", True, "NVML unavailable (no driver or no GPU): CPU-only serving")
         names = []
-        for i in range(n):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            names.append(f"{i}: {pynvml.nvmlDeviceGetName(h)} ({mem.total / 2**30:.0f} GiB)")
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        return Check("NVML GPUs", True, f"driver {driver}; " + "; ".join(names))
-    finally:
-        pynvml.nvmlShutdown()
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            names.append(f"{i}: {nv.nvmlDeviceGetName(h)} ({mem.total / 2**30:.0f} GiB)")
+        return Check("NVML GPUs", True, f"driver {nv.nvmlSystemGetDriverVersion()}; " + "; ".join(names))
 
 
 def _missing_libs(binary: Path, env_libs: Path) -> list[str]:
@@ -78,7 +71,7 @@ def _missing_libs(binary: Path, env_libs: Path) -> list[str]:
 
 
 def _triton_checks() -> list[Check]:
-    from blockflow.triton import locate
+    from blockflow.triton.install import locate
 
     try:
         install = locate()

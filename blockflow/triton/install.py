@@ -24,9 +24,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockflow.errors import EnvironmentProblem
+from blockflow.core import env as blockflow_env
+from blockflow.core.errors import EnvironmentProblem
 
-HOME_ENV = "BLOCKFLOW_TRITON_HOME"
+HOME_ENV = blockflow_env.TRITON_HOME
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -109,10 +110,10 @@ def server_env(install: TritonInstall, runtime_dir: Path) -> dict[str, str]:
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(install.libs), env.get("LD_LIBRARY_PATH", "")] if p)
     roots = os.pathsep.join(stub_pythonpath())
     env["PYTHONPATH"] = roots
-    env["BLOCKFLOW_PYTHONPATH"] = roots  # read by every generated model.py (see ensemble_gen.generator)
+    env[blockflow_env.PYTHONPATH] = roots  # read by every generated model.py (see ensemble_gen.generator)
     env["PYTHONUNBUFFERED"] = "1"
     # A stub importing model.py would write 1/__pycache__/ into the repository; Triton then sees the
     # model as modified and reloads it whenever a model that depends on it is loaded (blockflow apply).
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["BLOCKFLOW_RUNTIME_DIR"] = str(runtime_dir)
+    env[blockflow_env.RUNTIME_DIR] = str(runtime_dir)
     return env

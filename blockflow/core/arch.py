@@ -48,7 +48,7 @@ def stage_slices(arch: str, cut_points: Sequence[str]) -> list[tuple[int, int]]:
     bounds = [seq.index(c) + 1 for c in cut_points]
     starts = [0, *bounds]
     ends = [*bounds, len(seq)]
-    return list(zip(starts, ends))
+    return list(zip(starts, ends, strict=True))
 
 
 def build_network(arch: str, num_classes: int, seed: int) -> nn.Module:

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from blockflow.errors import EnvironmentProblem
+from blockflow.core.errors import EnvironmentProblem
 
 CONTROL = "nvidia-cuda-mps-control"
 

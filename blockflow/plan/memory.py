@@ -26,8 +26,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from blockflow.errors import CalibrationError
-from blockflow.plan import Block, Plan
+from blockflow.core.errors import CalibrationError
+from blockflow.plan import naming
+from blockflow.plan.deployment import Block, Plan
+from blockflow.plan.load import parse_plan
 
 MODEL_VERSION = 3
 
@@ -83,7 +85,7 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
     import torch
     import torchvision.models as tvm
 
-    from blockflow.arch import slice_stages
+    from blockflow.core.arch import slice_stages
 
     with torch.device("meta"):
         net = getattr(tvm, arch)(weights=None, num_classes=num_classes).eval()
@@ -137,7 +139,6 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
 
 def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
     """The processes `blockflow serve` starts for ``plan`` (every transport variant; references excluded)."""
-    from ensemble_gen import naming
 
     out: list[Process] = []
     seen: set[str] = set()
@@ -170,7 +171,7 @@ def traditional(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
 
 def per_gpu(processes: list[Process], gpus: int, cal: Calibration, cuda_pool_mb: int = 2048) -> dict[int, float]:
     """Predicted MiB on each GPU: the processes on it, plus the server's context and CUDA pool."""
-    total = {g: cal.server_mib + cuda_pool_mb for g in range(gpus)}
+    total = dict.fromkeys(range(gpus), cal.server_mib + cuda_pool_mb)
     for p in processes:
         total[p.gpu] = total.get(p.gpu, cal.server_mib + cuda_pool_mb) + p.total_mib
     return total
@@ -186,7 +187,6 @@ SCENARIOS: dict[int, tuple[float, float, float]] = {  # thesis Table 4.4: share 
 
 def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> Plan:
     """:func:`scenario_raw` parsed."""
-    from blockflow.plan import parse_plan
 
     return parse_plan(scenario_raw(arch, n_tasks, shares, fuse, pack), source=f"{arch} scenario {shares}")
 

@@ -21,8 +21,8 @@ from typing import Any
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from blockflow import access
-from blockflow.errors import TritonApiError
+from blockflow.core.errors import TritonApiError
+from blockflow.triton import access
 
 
 @dataclass(frozen=True)

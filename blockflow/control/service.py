@@ -28,11 +28,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from blockflow.access import same_secret
-from blockflow.apply import Applier, Report, expected_instances
-from blockflow.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
-from blockflow.plan import Plan, parse_plan_text
-from ensemble_gen import generator, naming
+from blockflow.control.apply import Applier, Report, expected_instances
+from blockflow.core.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
+from blockflow.plan import Plan, naming, parse_plan_text
+from blockflow.triton.access import same_secret
+from ensemble_gen import generator
 
 
 @dataclass(frozen=True)

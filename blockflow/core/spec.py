@@ -24,9 +24,6 @@ LOGITS = "LOGITS"
 ACTIVATION_IN = "ACTIVATION_IN"
 ACTIVATION_OUT = "ACTIVATION_OUT"
 TICKET_BYTES = 256
-# A block process sees "1" here when logits are to be handed to Triton on the GPU, as they were
-# before blocks copied them to the host themselves (backend/model.py says why); for comparisons only.
-LOGITS_ON_GPU_ENV = "BLOCKFLOW_LOGITS_ON_GPU"
 
 
 class _Strict(BaseModel):

@@ -22,7 +22,7 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
 If a load in steps 3–4 fails, everything done so far is undone: old files go
 back, changed models are reloaded from them, new models are unloaded and
 deleted. The server then serves the old plan for every task, and
-:class:`~blockflow.errors.ApplyError` says what failed and what was restored.
+:class:`~blockflow.core.errors.ApplyError` says what failed and what was restored.
 Nothing is unloaded before every load succeeded.
 
 Callers that also reload crashed blocks (``blockflow serve``) share ``lock``
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from blockflow.errors import ApplyError, TritonApiError
+from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.plan import Plan
-from blockflow.triton_control import TritonControl
+from blockflow.triton.api import TritonControl
 from ensemble_gen import generator
 from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 
@@ -146,8 +146,8 @@ class Applier:
 
     def __init__(self, grpc_url: str, repository: Path, lock: threading.Lock | None = None, timeout: float = 900.0,
                  log: Callable[[str], None] | None = None, admin_key: str = "") -> None:
-        # Load, unload and the repository index are Triton's restricted APIs (blockflow.access),
-        # called over gRPC so that loads never hold up inference (blockflow.triton_control).
+        # Load, unload and the repository index are Triton's restricted APIs (blockflow.triton.access),
+        # called over gRPC so that loads never hold up inference (blockflow.triton.api).
         self.control = TritonControl(grpc_url, admin_key, timeout)
         self.url = self.control.url
         self.repository = repository

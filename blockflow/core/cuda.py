@@ -11,7 +11,7 @@ import ctypes
 from functools import cache
 from typing import Any
 
-from blockflow.errors import BlockError
+from blockflow.core.errors import BlockError
 
 IPC_HANDLE_BYTES = 64
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
@@ -137,3 +137,10 @@ def event_record(event: int, stream: int) -> None:
 
 def stream_wait_event(stream: int, event: int) -> None:
     _check(_lib().cuStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), 0), "cuStreamWaitEvent")
+
+
+class DeviceBytes:
+    """Just enough ``__cuda_array_interface__`` for ``torch.as_tensor`` to wrap raw device memory as bytes."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}

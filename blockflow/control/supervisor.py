@@ -6,7 +6,7 @@ Every ``period_s`` (a quarter second) :meth:`Supervisor.check`:
   already killed its block processes; the supervisor starts a new server on the same ports
   and runtime directory, from the repository on disk, which the applier keeps in step with
   the plan being served. At most ``max_restarts`` restarts in ``restart_window_s``; past
-  that it gives up with :class:`~blockflow.errors.ServerError` (a server that cannot stay
+  that it gives up with :class:`~blockflow.core.errors.ServerError` (a server that cannot stay
   up needs a person).
 - reloads a block whose process died (Triton's Python backend does not restart it; its
   requests fail until the model is loaded again).
@@ -23,9 +23,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from blockflow.control import Controller
-from blockflow.errors import ModelReloadError, ServerError
-from blockflow.server import TritonServer
+from blockflow.control.service import Controller
+from blockflow.core.errors import ModelReloadError, ServerError
+from blockflow.triton.server import TritonServer
 
 log = logging.getLogger(__name__)
 

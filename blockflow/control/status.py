@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockflow.errors import BlockFlowError
+from blockflow.core.errors import BlockFlowError
 
 
 @dataclass

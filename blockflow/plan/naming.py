@@ -15,7 +15,7 @@ Plan names may not contain ``__``, so generated names never collide with them.
 
 from __future__ import annotations
 
-from blockflow.spec import TransportName
+from blockflow.core.spec import TransportName
 
 SEP = "__"
 

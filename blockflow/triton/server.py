@@ -30,12 +30,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-from blockflow import access
-from blockflow.errors import ModelReloadError, PortInUseError, ServerError, TritonApiError
-from blockflow.mps import MpsDaemon
-from blockflow.triton import TritonInstall, locate, prepare_backend_dir, server_env
-from blockflow.triton_control import TritonControl
+from blockflow.core import env
+from blockflow.core.errors import (
+    ModelReloadError,
+    PortInUseError,
+    ServerError,
+    TritonApiError,
+)
+from blockflow.core.nvml import gpu_count
+from blockflow.triton import access
+from blockflow.triton.api import TritonControl
+from blockflow.triton.install import (
+    TritonInstall,
+    locate,
+    prepare_backend_dir,
+    server_env,
+)
+from blockflow.triton.mps import MpsDaemon
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +121,19 @@ class ServerOptions:
     # (bench.stress: 50-60% of 120 concurrent requests wrong with the 64 MiB default, none with
     # 1 GiB; with no pool the server crashed). Size it for the activations in flight.
     cuda_pool_mb: int = 2048
-    # Run the block processes as clients of a private MPS daemon (see blockflow.mps).
+    # Run the block processes as clients of a private MPS daemon (see blockflow.triton.mps).
     mps: bool = False
     extra_args: Sequence[str] = field(default_factory=list)
     # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
     env: Mapping[str, str] = field(default_factory=dict)
-    # The key of Triton's restricted APIs (model repository, trace, logging; see blockflow.access).
+    # The key of Triton's restricted APIs (model repository, trace, logging; see blockflow.triton.access).
     # Empty: a new random one, written to <runtime dir>/admin.key.
     admin_key: str = ""
+
+    @classmethod
+    def on_free_ports(cls, repositories: Sequence[Path], **options: Any) -> ServerOptions:
+        """Options for a server on this host's loopback, on three free ports (tests and benchmarks)."""
+        return cls(repositories, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **options)
 
 
 class TritonServer:
@@ -126,7 +144,7 @@ class TritonServer:
         self.install = install or locate()
         self._own_runtime = runtime_dir is None
         self.runtime_dir = runtime_dir or make_runtime_dir()
-        self.log_path = self.runtime_dir / "tritonserver.log"
+        self.log_path = self.runtime_dir / env.SERVER_LOG
         self.process: subprocess.Popen[bytes] | None = None
         self.mps = MpsDaemon(self.runtime_dir / "mps") if options.mps else None
         # Set by the watchdog once the server process has exited (and been reaped), for any reason.
@@ -179,7 +197,7 @@ class TritonServer:
             "--exit-timeout-secs=20",
             *[f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_pool_mb * 2**20}" for gpu in range(gpu_count())],
             # Named shm regions let us find (and remove) what a killed stub left in /dev/shm.
-            f"--backend-config=python,shm-region-prefix-name=blockflow{os.getpid()}_{self.runtime_dir.name}_",
+            f"--backend-config=python,shm-region-prefix-name={env.stub_shm_prefix(os.getpid(), self.runtime_dir)}",
             "--backend-config=python,shm-default-byte-size=8388608",
             "--backend-config=python,shm-growth-byte-size=33554432",
             *o.extra_args,
@@ -332,7 +350,7 @@ class TritonServer:
 
     def _remove_shm(self) -> None:
         # The Python backend's regions, and TensorMQ host pools of stubs that were killed.
-        for prefix in (f"blockflow{os.getpid()}_{self.runtime_dir.name}_", f"blockflow-tmq-{self.runtime_dir.name}-"):
+        for prefix in (env.stub_shm_prefix(os.getpid(), self.runtime_dir), env.pool_shm_prefix(self.runtime_dir)):
             for path in Path("/dev/shm").glob(prefix + "*"):
                 path.unlink(missing_ok=True)
 
@@ -346,26 +364,12 @@ class TritonServer:
 
 def prepare_tensormq(runtime_dir: Path) -> None:
     """The TensorMQ socket directory and ticket-signing key of one server (both private to its user)."""
-    (runtime_dir / "tmq").mkdir(mode=0o700, exist_ok=True)
-    key = runtime_dir / "tmq.key"
+    (runtime_dir / env.TMQ_DIR).mkdir(mode=0o700, exist_ok=True)
+    key = runtime_dir / env.TMQ_KEY_FILE
     if not key.exists():
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(32))
-
-
-def gpu_count() -> int:
-    """GPUs NVML sees (0 without a driver)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return 0
 
 
 def _die_with_parent() -> None:

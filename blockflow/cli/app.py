@@ -1,0 +1,78 @@
+"""The ``blockflow`` group, its consoles and shared arguments, and the entry point.
+
+Every failure BlockFlow expects (bad plan, missing file, port in use, server
+that does not start, bad arguments) ends in a clear message on stderr and a
+non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from blockflow.core.errors import BlockFlowError, PlanError
+
+DEFAULT_PLAN = Path(__file__).resolve().parents[2] / "plans" / "default.yaml"
+
+# Piped output (files, CI logs) gets wide tables instead of 80 columns of wrapped cells.
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 220)
+out_console = out  # for commands with an `out` parameter
+err = Console(stderr=True, soft_wrap=True)
+
+
+@click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="blockflow", prog_name="blockflow")
+def app() -> None:
+    """Serve DNNs cut into shared blocks on NVIDIA Triton."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    # Library warnings (e.g. the server watchdog's) on stderr, in the CLI's own style.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_time=False, show_path=False)])
+
+
+PLAN = click.argument("plan", type=click.Path(path_type=Path))
+PORT = click.IntRange(0, 65535)
+
+
+def read_secret(path: Path, flag: str) -> str:
+    """A secret from a file, or a usage error that names ``flag``."""
+    from blockflow.triton.access import read_secret
+
+    try:
+        return read_secret(path)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=flag) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, turning every expected error into one clear message."""
+    if argv is None and len(sys.argv) == 1:
+        argv = ["--help"]
+    try:
+        rv = app.main(args=argv, prog_name="blockflow", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.ClickException as exc:
+        ctx = getattr(exc, "ctx", None)
+        where = f" (see: blockflow {ctx.info_name} --help)" if ctx is not None and ctx.info_name != "blockflow" else " (see: blockflow --help)"
+        err.print(f"blockflow: error: {exc.format_message()}{where}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except PlanError as exc:
+        err.print(f"blockflow: {exc}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except BlockFlowError as exc:
+        err.print(f"blockflow: error: {exc}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
+

@@ -1,0 +1,140 @@
+"""Commands for a running server: apply, status."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Group
+from rich.table import Table
+
+from blockflow.cli.app import PLAN, app, err, out, read_secret
+from blockflow.core.errors import PlanError
+
+
+@app.command()
+@PLAN
+@click.option("--url", default="http://127.0.0.1:8003", show_default=True, help="The control service of `blockflow serve`.")
+@click.option("--token-file", type=click.Path(path_type=Path), default=None, help="File with the bearer token (else $BLOCKFLOW_TOKEN).")
+@click.option("--dry-run", is_flag=True, help="Only print what would change.")
+@click.option("--triton-grpc-url", "triton_url", default=None, metavar="HOST:PORT",
+              help="Apply straight to the Triton whose gRPC endpoint this is (explicit model control; loads go over gRPC "
+                   "so that they never hold up HTTP inference) instead of the control service; needs --repository.")
+@click.option("--repository", type=click.Path(path_type=Path), default=None, help="With --triton-grpc-url: the server's BlockFlow model repository.")
+@click.option("--admin-key-file", type=click.Path(path_type=Path), default=None,
+              help="With --triton-grpc-url: the key of Triton's restricted model-repository API (blockflow serve writes it to "
+                   "<runtime dir>/admin.key).")
+def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_url: str | None, repository: Path | None,
+          admin_key_file: Path | None) -> None:
+    """Make a running server serve PLAN, without stopping it.
+
+    New and changed blocks load first, then the ensembles that use them; removed tasks and
+    the blocks no task needs any more are unloaded last. If a load fails, the previous plan
+    is restored and keeps serving every task.
+    """
+    import os
+
+    from blockflow.core.errors import ApplyError
+    from blockflow.plan import load_plan
+
+    p = load_plan(plan)  # a bad plan is refused here, before anything is sent
+    if triton_url is not None:
+        from blockflow.control.apply import Applier
+
+        if repository is None:
+            raise click.UsageError("--triton-grpc-url needs --repository (the directory the server loads models from)")
+        admin_key = read_secret(admin_key_file, "--admin-key-file") if admin_key_file is not None else ""
+        applier = Applier(triton_url, repository, log=lambda m: err.print(m, markup=False, highlight=False), admin_key=admin_key)
+        try:
+            report = applier.apply(p, dry_run=dry_run)
+        finally:
+            applier.close()
+        lines, steps, seconds = report.diff.lines(), report.steps, report.seconds
+    else:
+        import httpx
+
+        token = read_secret(token_file, "--token-file") if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", "")
+        if not token:
+            raise click.UsageError("give the control service's token with --token-file or $BLOCKFLOW_TOKEN")
+        try:
+            r = httpx.post(f"{url.rstrip('/')}/plan", params={"dry_run": str(dry_run).lower()}, content=plan.read_bytes(),
+                           headers={"Authorization": f"Bearer {token}", "Content-Type": "application/yaml"}, timeout=1800)
+        except httpx.HTTPError as exc:
+            raise ApplyError(f"cannot reach the control service at {url}: {exc}") from None
+        body: dict[str, Any] = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
+        if r.status_code == 422 and body.get("issues"):
+            from blockflow.core.errors import PlanIssue
+
+            raise PlanError([PlanIssue(i["loc"], i["message"]) for i in body["issues"]], f"{plan} (refused by the server)")
+        if r.status_code != 200:
+            raise ApplyError(f"{body.get('error') or body.get('detail') or r.text} (HTTP {r.status_code})")
+        lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
+    for line in lines:
+        out.print(line, markup=False, highlight=False)
+    if dry_run:
+        out.print("(dry run: nothing changed)")
+    elif steps:
+        out.print(f"[green]applied[/] {p.raw.name!r} in {seconds:.1f} s")
+
+
+@app.command()
+@click.option("--url", default="127.0.0.1:8000", show_default=True, help="Triton's HTTP endpoint.")
+@click.option("--metrics-url", default=None, help="Triton's metrics endpoint (default: the --url host, port 8002).")
+@click.option("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True, help="Seconds between the two samples rates are computed from.")
+@click.option("--watch", is_flag=True, help="Refresh the tables every --interval seconds until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON instead of tables.")
+def status(url: str, metrics_url: str | None, interval: float, watch: bool, as_json: bool) -> None:
+    """Tasks (ready, request rate, p50/p99) and blocks (instances, device, memory, utilisation, queue and compute time)."""
+    import json
+
+    import httpx
+    from rich.live import Live
+
+    from blockflow.control.status import block_rows, snapshot, task_rows
+
+    host = url.removeprefix("http://").rsplit(":", 1)[0]
+    murl = metrics_url or f"http://{host}:8002/metrics"
+    with httpx.Client(timeout=30) as client:
+        prev = snapshot(url, murl, client)
+        time.sleep(interval)
+        cur = snapshot(url, murl, client)
+        if as_json:
+            out.print_json(json.dumps({"tasks": task_rows(prev, cur), "blocks": block_rows(prev, cur)}))
+            return
+        if not watch:
+            out.print(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
+            return
+        with Live(Group(), console=out, refresh_per_second=4) as live:
+            try:
+                while True:
+                    live.update(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
+                    time.sleep(interval)
+                    prev, cur = cur, snapshot(url, murl, client)
+            except KeyboardInterrupt:
+                pass
+
+
+def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object]]) -> Group:
+    def num(v: object, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    def ready(v: object) -> str:
+        return "[green]ready[/]" if v else "[red]not ready[/]"
+
+    t = Table(title="tasks")
+    for col in ("task", "state", "req/s", "failed", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="left" if col in ("task", "state") else "right")
+    for r in tasks:
+        t.add_row(str(r["task"]), ready(r["ready"]), num(r["rate"], ".1f"), str(r["failed"]), num(r["p50_ms"], ".2f"), num(r["p99_ms"], ".2f"))
+    b = Table(title="blocks")
+    for col in ("block", "state", "inst", "device", "GPU MiB", "RSS MiB", "GPU util", "CPU", "req/s", "queue ms", "compute ms"):
+        b.add_column(col, justify="left" if col in ("block", "state", "device") else "right")
+    for r in blocks:
+        b.add_row(str(r["block"]), ready(r["ready"]), str(r["instances"]), str(r["device"]), num(r["gpu_mem_mib"], ".0f"),
+                  num(r["rss_mib"], ".0f"), num(r["gpu_util"], ".0%"), num(r["cpu_util"], ".0%"), num(r["rate"], ".1f"),
+                  num(r["queue_ms"], ".2f"), num(r["compute_ms"], ".2f"))
+    return Group(t, b)
+
+

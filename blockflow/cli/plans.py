@@ -1,0 +1,167 @@
+"""Plan commands: validate, show, generate, plan-memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from rich.table import Table
+
+from blockflow.cli.app import PLAN, app, err, out
+
+if TYPE_CHECKING:
+    from blockflow.plan import Plan
+
+
+@app.command()
+@PLAN
+def validate(plan: Path) -> None:
+    """Check a plan; print every problem with its key path and fix."""
+    from blockflow.plan import load_plan
+
+    p = load_plan(plan)
+    for w in p.warnings():
+        err.print(f"[yellow]warning[/]: {w}")
+    out.print(f"plan {plan} is valid: {len(p.models)} model(s), {len(p.blocks)} block(s), {len(p.tasks)} task(s)")
+
+
+@app.command()
+@PLAN
+def show(plan: Path) -> None:
+    """Tasks, blocks, what each task shares, and the tensors between blocks."""
+    from blockflow.plan import load_plan
+
+    p = load_plan(plan)
+    sharing = p.sharing()
+    blocks = Table(title="blocks")
+    for col in ("block", "model", "stages", "in", "out", "params", "placement", "inst", "batch", "precision", "graphs", "used by"):
+        blocks.add_column(col)
+    params = _param_counts(p)
+    for b in p.blocks.values():
+        blocks.add_row(
+            b.name, b.model, f"{b.first}" if b.first == b.last else f"{b.first}-{b.last}",
+            _shape(p.block_in_shape(b)), _shape(p.block_out_shape(b)), f"{params[b.name] / 1e6:.2f} M",
+            str(list(b.placement) if isinstance(b.placement, tuple) else b.placement), str(b.instances),
+            str(b.max_batch_size), b.precision, "on" if b.cuda_graphs else "off",
+            ", ".join(sharing[b.name]) or "[yellow]unused[/]",
+        )
+    tasks = Table(title="tasks")
+    for col in ("task", "transport", "path", "shared blocks", "hop tensors (fp32, per sample)"):
+        tasks.add_column(col)
+    for t in p.tasks.values():
+        shared = [b for b in t.path if len(sharing[b]) > 1]
+        hops = [f"{_shape(p.block_out_shape(p.blocks[b]))} {_mib(p.block_out_shape(p.blocks[b]))}" for b in t.path[:-1]]
+        tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", "; ".join(hops) or "-")
+    out.print(tasks)
+    out.print(blocks)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape))
+
+
+def _mib(shape: tuple[int, ...]) -> str:
+    n = 4
+    for d in shape:
+        n *= d
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _param_counts(p: Plan) -> dict[str, int]:
+    """Parameters per block, counted on the meta device (no memory, no weights)."""
+    import torch
+    import torchvision.models as tvm
+
+    from blockflow.core import arch
+
+    counts: dict[str, int] = {}
+    for b in p.blocks.values():
+        m = p.models[b.model]
+        with torch.device("meta"):
+            net = getattr(tvm, m.arch)(weights=None, num_classes=m.num_classes)
+            stages = arch.slice_stages(net, m.arch, m.cut_points, b.first, b.last)
+            counts[b.name] = sum(t.numel() for t in stages.parameters())
+    return counts
+
+
+@app.command()
+@PLAN
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Repository directory to write.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUTPUT differs from the plan.")
+def generate(plan: Path, output: Path, check: bool) -> None:
+    """Generate the Triton model repository for a plan (atomically; same plan, same bytes)."""
+    from blockflow.plan import load_plan
+    from ensemble_gen import generator
+
+    p = load_plan(plan)
+    files = generator.render(p)
+    if check:
+        differences = generator.diff(files, output)
+        if differences:
+            err.print(f"{output} is stale for {plan} ({len(differences)} difference(s)); "
+                      f"regenerate with: blockflow generate {plan} -o {output}")
+            for d in differences[:20]:
+                err.print(f"  {d}")
+            raise click.exceptions.Exit(1)
+        out.print(f"{output} is up to date with {plan}")
+        return
+    generator.write(files, output)
+    out.print(f"wrote {len(generator.model_names(files))} models to {output}")
+
+
+@app.command("plan-memory")
+@click.argument("plan", type=click.Path(path_type=Path), required=False)
+@click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs to place on (default: the GPUs NVML sees, at least 1).")
+@click.option("--calibration", type=click.Path(path_type=Path, exists=True), default=None,
+              help="Constants measured by `python -m bench.memory` (default: bench/results/h100/memory_calibration.json if present).")
+@click.option("--scenarios", "arch", type=click.Choice(["resnet50", "resnet152"]), default=None,
+              help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
+@click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
+@click.option("--cuda-pool-mb", type=click.IntRange(0), default=2048, show_default=True, help="Triton's CUDA pool per GPU, as `serve` sets it.")
+def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, arch: str | None, n_tasks: int,
+                cuda_pool_mb: int) -> None:
+    """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""
+    from blockflow.core.nvml import gpu_count
+    from blockflow.plan import load_plan, memory
+
+    default_cal = Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "memory_calibration.json"
+    cal_path = calibration or (default_cal if default_cal.is_file() else None)
+    cal = memory.Calibration.load(cal_path) if cal_path else memory.Calibration()
+    out.print(f"calibration: {cal.source} (process {cal.process_mib:.0f} MiB, activation factor {cal.activation_factor:.2f}, "
+              f"server {cal.server_mib:.0f} MiB + CUDA pool {cuda_pool_mb} MiB per GPU)")
+    if arch is not None:
+        table = Table(title=f"{arch}, N = {n_tasks} tasks, one GPU: predicted MiB (thesis Table 4.4 scenarios)")
+        for col in ("scenario", "A / B / C", "modular", "fused", "fused + packed", "traditional", "saving", "saving fused",
+                    "saving fused + packed", "processes mod / fused / packed / trad"):
+            table.add_column(col, justify="right")
+        for r in memory.scenario_table(arch, n_tasks, cal, cuda_pool_mb):
+            table.add_row(str(r["scenario"]), f"{r['class_a']:.0%} / {r['class_b']:.0%} / {r['class_c']:.0%}",
+                          f"{r['modular_mib']:,.0f}", f"{r['fused_mib']:,.0f}", f"{r['packed_mib']:,.0f}", f"{r['traditional_mib']:,.0f}",
+                          f"{r['saving_modular']:+.1%}", f"{r['saving_fused']:+.1%}", f"{r['saving_packed']:+.1%}",
+                          f"{r['processes_modular']:.0f} / {r['processes_fused']:.0f} / {r['processes_packed']:.0f} / "
+                          f"{r['processes_traditional']:.0f}")
+        out.print(table)
+        return
+    if plan is None:
+        raise click.UsageError("give a PLAN, or --scenarios resnet50|resnet152")
+    p = load_plan(plan)
+    n = gpus if gpus is not None else max(1, gpu_count())
+    mod, trad = memory.modular(p, n, cal), memory.traditional(p, n, cal)
+    table = Table(title=f"{plan}: predicted GPU memory per process (MiB)")
+    for col in ("model", "GPU", "overhead", "weights", "CUDA-graph pools", "TensorMQ pool", "total"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for pr in mod:
+        table.add_row(pr.model, str(pr.gpu), f"{pr.overhead_mib:.0f}", f"{pr.weights_mib:.1f}", f"{pr.activations_mib:.1f}",
+                      f"{pr.pool_mib:.0f}", f"{pr.total_mib:.0f}")
+    out.print(table)
+    m, t = memory.per_gpu(mod, n, cal, cuda_pool_mb), memory.per_gpu(trad, n, cal, cuda_pool_mb)
+    summary = Table(title="per GPU (MiB, with the server): BlockFlow vs one full model per task")
+    for col in ("GPU", "BlockFlow", "processes", "traditional", "processes", "saving"):
+        summary.add_column(col, justify="right")
+    for g in sorted(set(m) | set(t)):
+        summary.add_row(str(g), f"{m.get(g, 0):,.0f}", str(sum(1 for x in mod if x.gpu == g)), f"{t.get(g, 0):,.0f}",
+                        str(sum(1 for x in trad if x.gpu == g)), f"{1 - m.get(g, 0) / t[g]:+.1%}" if t.get(g) else "—")
+    out.print(summary)
+
+

@@ -1,0 +1,127 @@
+"""``blockflow serve``: the command around :class:`blockflow.control.serve.Service`."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from blockflow.cli.app import DEFAULT_PLAN, PORT, app, err, out, read_secret
+
+if TYPE_CHECKING:
+    from blockflow.control.serve import Service
+
+
+@app.command()
+@click.option("--plan", type=click.Path(path_type=Path), default=DEFAULT_PLAN, show_default="plans/default.yaml", help="Plan file.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server to the network.")
+@click.option("--http-port", type=PORT, default=8000, show_default=True)
+@click.option("--grpc-port", type=PORT, default=8001, show_default=True)
+@click.option("--metrics-port", type=PORT, default=8002, show_default=True)
+@click.option("--repository", type=click.Path(path_type=Path), default=None, help="Where to generate the repository (default: a private runtime dir).")
+@click.option("--timeout", type=click.FloatRange(1), default=900.0, show_default=True, help="Seconds to wait for every model to load.")
+@click.option("--cuda-pool-mb", type=click.IntRange(64), default=2048, show_default=True,
+              help="Triton's CUDA memory pool per GPU; GPU activations between blocks travel through it.")
+@click.option("--control-port", type=click.IntRange(0, 65535), default=8003, show_default=True,
+              help="Port of the control service (POST /plan …) on --host; 0 turns it off.")
+@click.option("--token-file", type=click.Path(path_type=Path), default=None,
+              help="File holding the control service's bearer token (default: a new random token, "
+                   "written to <runtime dir>/control.token).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the control service keeps the last plans (default: the runtime dir).")
+@click.option("--mps", is_flag=True, help="Run the block processes under a private NVIDIA MPS daemon, so blocks' "
+              "kernels share the GPU concurrently (more throughput under load; see README, Benchmarks).")
+@click.option("--weights-dir", "weights_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+              help="A directory plans posted to the control service may read weights files from (repeatable; "
+                   "default: the served plan's directory).")
+@click.option("--load-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+              help="Seconds one model load (a plan change, a block reload) may take before it fails and is rolled back.")
+def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
+          timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
+          mps: bool, weights_dirs: tuple[Path, ...], load_timeout: float) -> None:
+    """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
+
+    Plan changes arrive through the control service (`blockflow apply`) and are applied
+    through Triton's model control API while the server keeps serving.
+    """
+    from blockflow.control.serve import ServeOptions, Service
+
+    token = _control_token(token_file) if control_port else ""
+    service = Service(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
+                                   control_port, token, token_file, state_dir, mps, list(weights_dirs), load_timeout),
+                      say=lambda m: err.print(f"[yellow]{escape(m)}[/]"),
+                      log_apply=lambda m: err.print(f"apply: {m}", markup=False, highlight=False))
+    try:
+        for w in service.plan.warnings():
+            err.print(f"[yellow]warning[/]: {escape(w)}")
+        if service.hint():
+            err.print(f"[cyan]hint[/]: {escape(service.hint())}")
+        stop = _install_stop_handlers()
+        err.print(f"starting tritonserver with {service.model_count} models from {plan} (log: {service.server.log_path}) …")
+        service.start()
+        _print_endpoints(service)
+        service.run(stop)
+        err.print("stopping …")
+    finally:
+        service.stop()
+    err.print("stopped; no process left behind")
+
+
+def _control_token(token_file: Path | None) -> str:
+    """The control service's token: from ``token_file``, $BLOCKFLOW_TOKEN, or a new random one."""
+    import os
+
+    from blockflow.triton.access import new_secret
+
+    if token_file is not None:
+        token = read_secret(token_file, "--token-file")
+        if len(token) < 16:
+            raise click.BadParameter(f"the token in {token_file} is shorter than 16 characters", param_hint="--token-file")
+        return token
+    return os.environ.get("BLOCKFLOW_TOKEN") or new_secret()
+
+
+def _install_stop_handlers() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _print_endpoints(service: Service) -> None:
+    from blockflow.plan import naming
+    from blockflow.triton.doctor import perf_analyzer_path
+
+    p, server = service.plan, service.server
+    out.print(f"[green]ready[/] in {service.seconds_to_ready:.1f} s")
+    out.print(f"  HTTP    {server.http_url}")
+    out.print(f"  gRPC    {server.grpc_url}")
+    out.print(f"  metrics {server.metrics_url}")
+    table = Table(title="tasks")
+    for col in ("task", "ensembles", "path"):
+        table.add_column(col)
+    for t in p.tasks.values():
+        models = [naming.task_model(t.name, tr, t.transport) for tr in p.transports_of(t)]
+        models += [naming.reference_model(t.name, v == "graph") for v in p.raw.references]
+        table.add_row(t.name, ", ".join(models), " → ".join(t.path))
+    out.print(table)
+    first = next(iter(p.tasks.values()))
+    c, h, w = p.block_in_shape(p.blocks[first.path[0]])
+    out.print("try:")
+    out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
+    out.print(f"  blockflow infer {first.name} --random --protocol grpc --url {server.grpc_url}")
+    out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{c},{h},{w} --concurrency-range 1:4 -b 1")
+    if service.control is not None:
+        out.print(f"  control {service.control.url} (bearer token in {service.token_path})")
+        out.print(f"  blockflow apply PLAN --url {service.control.url} --token-file {service.token_path}")
+    out.print("Ctrl-C stops the server.")

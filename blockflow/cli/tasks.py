@@ -1,0 +1,97 @@
+"""Commands that send requests to tasks: infer, load."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from blockflow.cli.app import app, err, out
+
+
+@app.command()
+@click.argument("task")
+@click.option("--image", type=click.Path(path_type=Path), default=None, help="An image file (JPEG/PNG), resized and normalized like ImageNet.")
+@click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded).")
+@click.option("--batch", type=click.IntRange(1, 1024), default=1, show_default=True, help="Batch size.")
+@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
+@click.option("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, :8001 for grpc).")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True, help="Send the request this many times; report latency percentiles.")
+def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int) -> None:
+    """Send images to a task; print its top-5 classes and the latency."""
+    import numpy as np
+
+    from clients.client import TaskClient, top_k
+    from clients.images import class_names, load_image
+
+    if (image is None) == (not random_input):
+        raise click.UsageError("give exactly one of --image FILE or --random")
+    url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
+    with TaskClient(url, protocol) as client:  # type: ignore[arg-type]
+        shape = client.input_shape(task)
+        if image is not None:
+            x = load_image(image, shape[1], shape[2])
+            x = np.repeat(x[None], batch, axis=0)
+        else:
+            x = np.random.default_rng(0).standard_normal((batch, *shape), dtype=np.float32)
+        latencies = []
+        for _ in range(repeat):
+            result = client.infer_timed(task, x)
+            latencies.append(result.latency_ms)
+    names = class_names(result.logits.shape[1])
+    for row, best in enumerate(top_k(result.logits, 5)):
+        out.print(f"[bold]{task}[/] sample {row}: " + ", ".join(f"{names[i] if names else i} ({p:.3f})" for i, p in best))
+    lat = np.array(latencies)
+    out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
+              f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
+
+
+@app.command()
+@click.option("--task", "tasks", multiple=True, required=True, help="Task to load (repeat for several).")
+@click.option("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, :8001 for grpc).")
+@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
+@click.option("--clients", type=click.IntRange(1, 4096), default=1, show_default=True, help="Closed loop: concurrent clients.")
+@click.option("--rate", type=click.FloatRange(min=0.001), default=None, help="Open loop: Poisson arrivals per second (instead of --clients).")
+@click.option("--batch", type=click.IntRange(1, 1024), default=1, show_default=True)
+@click.option("--duration", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds of load.")
+@click.option("--max-requests", type=click.IntRange(1), default=None, help="Stop after this many requests.")
+@click.option("--out", "csv_path", type=click.Path(path_type=Path), default=None,
+              help="CSV of every request (task, batch, send time, latency, outcome).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, rate: float | None, batch: int,
+         duration: float, max_requests: int | None, csv_path: Path | None, seed: int) -> None:
+    """Closed-loop clients or open-loop Poisson arrivals over tasks; per-request latencies and a summary."""
+    import asyncio
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from clients.client import TaskClient
+    from clients.load import LoadSpec, run_load, summarize, write_csv
+
+    url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
+    with TaskClient(url, protocol) as client:  # type: ignore[arg-type]
+        shapes = {t: client.input_shape(t) for t in tasks}
+    if len(set(shapes.values())) > 1:
+        raise click.UsageError(f"tasks take different input shapes {shapes}; load them in separate runs")
+    spec = LoadSpec(url, tasks, next(iter(shapes.values())), protocol, batch, duration, clients, rate, max_requests, seed)  # type: ignore[arg-type]
+    mode = f"open loop, Poisson λ={rate}/s" if rate else f"closed loop, {clients} client(s)"
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed} requests"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        tid = bar.add_task(f"{mode} on {', '.join(tasks)}", total=None)
+        t0 = time.monotonic()
+        records = asyncio.run(run_load(spec, lambda n: bar.advance(tid, n)))
+        elapsed = time.monotonic() - t0
+    if csv_path is not None:
+        write_csv(records, csv_path)
+    table = Table(title=f"{mode}, batch {batch}, {elapsed:.1f} s ({protocol})")
+    for col in ("task", "requests", "errors", "inferences/s", "p50 ms", "p90 ms", "p99 ms", "mean ms"):
+        table.add_column(col, justify="right" if col != "task" else "left")
+    for name, s in summarize(records, elapsed).items():
+        table.add_row(name, f"{s['requests']:.0f}", f"{s['errors']:.0f}", f"{s['throughput']:.1f}", f"{s['p50']:.2f}",
+                      f"{s['p90']:.2f}", f"{s['p99']:.2f}", f"{s['mean']:.2f}")
+    err.print(f"{len(records)} requests" + (f" (per-request latencies in {csv_path})" if csv_path else ""))
+    out.print(table)
+
+

@@ -1,0 +1,142 @@
+"""The life of ``blockflow serve``: start a Triton on a plan, keep it serving, stop it cleanly.
+
+:class:`Service` is what the command runs, without the command line: tests and embedding
+programs drive it the same way (``start``, ``run`` until an event is set, ``stop``).
+
+Start-up, in order: check the plan against the GPUs present, render and write the repository,
+start ``tritonserver`` (explicit model control, every model loaded), wire the applier and the
+plan history, then the control service. ``run`` hands over to the :class:`Supervisor`.
+``stop`` ends the control service, then the server and everything it started, and removes the
+runtime directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blockflow.control.apply import Applier, instances_by_device
+from blockflow.control.service import Controller, ControlServer, create_app
+from blockflow.control.supervisor import Supervisor
+from blockflow.core import env
+from blockflow.core.errors import PlanError
+from blockflow.core.nvml import gpu_count
+from blockflow.plan import Plan, load_plan
+from blockflow.triton.access import write_private
+from blockflow.triton.server import ServerOptions, TritonServer, check_port, make_runtime_dir
+from ensemble_gen import generator
+
+# From this many block processes on one GPU, `blockflow serve` suggests --mps.
+MPS_HINT_PROCESSES = 8
+
+
+@dataclass
+class ServeOptions:
+    """What ``blockflow serve`` takes (its options, with the same defaults)."""
+
+    plan: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    repository: Path | None = None  # default: <runtime dir>/model_repository
+    timeout: float = 900.0  # every model loaded at start-up
+    cuda_pool_mb: int = 2048
+    control_port: int = 8003  # 0: no control service
+    token: str = ""  # the control service's bearer token (required when control_port is set)
+    token_file: Path | None = None  # where the token is kept; default: <runtime dir>/control.token, written here
+    state_dir: Path | None = None  # default: <runtime dir>/plans
+    mps: bool = False
+    weights_dirs: list[Path] = field(default_factory=list)  # default: the plan's directory
+    load_timeout: float = 300.0  # one model load during a plan change or a block reload
+
+
+def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
+    """A suggestion to serve under MPS when many block processes of a rendered repository share a GPU, or ''."""
+    per_gpu: Counter[int | None] = Counter()
+    for devices in instances_by_device(files, gpus).values():
+        per_gpu.update(devices)
+    per_gpu.pop(None, None)  # processes on the CPU
+    if not per_gpu:
+        return ""
+    gpu, count = per_gpu.most_common(1)[0]
+    if count < MPS_HINT_PROCESSES:
+        return ""
+    return (f"{count} block processes share GPU {gpu}; without MPS they take turns on it under load. "
+            "--mps lets their kernels run together (2.5x the throughput for a 22-process plan on an H100: "
+            "bench/results/h100/scenario2_r50_n20_packs/)")
+
+
+class Service:
+    """One served plan: a ``tritonserver``, its applier and plan history, and the control service."""
+
+    def __init__(self, options: ServeOptions, say: Callable[[str], None] = print,
+                 log_apply: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        self.say = say  # warnings and hints, for a person
+        self._log_apply = log_apply or (lambda m: say(f"apply: {m}"))
+        self.plan: Plan = load_plan(options.plan)
+        self.gpus = gpu_count()
+        issues = self.plan.device_issues(self.gpus)
+        if issues:
+            raise PlanError(issues, str(options.plan))
+        if options.control_port:
+            check_port(options.host, options.control_port, "control")
+        self.runtime = make_runtime_dir()
+        self.repository = options.repository or self.runtime / env.REPOSITORY_DIR
+        self.files = generator.render(self.plan)
+        o = options
+        self.server = TritonServer(ServerOptions([self.repository], o.host, o.http_port, o.grpc_port, o.metrics_port,
+                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps), runtime_dir=self.runtime)
+        self.lock = threading.Lock()  # one plan change at a time; the supervisor waits for it
+        self.controller: Controller | None = None
+        self.control: ControlServer | None = None
+        self.token_path: Path | None = None
+        self.seconds_to_ready = 0.0
+
+    @property
+    def model_count(self) -> int:
+        return len(generator.model_names(self.files))
+
+    def hint(self) -> str:
+        """Advice on how this plan would serve better here (today: MPS), or ''."""
+        return "" if self.options.mps else mps_hint(self.files, self.gpus)
+
+    def start(self) -> None:
+        """Write the repository, start the server with every model loaded, then the control service."""
+        o = self.options
+        t0 = time.monotonic()
+        generator.write(self.files, self.repository)
+        self.server.start(o.timeout)
+        applier = Applier(self.server.grpc_url, self.repository, lock=self.lock, log=self._log_apply,
+                          admin_key=self.server.admin_key, timeout=o.load_timeout)
+        self.controller = Controller(applier, o.state_dir or self.runtime / env.PLANS_DIR, base_dir=o.plan.parent.resolve(),
+                                     gpus=self.gpus, weights_dirs=o.weights_dirs or None)
+        self.controller.adopt(o.plan.read_text(encoding="utf-8"), self.plan)
+        if o.control_port:
+            self.control = ControlServer(create_app(self.controller, o.token), o.host, o.control_port)
+            self.control.start()
+            self.token_path = o.token_file or self.runtime / env.CONTROL_TOKEN_FILE
+            if o.token_file is None:
+                write_private(self.token_path, o.token)
+        self.seconds_to_ready = time.monotonic() - t0
+
+    def run(self, stop: threading.Event) -> None:
+        """Keep serving until ``stop`` is set: restart a dead server, reload blocks whose process died."""
+        assert self.controller is not None, "start() first"
+        Supervisor(self.server, self.controller, self.lock, start_timeout=self.options.timeout,
+                   load_timeout=self.options.load_timeout, say=self.say).run(stop)
+
+    def stop(self) -> None:
+        """Stop the control service and the server (every process it started), remove the runtime directory."""
+        try:
+            if self.control is not None:
+                self.control.stop()
+        finally:
+            self.server.stop()
+            shutil.rmtree(self.runtime, ignore_errors=True)

@@ -1,0 +1,65 @@
+"""Every environment variable BlockFlow reads, and the layout of a server's runtime directory.
+
+Written once here because two kinds of process read them: ``blockflow serve`` sets them when it
+starts ``tritonserver``, and every block process (Triton's Python stub) reads them back.
+
+The runtime directory (0700, one per ``tritonserver``, under ``$XDG_RUNTIME_DIR`` or the temp dir)::
+
+    <runtime>/
+        admin.key            the key of Triton's restricted APIs (0600)
+        control.token        the control service's bearer token, unless --token-file (0600)
+        tritonserver.log     the server's log
+        model_repository/    the generated repository, unless --repository
+        plans/               the control service's plan history, unless --state-dir
+        backends/python/     the Python backend with the stub for this interpreter
+        tmq.key              the TensorMQ ticket key (0600, 32 random bytes)
+        tmq/                 one ZeroMQ socket and one claim table per producer generation:
+            <producer id:016x>-<generation:08x>.sock
+            <producer id:016x>-<generation:08x>.claims
+
+POSIX shared memory under ``/dev/shm`` carries the runtime directory's name, so one server's
+leftovers are found and removed without touching another's: :func:`stub_shm_prefix` (Triton's
+stub IPC) and :func:`pool_shm_prefix` (TensorMQ host pools).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# -- set by `blockflow serve` for tritonserver and its stubs
+RUNTIME_DIR = "BLOCKFLOW_RUNTIME_DIR"  # the server's runtime directory (above)
+PYTHONPATH = "BLOCKFLOW_PYTHONPATH"  # roots every generated model.py puts on sys.path (the stub ignores PYTHONPATH)
+# -- set by the operator (or a benchmark)
+TRITON_HOME = "BLOCKFLOW_TRITON_HOME"  # another tritonserver directory of the nvidia-pytriton layout
+TRACE_DIR = "BLOCKFLOW_TRACE_DIR"  # block processes append JSON lines of their life cycle here
+DISABLE_CUDA_GRAPHS = "BLOCKFLOW_DISABLE_CUDA_GRAPHS"  # "1": run GPU blocks eagerly whatever the plan says
+KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cache after warm-up (memory runs)
+LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
+TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
+
+ADMIN_KEY_FILE = "admin.key"
+CONTROL_TOKEN_FILE = "control.token"
+SERVER_LOG = "tritonserver.log"
+REPOSITORY_DIR = "model_repository"
+PLANS_DIR = "plans"
+TMQ_KEY_FILE = "tmq.key"
+TMQ_DIR = "tmq"
+
+
+def producer_socket(runtime_dir: Path, producer_id: int, generation: int) -> Path:
+    return runtime_dir / TMQ_DIR / f"{producer_id:016x}-{generation:08x}.sock"
+
+
+def claims_file(socket: Path) -> Path:
+    """A producer generation's claim table, beside its socket."""
+    return socket.with_suffix(".claims")
+
+
+def stub_shm_prefix(server_pid: int, runtime_dir: Path) -> str:
+    """Triton's ``shm-region-prefix-name`` for the stubs of one server."""
+    return f"blockflow{server_pid}_{runtime_dir.name}_"
+
+
+def pool_shm_prefix(runtime_dir: Path) -> str:
+    """The start of every TensorMQ host pool's shared-memory name of one server."""
+    return f"blockflow-tmq-{runtime_dir.name}-"

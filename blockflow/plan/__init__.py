@@ -1,0 +1,11 @@
+"""Plans: which blocks exist, where they run, and which path each task takes.
+
+``schema`` is the file format, ``load`` reads and checks a plan, ``checks`` holds the checks
+that need the whole graph, ``deployment`` is the validated :class:`Plan` and how it deploys,
+``naming`` names the generated Triton models, ``memory`` estimates what a plan needs.
+"""
+
+from blockflow.plan.deployment import Block, Deployed, HeadPack, Plan, Task
+from blockflow.plan.load import load_plan, parse_plan, parse_plan_text
+
+__all__ = ["Block", "Deployed", "HeadPack", "Plan", "Task", "load_plan", "parse_plan", "parse_plan_text"]

@@ -1,0 +1,135 @@
+"""The checks that need the whole plan: names, models and cuts, block graphs, task paths."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from blockflow.core import arch as archs
+from blockflow.core.errors import PlanIssue
+from blockflow.plan.deployment import Plan
+from blockflow.plan.schema import NAME_RE, NAME_RULE, BlockDef, TaskDef
+
+
+def _name_issue(loc: str, name: str) -> PlanIssue | None:
+    if NAME_RE.match(name) and "__" not in name:
+        return None
+    return PlanIssue(loc, f"invalid name {name!r}: {NAME_RULE}")
+
+
+def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
+    raw = plan.raw
+    for section in ("models", "blocks", "tasks"):
+        for name in getattr(raw, section):
+            issue = _name_issue(f"{section}.{name}", name)
+            if issue:
+                yield issue
+    clash = set(raw.blocks) & set(raw.tasks)
+    for name in sorted(clash):
+        yield PlanIssue(f"tasks.{name}", f"task name {name!r} is also a block name; Triton model names must be unique, rename one")
+
+    good_models: set[str] = set()
+    for name, m in raw.models.items():
+        seq = archs.module_sequence(m.arch)
+        ok = True
+        prev = -1
+        for i, cut in enumerate(m.cut_points):
+            loc = f"models.{name}.cut_points[{i}]"
+            if cut not in seq[:-1]:
+                near = difflib.get_close_matches(cut, seq, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                yield PlanIssue(loc, f"{cut!r} is not a module of {m.arch} that a cut can follow{hint}; use one of {', '.join(seq[:-1])}")
+                ok = False
+                continue
+            idx = seq.index(cut)
+            if idx <= prev:
+                yield PlanIssue(loc, f"{cut!r} does not come after {m.cut_points[i - 1]!r}; list cut points in network order without repeats")
+                ok = False
+            prev = idx
+        if ok:
+            good_models.add(name)
+
+    good_blocks: set[str] = set()
+    for name, b in raw.blocks.items():
+        loc = f"blocks.{name}"
+        if b.model not in raw.models:
+            yield PlanIssue(f"{loc}.model", f"unknown model {b.model!r}; define it under models or use one of {', '.join(raw.models)}")
+            continue
+        n = raw.models[b.model].stage_count
+        first, last = (b.stages, b.stages) if isinstance(b.stages, int) else b.stages
+        if not (0 <= first <= last < n):
+            yield PlanIssue(f"{loc}.stages", f"{b.stages!r} is not a stage or [first, last] range within 0..{n - 1} of model {b.model!r}")
+            continue
+        if b.weights.seed is None and b.weights.file is None:
+            yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file")
+            continue
+        if b.weights.seed is not None and b.weights.file is not None:
+            yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file, not both")
+            continue
+        if b.weights.file is not None:
+            # Resolved (links followed) before the check, so '..' or a link cannot leave the allowed directories.
+            file = (plan.base_dir / b.weights.file).resolve()
+            allowed = plan.weights_dirs
+            if allowed is not None and not any(file.is_relative_to(d) for d in allowed):
+                yield PlanIssue(f"{loc}.weights.file", f"{b.weights.file!r} is outside the directories this server reads "
+                                f"weights from ({', '.join(map(str, allowed))}); put the file there, or start "
+                                "`blockflow serve` with --weights-dir naming its directory")
+                continue
+            if not file.is_file():
+                yield PlanIssue(f"{loc}.weights.file", f"file not found: {plan.base_dir / b.weights.file} (paths are relative to the plan file)")
+                continue
+        if b.model in good_models:
+            good_blocks.add(name)
+    for where, settings in [("defaults", raw.defaults), *((f"blocks.{n}", b) for n, b in raw.blocks.items())]:
+        pl = settings.placement
+        if isinstance(pl, list):
+            if not pl:
+                yield PlanIssue(f"{where}.placement", "empty GPU list; give GPU indices like [0, 1], or 'auto', 'cpu' or 'gpu'")
+            elif len(set(pl)) != len(pl) or min(pl) < 0:
+                yield PlanIssue(f"{where}.placement", f"{pl} must list distinct GPU indices >= 0")
+
+    for tname, task in raw.tasks.items():
+        yield from _path_issues(plan, tname, task, good_blocks)
+
+
+def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -> Iterable[PlanIssue]:
+    raw = plan.raw
+    prev: BlockDef | None = None
+    prev_name = ""
+    for i, bname in enumerate(task.path):
+        loc = f"tasks.{tname}.path[{i}]"
+        if bname not in raw.blocks:
+            near = difflib.get_close_matches(bname, list(raw.blocks), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            yield PlanIssue(loc, f"unknown block {bname!r}{hint}; define it under blocks")
+            return
+        if bname not in good_blocks:
+            return  # the block's own problem is already reported
+        block = plan.blocks[bname]
+        expected = 0 if prev is None else plan.blocks[prev_name].last + 1
+        if block.first != expected:
+            covers = f"stage {block.first}" if block.first == block.last else f"stages {block.first}-{block.last}"
+            yield PlanIssue(loc, f"block {bname!r} covers {covers} but stage {expected} is expected here; "
+                                 f"a path covers its model's stages in order from 0 to the last, each once")
+            return
+        if prev is not None:
+            pb = plan.blocks[prev_name]
+            out = plan.block_out_shape(pb)
+            inp = plan.block_in_shape(block)
+            if out != inp:
+                yield PlanIssue(loc, f"block {bname!r} takes {list(inp)} but {prev_name!r} gives {list(out)}; "
+                                     "use blocks of models whose shapes match at this cut")
+                return
+        prev, prev_name = raw.blocks[bname], bname
+    if prev is not None:
+        last_block = plan.blocks[prev_name]
+        n = raw.models[last_block.model].stage_count
+        if last_block.last != n - 1:
+            yield PlanIssue(f"tasks.{tname}.path", f"path ends at stage {last_block.last} but model {last_block.model!r} "
+                                                   f"has stages 0..{n - 1}; add blocks up to stage {n - 1}")
+        nets = {(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
+                for m in (raw.models[plan.blocks[b].model] for b in task.path)}
+        if len(nets) > 1:
+            # Shapes matched, but the monolithic reference runs the whole path as one network.
+            yield PlanIssue(f"tasks.{tname}.path", "blocks of one path must come from models with the same arch, "
+                                                   "cut_points, input_shape and num_classes; use one model definition")

@@ -1,0 +1,249 @@
+"""A validated plan: its blocks with every setting resolved, its tasks, and how they deploy
+(fusion of consecutive blocks, packs of heads, the model each deployed unit becomes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from blockflow.core import arch as archs
+from blockflow.core.errors import PlanIssue
+from blockflow.core.spec import Precision, TransportName, WeightsSource
+from blockflow.plan import naming
+from blockflow.plan.schema import (
+    DEFAULT_SETTINGS,
+    BlockDef,
+    BlockSettings,
+    ModelDef,
+    PlanModel,
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block with every setting resolved (its own, else ``defaults``, else built-in)."""
+
+    name: str
+    model: str
+    first: int
+    last: int
+    weights: WeightsSource
+    placement: Literal["auto", "cpu", "gpu"] | tuple[int, ...]
+    instances: int
+    max_batch_size: int
+    batching_delay_us: int
+    precision: Precision
+    cuda_graphs: bool
+    monitor_period_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    path: tuple[str, ...]
+    transport: TransportName
+
+
+@dataclass(frozen=True)
+class HeadPack:
+    """Task heads that run as one model (``pack: heads``): one process instead of one per head.
+
+    A task's *head* is the last deployed segment of its path when no other task uses any of
+    its blocks. Heads that follow the same deployed segment, on the same transport and with the
+    same deployment settings, form one pack; the pack answers each task on its own output.
+    """
+
+    name: str  # the pack's segment name, e.g. ``trunk__heads`` (before any transport suffix)
+    after: str  # the deployed segment every head takes its input from
+    tasks: tuple[str, ...]
+    heads: tuple[tuple[Block, ...], ...]  # each task's head segment, in ``tasks`` order
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """One Triton model on a task's path: its name (before any transport suffix), the task's
+    blocks in it and, for a packed head, the pack it runs in."""
+
+    name: str
+    blocks: tuple[Block, ...]
+    pack: HeadPack | None = None
+
+
+class Plan:
+    """A validated plan. Build it with :func:`load_plan` or :func:`parse_plan`."""
+
+    def __init__(self, raw: PlanModel, source: str = "", base_dir: Path | None = None,
+                 weights_dirs: Sequence[Path] | None = None) -> None:
+        self.raw = raw
+        self.source = source
+        self.base_dir = base_dir or Path.cwd()
+        # Where weights files may come from (None: anywhere this user can read; a plan file of one's own).
+        self.weights_dirs = None if weights_dirs is None else [d.resolve() for d in weights_dirs]
+
+    @property
+    def models(self) -> Mapping[str, ModelDef]:
+        return self.raw.models
+
+    @cached_property
+    def blocks(self) -> dict[str, Block]:
+        return {name: _resolve_block(name, b, self.raw.defaults, self.base_dir) for name, b in self.raw.blocks.items()}
+
+    @cached_property
+    def tasks(self) -> dict[str, Task]:
+        return {
+            name: Task(name, tuple(t.path), t.transport or self.raw.transport) for name, t in self.raw.tasks.items()
+        }
+
+    @property
+    def transport(self) -> TransportName:
+        return self.raw.transport
+
+    def transports_of(self, task: Task) -> list[TransportName]:
+        """The task's own transport first, then the ``compare`` variants (no repeats)."""
+        return list(dict.fromkeys([task.transport, *self.raw.compare]))
+
+    def used_blocks(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for t in self.tasks.values():
+            seen.update(dict.fromkeys(t.path))
+        return list(seen)
+
+    def segments(self, task: Task) -> list[tuple[Block, ...]]:
+        """``task``'s path as deployed: one tuple per Triton model (several blocks when fused)."""
+        users = {b: frozenset(ts) for b, ts in self.sharing().items()}
+        out: list[tuple[Block, ...]] = []
+        for name in task.path:
+            b = self.blocks[name]
+            if out and self.raw.fuse == "auto":
+                prev = out[-1][-1]
+                if users[prev.name] == users[name] and _deployed_alike(prev, b):
+                    out[-1] = out[-1] + (b,)
+                    continue
+            out.append((b,))
+        return out
+
+    def deployed(self, task: Task) -> list[Deployed]:
+        """``task``'s path as Triton models, one :class:`Deployed` per model (a packed head is
+        named after its pack; ``blockflow.plan.naming.block_model`` adds any transport suffix)."""
+
+        out = [Deployed(naming.segment_model([b.name for b in seg]), seg) for seg in self.segments(task)]
+        pack = self.head_packs.get(task.name)
+        if pack is not None:
+            out[-1] = Deployed(pack.name, out[-1].blocks, pack)
+        return out
+
+    @cached_property
+    def head_packs(self) -> dict[str, HeadPack]:
+        """Task name -> the head pack its head runs in (empty unless ``pack: heads``)."""
+        if self.raw.pack != "heads":
+            return {}
+
+        users = self.sharing()
+        groups: dict[tuple[Any, ...], list[tuple[str, tuple[Block, ...]]]] = {}
+        for task in self.tasks.values():
+            segments = self.segments(task)
+            head = segments[-1]
+            if len(segments) < 2 or any(users[b.name] != [task.name] for b in head):
+                continue
+            after = naming.segment_model([b.name for b in segments[-2]])
+            first = head[0]
+            key = (after, task.transport, first.model, first.placement, first.instances, first.max_batch_size,
+                   first.precision, first.cuda_graphs)
+            groups.setdefault(key, []).append((task.name, head))
+        out: dict[str, HeadPack] = {}
+        named: dict[str, int] = {}
+        for key, members in groups.items():
+            if len(members) < 2:
+                continue  # a lone head stays a model of its own
+            after = str(key[0])
+            named[after] = named.get(after, 0) + 1
+            pack = HeadPack(naming.head_pack(after, named[after]), after, tuple(t for t, _ in members),
+                            tuple(h for _, h in members))
+            out.update(dict.fromkeys(pack.tasks, pack))
+        return out
+
+    def sharing(self) -> dict[str, list[str]]:
+        """Block name -> the tasks whose path uses it."""
+        users: dict[str, list[str]] = {b: [] for b in self.blocks}
+        for t in self.tasks.values():
+            for b in t.path:
+                users[b].append(t.name)
+        return users
+
+    @cached_property
+    def stage_shapes(self) -> dict[str, list[tuple[int, ...]]]:
+        """Model name -> per-sample output shape of each of its stages (meta-device inference)."""
+        return {
+            name: archs.stage_output_shapes(m.arch, m.cut_points, m.input_shape, m.num_classes)
+            for name, m in self.models.items()
+        }
+
+    def block_in_shape(self, block: Block) -> tuple[int, ...]:
+        if block.first == 0:
+            return tuple(self.models[block.model].input_shape)
+        return self.stage_shapes[block.model][block.first - 1]
+
+    def block_out_shape(self, block: Block) -> tuple[int, ...]:
+        return self.stage_shapes[block.model][block.last]
+
+    def device_issues(self, gpus: int) -> list[PlanIssue]:
+        """Placement problems on a machine with ``gpus`` visible GPUs (checked when serving)."""
+        issues = []
+        for name in self.used_blocks():
+            b = self.blocks[name]
+            if b.placement == "gpu" and gpus == 0:
+                issues.append(PlanIssue(f"blocks.{name}.placement", "'gpu' but this machine has no GPU; use 'auto' or 'cpu'"))
+            elif isinstance(b.placement, tuple) and max(b.placement) >= gpus:
+                have = f"GPUs 0..{gpus - 1}" if gpus else "no GPU"
+                issues.append(PlanIssue(f"blocks.{name}.placement", f"GPU {max(b.placement)} does not exist (this machine has {have}); "
+                                                                    "use existing indices, 'auto' or 'cpu'"))
+        return issues
+
+    def warnings(self) -> list[str]:
+        used = set(self.used_blocks())
+        out = [f"blocks.{b}: no task uses this block; it is not deployed" for b in self.blocks if b not in used]
+        if self.raw.pack == "heads" and not self.head_packs:
+            out.append("pack: 'heads' packs nothing: no two tasks have heads of their own after the same block "
+                       "with the same deployment settings")
+        return out
+
+
+def _deployed_alike(a: Block, b: Block) -> bool:
+    """Whether two blocks can share one process (fusion keeps the first one's batching and monitor settings)."""
+    return (a.model == b.model and a.placement == b.placement and a.instances == b.instances
+            and a.max_batch_size == b.max_batch_size and a.precision == b.precision and a.cuda_graphs == b.cuda_graphs)
+
+
+def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Path) -> Block:
+    def pick(key: str) -> Any:
+        own = getattr(b, key)
+        if own is not None:
+            return own
+        dflt = getattr(defaults, key)
+        return dflt if dflt is not None else DEFAULT_SETTINGS[key]
+
+    first, last = (b.stages, b.stages) if isinstance(b.stages, int) else b.stages
+    placement = pick("placement")
+    if isinstance(placement, list):
+        placement = tuple(placement)
+    file = b.weights.file
+    if file is not None:
+        file = str((base_dir / file).resolve())
+    return Block(
+        name=name,
+        model=b.model,
+        first=first,
+        last=last,
+        weights=WeightsSource(seed=b.weights.seed if file is None else None, file=file),
+        placement=placement,
+        instances=pick("instances"),
+        max_batch_size=pick("max_batch_size"),
+        batching_delay_us=pick("batching_delay_us"),
+        precision=pick("precision"),
+        cuda_graphs=pick("cuda_graphs"),
+        monitor_period_s=pick("monitor_period_s"),
+    )
+

@@ -1,0 +1,118 @@
+"""The plan as written: the schema every plan file is checked against (unknown keys are refused).
+
+See ``docs/plan.md`` for the format.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from blockflow.core import arch as archs
+from blockflow.core.spec import Precision, TensorMQSettings, TransportName
+
+NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+NAME_RULE = "start with a letter; letters, digits, '_' and '-' only; at most 64 characters; no '__' (reserved for generated variants)"
+
+Placement = Literal["auto", "cpu", "gpu"] | list[int]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelDef(_Strict):
+    """A base network: its torchvision architecture and where it is cut."""
+
+    arch: str
+    cut_points: list[str] = Field(default_factory=list)
+    input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
+    num_classes: int = Field(default=1000, ge=1, le=100_000)
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, v: str) -> str:
+        if v not in archs.SUPPORTED_ARCHS:
+            raise ValueError(f"unknown architecture {v!r}; use one of {', '.join(archs.SUPPORTED_ARCHS)}")
+        return v
+
+    @field_validator("input_shape")
+    @classmethod
+    def _sane_input(cls, v: list[int]) -> list[int]:
+        if len(v) != 3 or v[0] != 3 or not (32 <= v[1] <= 4096 and 32 <= v[2] <= 4096):
+            raise ValueError(f"input_shape {list(v)} is not [3, H, W] with 32 <= H, W <= 4096")
+        return v
+
+    @property
+    def stage_count(self) -> int:
+        return len(self.cut_points) + 1
+
+
+class Weights(_Strict):
+    """Exactly one of ``seed`` (deterministic random weights) or ``file`` (a state dict)."""
+
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    file: str | None = None
+
+
+class BlockSettings(_Strict):
+    """Settings a block may set and ``defaults`` may set for all blocks."""
+
+    placement: Placement | None = None
+    instances: int | None = Field(default=None, ge=1, le=64)
+    max_batch_size: int | None = Field(default=None, ge=1, le=1024)
+    batching_delay_us: int | None = Field(default=None, ge=0, le=1_000_000)
+    precision: Precision | None = None
+    cuda_graphs: bool | None = None
+    # Seconds between the block monitor's samples (GPU/CPU memory, utilisation, power); 0 turns it off.
+    monitor_period_s: float | None = Field(default=None, ge=0, le=3600)
+
+
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "placement": "auto",
+    "instances": 1,
+    "max_batch_size": 8,
+    "batching_delay_us": 100,
+    "precision": "fp32",
+    "cuda_graphs": True,
+    "monitor_period_s": 2.0,
+}
+
+
+class BlockDef(BlockSettings):
+    """A block: a contiguous stage range of one model, with its own weights."""
+
+    model: str
+    stages: int | tuple[int, int]
+    weights: Weights = Weights(seed=0)
+
+
+class TaskDef(_Strict):
+    """A task: the path of blocks its requests take, first stage to last."""
+
+    path: list[str] = Field(min_length=1)
+    transport: TransportName | None = None
+
+
+class PlanModel(_Strict):
+    """The plan as written (fields checked, graph not yet)."""
+
+    version: Literal[1]
+    name: str = "blockflow"
+    models: dict[str, ModelDef] = Field(min_length=1)
+    defaults: BlockSettings = BlockSettings()
+    blocks: dict[str, BlockDef] = Field(min_length=1)
+    tasks: dict[str, TaskDef] = Field(min_length=1)
+    transport: TransportName = "tensormq"
+    compare: list[TransportName] = Field(default_factory=list)
+    references: list[Literal["eager", "graph"]] = Field(default_factory=list)
+    # auto: consecutive blocks that exactly the same tasks traverse (with the same deployment
+    # settings) run as one model: one process and one hop fewer per fused pair.
+    fuse: Literal["none", "auto"] = "none"
+    # heads: the heads of tasks that branch off after the same deployed block (each the last,
+    # task-specific part of its path) run as one model: one process for all of them.
+    pack: Literal["none", "heads"] = "none"
+    tensormq: TensorMQSettings = TensorMQSettings()
+
