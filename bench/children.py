@@ -14,14 +14,15 @@ import sys
 import time
 from typing import Any
 
+from backend.runtime import BlockRunner
+from blockflow.core import nvml
+from blockflow.plan import load_plan
+from ensemble_gen.generator import reference_spec, segment_spec
+
 
 def eager_shapes(plan_path: str, task_name: str, variant: str) -> dict[int, list[float]]:
     """First- and second-call latency (ms) of an eager, unsplit block at every batch size 1-32."""
     import torch
-
-    from backend.runtime import BlockRunner
-    from blockflow.plan import load_plan
-    from ensemble_gen.generator import reference_spec
 
     plan = load_plan(plan_path)
     padded = variant == "padded"
@@ -46,11 +47,6 @@ def eager_shapes(plan_path: str, task_name: str, variant: str) -> dict[int, list
 def memory_steps(plan_path: str, block_name: str, baseline_mib: float) -> dict[str, Any]:
     """GPU memory (MiB above ``baseline_mib``, NVML's figure) after each step of a block's start-up."""
     import torch
-
-    from backend.runtime import BlockRunner
-    from blockflow.core import nvml
-    from blockflow.plan import load_plan
-    from ensemble_gen.generator import segment_spec
 
     def used() -> float:
         # NVML's figure, as for the baseline: CUDA's total - free counts differently (H100: ~470 MiB apart).

@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from bench.harness import rendered
 from blockflow.core import nvml
+from blockflow.plan import load_plan, memory
+from blockflow.triton.server import ServerOptions, TritonServer
+from ensemble_gen.generator import reference_spec
 
 if TYPE_CHECKING:
     from blockflow.plan import Plan
@@ -62,9 +65,6 @@ def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
 
 
 def measure_plan(plan_path: Path, cuda_pool_mb: int) -> dict[str, Any]:
-    from blockflow.plan import load_plan
-    from blockflow.triton.server import ServerOptions, TritonServer
-
     plan = load_plan(plan_path)
     repo = rendered(plan, "bench-memory-")
     before = _gpu_used_mib()
@@ -124,8 +124,6 @@ def _measured_in(path: Path) -> list[dict[str, Any]]:
 def _design(plan_path: Path) -> tuple[float, list[float]]:
     """A plan on GPU 0 as the fit sees it: (fixed MiB: weights + pools, [1 server, processes with
     CUDA graphs, processes without, CUDA-graph pool MiB at factor 1])."""
-    from blockflow.plan import load_plan, memory
-
     plan = load_plan(plan_path)
     unit = memory.Calibration(process_mib=0.0, activation_factor=1.0, eager_process_mib=0.0, server_mib=0.0, pack_head_factor=0.0)
     heads = memory.Calibration(process_mib=0.0, activation_factor=0.0, eager_process_mib=0.0, server_mib=0.0, pack_head_factor=1.0)
@@ -145,9 +143,6 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 def _references(plan: Plan, cal: Calibration) -> list[Process]:
     """Reference models a plan also serves (measured servers run them too), deployed as the generator deploys them."""
-    from blockflow.plan import memory
-    from ensemble_gen.generator import reference_spec
-
     out = []
     for task in plan.tasks.values():
         blocks = [plan.blocks[b] for b in task.path]
@@ -158,9 +153,6 @@ def _references(plan: Plan, cal: Calibration) -> list[Process]:
 
 
 def main() -> None:
-
-    from blockflow.plan import load_plan, memory
-
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cuda-pool-mb", type=int, default=2048)

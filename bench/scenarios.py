@@ -30,7 +30,14 @@ from typing import Any
 import yaml
 
 from bench.harness import rendered
+from bench.memory import _gpu_used_mib as used
+from bench.suite import delta, model_stats
 from blockflow.core import nvml
+from blockflow.core.errors import PlanError
+from blockflow.core.nvml import gpu_count
+from blockflow.plan import load_plan, memory, parse_plan
+from blockflow.triton.server import ServerOptions, TritonServer
+from clients.load import LoadSpec, run_load, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("traditional", "fused", "packed")
@@ -40,8 +47,6 @@ BUSIEST = 4
 
 def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str, Path]:
     """The three deployments of the scenario as plan files under ``out``."""
-    from blockflow.plan import memory
-
     shares = memory.SCENARIOS[number]
     raws = {"traditional": memory.scenario_raw(arch, n_tasks, (1.0, 0.0, 0.0), fuse=True),
             "fused": memory.scenario_raw(arch, n_tasks, shares, fuse=True),
@@ -60,8 +65,6 @@ def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str,
 
 def _packed_blocks(raw: dict[str, Any]) -> set[str]:
     """The blocks that ``pack: heads`` puts into packs in the plan ``raw``."""
-    from blockflow.plan import parse_plan
-
     return {b.name for pack in parse_plan(raw).head_packs.values() for head in pack.heads for b in head}
 
 
@@ -103,8 +106,6 @@ def _process_mib(server: Any) -> dict[str, list[float]]:
 
 def _gpu_used_mib() -> float:
     """GPU 0's used memory (NVML), or NaN on a machine without one (a dry run of the load part)."""
-    from bench.memory import _gpu_used_mib as used
-
     try:
         return used()
     except Exception:  # pynvml raises its own error classes when there is no driver
@@ -113,11 +114,6 @@ def _gpu_used_mib() -> float:
 
 def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: float, mps: bool = False) -> dict[str, Any]:
     """Serve ``path`` alone; measured memory and, per client count, the load summary over all tasks."""
-    from bench.suite import delta, model_stats
-    from blockflow.plan import load_plan
-    from blockflow.triton.server import ServerOptions, TritonServer
-    from clients.load import LoadSpec, run_load, summarize
-
     plan = load_plan(path)
     repo = rendered(plan, "bench-scenario-")
     shape = plan.block_in_shape(plan.blocks[next(iter(plan.tasks.values())).path[0]])
@@ -197,10 +193,6 @@ def main() -> None:
     import sys
 
     import torch
-
-    from blockflow.core.errors import PlanError
-    from blockflow.core.nvml import gpu_count
-    from blockflow.plan import load_plan, memory
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["resnet50", "resnet152"], default="resnet50")

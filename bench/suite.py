@@ -31,11 +31,13 @@ from typing import Any
 
 from bench.harness import rendered
 from bench.nvml import GpuSampler
+from bench.report import write_report
 from blockflow.core.errors import BlockFlowError, EnvironmentProblem
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import Plan, load_plan, naming, parse_plan
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.server import ServerOptions, TritonServer
+from clients.load import LoadSpec, run_load, summarize
 
 SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
 
@@ -153,7 +155,6 @@ class Bench:
     """Runs the sections against one server; ``log`` receives one line per measurement and
     ``checkpoint`` the results so far after each model of a section (``meta.complete`` is false
     until the end)."""
-
     def __init__(self, cfg: BenchConfig, log: Callable[[str], None] = print,
                  checkpoint: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.cfg = cfg
@@ -285,8 +286,6 @@ class Bench:
         return out
 
     def _clients(self, server: TritonServer, models: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        from clients.load import LoadSpec, run_load, summarize
-
         out: dict[str, Any] = {}
         for label, m in models.items():
             for n in self.cfg.clients:
@@ -348,8 +347,6 @@ def spread(plan: Plan, task: str, k: int) -> Plan:
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
     """Run everything, write results.json, report.md and the plots; returns the output directory."""
-    from bench.report import write_report
-
     cfg.out.mkdir(parents=True, exist_ok=True)
     saved: list[bool] = []  # whether this run has written results.json yet (the folder may hold an older one)
 

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from blockflow.core.errors import ClientError
 from blockflow.core.spec import IMAGE, LOGITS
+from clients.cuda_shm import CudaInputRegion, region_name
 
 Protocol = Literal["http", "grpc"]
 Array = npt.NDArray[np.float32]
@@ -59,7 +60,6 @@ class TaskClient:
     ``input_memory="cuda"`` sends images through a CUDA shared-memory region on GPU ``device``
     (see clients.cuda_shm): images already on that GPU (torch tensors) never cross the host.
     """
-
     def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
                  input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:
         if input_memory not in ("host", "cuda"):
@@ -133,8 +133,6 @@ class TaskClient:
         return Timed(np.asarray(logits, dtype=np.float32), latency)
 
     def _cuda_input(self, images: Any) -> Any:
-        from clients.cuda_shm import CudaInputRegion, region_name
-
         shape = list(images.shape)
         if len(shape) != 4 or shape[1] != 3:
             raise ClientError(f"images must be [batch, 3, H, W]; got shape {shape}")
@@ -164,7 +162,6 @@ class TaskClient:
 
 class AsyncTaskClient:
     """The asyncio twin of :class:`TaskClient` (``tritonclient``'s aio clients)."""
-
     def __init__(self, url: str, protocol: Protocol = "http") -> None:
         self.url = url
         self.protocol = protocol

@@ -9,7 +9,7 @@ cd "$ROOT"
 echo "== ruff (lint)"
 "$VENV/bin/ruff" check .
 echo "== import contracts (the layers in docs/architecture.md)"
-"$VENV/bin/lint-imports"
+"$VENV/bin/lint-imports" --no-logo
 echo "== mypy --strict"
 "$VENV/bin/python" -m mypy
 echo "== pytest"

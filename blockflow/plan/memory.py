@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from blockflow.core.arch import slice_stages
 from blockflow.core.errors import CalibrationError
 from blockflow.plan import naming
 from blockflow.plan.deployment import Block, Plan
@@ -64,7 +65,6 @@ class Calibration:
 @dataclass(frozen=True)
 class Process:
     """One process (a model instance) on one GPU, with its predicted memory."""
-
     model: str
     gpu: int
     weights_mib: float
@@ -84,8 +84,6 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
     """(parameter + buffer count, largest tensor's element count per sample) of stages first..last (meta device)."""
     import torch
     import torchvision.models as tvm
-
-    from blockflow.core.arch import slice_stages
 
     with torch.device("meta"):
         net = getattr(tvm, arch)(weights=None, num_classes=num_classes).eval()
@@ -139,7 +137,6 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
 
 def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:
     """The processes `blockflow serve` starts for ``plan`` (every transport variant; references excluded)."""
-
     out: list[Process] = []
     seen: set[str] = set()
     for task in plan.tasks.values():
@@ -187,7 +184,6 @@ SCENARIOS: dict[int, tuple[float, float, float]] = {  # thesis Table 4.4: share 
 
 def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> Plan:
     """:func:`scenario_raw` parsed."""
-
     return parse_plan(scenario_raw(arch, n_tasks, shares, fuse, pack), source=f"{arch} scenario {shares}")
 
 

@@ -9,8 +9,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockflow import __version__
 from blockflow.core import nvml
 from blockflow.core.errors import EnvironmentProblem
+from blockflow.triton.install import locate
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,6 @@ def _missing_libs(binary: Path, env_libs: Path) -> list[str]:
 
 
 def _triton_checks() -> list[Check]:
-    from blockflow.triton.install import locate
-
     try:
         install = locate()
     except EnvironmentProblem as exc:
@@ -108,10 +108,8 @@ def perf_analyzer_path() -> str | None:
 
 
 def run_checks() -> list[Check]:
-    from blockflow import __version__
-
     rows = [Check("python", True, f"{sys.version.split()[0]} at {sys.executable}"),
-            Check("blockflow", True, f"{__version__} at {Path(__file__).resolve().parent.parent}")]
+            Check("blockflow", True, f"{__version__} at {Path(__file__).resolve().parents[2]}")]
     rows += _package_checks()
     rows.append(_torch_check())
     rows.append(_nvml_check())

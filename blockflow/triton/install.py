@@ -28,7 +28,7 @@ from blockflow.core import env as blockflow_env
 from blockflow.core.errors import EnvironmentProblem
 
 HOME_ENV = blockflow_env.TRITON_HOME
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

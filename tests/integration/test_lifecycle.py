@@ -47,3 +47,55 @@ def test_a_crashed_server_leaves_no_block_process(tmp_path: Path, caplog: pytest
     finally:
         server.stop()
     assert not server.runtime_dir.exists()
+
+
+def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
+    """`blockflow serve`'s life cycle as a library: start, serve, run until told, stop and leave nothing."""
+    import threading
+
+    import httpx
+    import numpy as np
+
+    from blockflow.control.serve import ServeOptions, Service
+    from blockflow.triton.server import free_port
+    from clients.client import TaskClient
+
+    token = "a-token-for-the-service-test"
+    plan = PLAN.parent / "one_block.yaml"
+    said: list[str] = []
+    service = Service(ServeOptions(plan, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                   control_port=free_port(), token=token, state_dir=tmp_path / "plans"), say=said.append)
+    runtime = service.runtime
+    try:
+        service.start()
+        assert service.control is not None and service.token_path is not None
+        assert service.token_path.read_text().strip() == token and service.token_path.stat().st_mode & 0o077 == 0
+        with TaskClient(service.server.http_url) as client:
+            assert client.infer("only", np.zeros((2, 3, 32, 32), np.float32)).shape == (2, 10)
+        r = httpx.get(f"{service.control.url}/status", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["plan"] == "one-block", r.text
+        stop = threading.Event()
+        runner = threading.Thread(target=service.run, args=(stop,))
+        runner.start()
+        time.sleep(1)  # a few supervisor rounds: nothing to restart, nothing to heal
+        stop.set()
+        runner.join(30)
+        assert not runner.is_alive() and said == []
+        pgid = service.server.process.pid if service.server.process else None
+    finally:
+        service.stop()
+    assert not runtime.exists()
+    assert pgid is not None and list(group_members(pgid)) == []
+
+
+def test_serve_refuses_a_plan_for_gpus_this_machine_lacks(tmp_path: Path) -> None:
+    from blockflow.control.serve import ServeOptions, Service
+    from blockflow.core.errors import PlanError
+    from blockflow.core.nvml import gpu_count
+
+    if gpu_count() > 3:
+        pytest.skip("this machine has a GPU 3")
+    plan = tmp_path / "p.yaml"
+    plan.write_text((PLAN.parent / "one_block.yaml").read_text().replace("placement: cpu", "placement: [3]"))
+    with pytest.raises(PlanError, match="GPU 3"):
+        Service(ServeOptions(plan, control_port=0))

@@ -82,7 +82,7 @@ def test_a_run_cut_short_still_gives_a_report_that_says_so(tmp_path: Path) -> No
 
     from bench.report import write_report
 
-    full = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "session6" / "results.json").read_text())
+    full = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "bench_r50-2026-11-23-25d3c8d" / "results.json").read_text())
     cut = {k: v for k, v in full.items() if k in ("meta", "config", "task", "path", "models", "memory", "pipeline", "batch", "concurrency")}
     cut["meta"] = dict(full["meta"], complete=False)
     cut["concurrency"] = {k: v for k, v in full["concurrency"].items() if k != "triton-cpu"}  # stopped inside the section

@@ -119,7 +119,7 @@ def test_serve_refuses_a_gpu_placement_without_gpus(tmp_path: Path) -> None:
 
 
 def test_serve_suggests_mps_only_when_many_processes_share_a_gpu() -> None:
-    from blockflow.cli import MPS_HINT_PROCESSES, mps_hint
+    from blockflow.control.serve import MPS_HINT_PROCESSES, mps_hint
     from blockflow.plan import load_plan, memory
     from ensemble_gen.generator import render
 
