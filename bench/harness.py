@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from blockflow.core import nvml
 from blockflow.plan import Plan
 from blockflow.triton.server import ServerOptions, TritonServer
 from ensemble_gen import generator
@@ -34,3 +35,18 @@ def served(plan: Plan, prefix: str = "bench-", start_timeout: float = 900.0, **o
         yield server
     finally:
         server.stop()
+
+
+def device_name() -> str:
+    """GPU 0's name, or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def gpu_used_mib(index: int = 0) -> float:
+    """Memory in use on GPU ``index`` (MiB, NVML's figure); NaN without NVML (a dry run on the CPU)."""
+    with nvml.session() as nv:
+        if nv is None:
+            return float("nan")
+        return float(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).used) / 2**20

@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.harness import rendered
-from blockflow.core import nvml
+from bench.harness import device_name, gpu_used_mib, rendered
 from blockflow.plan import load_plan, memory
 from blockflow.triton.server import ServerOptions, TritonServer
 from ensemble_gen.generator import reference_spec
@@ -34,10 +33,6 @@ if TYPE_CHECKING:
     from blockflow.plan.memory import Calibration, Process
 
 ROOT = Path(__file__).resolve().parents[1]
-
-def _gpu_used_mib() -> float:
-    return nvml.used_mib(0)
-
 
 def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
     settings = {"default (lazy modules, cuDNN benchmark, graphs)": {},
@@ -49,7 +44,7 @@ def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
     rows = []
     for block in blocks:
         for label, env in settings.items():
-            base = _gpu_used_mib()
+            base = gpu_used_mib()
             res = subprocess.run([sys.executable, "-m", "bench.children", "memory-steps", str(plan), block, str(base)], capture_output=True, text=True,
                                  env={**os.environ, **env, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
                                  timeout=300, check=False)
@@ -67,11 +62,11 @@ def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
 def measure_plan(plan_path: Path, cuda_pool_mb: int) -> dict[str, Any]:
     plan = load_plan(plan_path)
     repo = rendered(plan, "bench-memory-")
-    before = _gpu_used_mib()
+    before = gpu_used_mib()
     opts = ServerOptions.on_free_ports([repo], cuda_pool_mb=cuda_pool_mb)
     with TritonServer(opts) as server:
         time.sleep(3)
-        during = _gpu_used_mib()
+        during = gpu_used_mib()
         stubs = {m: len(p) for m, p in server.stub_processes().items()}
     time.sleep(3)
     return {"plan": _relative(plan_path), "measured_mib": during - before, "processes": sum(stubs.values()), "stubs": stubs}
@@ -181,7 +176,7 @@ def main() -> None:
             m = measure_plan(ROOT / p, args.cuda_pool_mb)
             print(f"[memory] plan {p}: {m['measured_mib']:.0f} MiB over {m['processes']} processes", flush=True)
             measured.append(m)
-        device = _device()
+        device = device_name()
     result["device"] = device
     result["plans"] = measured
     # measured - weights - pools - CUDA pool = server + graph processes * process + eager processes * eager
@@ -212,12 +207,6 @@ def main() -> None:
     (args.out / "memory.json").write_text(json.dumps(result, indent=2))
     write_report(result, args.out / "memory.md")
     print((args.out / "memory.md").read_text())
-
-
-def _device() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def write_report(res: dict[str, Any], path: Path) -> None:

@@ -29,8 +29,7 @@ from typing import Any
 
 import yaml
 
-from bench.harness import rendered
-from bench.memory import _gpu_used_mib as used
+from bench.harness import gpu_used_mib, rendered
 from bench.suite import delta, model_stats
 from blockflow.core import nvml
 from blockflow.core.errors import PlanError
@@ -104,27 +103,19 @@ def _process_mib(server: Any) -> dict[str, list[float]]:
         return out
 
 
-def _gpu_used_mib() -> float:
-    """GPU 0's used memory (NVML), or NaN on a machine without one (a dry run of the load part)."""
-    try:
-        return used()
-    except Exception:  # pynvml raises its own error classes when there is no driver
-        return float("nan")
-
-
 def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: float, mps: bool = False) -> dict[str, Any]:
     """Serve ``path`` alone; measured memory and, per client count, the load summary over all tasks."""
     plan = load_plan(path)
     repo = rendered(plan, "bench-scenario-")
     shape = plan.block_in_shape(plan.blocks[next(iter(plan.tasks.values())).path[0]])
-    before = _gpu_used_mib()
+    before = gpu_used_mib()
     opts = ServerOptions.on_free_ports([repo], cuda_pool_mb=cuda_pool_mb,
                          mps=mps)
     t0 = time.monotonic()
     with TritonServer(opts) as server:
         load_s = time.monotonic() - t0
         time.sleep(3)
-        during = _gpu_used_mib()
+        during = gpu_used_mib()
         per_process = _process_mib(server)
         stubs = {m: len(p) for m, p in server.stub_processes().items()}
         tasks = list(plan.tasks)

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backend.trace import ENV as TRACE_ENV
 from bench.nvml import GpuSampler
 from bench.timeline import read_traces
+from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 from ensemble_gen import generator
@@ -61,7 +61,7 @@ def measure(repo: Path, models: list[str], env: dict[str, str], cuda_pool_mb: in
     with TritonServer(opts) as server:
         assert server.process is not None
         server_pid = server.process.pid
-        control = server.control()
+        control = server.api()
         time.sleep(2)
         for model in models:
             before = gpus.memory_used_mib()[0] if gpus.available else 0.0

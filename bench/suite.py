@@ -23,7 +23,6 @@ import platform
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from bench.report import write_report
 from blockflow.core.errors import BlockFlowError, EnvironmentProblem
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import Plan, load_plan, naming, parse_plan
+from blockflow.triton.api import TritonApi
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.server import ServerOptions, TritonServer
 from clients.load import LoadSpec, run_load, summarize
@@ -65,12 +65,11 @@ class BenchConfig:
 
 
 def model_stats(url: str) -> dict[str, dict[str, int]]:
-    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=30) as r:
-        data = json.loads(r.read())
+    """Cumulative counts and times of every loaded model of the server at ``url`` (HTTP)."""
     out = {}
-    for m in data["model_stats"]:
+    for name, m in TritonApi(http_url=url, timeout=30).statistics().items():
         s = m["inference_stats"]
-        out[m["name"]] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
+        out[name] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
                           "requests": int(s["success"]["count"]),
                           **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
                           # Each execution once (inference_stats count a batch once per request in it).

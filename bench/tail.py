@@ -33,12 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from backend.trace import ENV as TRACE_ENV
-from bench.harness import rendered
-from bench.memory import _device
+from bench.harness import device_name, rendered
 from bench.suite import block_breakdown, delta, model_stats, perf_analyzer, task_models
 from bench.timeline import read_traces
 from blockflow.core import env as blockflow_env
+from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import Plan, load_plan, parse_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 from clients.load import LoadSpec, run_load, write_csv
@@ -197,7 +196,7 @@ def main() -> None:
     if missing:
         ap.error(f"model(s) {missing} are not in {args.plan}'s first task; it has {', '.join(served)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"plan": str(args.plan), "rate": args.rate, "seconds": args.seconds, "variants": {}, "device": _device()}
+    res: dict[str, Any] = {"plan": str(args.plan), "rate": args.rate, "seconds": args.seconds, "variants": {}, "device": device_name()}
     for v in variants:
         res["variants"][v] = run_variant(plan, v, labels, args.rate, args.seconds, args.out)
         (args.out / "tail.json").write_text(json.dumps(res))

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backend.trace import ENV as TRACE_ENV
 from bench.harness import rendered
 from bench.suite import block_breakdown, delta, model_stats, task_models
+from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 

@@ -93,13 +93,15 @@ def status(url: str, metrics_url: str | None, interval: float, watch: bool, as_j
     from rich.live import Live
 
     from blockflow.control.status import block_rows, snapshot, task_rows
+    from blockflow.triton.api import TritonApi
 
     host = url.removeprefix("http://").rsplit(":", 1)[0]
     murl = metrics_url or f"http://{host}:8002/metrics"
+    api = TritonApi(http_url=url, timeout=30)
     with httpx.Client(timeout=30) as client:
-        prev = snapshot(url, murl, client)
+        prev = snapshot(api, murl, client)
         time.sleep(interval)
-        cur = snapshot(url, murl, client)
+        cur = snapshot(api, murl, client)
         if as_json:
             out.print_json(json.dumps({"tasks": task_rows(prev, cur), "blocks": block_rows(prev, cur)}))
             return
@@ -111,7 +113,7 @@ def status(url: str, metrics_url: str | None, interval: float, watch: bool, as_j
                 while True:
                     live.update(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
                     time.sleep(interval)
-                    prev, cur = cur, snapshot(url, murl, client)
+                    prev, cur = cur, snapshot(api, murl, client)
             except KeyboardInterrupt:
                 pass
 

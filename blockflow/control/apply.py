@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.plan import Plan
-from blockflow.triton.api import TritonControl
+from blockflow.triton.api import TritonApi
 from ensemble_gen import generator
 from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 
@@ -148,7 +148,7 @@ class Applier:
                  log: Callable[[str], None] | None = None, admin_key: str = "") -> None:
         # Load, unload and the repository index are Triton's restricted APIs (blockflow.triton.access),
         # called over gRPC so that loads never hold up inference (blockflow.triton.api).
-        self.control = TritonControl(grpc_url, admin_key, timeout)
+        self.control = TritonApi(grpc_url=grpc_url, admin_key=admin_key, timeout=timeout)
         self.url = self.control.url
         self.repository = repository
         self.lock = lock or threading.Lock()

@@ -1,7 +1,7 @@
 """What a running server is doing, per task and per block: `blockflow status`.
 
-Built only from what Triton exposes: the repository index and model configs, the
-statistics extension (``/v2/models/stats``: cumulative counts and times) and the
+Built only from what Triton exposes without the admin key (through
+:class:`~blockflow.triton.api.TritonApi`): model configs, the statistics extension (``/v2/models/stats``: cumulative counts and times) and the
 metrics endpoint (``nv_inference_request_summary_us`` quantiles and the block
 monitor's ``blockflow_block_*`` gauges). Rates and per-request times are deltas
 between two snapshots.
@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockflow.core.errors import BlockFlowError
+from blockflow.core.errors import BlockFlowError, TritonApiError
+from blockflow.triton.api import TritonApi
 
 
 @dataclass
@@ -37,22 +38,22 @@ def _url(url: str) -> str:
     return url if url.startswith("http") else f"http://{url}"
 
 
-def snapshot(http_url: str, metrics_url: str, client: httpx.Client) -> Snapshot:
-    base = _url(http_url)
+def snapshot(api: TritonApi, metrics_url: str, client: httpx.Client) -> Snapshot:
+    """One reading of the server: Triton's statistics and configs through ``api``, the metrics through ``client``."""
     try:
         # The statistics list every loaded model; the repository index would need the admin key.
-        stats = {s["name"]: s["inference_stats"] for s in client.get(f"{base}/v2/models/stats").json().get("model_stats", [])}
+        stats = {name: m.get("inference_stats", {}) for name, m in api.statistics().items()}
         ready = dict.fromkeys(stats, True)
         ensembles, instances = set(), {}
         for name in ready:
-            cfg = client.get(f"{base}/v2/models/{name}/config").json()
+            cfg = api.config(name)
             if cfg.get("platform") == "ensemble":
                 ensembles.add(name)
             else:
                 instances[name] = sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []))
         text = client.get(_url(metrics_url)).text
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        raise BlockFlowError(f"cannot read the server's state at {base} / {metrics_url}: {exc}") from None
+    except (TritonApiError, httpx.HTTPError, ValueError, KeyError) as exc:
+        raise BlockFlowError(f"cannot read the server's state at {api.url} / {metrics_url}: {exc}") from None
     samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -24,8 +24,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +39,7 @@ from blockflow.core.errors import (
 )
 from blockflow.core.nvml import gpu_count
 from blockflow.triton import access
-from blockflow.triton.api import TritonControl
+from blockflow.triton.api import TritonApi
 from blockflow.triton.install import (
     TritonInstall,
     locate,
@@ -157,9 +155,9 @@ class TritonServer:
         """Headers that open Triton's restricted APIs (load, unload, repository index, trace, logging)."""
         return access.admin_headers(self.admin_key)
 
-    def control(self, timeout: float = 900.0) -> TritonControl:
-        """This server's model-repository API (over gRPC, with the admin key)."""
-        return TritonControl(self.grpc_url, self.admin_key, timeout)
+    def api(self, timeout: float = 900.0) -> TritonApi:
+        """This server's API: the open calls over HTTP, the model-repository calls over gRPC with the admin key."""
+        return TritonApi(self.http_url, self.grpc_url, self.admin_key, timeout)
 
     @property
     def admin_key_file(self) -> Path:
@@ -261,15 +259,6 @@ class TritonServer:
         keys = ("failed to load", "Error", "error:", "Traceback", "address already in use")
         return [line for line in text if line.startswith("E") or any(k in line for k in keys)][-15:]
 
-    def _get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
-                return int(r.status), bytes(r.read())
-        except urllib.error.HTTPError as exc:
-            return int(exc.code), b""
-        except (urllib.error.URLError, OSError):
-            return 0, b""
-
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -277,7 +266,7 @@ class TritonServer:
                 details = "\n".join(self.errors_in_log()) or self.log_tail()
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} during start-up "
                                   f"(log: {self.log_path}):\n{details}")
-            if self._get("/v2/health/ready")[0] == 200:
+            if self.api(timeout=2.0).ready():
                 return
             time.sleep(0.25)
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s (log: {self.log_path}):\n{self.log_tail()}")
@@ -315,7 +304,7 @@ class TritonServer:
                     for code in (Path(repo) / model).glob("*/model.py"):
                         os.utime(code)
                 try:
-                    self.control(timeout).load(model)
+                    self.api(timeout).load(model)
                 except TritonApiError as exc:
                     raise ModelReloadError(model, f"block {model!r} lost a process and could not be reloaded: {exc}") from exc
                 reloaded.append(model)
