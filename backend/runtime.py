@@ -59,30 +59,25 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_part(spec: ModelSpec, part: Part) -> nn.Sequential:
+def build_part(spec: ModelSpec, part: Part) -> nn.Module:
     """The stages of one part with its weights (CPU, fp32, eval mode)."""
     seed = part.weights.seed if part.weights.seed is not None else 0
-    net = arch.build_network(spec.arch, spec.num_classes, seed)
+    net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
     stages = arch.slice_stages(net, spec.arch, spec.cut_points, part.first, part.last)
     if part.weights.file is not None:
-        # Keys are those of the full torchvision model; the file may hold the whole model or just this block.
+        # Keys are those of the full torchvision model (the stages keep its names); the file may hold
+        # the whole model or just this block.
         state = _load_state_dict(part.weights.file)
-        wanted = {k for k in net.state_dict() if any(k.startswith(p + ".") for p in _module_prefixes(spec, part))}
+        wanted = set(stages.state_dict())
         missing = sorted(wanted - state.keys())
         if missing:
             raise BlockError(f"weights file {part.weights.file} lacks {len(missing)} tensor(s) of block "
                              f"{part.block!r}, e.g. {missing[:3]}; keys must be named as in torchvision's {spec.arch}")
         try:
-            net.load_state_dict({k: state[k] for k in wanted}, strict=False)
+            stages.load_state_dict({k: state[k] for k in wanted}, strict=True)
         except RuntimeError as exc:
             raise BlockError(f"weights file {part.weights.file} does not fit block {part.block!r}: {exc}") from exc
     return stages
-
-
-def _module_prefixes(spec: ModelSpec, part: Part) -> list[str]:
-    slices = arch.stage_slices(spec.arch, spec.cut_points)
-    start, end = slices[part.first][0], slices[part.last][1]
-    return [n for n in arch.module_sequence(spec.arch)[start:end] if n != "flatten"]
 
 
 @dataclass

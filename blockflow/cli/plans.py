@@ -27,12 +27,19 @@ def validate(plan: Path) -> None:
 
 
 @app.command()
-@PLAN
-def show(plan: Path) -> None:
-    """Tasks, blocks, what each task shares, and the tensors between blocks."""
+@click.argument("plan")
+@click.option("--cuts", is_flag=True, help="List where the network(s) can be cut instead: PLAN may be a plan file "
+              "or a torchvision model name (e.g. mobilenet_v3_large).")
+@click.option("--input-shape", default="3,224,224", show_default=True, help="With --cuts and a model name: C,H,W of one input.")
+@click.option("--num-classes", type=click.IntRange(1), default=1000, show_default=True, help="With --cuts and a model name.")
+def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
+    """Tasks, blocks, what each task shares, and the tensors between blocks; or, with --cuts, a network's legal cuts."""
     from blockflow.plan import load_plan
 
-    p = load_plan(plan)
+    if cuts:
+        _show_cuts(plan, input_shape, num_classes)
+        return
+    p = load_plan(Path(plan))
     sharing = p.sharing()
     blocks = Table(title="blocks")
     for col in ("block", "model", "stages", "in", "out", "params", "placement", "inst", "batch", "precision", "graphs", "used by"):
@@ -57,6 +64,37 @@ def show(plan: Path) -> None:
     out.print(blocks)
 
 
+def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
+    """Every legal cut of the plan's models (or of one torchvision model), with the tensor that would cross it."""
+    from blockflow.core import arch
+    from blockflow.core.errors import BlockFlowError
+    from blockflow.plan import load_plan
+
+    if Path(what).suffix in (".yaml", ".yml", ".json") or Path(what).is_file():
+        p = load_plan(Path(what))
+        nets = [(f"model {name} ({m.arch}, input {list(m.input_shape)})", m.arch, tuple(m.input_shape), m.num_classes)
+                for name, m in p.models.items()]
+    else:
+        if what not in arch.supported_archs():
+            raise click.BadParameter(f"{what!r} is neither a plan file nor a torchvision model name", param_hint="PLAN")
+        try:
+            shape = tuple(int(x) for x in input_shape.split(","))
+        except ValueError:
+            raise click.BadParameter("give C,H,W, e.g. 3,224,224", param_hint="--input-shape") from None
+        nets = [(f"{what} (input {list(shape)})", what, shape, num_classes)]
+    for title, name, shape, classes in nets:
+        try:
+            found = arch.legal_cuts(name, shape, classes)
+        except ValueError as exc:
+            raise BlockFlowError(str(exc)) from None
+        table = Table(title=f"{title}: {len(found.cuts)} legal cuts, in network order")
+        for col in ("cut", "tensor per sample", "dtype", "bytes per sample"):
+            table.add_column(col, justify="right" if col == "bytes per sample" else "left")
+        for c in found.cuts:
+            table.add_row(c.name, _shape(c.shape), str(c.dtype).removeprefix("torch."), f"{c.bytes_per_sample:,}")
+        out.print(table)
+
+
 def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape))
 
@@ -70,18 +108,15 @@ def _mib(shape: tuple[int, ...]) -> str:
 
 def _param_counts(p: Plan) -> dict[str, int]:
     """Parameters per block, counted on the meta device (no memory, no weights)."""
-    import torch
-    import torchvision.models as tvm
 
     from blockflow.core import arch
 
     counts: dict[str, int] = {}
     for b in p.blocks.values():
         m = p.models[b.model]
-        with torch.device("meta"):
-            net = getattr(tvm, m.arch)(weights=None, num_classes=m.num_classes)
-            stages = arch.slice_stages(net, m.arch, m.cut_points, b.first, b.last)
-            counts[b.name] = sum(t.numel() for t in stages.parameters())
+        net = arch.meta_network(m.arch, m.num_classes, m.input_shape)
+        stages = arch.slice_stages(net, m.arch, m.cut_points, b.first, b.last)
+        counts[b.name] = sum(t.numel() for t in stages.parameters())
     return counts
 
 
@@ -146,6 +181,11 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
     if plan is None:
         raise click.UsageError("give a PLAN, or --scenarios resnet50|resnet152")
     p = load_plan(plan)
+    uncalibrated = sorted({m.arch for m in p.models.values() if not m.arch.startswith("resnet")})
+    if uncalibrated:
+        err.print(f"[yellow]warning[/]: the memory model's constants were measured on ResNets only; for "
+                  f"{', '.join(uncalibrated)} the figures below are an estimate, not a calibrated prediction "
+                  "(calibrate with `python -m bench.memory` on plans of that network)")
     n = gpus if gpus is not None else max(1, gpu_count())
     mod, trad = memory.modular(p, n, cal), memory.traditional(p, n, cal)
     table = Table(title=f"{plan}: predicted GPU memory per process (MiB)")

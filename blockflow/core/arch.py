@@ -1,96 +1,218 @@
-"""Base networks and how they are cut into stages.
+"""Base networks and how they are cut into stages: any torchvision classification model.
 
-A base network is flattened into an ordered list of named top-level modules
-(for ResNets: ``conv1 … layer4, avgpool, flatten, fc``). A plan's cut points
-name modules of that list; stage ``i`` runs from just after cut ``i-1`` up to
-and including cut ``i``, and the last stage runs to the end. Running the
-stages one after another is exactly the unsplit forward pass.
+A network is traced into a graph with torch.fx (torchvision's own ``NodePathTracer``, which
+names every node by the module it runs in, e.g. ``features.4.block.2``). A cut names a module by
+its dotted path (``layer2``, ``features.4``, ``encoder.layers.encoder_layer_5``) or a node
+(``flatten``): the stage boundary falls right after the last node of that module. A cut is legal
+where exactly one value is live across the boundary and that value is a tensor: it is what the
+hop carries. Stage ``i`` runs from just after cut ``i-1`` up to and including cut ``i``; the last
+stage runs to the end. Each stage is its own ``GraphModule`` holding the same nodes, in the same
+order, as the whole traced network: running the stages one after another is exactly the unsplit
+forward pass.
 
-Seeded weights are made by building the whole network under a fixed seed and
-then slicing it, so a block's weights equal the same stages of the full model
-built with that seed, in every process.
+Parameters and buffers keep their names (``layer2.0.conv1.weight``), so a weights file keyed as
+the model's own ``state_dict`` fits every block. Seeded weights are made by building the whole
+network under a fixed seed and then cutting it, so a block's weights equal the same stages of the
+full model built with that seed, in every process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
-from torch import nn
-
-RESNET_SEQUENCE: Final = (
-    "conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "flatten", "fc",
-)
-
-SEQUENCES: Final[dict[str, tuple[str, ...]]] = {
-    "resnet18": RESNET_SEQUENCE,
-    "resnet34": RESNET_SEQUENCE,
-    "resnet50": RESNET_SEQUENCE,
-    "resnet101": RESNET_SEQUENCE,
-    "resnet152": RESNET_SEQUENCE,
-}
-
-SUPPORTED_ARCHS: Final = tuple(sorted(SEQUENCES))
+from torch import fx, nn
 
 
-def module_sequence(arch: str) -> tuple[str, ...]:
-    """The ordered module names of ``arch`` (``KeyError`` if unknown)."""
-    return SEQUENCES[arch]
+@lru_cache(maxsize=1)
+def supported_archs() -> tuple[str, ...]:
+    """Every classification model torchvision builds by name."""
+    import torchvision.models as tvm
+
+    return tuple(sorted(tvm.list_models(module=tvm)))
 
 
-def stage_slices(arch: str, cut_points: Sequence[str]) -> list[tuple[int, int]]:
-    """Half-open index ranges into :func:`module_sequence`, one per stage.
-
-    Assumes cut points were validated (known, strictly increasing, not last).
-    """
-    seq = module_sequence(arch)
-    bounds = [seq.index(c) + 1 for c in cut_points]
-    starts = [0, *bounds]
-    ends = [*bounds, len(seq)]
-    return list(zip(starts, ends, strict=True))
+def _factory_kwargs(arch: str, num_classes: int, input_shape: Sequence[int]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
+    if arch.startswith("vit_"):  # a ViT's position embedding is sized for one image size
+        kwargs["image_size"] = int(input_shape[-1])
+    return kwargs
 
 
-def build_network(arch: str, num_classes: int, seed: int) -> nn.Module:
+def build_network(arch: str, num_classes: int, seed: int, input_shape: Sequence[int] = (3, 224, 224)) -> nn.Module:
     """The whole torchvision network with weights drawn from ``seed`` (CPU, eval mode).
 
     The global RNG is forked so building a block never disturbs the caller's.
     """
     import torchvision.models as tvm
 
-    factory = getattr(tvm, arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net: nn.Module = factory(weights=None, num_classes=num_classes)
+        net: nn.Module = tvm.get_model(arch, **_factory_kwargs(arch, num_classes, input_shape))
     return net.eval()
 
 
-def _named_module(net: nn.Module, name: str) -> nn.Module:
-    if name == "flatten":
-        return nn.Flatten(1)
-    module: nn.Module = getattr(net, name)
-    return module
+@dataclass(frozen=True)
+class Traced:
+    """A network's graph: its nodes in execution order, each with the module path it runs in."""
+
+    module: fx.GraphModule
+    nodes: tuple[fx.Node, ...]
+    paths: tuple[str, ...]  # dotted module path of each node (``features.4.block.2``; a node's name at top level)
+
+    def end_of(self, cut: str) -> int:
+        """Index of the last node of module (or node) ``cut``; ``KeyError`` if the network has none."""
+        hits = [i for i, p in enumerate(self.paths) if p == cut or p.startswith(cut + ".")]
+        if not hits:
+            raise KeyError(cut)
+        return max(hits)
+
+    def live_after(self, boundary: int) -> list[fx.Node]:
+        """Values computed at or before ``boundary`` that a later node still uses (parameters excluded)."""
+        index = {n: i for i, n in enumerate(self.nodes)}
+        return [n for n in self.nodes[:boundary + 1]
+                if n.op != "get_attr" and any(index[u] > boundary for u in n.users)]
 
 
-def slice_stages(net: nn.Module, arch: str, cut_points: Sequence[str], first: int, last: int) -> nn.Sequential:
-    """Stages ``first..last`` (inclusive) of ``net`` as one ``nn.Sequential`` sharing its parameters."""
-    slices = stage_slices(arch, cut_points)
-    start, end = slices[first][0], slices[last][1]
-    seq = module_sequence(arch)
-    return nn.Sequential(*(_named_module(net, n) for n in seq[start:end])).eval()
+def trace(net: nn.Module) -> Traced:
+    from torchvision.models.feature_extraction import NodePathTracer
+
+    tracer = NodePathTracer()
+    graph = tracer.trace(net)
+    module = fx.GraphModule(tracer.root, graph, type(net).__name__)
+    nodes = tuple(module.graph.nodes)
+    names: dict[fx.Node, str] = tracer.node_to_qualname
+    return Traced(module, nodes, tuple(names.get(n, n.name) for n in nodes))
+
+
+def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
+    """Stages ``first..last`` (inclusive) as one module taking the tensor live at cut ``first-1``."""
+    bounds = [traced.end_of(c) for c in cut_points]
+    start = bounds[first - 1] + 1 if first > 0 else 0
+    output = next(n for n in traced.nodes if n.op == "output")
+    end = bounds[last] if last < len(bounds) else traced.nodes.index(output) - 1
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if first > 0:
+        (entering,) = traced.live_after(bounds[first - 1])
+        env[entering] = graph.placeholder("x")
+    for node in traced.nodes[start:end + 1]:
+        for used in node.all_input_nodes:  # parameters read by this stage but fetched earlier in the whole graph
+            if used not in env and used.op == "get_attr":
+                env[used] = graph.node_copy(used, env.__getitem__)
+        if node not in env:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    if last < len(bounds):
+        (leaving,) = traced.live_after(bounds[last])
+        graph.output(env[leaving])
+    else:
+        graph.output(fx.map_arg(output.args[0], env.__getitem__))
+    graph.lint()
+    return fx.GraphModule(traced.module, graph, f"stages_{first}_{last}").eval()
+
+
+def slice_stages(net: nn.Module, arch: str, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
+    """Stages ``first..last`` (inclusive) of ``net``, sharing its parameters."""
+    return stage_module(trace(net), cut_points, first, last)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A place a network can be cut: after module (or node) ``name``; one tensor crosses it."""
+
+    name: str
+    shape: tuple[int, ...]  # per sample
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_sample(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """The legal cuts of one network at one input shape, in network order, and its output shape."""
+
+    cuts: tuple[Cut, ...]
+    ends: tuple[int, ...]  # index of each cut's last node in the traced graph
+    output_shape: tuple[int, ...]
+
+    def names(self) -> list[str]:
+        return [c.name for c in self.cuts]
+
+    def get(self, name: str) -> Cut | None:
+        return next((c for c in self.cuts if c.name == name), None)
+
+    def position(self, name: str) -> int:
+        """Where the cut falls in the network (cuts of modules that end together share a position)."""
+        return self.ends[self.names().index(name)]
+
+
+def meta_network(arch: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """The network without memory for its weights (meta device), where its constructor allows that.
+
+    A few constructors compute with tensors (RegNet derives its widths with ``torch`` ops); those
+    are built on the CPU instead.
+    """
+    try:
+        with torch.device("meta"):
+            return build_network(arch, num_classes, 0, input_shape)
+    except (NotImplementedError, RuntimeError):
+        return build_network(arch, num_classes, 0, input_shape).to("meta")
+
+
+@lru_cache(maxsize=32)
+def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cuts:
+    """Every module path (and top-level node) after which the network can be cut, found on the meta device.
+
+    Raises ``ValueError`` when the network cannot take ``input_shape`` (the message says why).
+    """
+    from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+    traced = trace(meta_network(arch, num_classes, input_shape))
+    try:
+        ShapeProp(traced.module).propagate(torch.empty((1, *input_shape), device="meta"))
+    except Exception as exc:  # the network's own error for a size it cannot take
+        raise ValueError(f"{arch} cannot take inputs of shape {list(input_shape)}: {exc}") from None
+    index = {n: i for i, n in enumerate(traced.nodes)}
+    last_use = [max((index[u] for u in n.users), default=i) for i, n in enumerate(traced.nodes)]
+    output = next(i for i, n in enumerate(traced.nodes) if n.op == "output")
+    ends: dict[str, int] = {}
+    for i, path in enumerate(traced.paths):
+        parts = path.split(".")
+        for k in range(1, len(parts) + 1):
+            ends[".".join(parts[:k])] = i
+    found, found_ends = [], []
+    for name, end in sorted(ends.items(), key=lambda kv: (kv[1], kv[0].count("."), kv[0])):
+        if end >= output - 1 or traced.nodes[end].op in ("placeholder", "get_attr"):
+            continue  # nothing would be left for a next stage, or nothing computed yet
+        live = [n for n in traced.nodes[:end + 1] if n.op != "get_attr" and last_use[index[n]] > end]
+        if len(live) != 1 or live[0].op == "placeholder":
+            continue
+        meta = live[0].meta.get("tensor_meta")
+        if isinstance(meta, TensorMetadata):
+            found.append(Cut(name, tuple(int(d) for d in meta.shape[1:]), meta.dtype))
+            found_ends.append(end)
+    out_meta = traced.nodes[output].args[0]
+    out_shape = out_meta.meta["tensor_meta"].shape[1:] if isinstance(out_meta, fx.Node) else ()
+    return Cuts(tuple(found), tuple(found_ends), tuple(int(d) for d in out_shape))
 
 
 def stage_output_shapes(
     arch: str, cut_points: Sequence[str], input_shape: Sequence[int], num_classes: int
 ) -> list[tuple[int, ...]]:
-    """Per-sample output shape of every stage, computed on the meta device (no weights, no compute)."""
-    import torchvision.models as tvm
-
-    with torch.device("meta"):
-        net = getattr(tvm, arch)(weights=None, num_classes=num_classes).eval()
-        x = torch.empty((1, *input_shape))
-        shapes = []
-        for i in range(len(cut_points) + 1):
-            x = slice_stages(net, arch, cut_points, i, i)(x)
-            shapes.append(tuple(int(d) for d in x.shape[1:]))
-    return shapes
+    """Per-sample output shape of every stage (meta device: no weights, no compute)."""
+    cuts = legal_cuts(arch, tuple(input_shape), num_classes)
+    shapes = []
+    for c in cut_points:
+        cut = cuts.get(c)
+        if cut is None:
+            raise ValueError(f"{c!r} is not a legal cut of {arch}")
+        shapes.append(cut.shape)
+    return [*shapes, cuts.output_shape]

@@ -30,18 +30,24 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
 
     good_models: set[str] = set()
     for name, m in raw.models.items():
-        seq = archs.module_sequence(m.arch)
+        try:
+            cuts = archs.legal_cuts(m.arch, tuple(m.input_shape), m.num_classes)
+        except ValueError as exc:
+            yield PlanIssue(f"models.{name}.input_shape", f"{exc}; give an input_shape the network takes")
+            continue
+        names = cuts.names()
         ok = True
         prev = -1
         for i, cut in enumerate(m.cut_points):
             loc = f"models.{name}.cut_points[{i}]"
-            if cut not in seq[:-1]:
-                near = difflib.get_close_matches(cut, seq, n=1)
+            if cut not in names:
+                near = difflib.get_close_matches(cut, names, n=3)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
-                yield PlanIssue(loc, f"{cut!r} is not a module of {m.arch} that a cut can follow{hint}; use one of {', '.join(seq[:-1])}")
+                yield PlanIssue(loc, f"{cut!r} is not a place where {m.arch} can be cut{hint}; a cut is a module path or "
+                                     f"node after which exactly one tensor goes on: `blockflow show --cuts {m.arch}` lists them")
                 ok = False
                 continue
-            idx = seq.index(cut)
+            idx = cuts.position(cut)
             if idx <= prev:
                 yield PlanIssue(loc, f"{cut!r} does not come after {m.cut_points[i - 1]!r}; list cut points in network order without repeats")
                 ok = False

@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from blockflow.core.arch import slice_stages
+from blockflow.core.arch import meta_network, slice_stages
 from blockflow.core.errors import CalibrationError
 from blockflow.plan import naming
 from blockflow.plan.deployment import Block, Plan
@@ -83,26 +83,18 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
                    first: int, last: int) -> tuple[int, int]:
     """(parameter + buffer count, largest tensor's element count per sample) of stages first..last (meta device)."""
     import torch
-    import torchvision.models as tvm
+    from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-    with torch.device("meta"):
-        net = getattr(tvm, arch)(weights=None, num_classes=num_classes).eval()
-        x = torch.empty((1, *input_shape))
-        for i in range(first):
-            x = slice_stages(net, arch, cut_points, i, i)(x)
-        part = slice_stages(net, arch, cut_points, first, last)
-        largest = [x.numel()]
-
-        def hook(_m: object, _i: object, out: object) -> None:
-            if isinstance(out, torch.Tensor):
-                largest[0] = max(largest[0], out.numel())
-
-        handles = [m.register_forward_hook(hook) for m in part.modules() if not list(m.children())]
-        part(x)
-        for h in handles:
-            h.remove()
+    net = meta_network(arch, num_classes, input_shape)
+    x = torch.empty((1, *input_shape), device="meta")
+    if first > 0:
+        x = slice_stages(net, arch, cut_points, 0, first - 1)(x)
+    part = slice_stages(net, arch, cut_points, first, last)
+    ShapeProp(part).propagate(x)  # every node's output shape, on the meta device
+    largest = max([x.numel()] + [int(torch.Size(n.meta["tensor_meta"].shape).numel()) for n in part.graph.nodes
+                                 if isinstance(n.meta.get("tensor_meta"), TensorMetadata)])
     params = sum(p.numel() for p in part.parameters()) + sum(b.numel() for b in part.buffers())
-    return params, largest[0]
+    return params, largest
 
 
 def _gpus_of(block: Block, gpus: int) -> list[int]:

@@ -5,6 +5,7 @@ See ``docs/plan.md`` for the format.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Literal
 
@@ -34,8 +35,12 @@ class ModelDef(_Strict):
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, v: str) -> str:
-        if v not in archs.SUPPORTED_ARCHS:
-            raise ValueError(f"unknown architecture {v!r}; use one of {', '.join(archs.SUPPORTED_ARCHS)}")
+        known = archs.supported_archs()
+        if v not in known:
+            near = difflib.get_close_matches(v, known, n=3)
+            hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+            raise ValueError(f"unknown architecture {v!r}; {hint}any torchvision classification model works "
+                             "(torchvision.models.list_models(module=torchvision.models))")
         return v
 
     @field_validator("input_shape")

@@ -83,7 +83,7 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("missing-tasks", _delete("tasks"), "tasks", "required key is missing"),
     ("unknown-arch", _set("models.r50.arch", "resnet51"), "models.r50.arch", "unknown architecture 'resnet51'"),
     ("bad-cut-name", _set("models.r50.cut_points", ["layer1", "layr2", "layer3"]), "models.r50.cut_points[1]", "did you mean 'layer2'"),
-    ("cut-after-last", _set("models.r50.cut_points", ["layer1", "layer2", "fc"]), "models.r50.cut_points[2]", "'fc' is not a module"),
+    ("cut-after-last", _set("models.r50.cut_points", ["layer1", "layer2", "fc"]), "models.r50.cut_points[2]", "'fc' is not a place where resnet50 can be cut"),
     ("cuts-out-of-order", _set("models.r50.cut_points", ["layer2", "layer1", "layer3"]), "models.r50.cut_points[1]", "does not come after 'layer2'"),
     ("input-shape-channels", _set("models.r50.input_shape", [1, 224, 224]), "models.r50.input_shape", "is not [3, H, W]"),
     ("input-shape-length", _set("models.r50.input_shape", [3, 224]), "models.r50.input_shape", "input_shape"),
