@@ -341,13 +341,13 @@ def test_tickets_are_one_shot_and_bound_to_their_hop(runtime: Path) -> None:
         prod.close()
 
 
-def _claim_all(path: str, slots: int, samples: int, seq: int, out: mp.Queue[int]) -> None:
+def _claim_all(path: str, slots: int, samples: int, seq: int, result: str) -> None:
     from backend.tensormq.claims import ClaimTable
 
     table = ClaimTable(Path(path))
     won = sum(table.claim(s, seq, k) is None for s in range(slots) for k in range(samples))
     table.close()
-    out.put(won)
+    Path(result).write_text(str(won))
 
 
 def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) -> None:
@@ -359,13 +359,19 @@ def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) 
         table.open_slot(s, 5, time.monotonic() + 60)
     assert (tmp_path / "t.claims").stat().st_mode & 0o777 == 0o600
     ctx = mp.get_context("spawn")
-    out: mp.Queue[int] = ctx.Queue()
-    procs = [ctx.Process(target=_claim_all, args=(str(tmp_path / "t.claims"), slots, samples, 5, out)) for _ in range(3)]
+    results = [tmp_path / f"won{i}" for i in range(3)]
+    procs = [ctx.Process(target=_claim_all, args=(str(tmp_path / "t.claims"), slots, samples, 5, str(r))) for r in results]
     for p in procs:
         p.start()
-    won = [out.get(timeout=60) for _ in procs]
+    # A process that dies says so with its exit code (a queue would only time out).
     for p in procs:
-        p.join(10)
+        p.join(120)
+    codes = [p.exitcode for p in procs]  # None: still running after two minutes
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0, 0], codes
+    won = [int(r.read_text()) for r in results]
     assert sum(won) == slots * samples  # every sample claimed once, by one process only
     assert all(table.claimed(s, 5) == set(range(samples)) for s in range(slots))
     assert table.claimed(0, 6) is None and table.claim(0, 6, 0) is not None  # another use of the slot
