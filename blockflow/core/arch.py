@@ -62,6 +62,7 @@ class Traced:
     module: fx.GraphModule
     nodes: tuple[fx.Node, ...]
     paths: tuple[str, ...]  # dotted module path of each node (``features.4.block.2``; a node's name at top level)
+    last_use: tuple[int, ...]  # index of the last node that uses each node's value (its own index if none)
 
     def end_of(self, cut: str) -> int:
         """Index of the last node of module (or node) ``cut``; ``KeyError`` if the network has none."""
@@ -72,9 +73,7 @@ class Traced:
 
     def live_after(self, boundary: int) -> list[fx.Node]:
         """Values computed at or before ``boundary`` that a later node still uses (parameters excluded)."""
-        index = {n: i for i, n in enumerate(self.nodes)}
-        return [n for n in self.nodes[:boundary + 1]
-                if n.op != "get_attr" and any(index[u] > boundary for u in n.users)]
+        return [n for i, n in enumerate(self.nodes[:boundary + 1]) if n.op != "get_attr" and self.last_use[i] > boundary]
 
 
 def trace(net: nn.Module) -> Traced:
@@ -85,7 +84,9 @@ def trace(net: nn.Module) -> Traced:
     module = fx.GraphModule(tracer.root, graph, type(net).__name__)
     nodes = tuple(module.graph.nodes)
     names: dict[fx.Node, str] = tracer.node_to_qualname
-    return Traced(module, nodes, tuple(names.get(n, n.name) for n in nodes))
+    index = {n: i for i, n in enumerate(nodes)}
+    last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
+    return Traced(module, nodes, tuple(names.get(n, n.name) for n in nodes), last_use)
 
 
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
@@ -180,8 +181,6 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
         ShapeProp(traced.module).propagate(torch.empty((1, *input_shape), device="meta"))
     except Exception as exc:  # the network's own error for a size it cannot take
         raise ValueError(f"{arch} cannot take inputs of shape {list(input_shape)}: {exc}") from None
-    index = {n: i for i, n in enumerate(traced.nodes)}
-    last_use = [max((index[u] for u in n.users), default=i) for i, n in enumerate(traced.nodes)]
     output = next(i for i, n in enumerate(traced.nodes) if n.op == "output")
     ends: dict[str, int] = {}
     for i, path in enumerate(traced.paths):
@@ -192,7 +191,7 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
     for name, end in sorted(ends.items(), key=lambda kv: (kv[1], kv[0].count("."), kv[0])):
         if end >= output - 1 or traced.nodes[end].op in ("placeholder", "get_attr"):
             continue  # nothing would be left for a next stage, or nothing computed yet
-        live = [n for n in traced.nodes[:end + 1] if n.op != "get_attr" and last_use[index[n]] > end]
+        live = traced.live_after(end)
         if len(live) != 1 or live[0].op == "placeholder":
             continue
         meta = live[0].meta.get("tensor_meta")
