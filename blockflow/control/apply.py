@@ -149,7 +149,6 @@ class Applier:
         # Load, unload and the repository index are Triton's restricted APIs (blockflow.triton.access),
         # called over gRPC so that loads never hold up inference (blockflow.triton.api).
         self.control = TritonApi(grpc_url=grpc_url, admin_key=admin_key, timeout=timeout)
-        self.url = self.control.url
         self.repository = repository
         self.lock = lock or threading.Lock()
         self._log = log or (lambda _msg: None)
