@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
@@ -88,6 +90,10 @@ class TritonPythonModel:
     """Triton's entry points for one block instance."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        # Where a block's start-up time goes (the stub's start and imports, building, warming up),
+        # written on its ready line: live plan changes wait for it.
+        t0 = time.monotonic()
+        started = max(0.0, time.time() - psutil.Process().create_time())
         config = json.loads(args["model_config"])
         self.spec = spec = _spec_from_config(config)
         self.device = _device(args)
@@ -115,6 +121,7 @@ class TritonPythonModel:
         else:
             self.runners = {self.out_name: BlockRunner(spec, self.device)}
         self.runner = next(iter(self.runners.values()))
+        t_built = time.monotonic()
         # The stream every block's work goes on (torch's current stream, fixed for the instance's
         # life); read once here, as each lookup costs a torch call on the request path.
         self.stream = int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
@@ -124,6 +131,7 @@ class TritonPythonModel:
         pool = torch.cuda.graph_pool_handle() if spec.heads and self.runner.use_graphs else None
         for runner in self.runners.values():
             runner.warmup(pool)
+        t_warm = time.monotonic()
         if self.tracer is not None:
             self.tracer.memory("warmup")
         self.producer: Producer | None = None
@@ -158,7 +166,9 @@ class TritonPythonModel:
         self.logger.log_info(
             f"blockflow: {args['model_name']} instance {args['model_instance_name']} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}{f', {len(spec.heads)} heads' if spec.heads else ''}, {spec.precision}, "
-            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport})"
+            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport}); "
+            f"start-up s: process and imports {started:.2f}, build {t_built - t0:.2f}, warm-up {t_warm - t_built:.2f}, "
+            f"rest {time.monotonic() - t_warm:.2f}"
         )
 
     def _input(self, request: Any, releases: list[Any]) -> torch.Tensor:

@@ -84,10 +84,13 @@ def main() -> None:
         for t in threads:
             t.join(30)
         applier.close()
+        # Each block's ready line says where its start-up went (process and imports, build, warm-up).
+        startup = [line.split("blockflow: ", 1)[1] for line in server.log_path.read_text(errors="replace").splitlines()
+                   if "start-up s:" in line]
     seconds = [r["seconds"] for r in rows]
     summary = {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
                "clients_per_task": args.clients, "requests_ok_failed": {t: c for t, c in counts.items() if any(c)}}
-    (args.out / "apply_time.json").write_text(json.dumps({"summary": summary, "changes": rows}, indent=1))
+    (args.out / "apply_time.json").write_text(json.dumps({"summary": summary, "changes": rows, "block_startup": startup}, indent=1))
     print(f"[apply-time] {json.dumps(summary)}")
 
 
