@@ -29,6 +29,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from backend.monitor import BlockMonitor
 from backend.runtime import BlockRunner
+from backend.stage_cache import StageCache
 from backend.tensormq.consumer import Consumer
 from backend.tensormq.metrics import TmqMetrics
 from backend.tensormq.producer import PoolExhaustedError, Producer
@@ -44,6 +45,7 @@ from blockflow.core.spec import (
     SPEC_PARAMETER,
     TICKET_BYTES,
     ModelSpec,
+    activation_names,
 )
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
@@ -97,8 +99,12 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.spec = spec = _spec_from_config(config)
         self.device = _device(args)
-        self.in_name = IMAGE if spec.takes_image else ACTIVATION_IN
-        self.out_name = LOGITS if spec.gives_logits else ACTIVATION_OUT
+        # Triton tensor names: a TensorMQ hop is one ticket per sample whatever it carries; other
+        # hops have one tensor per value that crosses the cut.
+        tmq = spec.transport == "tensormq"
+        self.in_names = [IMAGE] if spec.takes_image else activation_names(ACTIVATION_IN, 1 if tmq else len(spec.in_shapes))
+        self.out_names = [LOGITS] if spec.gives_logits else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
+        self.out_name = self.out_names[0]
         # Logits leave the GPU here, in the process that made them, with one copy per execute.
         # Handed to Triton on the GPU, they cost a CUDA IPC hand-off and a device-to-host copy in
         # the server's own CUDA context (its HTTP and gRPC responses need them in host memory);
@@ -116,10 +122,11 @@ class TritonPythonModel:
                 self.tracer.memory("context")
         # A runner per output: a head pack (several tasks' heads in this one process) has one per
         # task's head; every other model has one.
+        cache = StageCache.of_runtime_dir()
         if spec.heads:
-            self.runners = {out: BlockRunner(s, self.device) for out, s in spec.head_specs()}
+            self.runners = {out: BlockRunner(s, self.device, cache) for out, s in spec.head_specs()}
         else:
-            self.runners = {self.out_name: BlockRunner(spec, self.device)}
+            self.runners = {self.out_name: BlockRunner(spec, self.device, cache)}
         self.runner = next(iter(self.runners.values()))
         t_built = time.monotonic()
         # The stream every block's work goes on (torch's current stream, fixed for the instance's
@@ -171,19 +178,23 @@ class TritonPythonModel:
             f"rest {time.monotonic() - t_warm:.2f}"
         )
 
-    def _input(self, request: Any, releases: list[Any]) -> torch.Tensor:
-        tensor = pb_utils.get_input_tensor_by_name(request, self.in_name)
-        if tensor is None:
-            raise RequestError(f"request has no input {self.in_name!r}")
-        x = from_dlpack(tensor.to_dlpack())
+    def _input(self, request: Any, releases: list[Any]) -> list[torch.Tensor]:
+        """A request's input tensors (the tensors its tickets name, for TensorMQ)."""
+        xs = []
+        for name in self.in_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                raise RequestError(f"request has no input {name!r}")
+            xs.append(from_dlpack(tensor.to_dlpack()))
         if self.consumer is not None:
-            view, rel = self.consumer.gather(x, self.spec.in_shape, self.stream)
+            views, rel = self.consumer.gather_tensors(xs[0], self.spec.in_shapes, self.stream)
             releases.extend(rel)
-            return view
-        if x.dtype != torch.float32 or tuple(x.shape[1:]) != self.spec.in_shape:
-            raise RequestError(f"input {self.in_name!r} is {x.dtype} {list(x.shape)}; "
-                               f"expected float32 [batch, {', '.join(map(str, self.spec.in_shape))}]")
-        return x
+            return views
+        for name, x, shape in zip(self.in_names, xs, self.spec.in_shapes, strict=True):
+            if x.dtype != torch.float32 or tuple(x.shape[1:]) != shape or x.shape[0] != xs[0].shape[0]:
+                raise RequestError(f"input {name!r} is {x.dtype} {list(x.shape)}; "
+                                   f"expected float32 [{int(xs[0].shape[0])}, {', '.join(map(str, shape))}]")
+        return xs
 
     def execute(self, requests: list[Any]) -> list[Any]:
         if self.tracer is None:
@@ -195,7 +206,7 @@ class TritonPythonModel:
 
     def _execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
-        batch: list[torch.Tensor] = []
+        batch: list[list[torch.Tensor]] = []  # each request's input tensors
         owners: list[int] = []
         releases: list[Any] = []
         for i, request in enumerate(requests):
@@ -215,13 +226,15 @@ class TritonPythonModel:
                 self.tracer.mark()  # inputs read
                 self.tracer.gpu_begin()
             for name, ks in self._groups(requests, owners).items():
-                xs = [batch[k] for k in ks]
-                sizes = [int(x.shape[0]) for x in xs]
+                sizes = [int(batch[k][0].shape[0]) for k in ks]
                 try:
-                    joined = xs[0] if len(xs) == 1 else torch.cat([x.to(self.device) for x in xs])
-                    result = self._run(self.runners[name], joined)
-                    for k, rows in zip(ks, _split(result, sizes), strict=True):
-                        outputs[k].append(pb_utils.Tensor.from_dlpack(name, to_dlpack(rows)))
+                    joined = batch[ks[0]] if len(ks) == 1 else [torch.cat([batch[k][j].to(self.device) for k in ks])
+                                                                 for j in range(len(batch[ks[0]]))]
+                    results = self._run(self.runners[name], joined)
+                    names = [name] if len(results) == 1 else self.out_names
+                    for out_name, result in zip(names, results, strict=True):
+                        for k, rows in zip(ks, _split(result, sizes), strict=True):
+                            outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)
                     self._fail(responses, [owners[k] for k in ks], sum(sizes), exc)
@@ -234,7 +247,7 @@ class TritonPythonModel:
                 except Exception as exc:
                     rest = [k for k in range(len(batch)) if k not in failed]
                     failed.update(rest)
-                    self._fail(responses, [owners[k] for k in rest], sum(int(batch[k].shape[0]) for k in rest), exc)
+                    self._fail(responses, [owners[k] for k in rest], sum(int(batch[k][0].shape[0]) for k in rest), exc)
             if self.tracer is not None:
                 self.tracer.mark()  # work done (TensorMQ: queued)
             for k, i in enumerate(owners):
@@ -270,23 +283,23 @@ class TritonPythonModel:
         for i in owners:
             responses[i] = pb_utils.InferenceResponse(error=_error(f"block {self.spec.name!r} failed: {exc}", code))
 
-    def _run(self, runner: BlockRunner, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, runner: BlockRunner, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets."""
         if self.producer is None:
-            out = runner.run(x)
+            outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
-            return out.to("cpu", non_blocking=True) if self.to_host else out
+            return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
-        reservation = self.producer.reserve((int(x.shape[0]), *self.spec.out_shape), runner.dtype)
+        reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.dtype)
         try:
-            runner.run(x, out=reservation.view)
+            runner.run_all(xs, outs=reservation.views)
         except BaseException:
             self.producer.abort(reservation)
             raise
         tickets = self.producer.commit(reservation, self.stream)
         # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
         # A bytearray is writable, so torch takes it without a copy.
-        return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
+        return [torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))]
 
     def finalize(self) -> None:
         if self.tracer is not None:

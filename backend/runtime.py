@@ -9,6 +9,7 @@ inputs and outputs at its edges are always fp32 in standard layout.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from backend.stage_cache import StageCache
 from blockflow.core import arch, env
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ModelSpec, Part
@@ -59,8 +61,19 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_part(spec: ModelSpec, part: Part) -> nn.Module:
-    """The stages of one part with its weights (CPU, fp32, eval mode)."""
+def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> nn.Module:
+    """The stages of one part with its weights (CPU, fp32, eval mode), from ``cache`` if it has them."""
+    if cache is not None:
+        kept = cache.load(spec, part)
+        if kept is not None:
+            return kept
+    stages = _build_part(spec, part)
+    if cache is not None:
+        cache.store(spec, part, stages)
+    return stages
+
+
+def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
     seed = part.weights.seed if part.weights.seed is not None else 0
     net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
     stages = arch.slice_stages(net, spec.arch, spec.cut_points, part.first, part.last)
@@ -83,14 +96,28 @@ def build_part(spec: ModelSpec, part: Part) -> nn.Module:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    static_in: torch.Tensor
-    static_out: torch.Tensor
+    static_ins: list[torch.Tensor]
+    static_outs: list[torch.Tensor]
+
+
+class _Chain(nn.Module):
+    """Parts run one after another; a part that gives several tensors hands them all to the next."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        for part in self.parts:
+            out = part(*xs)
+            xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return list(xs)
 
 
 class BlockRunner:
     """Runs one :class:`ModelSpec` on one device."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, cache: StageCache | None = None) -> None:
         self.spec = spec
         self.device = device
         self.dtype = DTYPES[spec.precision]
@@ -103,12 +130,20 @@ class BlockRunner:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cudnn.benchmark = True
-        module = nn.Sequential(*(build_part(spec, p) for p in spec.parts)).eval()
-        self.memory_format = torch.channels_last if self.is_cuda and len(spec.in_shape) == 3 else torch.contiguous_format
-        self.module = module.to(device=device, dtype=self.dtype).to(memory_format=self.memory_format)
+        module = _Chain([build_part(spec, p, cache) for p in spec.parts]).eval()
+        self.in_shapes = spec.in_shapes
+        # Channels-last for image-like tensors on a GPU (each input converted on its own).
+        self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
+        self.module = module.to(device=device, dtype=self.dtype)
+        if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
+            self.module = self.module.to(memory_format=torch.channels_last)
         self.buckets = batch_buckets(spec.max_batch_size)
         self.use_graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"
         self._graphs: dict[int, _Graph] = {}
+
+    def _zeros(self, batch: int) -> list[torch.Tensor]:
+        return [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
+                for s, f in zip(self.in_shapes, self.formats, strict=True)]
 
     @torch.inference_mode()
     def warmup(self, pool: Any = None) -> None:
@@ -126,7 +161,7 @@ class BlockRunner:
                 self._graphs[b] = self._capture(b, pool)
         else:
             for b in sizes:
-                self._eager(torch.zeros((b, *self.spec.in_shape), device=self.device))
+                self._eager(self._zeros(b))
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             # cuDNN's algorithm search (benchmark mode) leaves large workspaces cached in the allocator;
@@ -135,62 +170,72 @@ class BlockRunner:
                 torch.cuda.empty_cache()
 
     def _capture(self, batch: int, pool: Any) -> _Graph:
-        static_in = torch.zeros((batch, *self.spec.in_shape), device=self.device, dtype=self.dtype)
-        static_in = static_in.contiguous(memory_format=self.memory_format)
+        static_ins = self._zeros(batch)
         side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(3):  # cuDNN picks algorithms on the first calls; keep that out of the graph
-                self.module(static_in)
+                self.module(*static_ins)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            static_out = self.module(static_in)
-        return _Graph(graph, static_in, static_out)
+            static_outs = self.module(*static_ins)
+        return _Graph(graph, static_ins, static_outs)
 
-    def _eager_bucketed(self, x: torch.Tensor) -> torch.Tensor:
+    def _eager_bucketed(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Eager run on a GPU at the batch's bucket size (zero rows appended, then cut off).
 
         With cuDNN benchmark mode every new input shape starts an algorithm search (hundreds of
         ms for a whole network), and dynamic batching makes any size up to max_batch_size; only
         the buckets are searched during warm-up, so other sizes run padded to their bucket.
         """
-        batch = int(x.shape[0])
+        batch = int(xs[0].shape[0])
         bucket = bucket_for(batch, self.buckets)
         if not self.is_cuda or bucket == batch:
-            return self._eager(x)
-        padded = torch.zeros((bucket, *self.spec.in_shape), device=self.device, dtype=self.dtype)
-        padded = padded.contiguous(memory_format=self.memory_format)
-        padded[:batch].copy_(x, non_blocking=True)
-        return self._eager(padded)[:batch]
+            return self._eager(xs)
+        padded = self._zeros(bucket)
+        for p, x in zip(padded, xs, strict=True):
+            p[:batch].copy_(x, non_blocking=True)
+        return [y[:batch] for y in self._eager(padded)]
 
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=self.memory_format)
-        out: torch.Tensor = self.module(x)
+    def _eager(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ins = [x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=f)
+               for x, f in zip(xs, self.formats, strict=True)]
+        out: list[torch.Tensor] = self.module(*ins)
         return out
 
     @torch.inference_mode()
-    def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a batch. ``x``: ``[B, *in_shape]`` on any device, any float dtype.
+    def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device, any float dtype.
 
-        Returns fp32 ``[B, *out_shape]`` on this device, row-major; or, when ``out`` is given
-        (e.g. a TensorMQ pool slot), writes the result there in ``out``'s dtype and returns it.
+        Returns one fp32 ``[B, *shape]`` tensor per output on this device, row-major; or, when
+        ``outs`` is given (e.g. views of a TensorMQ pool slot), writes the results there in their
+        dtype and returns them.
         """
-        if tuple(x.shape[1:]) != self.spec.in_shape or x.shape[0] < 1:
-            raise RequestError(f"input shape {list(x.shape)} does not match [batch, {', '.join(map(str, self.spec.in_shape))}]")
-        batch = int(x.shape[0])
-        result: torch.Tensor | None = None
+        if len(xs) != len(self.in_shapes):
+            raise RequestError(f"{len(xs)} input tensor(s) given; this block takes {len(self.in_shapes)}")
+        batch = int(xs[0].shape[0])
+        for x, shape in zip(xs, self.in_shapes, strict=True):
+            if tuple(x.shape[1:]) != shape or x.shape[0] < 1 or int(x.shape[0]) != batch:
+                raise RequestError(f"input shape {list(x.shape)} does not match [{batch}, {', '.join(map(str, shape))}]")
+        results: list[torch.Tensor] | None = None
         if self.use_graphs:
             g = self._graphs.get(bucket_for(batch, self.buckets))
             if g is not None:
-                full = batch == g.static_in.shape[0]  # the usual case at batch 1: no slicing calls
-                (g.static_in if full else g.static_in[:batch]).copy_(x, non_blocking=True)
+                full = batch == g.static_ins[0].shape[0]  # the usual case at batch 1: no slicing calls
+                for static, x in zip(g.static_ins, xs, strict=True):
+                    (static if full else static[:batch]).copy_(x, non_blocking=True)
                 g.graph.replay()
-                result = g.static_out if full else g.static_out[:batch]
-        if result is None:
-            result = self._eager_bucketed(x)
-        if out is not None:
-            out.copy_(result)  # converts dtype and layout in one pass
-            return out
-        # A fresh tensor: a graph's output buffer is overwritten by its next replay.
-        return result.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+                results = g.static_outs if full else [y[:batch] for y in g.static_outs]
+        if results is None:
+            results = self._eager_bucketed(xs)
+        if outs is not None:
+            for out, result in zip(outs, results, strict=True):
+                out.copy_(result)  # converts dtype and layout in one pass
+            return list(outs)
+        # Fresh tensors: a graph's output buffers are overwritten by its next replay.
+        return [r.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True) for r in results]
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`run_all` for a block that takes and gives one tensor."""
+        return self.run_all([x], None if out is None else [out])[0]

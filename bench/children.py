@@ -37,7 +37,7 @@ def eager_shapes(plan_path: str, task_name: str, variant: str) -> dict[int, list
             torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.inference_mode():
-                runner.run(x) if padded else runner._eager(x)
+                runner.run(x) if padded else runner._eager([x])
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
         out[b] = times

@@ -16,6 +16,7 @@ from blockflow.core.spec import (
     SPEC_PARAMETER,
     TICKET_BYTES,
     ModelSpec,
+    activation_names,
 )
 from blockflow.plan import Block
 
@@ -62,8 +63,9 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
         cfg.input.append(_tensor(IMAGE, spec.in_shape, mc.ModelInput))
     elif tmq:  # a TensorMQ hop carries one 256-byte ticket per sample
         cfg.input.append(_tensor(ACTIVATION_IN, [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8))
-    else:
-        cfg.input.append(_tensor(ACTIVATION_IN, spec.in_shape, mc.ModelInput))
+    else:  # one input per tensor that crosses the cut
+        cfg.input.extend(_tensor(n, shape, mc.ModelInput)
+                         for n, shape in zip(activation_names(ACTIVATION_IN, len(spec.in_shapes)), spec.in_shapes, strict=True))
     if spec.heads:  # a head pack answers each task on its own output
         cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
     elif spec.gives_logits:
@@ -71,7 +73,8 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     elif tmq:
         cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
     else:
-        cfg.output.append(_tensor(ACTIVATION_OUT, spec.out_shape, mc.ModelOutput))
+        cfg.output.extend(_tensor(n, shape, mc.ModelOutput)
+                          for n, shape in zip(activation_names(ACTIVATION_OUT, len(spec.out_shapes)), spec.out_shapes, strict=True))
     cfg.instance_group.append(_instance_group(block))
     cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
     # Client images arrive in host memory. With FORCE_CPU_ONLY_INPUT_TENSORS=no the Python backend
@@ -104,19 +107,24 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
     cfg.max_batch_size = min(s.spec.max_batch_size for s in steps)
     cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput))
     cfg.output.append(_tensor(LOGITS, logits_shape, mc.ModelOutput))
-    carried = IMAGE
+    carried = [IMAGE]
     for i, s in enumerate(steps):
         step = cfg.ensemble_scheduling.step.add()
         step.model_name = s.model
         step.model_version = -1
-        step.input_map[IMAGE if s.spec.takes_image else ACTIVATION_IN] = carried
+        inputs = [IMAGE] if s.spec.takes_image else activation_names(ACTIVATION_IN, len(carried))
+        for name, tensor in zip(inputs, carried, strict=True):
+            step.input_map[name] = tensor
         if s.spec.gives_logits:
             # The step's output map is also what the step's request asks for: a head pack
             # runs only the heads whose outputs are requested.
             step.output_map[s.logits] = LOGITS
         else:
-            carried = f"hop{i}_{s.model}"
-            step.output_map[ACTIVATION_OUT] = carried
+            # A TensorMQ hop is one ticket tensor whatever it carries; other hops, one per tensor.
+            count = 1 if s.spec.transport == "tensormq" else len(s.spec.out_shapes)
+            carried = activation_names(f"hop{i}_{s.model}", count)
+            for name, tensor in zip(activation_names(ACTIVATION_OUT, count), carried, strict=True):
+                step.output_map[name] = tensor
     return cfg
 
 

@@ -82,6 +82,8 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         transport=transport,
         in_shape=plan.block_in_shape(blocks[0]),
         out_shape=plan.block_out_shape(blocks[-1]),
+        extra_in_shapes=plan.block_in_shapes(blocks[0])[1:],
+        extra_out_shapes=plan.block_out_shapes(blocks[-1])[1:],
         tensormq=plan.raw.tensormq if transport == "tensormq" else None,
         monitor_period_s=blocks[0].monitor_period_s,
         heads=heads,

@@ -43,6 +43,15 @@ uses. Samples nobody claimed by the end of the claim window (tickets that left
 the ensemble: a direct call to a block, a cancelled request) are given back
 by the producer then, not at the end of the lease.
 
+What a sample is: the tensors that cross the cut, in the network's order. One
+tensor is a row of the batch; several (a skip connection that spans the cut)
+make one *record* per sample, the tensors one after another in the block's
+dtype, and the ticket says so (flag RECORD and the layout id of their shapes,
+which the consumer checks against the shapes it takes). A consumer reads its
+views and never writes them: the pool is the producer's (read-only on the
+CPU), so a stage that would change an input in place copies it first
+(``blockflow.core.arch.stage_module``).
+
 What orders what: the event is recorded before the ticket exists, so a consumer
 that holds the ticket waits on that record. A slot is rewritten (and its event
 re-recorded) only after every reader's GPU work completed, because releases are

@@ -6,7 +6,7 @@ import json
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,11 +145,19 @@ class Consumer:
         r.claims.close()
 
     def gather(self, raw: torch.Tensor, sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
-        """Views of the samples that ``raw`` (uint8 ``[n, 256]``) names, as one ``[n, *sample_shape]`` tensor.
+        """:meth:`gather_tensors` for a hop of one tensor."""
+        views, releases = self.gather_tensors(raw, (sample_shape,), stream)
+        return views[0], releases
+
+    def gather_tensors(self, raw: torch.Tensor, shapes: Sequence[tuple[int, ...]], stream: int) -> tuple[list[torch.Tensor], list[Release]]:
+        """Views of the samples that ``raw`` (uint8 ``[n, 256]``) names: one ``[n, *shape]`` tensor per
+        entry of ``shapes`` (several: the tickets name records of those tensors).
 
         The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event.
-        Returns the tensor and the releases to send once the GPU work reading it is done.
+        Returns the tensors and the releases to send once the GPU work reading them is done.
         """
+        offsets = tk.record_offsets(shapes)
+        sample_shape, layout = (tuple(shapes[0]), 0) if len(shapes) == 1 else ((offsets[-1],), tk.layout_id(shapes))
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != tk.TICKET_BYTES:
             raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
         data = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy().tobytes()
@@ -164,8 +172,10 @@ class Consumer:
                     self.stats.refused_tickets += 1
                     raise TicketError("redirected ticket: it was issued by a block that does not feed this one "
                                       f"(this block takes tickets from {', '.join(sorted(self.accepts.values()))})")
-                if t.shape != sample_shape:
-                    raise TicketError(f"ticket carries shape {list(t.shape)}; this block takes {list(sample_shape)}")
+                if t.shape != sample_shape or t.layout != layout:
+                    what = "a record of several tensors" if t.layout else f"shape {list(t.shape)}"
+                    want = f"shape {list(sample_shape)}" if not layout else f"{' + '.join(str(list(x)) for x in shapes)}"
+                    raise TicketError(f"ticket carries {what}; this block takes {want}")
                 r = self._remote(t)
                 if t.slot >= r.max_slots or t.segment != 0 or t.offset + t.nbytes > r.segment.nbytes:
                     raise TicketError(f"ticket range {t.offset}+{t.nbytes} (slot {t.slot}) is outside producer "
@@ -198,7 +208,10 @@ class Consumer:
             raise
         self.stats.tickets += raw.shape[0]
         batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
-        return batch, seen
+        if len(shapes) == 1:
+            return [batch], seen
+        n = int(batch.shape[0])
+        return [batch[:, a:b].view(n, *s) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)], seen
 
     @staticmethod
     def _view(r: _Remote, t: tk.Ticket, n: int) -> torch.Tensor:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,9 +61,15 @@ class Stats:
 @dataclass
 class Reservation:
     slot: Slot
-    view: torch.Tensor  # [batch, *sample_shape] in the pool
-    sample_shape: tuple[int, ...]
+    views: list[torch.Tensor]  # one [batch, *shape] view in the pool per tensor
+    sample_shape: tuple[int, ...]  # what each ticket describes (a record: all its elements)
     sample_bytes: int
+    layout: int = 0  # ticket.layout_id of a record's tensors; 0 for one tensor
+
+    @property
+    def view(self) -> torch.Tensor:
+        """The view of a one-tensor reservation."""
+        return self.views[0]
 
 
 class Producer:
@@ -122,15 +128,21 @@ class Producer:
     # ------------------------------------------------------------------ execute thread
 
     def reserve(self, batch_shape: tuple[int, ...], dtype: torch.dtype) -> Reservation:
-        """A pool range for one batch; waits at most ``wait_s`` for space, then fails the request."""
-        if not 1 <= batch_shape[0] <= self.max_samples:
-            raise BlockError(f"batch of {batch_shape[0]} is above {self.name}'s TensorMQ limit of {self.max_samples} samples")
-        sample_shape = tuple(batch_shape[1:])
-        sample_bytes = math.prod(sample_shape) * dtype.itemsize
-        nbytes = sample_bytes * batch_shape[0]
+        """A pool range for one batch of one tensor; see :meth:`reserve_tensors`."""
+        return self.reserve_tensors(batch_shape[0], [tuple(batch_shape[1:])], dtype)
+
+    def reserve_tensors(self, batch: int, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Reservation:
+        """A pool range for one batch of ``shapes`` (per sample; several make one record per sample);
+        waits at most ``wait_s`` for space, then fails the request."""
+        if not 1 <= batch <= self.max_samples:
+            raise BlockError(f"batch of {batch} is above {self.name}'s TensorMQ limit of {self.max_samples} samples")
+        offsets = tk.record_offsets(shapes)
+        sample_shape = tuple(shapes[0]) if len(shapes) == 1 else (offsets[-1],)
+        sample_bytes = offsets[-1] * dtype.itemsize
+        nbytes = sample_bytes * batch
         deadline = time.monotonic() + self.wait_s
         with self._cond:
-            slot = self.table.allocate(nbytes, batch_shape[0], time.monotonic() + self.lease_s)
+            slot = self.table.allocate(nbytes, batch, time.monotonic() + self.lease_s)
             if slot is None:
                 self.stats.pool_waits += 1
             while slot is None:
@@ -143,9 +155,14 @@ class Producer:
                         "raise tensormq.pool_mb or tensormq.slots in the plan, or lower the load")
                 self._cond.wait(remaining)
                 self._reap_locked()
-                slot = self.table.allocate(nbytes, batch_shape[0], time.monotonic() + self.lease_s)
+                slot = self.table.allocate(nbytes, batch, time.monotonic() + self.lease_s)
             self.stats.allocations += 1
-        return Reservation(slot, self.segment.view(slot.offset, batch_shape, dtype), sample_shape, sample_bytes)
+        whole = self.segment.view(slot.offset, (batch, *sample_shape), dtype)
+        if len(shapes) == 1:
+            return Reservation(slot, [whole], sample_shape, sample_bytes)
+        # Each tensor's rows within the records: strided views that take the block's outputs in place.
+        views = [whole[:, a:b].view(batch, *s) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)]
+        return Reservation(slot, views, sample_shape, sample_bytes, tk.layout_id(shapes))
 
     def abort(self, r: Reservation) -> None:
         with self._cond:
@@ -167,7 +184,7 @@ class Producer:
         out = []
         for i in range(r.view.shape[0]):
             t = tk.Ticket(self.id, self.generation, r.slot.index, r.slot.seq, i, r.slot.offset + i * per_sample,
-                          per_sample, r.view.dtype, r.sample_shape, self.device_type, dev_index, 0, self.model_id)
+                          per_sample, r.view.dtype, r.sample_shape, self.device_type, dev_index, 0, self.model_id, r.layout)
             out.append(tk.encode(t, self.key))
         self.stats.tickets += len(out)
         return out

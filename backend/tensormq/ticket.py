@@ -20,7 +20,13 @@ One ticket names one sample (one row of a batch) that lies in a producer's pool:
     56     32    shape, 8 x u32 (per sample; unused dims 0)
     88     64    strides, 8 x i64 (elements; only row-major is accepted)
     152    8     model id of the producing block (:func:`model_id` of its Triton model name)
-    160    80    reserved, zero
+    160    8     layout id of a record (flag RECORD), else 0
+    168    72    reserved, zero
+
+A hop that carries several tensors (a skip connection across the cut) hands over one record per
+sample: the tensors one after another, row-major, all in the ticket's dtype. Its ticket has flag
+RECORD (1), describes the record as a 1-D tensor of all its elements, and carries
+:func:`layout_id` of the tensors' shapes, which the consumer checks against the shapes it takes.
     240    16    MAC: keyed BLAKE2b-128 over bytes 0..239
 
 A ticket is untrusted input (a client can send one straight to a block model):
@@ -37,6 +43,7 @@ import hashlib
 import hmac
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +55,10 @@ MAGIC = b"BFTQ"
 VERSION = 2
 MAX_DIMS = 8
 MAC_BYTES = 16
-_HEAD = struct.Struct("<4sHHQIIIIQQBBBBI8I8qQ")
+FLAG_RECORD = 1
+_HEAD = struct.Struct("<4sHHQIIIIQQBBBBI8I8qQQ")
 _BODY_END = TICKET_BYTES - MAC_BYTES
-assert _HEAD.size == 160
+assert _HEAD.size == 168
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -80,6 +88,7 @@ class Ticket:
     device_index: int
     segment: int = 0
     model: int = 0  # model_id() of the block that issued it
+    layout: int = 0  # layout_id() of a record's tensors; 0 for a single tensor
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -95,6 +104,20 @@ def model_id(model_name: str) -> int:
     return int.from_bytes(hashlib.blake2b(model_name.encode(), digest_size=8, person=b"bf-model").digest(), "little")
 
 
+def layout_id(shapes: Sequence[tuple[int, ...]]) -> int:
+    """Nonzero 64-bit id of a record's tensor shapes, in order: what a record ticket must match."""
+    text = ";".join(",".join(map(str, s)) for s in shapes).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8, person=b"bf-layout").digest(), "little") or 1
+
+
+def record_offsets(shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    """Element offset of each tensor in a record, and the record's length last."""
+    out = [0]
+    for s in shapes:
+        out.append(out[-1] + math.prod(s))
+    return out
+
+
 def _mac(key: bytes, body: bytes) -> bytes:
     return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES).digest()
 
@@ -105,8 +128,10 @@ def encode(t: Ticket, key: bytes) -> bytes:
         raise ValueError(f"at most {MAX_DIMS} dimensions")
     shape = list(t.shape) + [0] * (MAX_DIMS - len(t.shape))
     strides = list(t.strides) + [0] * (MAX_DIMS - len(t.shape))
-    head = _HEAD.pack(MAGIC, VERSION, 0, t.producer, t.generation, t.slot, t.seq, t.sample, t.offset, t.nbytes,
-                      DTYPE_CODES[t.dtype], len(t.shape), t.device_type, t.device_index, t.segment, *shape, *strides, t.model)
+    flags = FLAG_RECORD if t.layout else 0
+    head = _HEAD.pack(MAGIC, VERSION, flags, t.producer, t.generation, t.slot, t.seq, t.sample, t.offset, t.nbytes,
+                      DTYPE_CODES[t.dtype], len(t.shape), t.device_type, t.device_index, t.segment, *shape, *strides,
+                      t.model, t.layout)
     body = head + bytes(_BODY_END - len(head))
     return body + _mac(key, body)
 
@@ -123,11 +148,13 @@ def decode(raw: bytes, key: bytes) -> Ticket:
     fields = _HEAD.unpack_from(body)
     (_, version, flags, producer, generation, slot, seq, sample, offset, nbytes,
      dcode, ndim, device_type, device_index, segment) = fields[:15]
-    shape_all, strides_all, model = fields[15:23], fields[23:31], fields[31]
+    shape_all, strides_all, model, layout = fields[15:23], fields[23:31], fields[31], fields[32]
     if version != VERSION:
         raise TicketError(f"ticket version {version} is not supported (this runtime speaks {VERSION})")
-    if flags != 0 or any(body[_HEAD.size:]):
+    if flags & ~FLAG_RECORD or any(body[_HEAD.size:]):
         raise TicketError("ticket has unknown flags or non-zero reserved bytes")
+    if bool(flags & FLAG_RECORD) != bool(layout) or (layout and ndim != 1):
+        raise TicketError("ticket's record flag, layout id and shape disagree")
     if dcode not in DTYPES:
         raise TicketError(f"ticket dtype code {dcode} is unknown")
     if not 1 <= ndim <= MAX_DIMS:
@@ -141,7 +168,8 @@ def decode(raw: bytes, key: bytes) -> Ticket:
     itemsize = dtype.itemsize
     if nbytes != math.prod(shape) * itemsize:
         raise TicketError(f"ticket says {nbytes} bytes but shape {list(shape)} of {dtype} needs {math.prod(shape) * itemsize}")
-    t = Ticket(producer, generation, slot, seq, sample, offset, nbytes, dtype, shape, device_type, device_index, segment, model)
+    t = Ticket(producer, generation, slot, seq, sample, offset, nbytes, dtype, shape, device_type, device_index, segment, model,
+               layout)
     if tuple(strides_all[:ndim]) != t.strides:
         raise TicketError(f"ticket strides {list(strides_all[:ndim])} are not row-major for shape {list(shape)}")
     if offset % itemsize:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
     for b in p.blocks.values():
         blocks.add_row(
             b.name, b.model, f"{b.first}" if b.first == b.last else f"{b.first}-{b.last}",
-            _shape(p.block_in_shape(b)), _shape(p.block_out_shape(b)), f"{params[b.name] / 1e6:.2f} M",
+            _shapes(p.block_in_shapes(b)), _shapes(p.block_out_shapes(b)), f"{params[b.name] / 1e6:.2f} M",
             str(list(b.placement) if isinstance(b.placement, tuple) else b.placement), str(b.instances),
             str(b.max_batch_size), b.precision, "on" if b.cuda_graphs else "off",
             ", ".join(sharing[b.name]) or "[yellow]unused[/]",
@@ -58,7 +59,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
         tasks.add_column(col)
     for t in p.tasks.values():
         shared = [b for b in t.path if len(sharing[b]) > 1]
-        hops = [f"{_shape(p.block_out_shape(p.blocks[b]))} {_mib(p.block_out_shape(p.blocks[b]))}" for b in t.path[:-1]]
+        hops = [f"{_shapes(p.block_out_shapes(p.blocks[b]))} {_mib(p.block_out_shapes(p.blocks[b]))}" for b in t.path[:-1]]
         tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", "; ".join(hops) or "-")
     out.print(tasks)
     out.print(blocks)
@@ -88,10 +89,11 @@ def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
         except ValueError as exc:
             raise BlockFlowError(str(exc)) from None
         table = Table(title=f"{title}: {len(found.cuts)} legal cuts, in network order")
-        for col in ("cut", "tensor per sample", "dtype", "bytes per sample"):
+        for col in ("cut", "tensors per sample", "dtypes", "bytes per sample"):
             table.add_column(col, justify="right" if col == "bytes per sample" else "left")
         for c in found.cuts:
-            table.add_row(c.name, _shape(c.shape), str(c.dtype).removeprefix("torch."), f"{c.bytes_per_sample:,}")
+            table.add_row(c.name, _shapes(c.shapes), " + ".join(str(t.dtype).removeprefix("torch.") for t in c.tensors),
+                          f"{c.bytes_per_sample:,}")
         out.print(table)
 
 
@@ -99,11 +101,13 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape))
 
 
-def _mib(shape: tuple[int, ...]) -> str:
-    n = 4
-    for d in shape:
-        n *= d
-    return f"{n / 2**20:.2f} MiB"
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """The tensors of one hop: ``128×4×4``, or ``64×8×8 + 64×8×8`` when a skip connection crosses it."""
+    return " + ".join(map(_shape, shapes))
+
+
+def _mib(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return f"{sum(4 * math.prod(s) for s in shapes) / 2**20:.2f} MiB"
 
 
 def _param_counts(p: Plan) -> dict[str, int]:

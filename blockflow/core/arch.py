@@ -4,9 +4,12 @@ A network is traced into a graph with torch.fx (torchvision's own ``NodePathTrac
 names every node by the module it runs in, e.g. ``features.4.block.2``). A cut names a module by
 its dotted path (``layer2``, ``features.4``, ``encoder.layers.encoder_layer_5``) or a node
 (``flatten``): the stage boundary falls right after the last node of that module. A cut is legal
-where exactly one value is live across the boundary and that value is a tensor: it is what the
-hop carries. Stage ``i`` runs from just after cut ``i-1`` up to and including cut ``i``; the last
-stage runs to the end. Each stage is its own ``GraphModule`` holding the same nodes, in the same
+where every value live across the boundary is a tensor (at most ``MAX_HOP_TENSORS`` of them): they
+are what the hop carries, in the order the network computed them. Inside a residual block that is
+two tensors (the block's input, kept for the skip, and the branch so far); between blocks, one.
+Stage ``i`` runs from just after cut ``i-1`` up to and including cut ``i``; the last stage runs to
+the end. A stage takes one argument per tensor that enters it and returns one tensor, or a tuple
+when several leave it. Each stage is its own ``GraphModule`` holding the same nodes, in the same
 order, as the whole traced network: running the stages one after another is exactly the unsplit
 forward pass.
 
@@ -18,6 +21,7 @@ full model built with that seed, in every process.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,6 +29,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+# The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
+MAX_HOP_TENSORS = 8
 
 
 @lru_cache(maxsize=1)
@@ -90,7 +97,7 @@ def trace(net: nn.Module) -> Traced:
 
 
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
-    """Stages ``first..last`` (inclusive) as one module taking the tensor live at cut ``first-1``."""
+    """Stages ``first..last`` (inclusive) as one module taking the tensors live at cut ``first-1``."""
     bounds = [traced.end_of(c) for c in cut_points]
     start = bounds[first - 1] + 1 if first > 0 else 0
     output = next(n for n in traced.nodes if n.op == "output")
@@ -98,21 +105,53 @@ def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: in
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if first > 0:
-        (entering,) = traced.live_after(bounds[first - 1])
-        env[entering] = graph.placeholder("x")
-    for node in traced.nodes[start:end + 1]:
+        entering = traced.live_after(bounds[first - 1])
+        for i, node in enumerate(entering):
+            env[node] = graph.placeholder("x" if len(entering) == 1 else f"x{i}")
+    else:
+        entering = [n for n in traced.nodes if n.op == "placeholder"]
+        for node in entering:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    stage = traced.nodes[start:end + 1]
+    for node in entering:
+        # A stage's inputs may be another process's memory (a TensorMQ pool, read-only on the CPU):
+        # a stage that would change one in place (a ReLU(inplace=True) or ``+=`` right after the
+        # cut) works on its own copy.
+        if any(_mutates(user, node) for user in node.users if user in stage):
+            env[node] = graph.call_method("clone", (env[node],))
+    for node in stage:
         for used in node.all_input_nodes:  # parameters read by this stage but fetched earlier in the whole graph
             if used not in env and used.op == "get_attr":
                 env[used] = graph.node_copy(used, env.__getitem__)
         if node not in env:
             env[node] = graph.node_copy(node, env.__getitem__)
     if last < len(bounds):
-        (leaving,) = traced.live_after(bounds[last])
-        graph.output(env[leaving])
+        leaving = [env[n] for n in traced.live_after(bounds[last])]
+        graph.output(leaving[0] if len(leaving) == 1 else tuple(leaving))
     else:
         graph.output(fx.map_arg(output.args[0], env.__getitem__))
     graph.lint()
     return fx.GraphModule(traced.module, graph, f"stages_{first}_{last}").eval()
+
+
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift}
+
+
+def _mutates(node: fx.Node, value: fx.Node) -> bool:
+    """Whether ``node`` may change ``value`` (its first argument) in place."""
+    if not node.args or node.args[0] is not value:
+        return False
+    owner = node.graph.owning_module
+    if node.op == "call_module" and owner is not None:
+        return bool(getattr(owner.get_submodule(str(node.target)), "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return bool(node.kwargs.get("inplace")) or node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+    return False
 
 
 def slice_stages(net: nn.Module, arch: str, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
@@ -121,11 +160,10 @@ def slice_stages(net: nn.Module, arch: str, cut_points: Sequence[str], first: in
 
 
 @dataclass(frozen=True)
-class Cut:
-    """A place a network can be cut: after module (or node) ``name``; one tensor crosses it."""
+class HopTensor:
+    """One tensor that crosses a cut: its per-sample shape and dtype."""
 
-    name: str
-    shape: tuple[int, ...]  # per sample
+    shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
@@ -137,8 +175,24 @@ class Cut:
 
 
 @dataclass(frozen=True)
+class Cut:
+    """A place a network can be cut: after module (or node) ``name``; ``tensors`` cross it."""
+
+    name: str
+    tensors: tuple[HopTensor, ...]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(t.shape for t in self.tensors)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return sum(t.bytes_per_sample for t in self.tensors)
+
+
+@dataclass(frozen=True)
 class Cuts:
-    """The legal cuts of one network at one input shape, in network order, and its output shape."""
+    """The legal cuts of one network at one input shape, in network order, and its output's shape."""
 
     cuts: tuple[Cut, ...]
     ends: tuple[int, ...]  # index of each cut's last node in the traced graph
@@ -178,7 +232,9 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
 
     traced = trace(meta_network(arch, num_classes, input_shape))
     try:
-        ShapeProp(traced.module).propagate(torch.empty((1, *input_shape), device="meta"))
+        # Two samples, so a tensor whose first dimension is not the batch (nothing a hop could split
+        # per request) is told apart from one that is.
+        ShapeProp(traced.module).propagate(torch.empty((2, *input_shape), device="meta"))
     except Exception as exc:  # the network's own error for a size it cannot take
         raise ValueError(f"{arch} cannot take inputs of shape {list(input_shape)}: {exc}") from None
     output = next(i for i, n in enumerate(traced.nodes) if n.op == "output")
@@ -192,11 +248,14 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
         if end >= output - 1 or traced.nodes[end].op in ("placeholder", "get_attr"):
             continue  # nothing would be left for a next stage, or nothing computed yet
         live = traced.live_after(end)
-        if len(live) != 1 or live[0].op == "placeholder":
-            continue
-        meta = live[0].meta.get("tensor_meta")
-        if isinstance(meta, TensorMetadata):
-            found.append(Cut(name, tuple(int(d) for d in meta.shape[1:]), meta.dtype))
+        if not 1 <= len(live) <= MAX_HOP_TENSORS or all(n.op == "placeholder" for n in live):
+            continue  # too many values, or nothing computed that a next stage needs
+        # Every value must be a floating-point tensor with the batch first (a block runs its inputs
+        # in its precision, and a hop splits them per request).
+        metas = [m for m in (n.meta.get("tensor_meta") for n in live)
+                 if isinstance(m, TensorMetadata) and len(m.shape) >= 1 and m.shape[0] == 2 and m.dtype.is_floating_point]
+        if len(metas) == len(live):
+            found.append(Cut(name, tuple(HopTensor(tuple(int(d) for d in m.shape[1:]), m.dtype) for m in metas)))
             found_ends.append(end)
     out_meta = traced.nodes[output].args[0]
     out_shape = out_meta.meta["tensor_meta"].shape[1:] if isinstance(out_meta, fx.Node) else ()
@@ -205,13 +264,13 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
 
 def stage_output_shapes(
     arch: str, cut_points: Sequence[str], input_shape: Sequence[int], num_classes: int
-) -> list[tuple[int, ...]]:
-    """Per-sample output shape of every stage (meta device: no weights, no compute)."""
+) -> list[tuple[tuple[int, ...], ...]]:
+    """Per-sample shapes of the tensors each stage gives (meta device: no weights, no compute)."""
     cuts = legal_cuts(arch, tuple(input_shape), num_classes)
     shapes = []
     for c in cut_points:
         cut = cuts.get(c)
         if cut is None:
             raise ValueError(f"{c!r} is not a legal cut of {arch}")
-        shapes.append(cut.shape)
-    return [*shapes, cuts.output_shape]
+        shapes.append(cut.shapes)
+    return [*shapes, (cuts.output_shape,)]

@@ -16,6 +16,7 @@ The runtime directory (0700, one per ``tritonserver``, under ``$XDG_RUNTIME_DIR`
         tmq/                 one ZeroMQ socket and one claim table per producer generation:
             <producer id:016x>-<generation:08x>.sock
             <producer id:016x>-<generation:08x>.claims
+        stages/              built block parts kept for the next process that needs them (backend.stage_cache)
 
 POSIX shared memory under ``/dev/shm`` carries the runtime directory's name, so one server's
 leftovers are found and removed without touching another's: :func:`stub_shm_prefix` (Triton's
@@ -36,6 +37,7 @@ DISABLE_CUDA_GRAPHS = "BLOCKFLOW_DISABLE_CUDA_GRAPHS"  # "1": run GPU blocks eag
 KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cache after warm-up (memory runs)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
+STAGE_CACHE = "BLOCKFLOW_STAGE_CACHE"  # "0": every block process builds its parts (no stages/ cache)
 
 ADMIN_KEY_FILE = "admin.key"
 CONTROL_TOKEN_FILE = "control.token"
@@ -44,6 +46,7 @@ REPOSITORY_DIR = "model_repository"
 PLANS_DIR = "plans"
 TMQ_KEY_FILE = "tmq.key"
 TMQ_DIR = "tmq"
+STAGE_CACHE_DIR = "stages"
 
 
 def producer_socket(runtime_dir: Path, producer_id: int, generation: int) -> Path:

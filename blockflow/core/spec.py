@@ -26,6 +26,11 @@ ACTIVATION_OUT = "ACTIVATION_OUT"
 TICKET_BYTES = 256
 
 
+def activation_names(base: str, count: int) -> list[str]:
+    """Triton tensor names of a hop of ``count`` tensors: ``base``, then ``base_1``, ``base_2``, ..."""
+    return [base if i == 0 else f"{base}_{i}" for i in range(count)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,6 +109,10 @@ class ModelSpec(_Strict):
     transport: TransportName
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
+    # A hop that carries several tensors (values live across the cut, e.g. a skip connection): the
+    # shapes of those after the first, in the network's order.
+    extra_in_shapes: tuple[tuple[int, ...], ...] = ()
+    extra_out_shapes: tuple[tuple[int, ...], ...] = ()
     tensormq: TensorMQSettings | None = None
     monitor_period_s: float = 0.0
     # A head pack (kind "pack") runs several tasks' heads in one process: ``parts`` is the first
@@ -133,6 +142,16 @@ class ModelSpec(_Strict):
         return self.parts[-1].last
 
     @property
+    def in_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-sample shape of every tensor the model takes."""
+        return (self.in_shape, *self.extra_in_shapes)
+
+    @property
+    def out_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-sample shape of every tensor the model gives (each head's, in a pack)."""
+        return (self.out_shape, *self.extra_out_shapes)
+
+    @property
     def takes_image(self) -> bool:
         return self.first_stage == 0
 
@@ -144,6 +163,7 @@ class ModelSpec(_Strict):
         """Canonical JSON (sorted keys, no spaces): same spec, same bytes."""
         import json
 
-        # ``heads`` is left out when empty, so specs written before head packs keep their bytes (and digests).
-        data = self.model_dump(mode="json", exclude={k for k in ("heads", "accepts_from") if not getattr(self, k)})
+        # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
+        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes")
+        data = self.model_dump(mode="json", exclude={k for k in optional if not getattr(self, k)})
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

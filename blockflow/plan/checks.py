@@ -120,10 +120,10 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
             return
         if prev is not None:
             pb = plan.blocks[prev_name]
-            out = plan.block_out_shape(pb)
-            inp = plan.block_in_shape(block)
+            out = [list(t) for t in plan.block_out_shapes(pb)]
+            inp = [list(t) for t in plan.block_in_shapes(block)]
             if out != inp:
-                yield PlanIssue(loc, f"block {bname!r} takes {list(inp)} but {prev_name!r} gives {list(out)}; "
+                yield PlanIssue(loc, f"block {bname!r} takes {_shapes(inp)} but {prev_name!r} gives {_shapes(out)}; "
                                      "use blocks of models whose shapes match at this cut")
                 return
         prev, prev_name = raw.blocks[bname], bname
@@ -139,3 +139,8 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
             # Shapes matched, but the monolithic reference runs the whole path as one network.
             yield PlanIssue(f"tasks.{tname}.path", "blocks of one path must come from models with the same arch, "
                                                    "cut_points, input_shape and num_classes; use one model definition")
+
+
+def _shapes(shapes: list[list[int]]) -> str:
+    """One tensor's shape as ``[a, b]``; several as ``[a, b] + [c, d]``."""
+    return " + ".join(str(t) for t in shapes)

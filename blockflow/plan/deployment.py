@@ -174,20 +174,28 @@ class Plan:
         return users
 
     @cached_property
-    def stage_shapes(self) -> dict[str, list[tuple[int, ...]]]:
-        """Model name -> per-sample output shape of each of its stages (meta-device inference)."""
+    def stage_shapes(self) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
+        """Model name -> per-sample shapes of the tensors each of its stages gives (meta-device inference)."""
         return {
             name: archs.stage_output_shapes(m.arch, m.cut_points, m.input_shape, m.num_classes)
             for name, m in self.models.items()
         }
 
-    def block_in_shape(self, block: Block) -> tuple[int, ...]:
+    def block_in_shapes(self, block: Block) -> tuple[tuple[int, ...], ...]:
+        """Per-sample shapes of the tensors ``block`` takes (the image, or what crosses its cut)."""
         if block.first == 0:
-            return tuple(self.models[block.model].input_shape)
+            return (tuple(self.models[block.model].input_shape),)
         return self.stage_shapes[block.model][block.first - 1]
 
-    def block_out_shape(self, block: Block) -> tuple[int, ...]:
+    def block_out_shapes(self, block: Block) -> tuple[tuple[int, ...], ...]:
         return self.stage_shapes[block.model][block.last]
+
+    def block_in_shape(self, block: Block) -> tuple[int, ...]:
+        """The first (for most cuts, the only) tensor ``block`` takes."""
+        return self.block_in_shapes(block)[0]
+
+    def block_out_shape(self, block: Block) -> tuple[int, ...]:
+        return self.block_out_shapes(block)[0]
 
     def device_issues(self, gpus: int) -> list[PlanIssue]:
         """Placement problems on a machine with ``gpus`` visible GPUs (checked when serving)."""

@@ -86,13 +86,14 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
     from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
     net = meta_network(arch, num_classes, input_shape)
-    x = torch.empty((1, *input_shape), device="meta")
+    xs: tuple[torch.Tensor, ...] = (torch.empty((1, *input_shape), device="meta"),)
     if first > 0:
-        x = slice_stages(net, arch, cut_points, 0, first - 1)(x)
+        entering = slice_stages(net, arch, cut_points, 0, first - 1)(*xs)
+        xs = entering if isinstance(entering, tuple) else (entering,)
     part = slice_stages(net, arch, cut_points, first, last)
-    ShapeProp(part).propagate(x)  # every node's output shape, on the meta device
-    largest = max([x.numel()] + [int(torch.Size(n.meta["tensor_meta"].shape).numel()) for n in part.graph.nodes
-                                 if isinstance(n.meta.get("tensor_meta"), TensorMetadata)])
+    ShapeProp(part).propagate(*xs)  # every node's output shape, on the meta device
+    largest = max([x.numel() for x in xs] + [int(torch.Size(n.meta["tensor_meta"].shape).numel()) for n in part.graph.nodes
+                                             if isinstance(n.meta.get("tensor_meta"), TensorMetadata)])
     params = sum(p.numel() for p in part.parameters()) + sum(b.numel() for b in part.buffers())
     return params, largest
 

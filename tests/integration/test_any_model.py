@@ -1,5 +1,6 @@
-"""A network that is not a ResNet, cut at module paths, served by a real tritonserver: every task on
-every transport gives its unsplit reference's outputs (tests/plans/mobilenet_shared.yaml)."""
+"""Networks cut at module paths, served by a real tritonserver: every task on every transport gives
+its unsplit reference's outputs. A network that is not a ResNet (tests/plans/mobilenet_shared.yaml),
+and cuts where a skip connection crosses, so each hop carries two tensors (tests/plans/skip_cut.yaml)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ from clients.client import TaskClient
 from ensemble_gen import generator
 
 pytestmark = pytest.mark.integration
-PLAN = Path(__file__).resolve().parents[1] / "plans" / "mobilenet_shared.yaml"
+PLANS = Path(__file__).resolve().parents[1] / "plans"
 
 
-@pytest.fixture(scope="module")
-def mobilenet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
-    plan = load_plan(PLAN)
-    repo = tmp_path_factory.mktemp("mobilenet") / "repo"
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
+    plan = load_plan(PLANS / f"{request.param}.yaml")
+    repo = tmp_path_factory.mktemp(request.param) / "repo"
     generator.write(generator.render(plan), repo)
     server = TritonServer(ServerOptions.on_free_ports([repo]))
     server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
@@ -33,8 +34,8 @@ def mobilenet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, 
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_every_task_on_every_transport_equals_its_reference(mobilenet: tuple[Plan, str], batch: int) -> None:
-    plan, url = mobilenet
+def test_every_task_on_every_transport_equals_its_reference(served: tuple[Plan, str], batch: int) -> None:
+    plan, url = served
     x = np.random.default_rng(batch).standard_normal((batch, 3, 32, 32), dtype=np.float32)
     with TaskClient(url) as client:
         for task in plan.tasks.values():

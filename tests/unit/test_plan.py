@@ -24,7 +24,7 @@ def base() -> dict[str, Any]:
 def test_default_plan_is_valid_and_resolved() -> None:
     plan = load_plan(ROOT / "plans" / "default.yaml")
     assert set(plan.tasks) == {"cls_a", "cls_b", "det_c", "full_d"}
-    assert plan.stage_shapes["r50"] == [(256, 56, 56), (512, 28, 28), (1024, 14, 14), (1000,)]
+    assert plan.stage_shapes["r50"] == [((256, 56, 56),), ((512, 28, 28),), ((1024, 14, 14),), ((1000,),)]
     sharing = plan.sharing()
     assert sharing["r50_s0"] == ["cls_a", "cls_b", "det_c"]
     assert sharing["r50_s2"] == ["cls_a", "cls_b"]

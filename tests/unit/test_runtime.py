@@ -36,7 +36,7 @@ def test_stages_compose_to_the_torchvision_model(name: str, cuts: list[str], sha
         for i in range(len(cuts) + 1):
             y = arch.slice_stages(net, name, cuts, i, i)(y)
     assert rel_err(y, full) <= 1e-6
-    assert arch.stage_output_shapes(name, cuts, shape, 1000)[-1] == (1000,)
+    assert arch.stage_output_shapes(name, cuts, shape, 1000)[-1] == ((1000,),)
 
 
 def test_seeded_weights_are_deterministic_and_seed_dependent() -> None:

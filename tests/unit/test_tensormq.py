@@ -376,3 +376,34 @@ def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) 
     assert all(table.claimed(s, 5) == set(range(samples)) for s in range(slots))
     assert table.claimed(0, 6) is None and table.claim(0, 6, 0) is not None  # another use of the slot
     table.close()
+
+
+def test_a_hop_of_several_tensors_crosses_as_one_record_per_sample(runtime: Path) -> None:
+    """A skip connection across a cut: two tensors per sample in one record, one ticket per sample;
+    the consumer gets both exactly, also for samples picked out of order, and a ticket whose
+    tensors differ from what the block takes is refused before anything is read."""
+    prod = Producer("trunk/trunk_0_0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=30, wait_s=1,
+                    model="trunk", max_samples=8)
+    consumer = Consumer(runtime, CPU, accepts_from=["trunk"])
+    shapes = [(2, 3), (4,)]
+    try:
+        r = prod.reserve_tensors(3, shapes, torch.float32)
+        a, b = torch.arange(18.0).view(3, 2, 3), -torch.arange(12.0).view(3, 4)
+        r.views[0].copy_(a)
+        r.views[1].copy_(b)
+        tickets = prod.commit(r, 0)
+        assert len(tickets) == 3 and tk.decode(tickets[0], consumer.key).layout == tk.layout_id(shapes)
+        with pytest.raises(TicketError, match=r"carries a record of several tensors; this block takes shape \[2, 3\]"):
+            consumer.gather(_tickets(tickets), (2, 3), 0)
+        with pytest.raises(TicketError, match=r"this block takes \[2, 3\] \+ \[2, 2\]"):
+            consumer.gather_tensors(_tickets(tickets), [(2, 3), (2, 2)], 0)
+        r2 = prod.reserve_tensors(3, shapes, torch.float32)  # the refused requests claimed nothing: read a fresh batch
+        r2.views[0].copy_(a + 100)
+        r2.views[1].copy_(b - 100)
+        fresh = prod.commit(r2, 0)
+        (x, y), rel = consumer.gather_tensors(_tickets([fresh[2], fresh[0]]), shapes, 0)
+        assert torch.equal(x, (a + 100)[[2, 0]]) and torch.equal(y, (b - 100)[[2, 0]])
+        consumer.release_now(rel)
+    finally:
+        consumer.close()
+        prod.close()

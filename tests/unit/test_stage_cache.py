@@ -1,0 +1,77 @@
+"""Built parts kept in the runtime directory: the next process loads them instead of building."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend import runtime
+from backend.runtime import BlockRunner
+from backend.stage_cache import StageCache
+from blockflow.core import arch
+from blockflow.core.spec import ModelSpec, Part, WeightsSource
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spec(seed: int = 4, first: int = 1) -> ModelSpec:
+    return ModelSpec(kind="block", name="head", arch="resnet18", cut_points=("layer2",), num_classes=10,
+                     input_shape=(3, 32, 32), parts=(Part(block="head", first=first, last=1, weights=WeightsSource(seed=seed)),),
+                     precision="fp32", cuda_graphs=False, max_batch_size=4, transport="triton-cpu",
+                     in_shape=(128, 4, 4), out_shape=(10,))
+
+
+def test_a_kept_part_is_loaded_instead_of_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = StageCache(tmp_path / "stages")
+    x = torch.randn(2, 128, 4, 4)
+    built = BlockRunner(_spec(), CPU, cache).run(x)
+    (entry,) = (tmp_path / "stages").iterdir()
+    assert entry.stat().st_mode & 0o777 == 0o600
+    with monkeypatch.context() as m:
+        m.setattr(arch, "build_network", lambda *a, **k: pytest.fail("built although kept"))
+        assert torch.equal(BlockRunner(_spec(), CPU, cache).run(x), built)
+    # Other weights are another entry; without a cache nothing is kept.
+    assert not torch.equal(BlockRunner(_spec(seed=5), CPU, cache).run(x), built)
+    assert len(list((tmp_path / "stages").iterdir())) == 2
+    assert torch.equal(BlockRunner(_spec(), CPU).run(x), built)
+
+
+def test_an_entry_that_is_damaged_or_writable_by_others_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = StageCache(tmp_path / "stages")
+    spec = _spec()
+    part = spec.parts[0]
+    x = torch.randn(1, 128, 4, 4)
+    want = BlockRunner(spec, CPU, cache).run(x)
+    path = cache.path(spec, part)
+    path.chmod(0o666)
+    assert cache.load(spec, part) is None
+    path.chmod(0o600)
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    assert cache.load(spec, part) is None
+    calls = []
+    real = runtime._build_part
+    monkeypatch.setattr(runtime, "_build_part", lambda s, p: calls.append(1) or real(s, p))
+    assert torch.equal(BlockRunner(spec, CPU, cache).run(x), want) and calls == [1]  # built again, and kept again
+    assert cache.load(spec, part) is not None
+
+
+def test_loading_a_kept_resnet_part_does_not_import_torchvision(tmp_path: Path) -> None:
+    cache = StageCache(tmp_path / "stages")
+    BlockRunner(_spec(), CPU, cache)
+    code = (
+        "import sys, pathlib\n"
+        "from backend.stage_cache import StageCache\n"
+        "from blockflow.core.spec import ModelSpec\n"
+        f"cache = StageCache(pathlib.Path({str(tmp_path / 'stages')!r}))\n"
+        f"spec = ModelSpec.model_validate_json({_spec().to_json()!r})\n"
+        "assert cache.load(spec, spec.parts[0]) is not None\n"
+        "print('torchvision' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
