@@ -48,11 +48,18 @@ def bucket_for(batch: int, buckets: list[int]) -> int:
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """A state dict from a ``.safetensors`` file, or from a torch file read with ``weights_only``
+    (no code in either runs)."""
     if not Path(path).is_file():
         raise BlockError(f"weights file not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many kinds for a bad file
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state: Any = load_file(path, device="cpu")
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch and safetensors raise many kinds for a bad file
         raise BlockError(f"cannot read weights file {path}: {exc}") from exc
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]

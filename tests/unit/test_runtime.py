@@ -96,7 +96,11 @@ def test_weights_file_for_whole_model_or_just_the_block(tmp_path: Path) -> None:
     x = torch.randn(2, 256, 4, 4)
     with torch.inference_mode():
         expected = arch.slice_stages(net, "resnet18", ["maxpool", "layer3"], 2, 2)(x)
-    for f in (whole, block_only):
+    from safetensors.torch import save_file
+
+    safe = tmp_path / "whole.safetensors"
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, safe)
+    for f in (whole, block_only, safe):
         assert rel_err(BlockRunner(_spec_with_file(f), CPU).run(x), expected) <= 1e-6
 
 
@@ -109,6 +113,10 @@ def test_bad_weights_files_fail_clearly(tmp_path: Path) -> None:
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(BlockError, match="cannot read weights file"):
         BlockRunner(_spec_with_file(garbage), CPU)
+    bad_safe = tmp_path / "garbage.safetensors"
+    bad_safe.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(BlockError, match="cannot read weights file .*garbage.safetensors"):
+        BlockRunner(_spec_with_file(bad_safe), CPU)
     wrong = tmp_path / "wrong.pt"
     net = arch.build_network("resnet18", 1000, seed=0)  # 1000 classes: fc does not fit a 10-class block
     torch.save(net.state_dict(), wrong)
