@@ -32,7 +32,7 @@ PKGS=(pyzmq pydantic pydantic-core annotated-types typing-inspection "tritonclie
       geventhttpclient gevent greenlet zope.event zope.interface python-rapidjson brotli
       fastapi starlette uvicorn h11 anyio sniffio httpx httpcore idna certifi prometheus-client
       psutil nvidia-ml-py click rich markdown-it-py mdurl pygments pyyaml
-      opentelemetry-api annotated-doc importlib-metadata zipp)
+      opentelemetry-api annotated-doc importlib-metadata zipp safetensors)
 "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WORK/wheels" "${PKGS[@]}"
