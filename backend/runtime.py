@@ -82,7 +82,10 @@ def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> 
 
 def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
     seed = part.weights.seed if part.weights.seed is not None else 0
-    net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
+    try:
+        net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
+    except ValueError as exc:  # an exported program that no longer loads
+        raise BlockError(str(exc)) from None
     stages = arch.slice_stages(net, spec.arch, spec.cut_points, part.first, part.last)
     if part.weights.file is not None:
         # Keys are those of the full torchvision model (the stages keep its names); the file may hold
@@ -92,12 +95,16 @@ def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
         missing = sorted(wanted - state.keys())
         if missing:
             raise BlockError(f"weights file {part.weights.file} lacks {len(missing)} tensor(s) of block "
-                             f"{part.block!r}, e.g. {missing[:3]}; keys must be named as in torchvision's {spec.arch}")
+                             f"{part.block!r}, e.g. {missing[:3]}; keys must be named as in {_state_dict_of(spec.arch)}")
         try:
             stages.load_state_dict({k: state[k] for k in wanted}, strict=True)
         except RuntimeError as exc:
             raise BlockError(f"weights file {part.weights.file} does not fit block {part.block!r}: {exc}") from exc
     return stages
+
+
+def _state_dict_of(network: str) -> str:
+    return f"the state_dict of program {network}" if arch.is_program(network) else f"torchvision's {network}"
 
 
 @dataclass

@@ -8,8 +8,8 @@ the next ones load it: a pickled ``GraphModule`` whose code refers to ``torch`` 
 network calls a torchvision function (EfficientNet's stochastic depth), in which case loading it
 imports torchvision as building would.
 
-Entries are keyed by everything that defines the part (network, cuts, stages, the seed or the
-weights file's bytes, the torch and torchvision versions). The directory is the runtime
+Entries are keyed by everything that defines the part (network or exported program's bytes,
+cuts, stages, the seed or the weights file's bytes, the torch and torchvision versions). The directory is the runtime
 directory's (0700, the server's user): what is unpickled here was written by this server's own
 block processes, which already run code from the model repository; a file that is not the
 user's own, or that others can write, is ignored. User-supplied weights are never unpickled
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from blockflow.core import env
+from blockflow.core import arch, env
 from blockflow.core.spec import ModelSpec, Part
 
 FORMAT = 1
@@ -68,7 +68,9 @@ class StageCache:
 
     def path(self, spec: ModelSpec, part: Part) -> Path:
         weights = {"seed": part.weights.seed} if part.weights.file is None else {"file": _file_digest(part.weights.file)}
-        key = {"format": FORMAT, "arch": spec.arch, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
+        # An exported program is keyed by its bytes (its weights and graph), not only its path.
+        network = {"program": _file_digest(spec.arch)} if arch.is_program(spec.arch) else spec.arch
+        key = {"format": FORMAT, "arch": network, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
                "input_shape": spec.input_shape, "first": part.first, "last": part.last, "weights": weights,
                "torch": torch.__version__, "torchvision": _version("torchvision")}
         digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()

@@ -71,7 +71,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
     return ModelSpec(
         kind=kind,
         name=name,
-        arch=model.arch,
+        arch=model.network,
         cut_points=tuple(model.cut_points),
         num_classes=model.num_classes,
         input_shape=tuple(model.input_shape),

@@ -66,18 +66,22 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
 
 
 def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
-    """Every legal cut of the plan's models (or of one torchvision model), with the tensor that would cross it."""
+    """Every legal cut of the plan's models (or of one torchvision model or exported program), with
+    the tensors that would cross it."""
     from blockflow.core import arch
     from blockflow.core.errors import BlockFlowError
     from blockflow.plan import load_plan
 
-    if Path(what).suffix in (".yaml", ".yml", ".json") or Path(what).is_file():
+    if arch.is_program(what):
+        nets: list[tuple[str, str, tuple[int, ...], int]] = [(f"program {what}", str(Path(what).resolve()), (), 0)]
+    elif Path(what).suffix in (".yaml", ".yml", ".json") or Path(what).is_file():
         p = load_plan(Path(what))
-        nets = [(f"model {name} ({m.arch}, input {list(m.input_shape)})", m.arch, tuple(m.input_shape), m.num_classes)
-                for name, m in p.models.items()]
+        nets = [(f"model {name} ({m.program or m.network}, input {list(m.input_shape)})", m.network,
+                 tuple(m.input_shape), m.num_classes) for name, m in p.models.items()]
     else:
         if what not in arch.supported_archs():
-            raise click.BadParameter(f"{what!r} is neither a plan file nor a torchvision model name", param_hint="PLAN")
+            raise click.BadParameter(f"{what!r} is neither a plan file, a torchvision model name nor an exported "
+                                     f"program ({arch.PROGRAM_SUFFIX})", param_hint="PLAN")
         try:
             shape = tuple(int(x) for x in input_shape.split(","))
         except ValueError:
@@ -88,6 +92,8 @@ def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
             found = arch.legal_cuts(name, shape, classes)
         except ValueError as exc:
             raise BlockFlowError(str(exc)) from None
+        if arch.is_program(name):
+            title += f" (input {list(found.input_shape)})"
         table = Table(title=f"{title}: {len(found.cuts)} legal cuts, in network order")
         for col in ("cut", "tensors per sample", "dtypes", "bytes per sample"):
             table.add_column(col, justify="right" if col == "bytes per sample" else "left")
@@ -118,8 +124,8 @@ def _param_counts(p: Plan) -> dict[str, int]:
     counts: dict[str, int] = {}
     for b in p.blocks.values():
         m = p.models[b.model]
-        net = arch.meta_network(m.arch, m.num_classes, m.input_shape)
-        stages = arch.slice_stages(net, m.arch, m.cut_points, b.first, b.last)
+        net = arch.meta_network(m.network, m.num_classes, m.input_shape)
+        stages = arch.slice_stages(net, m.network, m.cut_points, b.first, b.last)
         counts[b.name] = sum(t.numel() for t in stages.parameters())
     return counts
 
@@ -185,7 +191,7 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
     if plan is None:
         raise click.UsageError("give a PLAN, or --scenarios resnet50|resnet152")
     p = load_plan(plan)
-    uncalibrated = sorted({m.arch for m in p.models.values() if not m.arch.startswith("resnet")})
+    uncalibrated = sorted({m.program or m.network for m in p.models.values() if not m.network.startswith("resnet")})
     if uncalibrated:
         err.print(f"[yellow]warning[/]: the memory model's constants were measured on ResNets only; for "
                   f"{', '.join(uncalibrated)} the figures below are an estimate, not a calibrated prediction "

@@ -1,7 +1,10 @@
-"""Base networks and how they are cut into stages: any torchvision classification model.
+"""Base networks and how they are cut into stages: any torchvision classification model, or a
+user's own model exported with ``torch.export`` (a ``.pt2`` file).
 
-A network is traced into a graph with torch.fx (torchvision's own ``NodePathTracer``, which
-names every node by the module it runs in, e.g. ``features.4.block.2``). A cut names a module by
+A network is named by a torchvision model name or by the path of its ``.pt2`` file. A torchvision
+network is traced into a graph with torch.fx (torchvision's own ``NodePathTracer``, which names
+every node by the module it runs in, e.g. ``features.4.block.2``); an exported program already
+is one, and each node's module path comes from its ``nn_module_stack``. A cut names a module by
 its dotted path (``layer2``, ``features.4``, ``encoder.layers.encoder_layer_5``) or a node
 (``flatten``): the stage boundary falls right after the last node of that module. A cut is legal
 where every value live across the boundary is a tensor (at most ``MAX_HOP_TENSORS`` of them): they
@@ -22,6 +25,7 @@ full model built with that seed, in every process.
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,6 +36,38 @@ from torch import fx, nn
 
 # The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
 MAX_HOP_TENSORS = 8
+PROGRAM_SUFFIX = ".pt2"
+
+
+def is_program(network: str) -> bool:
+    """Whether ``network`` names an exported program file rather than a torchvision model."""
+    return network.endswith(PROGRAM_SUFFIX)
+
+
+def load_program(path: str) -> fx.GraphModule:
+    """The exported program at ``path`` as a graph module with its own weights (CPU).
+
+    ``torch.export.load`` runs no Python code from the file. Raises ``ValueError`` (saying why and
+    what to do) for a file that is not an exported program of one tensor in and one tensor out.
+    """
+    try:
+        program = torch.export.load(path)
+    except Exception as exc:  # a missing, truncated or foreign file: torch raises many kinds
+        raise ValueError(f"cannot load exported program {path}: {type(exc).__name__}: {exc}; "
+                         "save it with torch.export.save(torch.export.export(model, ...), path)") from None
+    signature = program.graph_signature
+    if len(signature.user_inputs) != 1 or len(signature.user_outputs) != 1:
+        raise ValueError(f"exported program {path} takes {len(signature.user_inputs)} input(s) and gives "
+                         f"{len(signature.user_outputs)} output(s); BlockFlow serves programs of one tensor in "
+                         "and one tensor out")
+    module = program.module()
+    for node in list(module.graph.nodes):
+        # The input guards torch.export adds check shapes against the export's constraints; the
+        # blocks check their inputs' shapes themselves, and a stage has no such module.
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
+            module.graph.erase_node(node)
+    module.recompile()
+    return module
 
 
 @lru_cache(maxsize=1)
@@ -52,8 +88,11 @@ def _factory_kwargs(arch: str, num_classes: int, input_shape: Sequence[int]) -> 
 def build_network(arch: str, num_classes: int, seed: int, input_shape: Sequence[int] = (3, 224, 224)) -> nn.Module:
     """The whole torchvision network with weights drawn from ``seed`` (CPU, eval mode).
 
-    The global RNG is forked so building a block never disturbs the caller's.
+    The global RNG is forked so building a block never disturbs the caller's. An exported
+    program brings its own weights (``seed`` does not apply).
     """
+    if is_program(arch):
+        return load_program(arch)
     import torchvision.models as tvm
 
     with torch.random.fork_rng(devices=[]):
@@ -83,7 +122,18 @@ class Traced:
         return [n for i, n in enumerate(self.nodes[:boundary + 1]) if n.op != "get_attr" and self.last_use[i] > boundary]
 
 
+def _module_path(node: fx.Node) -> str:
+    """The dotted path of the innermost module an exported node runs in ('' at top level)."""
+    stack = node.meta.get("nn_module_stack")
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
 def trace(net: nn.Module) -> Traced:
+    if isinstance(net, fx.GraphModule):  # an exported program: already a graph
+        nodes = tuple(net.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
+        return Traced(net, nodes, tuple(_module_path(n) or n.name for n in nodes), last_use)
     from torchvision.models.feature_extraction import NodePathTracer
 
     tracer = NodePathTracer()
@@ -120,6 +170,8 @@ def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: in
         if any(_mutates(user, node) for user in node.users if user in stage):
             env[node] = graph.call_method("clone", (env[node],))
     for node in stage:
+        if node.op == "get_attr":
+            continue  # fetched where a node of this stage uses it (below), never for a later stage
         for used in node.all_input_nodes:  # parameters read by this stage but fetched earlier in the whole graph
             if used not in env and used.op == "get_attr":
                 env[used] = graph.node_copy(used, env.__getitem__)
@@ -129,9 +181,15 @@ def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: in
         leaving = [env[n] for n in traced.live_after(bounds[last])]
         graph.output(leaving[0] if len(leaving) == 1 else tuple(leaving))
     else:
-        graph.output(fx.map_arg(output.args[0], env.__getitem__))
+        graph.output(fx.map_arg(_only_output(output), env.__getitem__))
     graph.lint()
     return fx.GraphModule(traced.module, graph, f"stages_{first}_{last}").eval()
+
+
+def _only_output(output: fx.Node) -> Any:
+    """What the network returns (an exported program returns its one output in a tuple)."""
+    value = output.args[0]
+    return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
 
 
 _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -148,6 +206,9 @@ def _mutates(node: fx.Node, value: fx.Node) -> bool:
         return bool(getattr(owner.get_submodule(str(node.target)), "inplace", False))
     if node.op == "call_method":
         return str(node.target).endswith("_")
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):  # an exported graph's aten op
+        first = node.target._schema.arguments[0] if node.target._schema.arguments else None
+        return bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "")
         return bool(node.kwargs.get("inplace")) or node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
@@ -197,6 +258,7 @@ class Cuts:
     cuts: tuple[Cut, ...]
     ends: tuple[int, ...]  # index of each cut's last node in the traced graph
     output_shape: tuple[int, ...]
+    input_shape: tuple[int, ...] = ()
 
     def names(self) -> list[str]:
         return [c.name for c in self.cuts]
@@ -213,8 +275,10 @@ def meta_network(arch: str, num_classes: int, input_shape: Sequence[int]) -> nn.
     """The network without memory for its weights (meta device), where its constructor allows that.
 
     A few constructors compute with tensors (RegNet derives its widths with ``torch`` ops); those
-    are built on the CPU instead.
+    are built on the CPU instead, as is an exported program (it is read with its weights).
     """
+    if is_program(arch):
+        return load_program(arch).to("meta")
     try:
         with torch.device("meta"):
             return build_network(arch, num_classes, 0, input_shape)
@@ -222,13 +286,25 @@ def meta_network(arch: str, num_classes: int, input_shape: Sequence[int]) -> nn.
         return build_network(arch, num_classes, 0, input_shape).to("meta")
 
 
-@lru_cache(maxsize=32)
 def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cuts:
     """Every module path (and top-level node) after which the network can be cut, found on the meta device.
 
-    Raises ``ValueError`` when the network cannot take ``input_shape`` (the message says why).
+    For an exported program, ``input_shape`` and ``num_classes`` are the program's own (the
+    arguments are ignored) and the shapes are those it was exported with. Raises ``ValueError``
+    when the network cannot take ``input_shape``, or the program cannot be served (the message says why).
     """
-    from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+    if is_program(arch):
+        try:
+            st = os.stat(arch)
+        except OSError as exc:
+            raise ValueError(f"cannot read exported program {arch}: {exc.strerror}") from None
+        return _program_cuts(arch, st.st_mtime_ns, st.st_size)  # a file changed in place is read again
+    return _torchvision_cuts(arch, input_shape, num_classes)
+
+
+@lru_cache(maxsize=32)
+def _torchvision_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cuts:
+    from torch.fx.passes.shape_prop import ShapeProp
 
     traced = trace(meta_network(arch, num_classes, input_shape))
     try:
@@ -237,6 +313,45 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
         ShapeProp(traced.module).propagate(torch.empty((2, *input_shape), device="meta"))
     except Exception as exc:  # the network's own error for a size it cannot take
         raise ValueError(f"{arch} cannot take inputs of shape {list(input_shape)}: {exc}") from None
+    return _find_cuts(traced, _shape_prop_tensor, input_shape)
+
+
+@lru_cache(maxsize=8)
+def _program_cuts(path: str, mtime_ns: int, size: int) -> Cuts:
+    traced = trace(load_program(path))
+    placeholder = next(n for n in traced.nodes if n.op == "placeholder")
+    value = placeholder.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.dtype.is_floating_point:
+        raise ValueError(f"exported program {path} does not take a floating-point tensor with a batch dimension")
+    batch = value.shape[0]
+    if not isinstance(batch, torch.SymInt):
+        raise ValueError(f"exported program {path} was exported for batches of exactly {batch}; export it with a "
+                         "dynamic batch: torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim('batch')},))")
+    if not all(isinstance(d, int) for d in value.shape[1:]):
+        raise ValueError(f"exported program {path} has dynamic dimensions besides the batch; export it with a fixed "
+                         "sample shape (only dimension 0 dynamic)")
+
+    def hop_tensor(node: fx.Node) -> HopTensor | None:
+        v = node.meta.get("val")
+        if (isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt)
+                and v.shape[0].node.expr == batch.node.expr and all(isinstance(d, int) for d in v.shape[1:])):
+            return HopTensor(tuple(int(d) for d in v.shape[1:]), v.dtype)
+        return None
+
+    return _find_cuts(traced, hop_tensor, tuple(int(d) for d in value.shape[1:]))
+
+
+def _shape_prop_tensor(node: fx.Node) -> HopTensor | None:
+    """What ``node`` gives per sample, from shape propagation at batch 2 (None: not a batch-first tensor)."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    m = node.meta.get("tensor_meta")
+    if isinstance(m, TensorMetadata) and len(m.shape) >= 1 and m.shape[0] == 2:
+        return HopTensor(tuple(int(d) for d in m.shape[1:]), m.dtype)
+    return None
+
+
+def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) -> Cuts:
     output = next(i for i, n in enumerate(traced.nodes) if n.op == "output")
     ends: dict[str, int] = {}
     for i, path in enumerate(traced.paths):
@@ -252,14 +367,15 @@ def legal_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int) -> Cut
             continue  # too many values, or nothing computed that a next stage needs
         # Every value must be a floating-point tensor with the batch first (a block runs its inputs
         # in its precision, and a hop splits them per request).
-        metas = [m for m in (n.meta.get("tensor_meta") for n in live)
-                 if isinstance(m, TensorMetadata) and len(m.shape) >= 1 and m.shape[0] == 2 and m.dtype.is_floating_point]
-        if len(metas) == len(live):
-            found.append(Cut(name, tuple(HopTensor(tuple(int(d) for d in m.shape[1:]), m.dtype) for m in metas)))
+        tensors = [hop_tensor(n) for n in live]
+        if all(t is not None and t.dtype.is_floating_point for t in tensors):
+            found.append(Cut(name, tuple(tensors)))
             found_ends.append(end)
-    out_meta = traced.nodes[output].args[0]
-    out_shape = out_meta.meta["tensor_meta"].shape[1:] if isinstance(out_meta, fx.Node) else ()
-    return Cuts(tuple(found), tuple(found_ends), tuple(int(d) for d in out_shape))
+    result = _only_output(traced.nodes[output])
+    out = hop_tensor(result) if isinstance(result, fx.Node) else None
+    if out is None:
+        raise ValueError("the network's output is not one tensor with the batch first")
+    return Cuts(tuple(found), tuple(found_ends), out.shape, input_shape)
 
 
 def stage_output_shapes(

@@ -29,12 +29,22 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
         yield PlanIssue(f"tasks.{name}", f"task name {name!r} is also a block name; Triton model names must be unique, rename one")
 
     good_models: set[str] = set()
-    for name, m in raw.models.items():
+    for name, written in raw.models.items():
+        m = plan.models[name]
+        if written.program is not None:
+            issue = _file_issue(plan, f"models.{name}.program", written.program, "programs")
+            if issue:
+                yield issue
+                continue
         try:
-            cuts = archs.legal_cuts(m.arch, tuple(m.input_shape), m.num_classes)
+            cuts = archs.legal_cuts(m.network, tuple(m.input_shape), m.num_classes)
         except ValueError as exc:
-            yield PlanIssue(f"models.{name}.input_shape", f"{exc}; give an input_shape the network takes")
+            if written.program is not None:
+                yield PlanIssue(f"models.{name}.program", str(exc))
+            else:
+                yield PlanIssue(f"models.{name}.input_shape", f"{exc}; give an input_shape the network takes")
             continue
+        shown = written.arch or written.program
         names = cuts.names()
         ok = True
         prev = -1
@@ -43,8 +53,9 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
             if cut not in names:
                 near = difflib.get_close_matches(cut, names, n=3)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
-                yield PlanIssue(loc, f"{cut!r} is not a place where {m.arch} can be cut{hint}; a cut is a module path or "
-                                     f"node after which exactly one tensor goes on: `blockflow show --cuts {m.arch}` lists them")
+                yield PlanIssue(loc, f"{cut!r} is not a place where {shown} can be cut{hint}; a cut is a module path or "
+                                     f"node after which at most {archs.MAX_HOP_TENSORS} tensors go on, each with the batch "
+                                     f"first: `blockflow show --cuts {shown}` lists them")
                 ok = False
                 continue
             idx = cuts.position(cut)
@@ -66,23 +77,22 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
         if not (0 <= first <= last < n):
             yield PlanIssue(f"{loc}.stages", f"{b.stages!r} is not a stage or [first, last] range within 0..{n - 1} of model {b.model!r}")
             continue
-        if b.weights.seed is None and b.weights.file is None:
-            yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file")
+        weights = b.weights
+        program = raw.models[b.model].program is not None
+        if weights is not None and weights.seed is None and weights.file is None:
+            yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file" + (", or leave weights out for the program's own" if program else ""))
             continue
-        if b.weights.seed is not None and b.weights.file is not None:
+        if weights is not None and weights.seed is not None and weights.file is not None:
             yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file, not both")
             continue
-        if b.weights.file is not None:
-            # Resolved (links followed) before the check, so '..' or a link cannot leave the allowed directories.
-            file = (plan.base_dir / b.weights.file).resolve()
-            allowed = plan.weights_dirs
-            if allowed is not None and not any(file.is_relative_to(d) for d in allowed):
-                yield PlanIssue(f"{loc}.weights.file", f"{b.weights.file!r} is outside the directories this server reads "
-                                f"weights from ({', '.join(map(str, allowed))}); put the file there, or start "
-                                "`blockflow serve` with --weights-dir naming its directory")
-                continue
-            if not file.is_file():
-                yield PlanIssue(f"{loc}.weights.file", f"file not found: {plan.base_dir / b.weights.file} (paths are relative to the plan file)")
+        if program and weights is not None and weights.seed is not None:
+            yield PlanIssue(f"{loc}.weights.seed", f"model {b.model!r} is an exported program with its own weights; leave "
+                                                   "weights out, or give weights.file to replace them")
+            continue
+        if weights is not None and weights.file is not None:
+            issue = _file_issue(plan, f"{loc}.weights.file", weights.file, "weights")
+            if issue:
+                yield issue
                 continue
         if b.model in good_models:
             good_blocks.add(name)
@@ -96,6 +106,20 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
 
     for tname, task in raw.tasks.items():
         yield from _path_issues(plan, tname, task, good_blocks)
+
+
+def _file_issue(plan: Plan, loc: str, written: str, what: str) -> PlanIssue | None:
+    """Why the file a plan names at ``loc`` cannot be read (None: it can)."""
+    # Resolved (links followed) before the check, so '..' or a link cannot leave the allowed directories.
+    file = (plan.base_dir / written).resolve()
+    allowed = plan.weights_dirs
+    if allowed is not None and not any(file.is_relative_to(d) for d in allowed):
+        return PlanIssue(loc, f"{written!r} is outside the directories this server reads {what} from "
+                              f"({', '.join(map(str, allowed))}); put the file there, or start "
+                              "`blockflow serve` with --weights-dir naming its directory")
+    if not file.is_file():
+        return PlanIssue(loc, f"file not found: {plan.base_dir / written} (paths are relative to the plan file)")
+    return None
 
 
 def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -> Iterable[PlanIssue]:
@@ -133,12 +157,12 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
         if last_block.last != n - 1:
             yield PlanIssue(f"tasks.{tname}.path", f"path ends at stage {last_block.last} but model {last_block.model!r} "
                                                    f"has stages 0..{n - 1}; add blocks up to stage {n - 1}")
-        nets = {(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
-                for m in (raw.models[plan.blocks[b].model] for b in task.path)}
+        nets = {(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
+                for m in (plan.models[plan.blocks[b].model] for b in task.path)}
         if len(nets) > 1:
             # Shapes matched, but the monolithic reference runs the whole path as one network.
-            yield PlanIssue(f"tasks.{tname}.path", "blocks of one path must come from models with the same arch, "
-                                                   "cut_points, input_shape and num_classes; use one model definition")
+            yield PlanIssue(f"tasks.{tname}.path", "blocks of one path must come from models with the same arch "
+                                                   "or program, cut_points, input_shape and num_classes; use one model definition")
 
 
 def _shapes(shapes: list[list[int]]) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -83,13 +84,34 @@ class Plan:
         # Where weights files may come from (None: anywhere this user can read; a plan file of one's own).
         self.weights_dirs = None if weights_dirs is None else [d.resolve() for d in weights_dirs]
 
-    @property
+    @cached_property
     def models(self) -> Mapping[str, ModelDef]:
-        return self.raw.models
+        """The plan's models; an exported program's with its absolute path as ``arch`` and the input
+        shape and classes it was exported with."""
+        return {name: self._resolved(m) for name, m in self.raw.models.items()}
+
+    def program_path(self, m: ModelDef) -> Path:
+        """Where model ``m``'s program file is (links followed: the allowed-directory check needs the real path)."""
+        return (self.base_dir / str(m.program)).resolve()
+
+    def _resolved(self, m: ModelDef) -> ModelDef:
+        if m.program is None:
+            return m
+        path = self.program_path(m)
+        allowed = self.weights_dirs is None or any(path.is_relative_to(d) for d in self.weights_dirs)
+        if not (allowed and path.is_file()):  # never read: the checks say why
+            return m.model_copy(update={"arch": str(path)})
+        try:
+            cuts = archs.legal_cuts(str(path), (), 0)
+        except ValueError:
+            return m.model_copy(update={"arch": str(path)})  # the checks report why it cannot be served
+        return m.model_copy(update={"arch": str(path), "input_shape": list(cuts.input_shape),
+                                    "num_classes": math.prod(cuts.output_shape)})
 
     @cached_property
     def blocks(self) -> dict[str, Block]:
-        return {name: _resolve_block(name, b, self.raw.defaults, self.base_dir) for name, b in self.raw.blocks.items()}
+        return {name: _resolve_block(name, b, self.raw.defaults, self.base_dir, self.raw.models.get(b.model))
+                for name, b in self.raw.blocks.items()}
 
     @cached_property
     def tasks(self) -> dict[str, Task]:
@@ -177,7 +199,7 @@ class Plan:
     def stage_shapes(self) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
         """Model name -> per-sample shapes of the tensors each of its stages gives (meta-device inference)."""
         return {
-            name: archs.stage_output_shapes(m.arch, m.cut_points, m.input_shape, m.num_classes)
+            name: archs.stage_output_shapes(m.network, m.cut_points, m.input_shape, m.num_classes)
             for name, m in self.models.items()
         }
 
@@ -225,7 +247,7 @@ def _deployed_alike(a: Block, b: Block) -> bool:
             and a.max_batch_size == b.max_batch_size and a.precision == b.precision and a.cuda_graphs == b.cuda_graphs)
 
 
-def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Path) -> Block:
+def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Path, model: ModelDef | None) -> Block:
     def pick(key: str) -> Any:
         own = getattr(b, key)
         if own is not None:
@@ -237,15 +259,18 @@ def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Pa
     placement = pick("placement")
     if isinstance(placement, list):
         placement = tuple(placement)
-    file = b.weights.file
-    if file is not None:
-        file = str((base_dir / file).resolve())
+    if b.weights is None:  # seed 0, or an exported program's own weights
+        weights = WeightsSource(seed=None if model is not None and model.program is not None else 0)
+    elif b.weights.file is not None:
+        weights = WeightsSource(file=str((base_dir / b.weights.file).resolve()))
+    else:
+        weights = WeightsSource(seed=b.weights.seed)
     return Block(
         name=name,
         model=b.model,
         first=first,
         last=last,
-        weights=WeightsSource(seed=b.weights.seed if file is None else None, file=file),
+        weights=weights,
         placement=placement,
         instances=pick("instances"),
         max_batch_size=pick("max_batch_size"),

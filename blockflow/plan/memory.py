@@ -116,7 +116,7 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
     params = 0
     largests: list[int] = []
     for blocks in chains:
-        p, a = _stage_profile(m.arch, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+        p, a = _stage_profile(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
                               blocks[0].first, blocks[-1].last)
         params, largests = params + p, largests + [a]
     width = BYTES[deploy.precision]

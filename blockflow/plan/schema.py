@@ -9,7 +9,7 @@ import difflib
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blockflow.core import arch as archs
 from blockflow.core.spec import Precision, TensorMQSettings, TransportName
@@ -25,16 +25,40 @@ class _Strict(BaseModel):
 
 
 class ModelDef(_Strict):
-    """A base network: its torchvision architecture and where it is cut."""
+    """A base network and where it is cut: a torchvision architecture (``arch``), or the user's own
+    model exported with ``torch.export`` (``program``, a ``.pt2`` file relative to the plan file)."""
 
-    arch: str
+    arch: str | None = None
+    program: str | None = None
     cut_points: list[str] = Field(default_factory=list)
     input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
     num_classes: int = Field(default=1000, ge=1, le=100_000)
 
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelDef:
+        if (self.arch is None) == (self.program is None):
+            raise ValueError("give exactly one of arch (a torchvision model name) or program (a .pt2 file "
+                             "saved with torch.export.save)")
+        if self.program is not None:
+            given = sorted(self.model_fields_set & {"input_shape", "num_classes"})
+            if given:
+                raise ValueError(f"{' and '.join(given)} come(s) from the exported program; leave "
+                                 f"{'them' if len(given) > 1 else 'it'} out")
+        return self
+
+    @field_validator("program")
+    @classmethod
+    def _program_file(cls, v: str | None) -> str | None:
+        if v is not None and not archs.is_program(v):
+            raise ValueError(f"program {v!r} is not a {archs.PROGRAM_SUFFIX} file; save the model with "
+                             "torch.export.save(torch.export.export(model, (x,), ...), 'model.pt2')")
+        return v
+
     @field_validator("arch")
     @classmethod
-    def _known_arch(cls, v: str) -> str:
+    def _known_arch(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         known = archs.supported_archs()
         if v not in known:
             near = difflib.get_close_matches(v, known, n=3)
@@ -54,9 +78,16 @@ class ModelDef(_Strict):
     def stage_count(self) -> int:
         return len(self.cut_points) + 1
 
+    @property
+    def network(self) -> str:
+        """What ``blockflow.core.arch`` builds: the torchvision name, or the program's path (absolute
+        once the plan resolved it, see ``Plan.models``)."""
+        return self.arch if self.arch is not None else str(self.program)
+
 
 class Weights(_Strict):
-    """Exactly one of ``seed`` (deterministic random weights) or ``file`` (a state dict)."""
+    """Exactly one of ``seed`` (deterministic random weights) or ``file`` (a state dict); an
+    exported program's blocks may leave both out and run the program's own weights."""
 
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     file: str | None = None
@@ -91,7 +122,8 @@ class BlockDef(BlockSettings):
 
     model: str
     stages: int | tuple[int, int]
-    weights: Weights = Weights(seed=0)
+    # None: seed 0 for a torchvision model, the program's own weights for an exported one.
+    weights: Weights | None = None
 
 
 class TaskDef(_Strict):

@@ -1,10 +1,14 @@
 """Networks cut at module paths, served by a real tritonserver: every task on every transport gives
 its unsplit reference's outputs. A network that is not a ResNet (tests/plans/mobilenet_shared.yaml),
-and cuts where a skip connection crosses, so each hop carries two tensors (tests/plans/skip_cut.yaml)."""
+cuts where a skip connection crosses, so each hop carries two tensors (tests/plans/skip_cut.yaml), and
+a model of one's own exported with torch.export and cut by BlockFlow (plans/examples/skipnet.yaml)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +21,24 @@ from clients.client import TaskClient
 from ensemble_gen import generator
 
 pytestmark = pytest.mark.integration
-PLANS = Path(__file__).resolve().parents[1] / "plans"
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = ROOT / "tests" / "plans"
 
 
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut"])
+def exported_example(directory: Path) -> Path:
+    """plans/examples/skipnet.yaml in ``directory``, with the program and weights it names, written
+    by the documented command."""
+    shutil.copy(ROOT / "plans" / "examples" / "skipnet.yaml", directory)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "export_example_model.py"), str(directory / "skipnet.pt2"),
+                    "--tuned", str(directory / "skipnet_tuned.safetensors")], check=True, capture_output=True)
+    return directory / "skipnet.yaml"
+
+
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "skipnet"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
-    plan = load_plan(PLANS / f"{request.param}.yaml")
-    repo = tmp_path_factory.mktemp(request.param) / "repo"
+    where = tmp_path_factory.mktemp(request.param)
+    plan = load_plan(exported_example(where) if request.param == "skipnet" else PLANS / f"{request.param}.yaml")
+    repo = where / "repo"
     generator.write(generator.render(plan), repo)
     server = TritonServer(ServerOptions.on_free_ports([repo]))
     server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
@@ -47,3 +62,19 @@ def test_every_task_on_every_transport_equals_its_reference(served: tuple[Plan, 
         a = client.infer("task_a", x)
         b = client.infer("task_b", x)
     assert not np.allclose(a, b, rtol=1e-3, atol=0), "the two heads have different weights, so the tasks answer differently"
+
+
+def test_an_exported_program_cut_in_three_equals_the_program_run_whole(served: tuple[Plan, str]) -> None:
+    plan, url = served
+    if plan.raw.name != "skipnet":
+        pytest.skip("for the exported program only")
+    import torch
+
+    program = torch.export.load(plan.models["net"].network).module()
+    x = np.random.default_rng(7).standard_normal((3, 3, 32, 32), dtype=np.float32)
+    with torch.no_grad():
+        want = program(torch.from_numpy(x)).numpy()
+    with TaskClient(url) as client:
+        for transport in plan.transports_of(plan.tasks["task_a"]):
+            got = client.infer(naming.task_model("task_a", transport, plan.transport), x)
+            assert float(np.abs(got - want).max() / np.abs(want).max()) <= 1e-5, transport
