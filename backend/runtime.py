@@ -81,6 +81,11 @@ def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> 
 
 
 def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
+    if spec.stage_files:  # pre-cut: each file is one stage, with its weights
+        try:
+            return _Chain([arch.load_stage_file(f) for f in spec.stage_files[part.first:part.last + 1]]).eval()
+        except ValueError as exc:
+            raise BlockError(str(exc)) from None
     seed = part.weights.seed if part.weights.seed is not None else 0
     try:
         net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)

@@ -69,7 +69,11 @@ class StageCache:
     def path(self, spec: ModelSpec, part: Part) -> Path:
         weights = {"seed": part.weights.seed} if part.weights.file is None else {"file": _file_digest(part.weights.file)}
         # An exported program is keyed by its bytes (its weights and graph), not only its path.
-        network = {"program": _file_digest(spec.arch)} if arch.is_program(spec.arch) else spec.arch
+        network: object = spec.arch
+        if arch.is_program(spec.arch):
+            network = {"program": _file_digest(spec.arch)}
+        elif spec.stage_files:
+            network = {"stage_files": [_file_digest(f) for f in spec.stage_files[part.first:part.last + 1]]}
         key = {"format": FORMAT, "arch": network, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
                "input_shape": spec.input_shape, "first": part.first, "last": part.last, "weights": weights,
                "torch": torch.__version__, "torchvision": _version("torchvision")}

@@ -73,6 +73,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         name=name,
         arch=model.network,
         cut_points=tuple(model.cut_points),
+        stage_files=tuple(model.stage_files or ()),
         num_classes=model.num_classes,
         input_shape=tuple(model.input_shape),
         parts=_parts(blocks),

@@ -13,8 +13,10 @@ fixed seed: the same file on every machine. What matters for any model:
 
 ``--tuned FILE`` also writes other weights for the layers after ``body`` (``up``, ``head``) as a
 safetensors file keyed like the program's ``state_dict``: a second task's own head, next to the
-first. ``--blocks DIR`` also writes the program cut at ``body`` and ``up`` into one file per block, as an
-optimizer that cuts models itself would hand them over (see ``docs/plan.md``, pre-cut blocks).
+first. ``--blocks DIR`` also writes the network cut after ``down`` and ``body`` into one file per
+stage, as an optimizer that cuts models itself hands them over: ``stageN.pt2`` (exported programs)
+and ``stageN.ts`` (TorchScript, as the research prototype stored its blocks); see
+``plans/examples/skipnet_stages.yaml``.
 """
 
 from __future__ import annotations
@@ -91,19 +93,20 @@ def main() -> None:
         print(f"wrote {args.tuned}")
     if args.blocks is not None:
         args.blocks.mkdir(parents=True, exist_ok=True)
-        # Pre-cut blocks, each its own program: stem+down, body, up+skip+head. The skip crosses both
-        # cuts, so the later blocks take two tensors.
+        # Each stage its own program: stem+down, body, up+skip+head. The skip crosses both cuts, so
+        # the later stages take two tensors and the middle one hands the skip on.
         parts: list[tuple[str, nn.Module, tuple[tuple[int, ...], ...]]] = [
-            ("block0", _Front(net), ((3, 32, 32),)),
-            ("block1", _Middle(net), ((32, 16, 16), (16, 32, 32))),
-            ("block2", _Back(net), ((32, 16, 16), (16, 32, 32))),
+            ("stage0", _Front(net), ((3, 32, 32),)),
+            ("stage1", _Middle(net), ((32, 16, 16), (16, 32, 32))),
+            ("stage2", _Back(net), ((32, 16, 16), (16, 32, 32))),
         ]
         for name, part, shapes in parts:
             batch = torch.export.Dim("batch", min=1, max=1024)
             example = tuple(torch.randn(2, *s) for s in shapes)
             program = torch.export.export(part.eval(), example, dynamic_shapes=tuple({0: batch} for _ in shapes))
             torch.export.save(program, args.blocks / f"{name}.pt2")
-            print(f"wrote {args.blocks / name}.pt2")
+            torch.jit.save(torch.jit.trace(part.eval(), example), args.blocks / f"{name}.ts")
+            print(f"wrote {args.blocks / name}.pt2 and .ts")
 
 
 class _Front(nn.Module):

@@ -77,7 +77,7 @@ def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
     elif Path(what).suffix in (".yaml", ".yml", ".json") or Path(what).is_file():
         p = load_plan(Path(what))
         nets = [(f"model {name} ({m.program or m.network}, input {list(m.input_shape)})", m.network,
-                 tuple(m.input_shape), m.num_classes) for name, m in p.models.items()]
+                 tuple(m.input_shape), m.num_classes) for name, m in p.models.items() if m.stage_files is None]
     else:
         if what not in arch.supported_archs():
             raise click.BadParameter(f"{what!r} is neither a plan file, a torchvision model name nor an exported "
@@ -124,6 +124,10 @@ def _param_counts(p: Plan) -> dict[str, int]:
     counts: dict[str, int] = {}
     for b in p.blocks.values():
         m = p.models[b.model]
+        if m.stage_files is not None:
+            parts = [arch.load_stage_file(f) for f in m.stage_files[b.first:b.last + 1]]
+            counts[b.name] = sum(t.numel() for part in parts for t in part.parameters())
+            continue
         net = arch.meta_network(m.network, m.num_classes, m.input_shape)
         stages = arch.slice_stages(net, m.network, m.cut_points, b.first, b.last)
         counts[b.name] = sum(t.numel() for t in stages.parameters())
@@ -191,7 +195,7 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
     if plan is None:
         raise click.UsageError("give a PLAN, or --scenarios resnet50|resnet152")
     p = load_plan(plan)
-    uncalibrated = sorted({m.program or m.network for m in p.models.values() if not m.network.startswith("resnet")})
+    uncalibrated = sorted({m.program or m.network or "stage files" for m in p.models.values() if not m.network.startswith("resnet")})
     if uncalibrated:
         err.print(f"[yellow]warning[/]: the memory model's constants were measured on ResNets only; for "
                   f"{', '.join(uncalibrated)} the figures below are an estimate, not a calibrated prediction "

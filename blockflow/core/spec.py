@@ -113,6 +113,9 @@ class ModelSpec(_Strict):
     # shapes of those after the first, in the network's order.
     extra_in_shapes: tuple[tuple[int, ...], ...] = ()
     extra_out_shapes: tuple[tuple[int, ...], ...] = ()
+    # A model already cut into files (blockflow.plan ``stage_files``): stage i runs file i, with
+    # its own weights; ``arch`` is empty and ``cut_points`` unused.
+    stage_files: tuple[str, ...] = ()
     tensormq: TensorMQSettings | None = None
     monitor_period_s: float = 0.0
     # A head pack (kind "pack") runs several tasks' heads in one process: ``parts`` is the first
@@ -156,14 +159,18 @@ class ModelSpec(_Strict):
         return self.first_stage == 0
 
     @property
+    def stage_count(self) -> int:
+        return len(self.stage_files) if self.stage_files else len(self.cut_points) + 1
+
+    @property
     def gives_logits(self) -> bool:
-        return self.last_stage == len(self.cut_points)
+        return self.last_stage == self.stage_count - 1
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): same spec, same bytes."""
         import json
 
         # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
-        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes")
+        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files")
         data = self.model_dump(mode="json", exclude={k for k in optional if not getattr(self, k)})
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

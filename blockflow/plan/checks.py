@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from blockflow.core import arch as archs
 from blockflow.core.errors import PlanIssue
 from blockflow.plan.deployment import Plan
-from blockflow.plan.schema import NAME_RE, NAME_RULE, BlockDef, TaskDef
+from blockflow.plan.schema import NAME_RE, NAME_RULE, BlockDef, ModelDef, TaskDef
 
 
 def _name_issue(loc: str, name: str) -> PlanIssue | None:
@@ -31,6 +31,12 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
     good_models: set[str] = set()
     for name, written in raw.models.items():
         m = plan.models[name]
+        if written.stage_files is not None:
+            issues = list(_stage_file_issues(plan, name, written))
+            yield from issues
+            if not issues:
+                good_models.add(name)
+            continue
         if written.program is not None:
             issue = _file_issue(plan, f"models.{name}.program", written.program, "programs")
             if issue:
@@ -79,6 +85,10 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
             continue
         weights = b.weights
         program = raw.models[b.model].program is not None
+        if raw.models[b.model].stage_files is not None and weights is not None:
+            yield PlanIssue(f"{loc}.weights", f"model {b.model!r} is cut into stage files, which carry their own weights; "
+                                              "leave weights out")
+            continue
         if weights is not None and weights.seed is None and weights.file is None:
             yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file" + (", or leave weights out for the program's own" if program else ""))
             continue
@@ -106,6 +116,35 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
 
     for tname, task in raw.tasks.items():
         yield from _path_issues(plan, tname, task, good_blocks)
+
+
+def _stage_file_issues(plan: Plan, name: str, written: ModelDef) -> Iterable[PlanIssue]:
+    """Why a model cut into stage files cannot be served: a file, or two files that do not fit."""
+    files = written.stage_files or []
+    issues = [i for i in (_file_issue(plan, f"models.{name}.stage_files[{k}]", f, "stage files") for k, f in enumerate(files)) if i]
+    if issues:
+        yield from issues
+        return
+    given = written.input_shape if "input_shape" in written.model_fields_set else None
+    try:
+        shapes = archs.stage_file_shapes([str(plan.file_path(f)) for f in files], given)
+    except ValueError as exc:
+        yield PlanIssue(f"models.{name}.stage_files", str(exc))
+        return
+    if len(shapes[0][0]) != 1:
+        yield PlanIssue(f"models.{name}.stage_files[0]", f"the first stage takes {len(shapes[0][0])} tensors; it must take "
+                                                          "one, the task's input")
+    elif given is not None and shapes[0][0][0] != tuple(given):
+        yield PlanIssue(f"models.{name}.input_shape", f"{list(given)} but {files[0]} takes {list(shapes[0][0][0])}; "
+                                                      "leave input_shape out, or give the file's")
+    if len(shapes[-1][1]) != 1:
+        yield PlanIssue(f"models.{name}.stage_files[{len(files) - 1}]", f"the last stage gives {len(shapes[-1][1])} tensors; "
+                                                                         "it must give one, the task's output")
+    for k in range(1, len(files)):
+        if shapes[k][0] != shapes[k - 1][1]:
+            yield PlanIssue(f"models.{name}.stage_files[{k}]",
+                            f"{files[k]} takes {_shapes([list(t) for t in shapes[k][0]])} but {files[k - 1]} gives "
+                            f"{_shapes([list(t) for t in shapes[k - 1][1]])}; list files whose tensors match, in order")
 
 
 def _file_issue(plan: Plan, loc: str, written: str, what: str) -> PlanIssue | None:
@@ -157,7 +196,7 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
         if last_block.last != n - 1:
             yield PlanIssue(f"tasks.{tname}.path", f"path ends at stage {last_block.last} but model {last_block.model!r} "
                                                    f"has stages 0..{n - 1}; add blocks up to stage {n - 1}")
-        nets = {(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
+        nets = {(m.network, tuple(m.stage_files or ()), tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
                 for m in (plan.models[plan.blocks[b].model] for b in task.path)}
         if len(nets) > 1:
             # Shapes matched, but the monolithic reference runs the whole path as one network.

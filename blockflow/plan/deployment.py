@@ -90,16 +90,30 @@ class Plan:
         shape and classes it was exported with."""
         return {name: self._resolved(m) for name, m in self.raw.models.items()}
 
-    def program_path(self, m: ModelDef) -> Path:
-        """Where model ``m``'s program file is (links followed: the allowed-directory check needs the real path)."""
-        return (self.base_dir / str(m.program)).resolve()
+    def file_path(self, written: str) -> Path:
+        """Where a file the plan names is (links followed: the allowed-directory check needs the real path)."""
+        return (self.base_dir / written).resolve()
+
+    def readable(self, path: Path) -> bool:
+        """Whether ``path`` is a regular file in the directories this plan may read from."""
+        return (self.weights_dirs is None or any(path.is_relative_to(d) for d in self.weights_dirs)) and path.is_file()
 
     def _resolved(self, m: ModelDef) -> ModelDef:
+        if m.stage_files is not None:
+            files = [self.file_path(f) for f in m.stage_files]
+            if not all(map(self.readable, files)):  # never read: the checks say why
+                return m
+            given = m.input_shape if "input_shape" in m.model_fields_set else None
+            try:
+                shapes = archs.stage_file_shapes([str(f) for f in files], given)
+            except ValueError:
+                return m  # the checks report why it cannot be served
+            return m.model_copy(update={"stage_files": [str(f) for f in files], "input_shape": list(shapes[0][0][0]),
+                                        "num_classes": math.prod(shapes[-1][1][0])})
         if m.program is None:
             return m
-        path = self.program_path(m)
-        allowed = self.weights_dirs is None or any(path.is_relative_to(d) for d in self.weights_dirs)
-        if not (allowed and path.is_file()):  # never read: the checks say why
+        path = self.file_path(str(m.program))
+        if not self.readable(path):  # never read: the checks say why
             return m.model_copy(update={"arch": str(path)})
         try:
             cuts = archs.legal_cuts(str(path), (), 0)
@@ -198,10 +212,13 @@ class Plan:
     @cached_property
     def stage_shapes(self) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
         """Model name -> per-sample shapes of the tensors each of its stages gives (meta-device inference)."""
-        return {
-            name: archs.stage_output_shapes(m.network, m.cut_points, m.input_shape, m.num_classes)
-            for name, m in self.models.items()
-        }
+        return {name: self._stage_shapes(m) for name, m in self.models.items()}
+
+    @staticmethod
+    def _stage_shapes(m: ModelDef) -> list[tuple[tuple[int, ...], ...]]:
+        if m.stage_files is not None:
+            return [outs for _, outs in archs.stage_file_shapes(m.stage_files, m.input_shape)]
+        return archs.stage_output_shapes(m.network, m.cut_points, m.input_shape, m.num_classes)
 
     def block_in_shapes(self, block: Block) -> tuple[tuple[int, ...], ...]:
         """Per-sample shapes of the tensors ``block`` takes (the image, or what crosses its cut)."""
@@ -259,8 +276,9 @@ def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Pa
     placement = pick("placement")
     if isinstance(placement, list):
         placement = tuple(placement)
-    if b.weights is None:  # seed 0, or an exported program's own weights
-        weights = WeightsSource(seed=None if model is not None and model.program is not None else 0)
+    if b.weights is None:  # seed 0, or an exported program's or stage file's own weights
+        own = model is not None and (model.program is not None or model.stage_files is not None)
+        weights = WeightsSource(seed=None if own else 0)
     elif b.weights.file is not None:
         weights = WeightsSource(file=str((base_dir / b.weights.file).resolve()))
     else:

@@ -21,6 +21,7 @@ The *traditional* deployment of the same tasks runs each task's whole path in on
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -98,6 +99,21 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
     return params, largest
 
 
+@lru_cache(maxsize=64)
+def _file_stage_profile(files: tuple[str, ...], input_shape: tuple[int, ...], first: int, last: int) -> tuple[int, int]:
+    """:func:`_stage_profile` of pre-cut stage files: their parameters and buffers, and the largest
+    tensor that crosses their edges (what happens inside a file is not looked into)."""
+    from blockflow.core.arch import load_stage_file, stage_file_shapes
+
+    shapes = stage_file_shapes(files, input_shape)[first:last + 1]
+    params = 0
+    for f in files[first:last + 1]:
+        module = load_stage_file(f)
+        params += sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in module.buffers())
+    largest = max(math.prod(s) for ins, outs in shapes for s in (*ins, *outs))
+    return params, largest
+
+
 def _gpus_of(block: Block, gpus: int) -> list[int]:
     if block.placement == "cpu" or (block.placement == "auto" and gpus == 0):
         return []
@@ -116,8 +132,11 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
     params = 0
     largests: list[int] = []
     for blocks in chains:
-        p, a = _stage_profile(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
-                              blocks[0].first, blocks[-1].last)
+        if m.stage_files is not None:
+            p, a = _file_stage_profile(tuple(m.stage_files), tuple(m.input_shape), blocks[0].first, blocks[-1].last)
+        else:
+            p, a = _stage_profile(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+                                  blocks[0].first, blocks[-1].last)
         params, largests = params + p, largests + [a]
     width = BYTES[deploy.precision]
     if deploy.cuda_graphs:

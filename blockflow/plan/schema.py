@@ -25,20 +25,27 @@ class _Strict(BaseModel):
 
 
 class ModelDef(_Strict):
-    """A base network and where it is cut: a torchvision architecture (``arch``), or the user's own
-    model exported with ``torch.export`` (``program``, a ``.pt2`` file relative to the plan file)."""
+    """A base network and where it is cut: a torchvision architecture (``arch``), the user's own
+    model exported with ``torch.export`` (``program``, a ``.pt2`` file relative to the plan file),
+    or a model already cut into one file per stage (``stage_files``: ``.pt2`` or TorchScript)."""
 
     arch: str | None = None
     program: str | None = None
+    stage_files: list[str] | None = Field(default=None, min_length=1, max_length=64)
     cut_points: list[str] = Field(default_factory=list)
     input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
     num_classes: int = Field(default=1000, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelDef:
-        if (self.arch is None) == (self.program is None):
-            raise ValueError("give exactly one of arch (a torchvision model name) or program (a .pt2 file "
-                             "saved with torch.export.save)")
+        if [self.arch, self.program, self.stage_files].count(None) != 2:
+            raise ValueError("give exactly one of arch (a torchvision model name), program (a .pt2 file saved with "
+                             "torch.export.save) or stage_files (one .pt2 or TorchScript file per stage)")
+        if self.stage_files is not None:
+            given = sorted(self.model_fields_set & {"cut_points", "num_classes"})
+            if given:
+                raise ValueError(f"{' and '.join(given)} come(s) from the stage files; leave "
+                                 f"{'them' if len(given) > 1 else 'it'} out")
         if self.program is not None:
             given = sorted(self.model_fields_set & {"input_shape", "num_classes"})
             if given:
@@ -76,13 +83,13 @@ class ModelDef(_Strict):
 
     @property
     def stage_count(self) -> int:
-        return len(self.cut_points) + 1
+        return len(self.stage_files) if self.stage_files is not None else len(self.cut_points) + 1
 
     @property
     def network(self) -> str:
         """What ``blockflow.core.arch`` builds: the torchvision name, or the program's path (absolute
-        once the plan resolved it, see ``Plan.models``)."""
-        return self.arch if self.arch is not None else str(self.program)
+        once the plan resolved it, see ``Plan.models``); empty for stage files."""
+        return self.arch if self.arch is not None else str(self.program or "")
 
 
 class Weights(_Strict):

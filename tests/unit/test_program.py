@@ -135,3 +135,62 @@ def test_a_stage_of_a_program_can_be_kept_by_the_stage_cache(program: Path, tmp_
     xs = (torch.randn(2, 16, 32, 32), torch.randn(2, 32, 16, 16))
     with torch.no_grad():
         assert torch.equal(kept(*xs), stage(*xs))
+
+
+@pytest.fixture(scope="module")
+def stage_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("stages")
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "export_example_model.py"), str(directory / "skipnet.pt2"),
+                    "--blocks", str(directory / "blocks")], check=True, capture_output=True)
+    shutil.copy(ROOT / "plans" / "examples" / "skipnet_stages.yaml", directory)
+    return directory
+
+
+def test_stage_files_chained_equal_the_program(stage_dir: Path) -> None:
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        want = torch.export.load(stage_dir / "skipnet.pt2").module()(x)
+        for suffix in ("pt2", "ts"):
+            xs: tuple[torch.Tensor, ...] = (x,)
+            for i in range(3):
+                out = arch.load_stage_file(str(stage_dir / "blocks" / f"stage{i}.{suffix}"))(*xs)
+                xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            assert torch.allclose(xs[0], want, rtol=0, atol=1e-6), suffix
+    plan = parse_plan(yaml.safe_load((stage_dir / "skipnet_stages.yaml").read_text()), base_dir=stage_dir)
+    for name in ("exported", "scripted"):
+        assert plan.models[name].input_shape == [3, 32, 32] and plan.models[name].num_classes == 10
+        assert plan.stage_shapes[name] == [((32, 16, 16), (16, 32, 32)), ((32, 16, 16), (16, 32, 32)), ((10,),)]
+
+
+@pytest.mark.parametrize(("model", "loc", "fragment"), [
+    ({"stage_files": ["blocks/stage0.pt2", "blocks/stage0.pt2"]}, "models.exported.stage_files[1]",
+     "takes [3, 32, 32] but blocks/stage0.pt2 gives [32, 16, 16] + [16, 32, 32]"),
+    ({"stage_files": ["blocks/stage1.pt2", "blocks/stage2.pt2"]}, "models.exported.stage_files[0]", "it must take one"),
+    ({"stage_files": ["blocks/stage0.pt2", "blocks/stage1.pt2"]}, "models.exported.stage_files[1]", "it must give one"),
+    ({"stage_files": ["blocks/stage0.ts", "blocks/stage1.ts", "blocks/stage2.ts"]}, "models.exported.stage_files",
+     "does not record its input's shape; give the model's input_shape"),
+    ({"stage_files": ["blocks/stage0.pt2", "blocks/stage1.pt2", "blocks/stage2.pt2"], "input_shape": [3, 64, 64]},
+     "models.exported.input_shape", "takes [3, 32, 32]"),
+    ({"stage_files": ["blocks/stage0.pt2", "blocks/stage1.pt2", "blocks/stage2.pt2"], "cut_points": ["x"]},
+     "models.exported", "come(s) from the stage files"),
+    ({"stage_files": ["blocks/stage0.pt2", "blocks/nothing.pt2"]}, "models.exported.stage_files[1]", "file not found"),
+])
+def test_bad_stage_files_name_key_and_fix(stage_dir: Path, model: dict[str, Any], loc: str, fragment: str) -> None:
+    data: dict[str, Any] = yaml.safe_load((stage_dir / "skipnet_stages.yaml").read_text())
+    data["models"]["exported"] = model
+    data["blocks"] = {"whole": {"model": "exported", "stages": [0, len(model["stage_files"]) - 1]},
+                      "ts": {"model": "scripted", "stages": [0, 2]}}
+    data["tasks"] = {"task_a": {"path": ["whole"]}, "task_b": {"path": ["ts"]}}
+    with pytest.raises(PlanError) as err:
+        parse_plan(data, base_dir=stage_dir)
+    assert any(i.loc == loc and fragment in i.message for i in err.value.issues), err.value.issues
+
+
+def test_stage_file_blocks_take_no_weights(stage_dir: Path) -> None:
+    data: dict[str, Any] = yaml.safe_load((stage_dir / "skipnet_stages.yaml").read_text())
+    data["blocks"]["front"]["weights"] = {"seed": 1}
+    with pytest.raises(PlanError, match="carry their own weights"):
+        parse_plan(data, base_dir=stage_dir)
