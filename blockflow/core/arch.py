@@ -24,6 +24,7 @@ full model built with that seed, in every process.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import warnings
@@ -90,8 +91,13 @@ def _factory_kwargs(arch: str, num_classes: int, input_shape: Sequence[int]) -> 
 def build_network(arch: str, num_classes: int, seed: int, input_shape: Sequence[int] = (3, 224, 224)) -> nn.Module:
     """The whole torchvision network with weights drawn from ``seed`` (CPU, eval mode).
 
-    The global RNG is forked so building a block never disturbs the caller's. An exported
-    program brings its own weights (``seed`` does not apply).
+    Weights are torchvision's initialisation under ``seed``, made to behave like a trained
+    network's in scale: weight matrices it starts at zero (a ViT's classifier) are drawn from
+    N(0, 0.02), and batch-norm statistics are those of one batch of N(0, 1) inputs drawn from the
+    same seed. Without that, activations shrink layer by layer (a seeded MobileNetV3 at 32×32
+    answers about 1e-10), which fp16 cannot represent and which makes every comparison vacuous.
+    The global RNG is forked so building a block never disturbs the caller's. An exported program
+    brings its own weights (``seed`` does not apply).
     """
     if is_program(arch):
         return load_program(arch)
@@ -100,7 +106,26 @@ def build_network(arch: str, num_classes: int, seed: int, input_shape: Sequence[
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net: nn.Module = tvm.get_model(arch, **_factory_kwargs(arch, num_classes, input_shape))
+        if next(net.parameters()).device.type != "meta":
+            _like_trained(net, input_shape)
     return net.eval()
+
+
+def _like_trained(net: nn.Module, input_shape: Sequence[int]) -> None:
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() >= 2 and not p.any():
+                p.normal_(0.0, 0.02)
+        norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            for m in norms:
+                m.reset_running_stats()
+                m.momentum = None  # a cumulative average: after one batch, that batch's statistics
+            # Enough samples that the deepest layers (1×1 at small inputs) get sound statistics.
+            net.train()
+            net(torch.randn(max(4, min(64, 65536 // math.prod(input_shape[1:]))), *input_shape))
+            for m in norms:
+                m.momentum = 0.1  # torchvision's default
 
 
 @dataclass(frozen=True)
