@@ -28,7 +28,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from backend.monitor import BlockMonitor
-from backend.runtime import BlockRunner
+from backend.runtime import DTYPES, BlockRunner
 from backend.stage_cache import StageCache
 from backend.tensormq.consumer import Consumer
 from backend.tensormq.metrics import TmqMetrics
@@ -190,10 +190,11 @@ class TritonPythonModel:
             views, rel = self.consumer.gather_tensors(xs[0], self.spec.in_shapes, self.stream)
             releases.extend(rel)
             return views
+        dtype = torch.float32 if self.spec.takes_image else DTYPES[self.spec.in_dtype]
         for name, x, shape in zip(self.in_names, xs, self.spec.in_shapes, strict=True):
-            if x.dtype != torch.float32 or tuple(x.shape[1:]) != shape or x.shape[0] != xs[0].shape[0]:
+            if x.dtype != dtype or tuple(x.shape[1:]) != shape or x.shape[0] != xs[0].shape[0]:
                 raise RequestError(f"input {name!r} is {x.dtype} {list(x.shape)}; "
-                                   f"expected float32 [{int(xs[0].shape[0])}, {', '.join(map(str, shape))}]")
+                                   f"expected {dtype} [{int(xs[0].shape[0])}, {', '.join(map(str, shape))}]")
         return xs
 
     def execute(self, requests: list[Any]) -> list[Any]:
@@ -290,7 +291,7 @@ class TritonPythonModel:
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
             return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
-        reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.dtype)
+        reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
         try:
             runner.run_all(xs, outs=reservation.views)
         except BaseException:

@@ -140,6 +140,7 @@ class BlockRunner:
         self.spec = spec
         self.device = device
         self.dtype = DTYPES[spec.precision]
+        self.out_dtype = DTYPES[spec.out_dtype]  # what the next block takes (fp32 for logits)
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             torch.cuda.set_device(device)
@@ -227,7 +228,8 @@ class BlockRunner:
     def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device, any float dtype.
 
-        Returns one fp32 ``[B, *shape]`` tensor per output on this device, row-major; or, when
+        Returns one ``[B, *shape]`` tensor per output on this device, row-major, in the hop's dtype
+        (``spec.out_dtype``: fp32 for logits, the block's fp16/bf16 for a hop); or, when
         ``outs`` is given (e.g. views of a TensorMQ pool slot), writes the results there in their
         dtype and returns them.
         """
@@ -253,7 +255,7 @@ class BlockRunner:
                 out.copy_(result)  # converts dtype and layout in one pass
             return list(outs)
         # Fresh tensors: a graph's output buffers are overwritten by its next replay.
-        return [r.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True) for r in results]
+        return [r.to(dtype=self.out_dtype, memory_format=torch.contiguous_format, copy=True) for r in results]
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`run_all` for a block that takes and gives one tensor."""

@@ -27,6 +27,10 @@ FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"
 DIGEST_PARAMETER = "blockflow.digest"
 
 
+# Triton's type for each hop dtype.
+HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
+
+
 def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput],
             data_type: int = mc.TYPE_FP32) -> mc.ModelInput | mc.ModelOutput:
     t = cls()
@@ -64,7 +68,7 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     elif tmq:  # a TensorMQ hop carries one 256-byte ticket per sample
         cfg.input.append(_tensor(ACTIVATION_IN, [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8))
     else:  # one input per tensor that crosses the cut
-        cfg.input.extend(_tensor(n, shape, mc.ModelInput)
+        cfg.input.extend(_tensor(n, shape, mc.ModelInput, HOP_TYPES[spec.in_dtype])
                          for n, shape in zip(activation_names(ACTIVATION_IN, len(spec.in_shapes)), spec.in_shapes, strict=True))
     if spec.heads:  # a head pack answers each task on its own output
         cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
@@ -73,7 +77,7 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     elif tmq:
         cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
     else:
-        cfg.output.extend(_tensor(n, shape, mc.ModelOutput)
+        cfg.output.extend(_tensor(n, shape, mc.ModelOutput, HOP_TYPES[spec.out_dtype])
                           for n, shape in zip(activation_names(ACTIVATION_OUT, len(spec.out_shapes)), spec.out_shapes, strict=True))
     cfg.instance_group.append(_instance_group(block))
     cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us

@@ -29,6 +29,7 @@ from blockflow.core.spec import (
     Precision,
     TransportName,
     head_output,
+    hop_dtype,
 )
 from blockflow.plan import Block, HeadPack, Plan, Task, naming
 from ensemble_gen.configs import (
@@ -85,6 +86,8 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         out_shape=plan.block_out_shape(blocks[-1]),
         extra_in_shapes=plan.block_in_shapes(blocks[0])[1:],
         extra_out_shapes=plan.block_out_shapes(blocks[-1])[1:],
+        in_dtype="fp32" if blocks[0].first == 0 else plan.block_in_dtype(blocks[0]),
+        out_dtype="fp32" if blocks[-1].last == model.stage_count - 1 else hop_dtype(precision),
         tensormq=plan.raw.tensormq if transport == "tensormq" else None,
         monitor_period_s=blocks[0].monitor_period_s,
         heads=heads,

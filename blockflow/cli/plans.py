@@ -35,6 +35,7 @@ def validate(plan: Path) -> None:
 @click.option("--num-classes", type=click.IntRange(1), default=1000, show_default=True, help="With --cuts and a model name.")
 def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
     """Tasks, blocks, what each task shares, and the tensors between blocks; or, with --cuts, a network's legal cuts."""
+    from blockflow.core.spec import hop_dtype
     from blockflow.plan import load_plan
 
     if cuts:
@@ -55,11 +56,14 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
             ", ".join(sharing[b.name]) or "[yellow]unused[/]",
         )
     tasks = Table(title="tasks")
-    for col in ("task", "transport", "path", "shared blocks", "hop tensors (fp32, per sample)"):
+    for col in ("task", "transport", "path", "shared blocks", "hop tensors (per sample)"):
         tasks.add_column(col)
     for t in p.tasks.values():
         shared = [b for b in t.path if len(sharing[b]) > 1]
-        hops = [f"{_shapes(p.block_out_shapes(p.blocks[b]))} {_mib(p.block_out_shapes(p.blocks[b]))}" for b in t.path[:-1]]
+        hops = []
+        for name in t.path[:-1]:
+            shapes, dtype = p.block_out_shapes(p.blocks[name]), hop_dtype(p.blocks[name].precision)
+            hops.append(f"{_shapes(shapes)} {dtype} {_mib(shapes, dtype)}")
         tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", "; ".join(hops) or "-")
     out.print(tasks)
     out.print(blocks)
@@ -112,8 +116,9 @@ def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
     return " + ".join(map(_shape, shapes))
 
 
-def _mib(shapes: tuple[tuple[int, ...], ...]) -> str:
-    return f"{sum(4 * math.prod(s) for s in shapes) / 2**20:.2f} MiB"
+def _mib(shapes: tuple[tuple[int, ...], ...], dtype: str = "fp32") -> str:
+    width = 4 if dtype == "fp32" else 2
+    return f"{sum(width * math.prod(s) for s in shapes) / 2**20:.2f} MiB"
 
 
 def _param_counts(p: Plan) -> dict[str, int]:

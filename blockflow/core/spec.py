@@ -12,6 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+# What a hop between two blocks carries: the precision of the block before it (tf32 computes in fp32).
+HopDtype = Literal["fp32", "fp16", "bf16"]
+
+
+def hop_dtype(precision: Precision) -> HopDtype:
+    """The dtype of the tensors a block of ``precision`` hands to the next block."""
+    return "fp16" if precision == "fp16" else "bf16" if precision == "bf16" else "fp32"
 TransportName = Literal["tensormq", "triton-gpu", "triton-cpu"]
 TRANSPORTS: tuple[TransportName, ...] = ("tensormq", "triton-gpu", "triton-cpu")
 
@@ -113,6 +120,10 @@ class ModelSpec(_Strict):
     # shapes of those after the first, in the network's order.
     extra_in_shapes: tuple[tuple[int, ...], ...] = ()
     extra_out_shapes: tuple[tuple[int, ...], ...] = ()
+    # The dtypes of the hops into and out of this model (``hop_dtype`` of the block before, of its
+    # own). A task's image and logits are always fp32.
+    in_dtype: HopDtype = "fp32"
+    out_dtype: HopDtype = "fp32"
     # A model already cut into files (blockflow.plan ``stage_files``): stage i runs file i, with
     # its own weights; ``arch`` is empty and ``cut_points`` unused.
     stage_files: tuple[str, ...] = ()
@@ -172,5 +183,6 @@ class ModelSpec(_Strict):
 
         # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
         optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files")
-        data = self.model_dump(mode="json", exclude={k for k in optional if not getattr(self, k)})
+        omitted = {k for k in optional if not getattr(self, k)} | {k for k in ("in_dtype", "out_dtype") if getattr(self, k) == "fp32"}
+        data = self.model_dump(mode="json", exclude=omitted)
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -116,6 +116,13 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
 
     for tname, task in raw.tasks.items():
         yield from _path_issues(plan, tname, task, good_blocks)
+    for name in good_blocks:
+        feeders = plan.block_feeders(plan.blocks[name])
+        if len(set(feeders.values())) > 1:
+            # One Triton model has one input dtype, and a hop crosses in the precision of the block before it.
+            listed = ", ".join(f"{b!r} ({d})" for b, d in sorted(feeders.items()))
+            yield PlanIssue(f"blocks.{name}", f"the blocks before it on different paths hand on different dtypes: {listed}; "
+                                              "give them precisions that hand on one dtype (fp16, bf16, or fp32/tf32)")
 
 
 def _stage_file_issues(plan: Plan, name: str, written: ModelDef) -> Iterable[PlanIssue]:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from blockflow.core import arch as archs
 from blockflow.core.errors import PlanIssue
-from blockflow.core.spec import Precision, TransportName, WeightsSource
+from blockflow.core.spec import HopDtype, Precision, TransportName, WeightsSource, hop_dtype
 from blockflow.plan import naming
 from blockflow.plan.schema import (
     DEFAULT_SETTINGS,
@@ -228,6 +228,20 @@ class Plan:
 
     def block_out_shapes(self, block: Block) -> tuple[tuple[int, ...], ...]:
         return self.stage_shapes[block.model][block.last]
+
+    def block_feeders(self, block: Block) -> dict[str, HopDtype]:
+        """The blocks right before ``block`` on some task's path, with the dtype each hands on."""
+        out: dict[str, HopDtype] = {}
+        for t in self.tasks.values():
+            for before, name in zip(t.path, t.path[1:], strict=False):
+                if name == block.name and before in self.blocks:
+                    out[before] = hop_dtype(self.blocks[before].precision)
+        return out
+
+    def block_in_dtype(self, block: Block) -> HopDtype:
+        """The dtype of the hop into ``block``: the precision of the block before it (the checks
+        make every path agree)."""
+        return next(iter(self.block_feeders(block).values()), "fp32")
 
     def block_in_shape(self, block: Block) -> tuple[int, ...]:
         """The first (for most cuts, the only) tensor ``block`` takes."""

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.runtime import BlockRunner
+from backend.runtime import DTYPES, BlockRunner
+from blockflow.core.spec import hop_dtype
 from blockflow.plan import load_plan
 from ensemble_gen.generator import block_spec, reference_spec
 
@@ -31,7 +32,10 @@ def test_blocks_on_gpu_match_fp32_cpu_reference(precision: str, graphs: bool) ->
     cuda = torch.device("cuda", 0)
     runners = []
     for name in task.path:
-        spec = block_spec(plan, plan.blocks[name], "triton-gpu").model_copy(update={"precision": precision, "cuda_graphs": graphs})
+        spec = block_spec(plan, plan.blocks[name], "triton-gpu")
+        # Hops cross in the block's precision (fp16/bf16; fp32 for fp32 and tf32), logits in fp32.
+        spec = spec.model_copy(update={"precision": precision, "cuda_graphs": graphs,
+                                       "out_dtype": "fp32" if spec.gives_logits else hop_dtype(precision)})
         r = BlockRunner(spec, cuda)
         r.warmup()
         assert r.use_graphs == graphs
@@ -42,6 +46,7 @@ def test_blocks_on_gpu_match_fp32_cpu_reference(precision: str, graphs: bool) ->
         y = x.to(cuda)
         for r in runners:
             y = r.run(y)
+            assert y.dtype == (torch.float32 if r.spec.gives_logits else DTYPES[hop_dtype(precision)])  # type: ignore[arg-type]
         assert y.dtype == torch.float32 and y.is_cuda
         err = rel_err(y, ref.run(x))
         assert err <= TOLERANCE[precision], (precision, graphs, batch, err)

@@ -37,7 +37,7 @@ def exported_example(name: str, directory: Path) -> Path:
     return directory / f"{name}.yaml"
 
 
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", *EXAMPLES])
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", *EXAMPLES])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
     plan = load_plan(exported_example(request.param, where) if request.param in EXAMPLES else PLANS / f"{request.param}.yaml")
@@ -51,6 +51,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         server.stop()
 
 
+def _tolerance(plan: Plan, task: str) -> float:
+    """fp32 paths equal their reference; a bf16 one is within bf16's rounding (8 bits of mantissa)."""
+    return 3e-2 if any(plan.blocks[b].precision in ("fp16", "bf16") for b in plan.tasks[task].path) else 1e-5
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_every_task_on_every_transport_equals_its_reference(served: tuple[Plan, str], batch: int) -> None:
     plan, url = served
@@ -61,7 +66,7 @@ def test_every_task_on_every_transport_equals_its_reference(served: tuple[Plan, 
             for transport in plan.transports_of(task):
                 got = client.infer(naming.task_model(task.name, transport, task.transport), x)
                 err = float(np.abs(got - want).max() / np.abs(want).max())
-                assert got.shape == (batch, 10) and err <= 1e-5, (task.name, transport, err)
+                assert got.shape == (batch, 10) and err <= _tolerance(plan, task.name), (task.name, transport, err)
         a = client.infer("task_a", x)
         b = client.infer("task_b", x)
     if plan.raw.name != "skipnet-stages":  # there, every task runs the same weights
@@ -84,3 +89,24 @@ def test_an_exported_model_cut_or_pre_cut_equals_the_program_run_whole(served: t
             for transport in plan.transports_of(task):
                 got = client.infer(naming.task_model(task.name, transport, task.transport), x)
                 assert float(np.abs(got - want).max() / np.abs(want).max()) <= 1e-5, (task.name, transport)
+
+
+def test_hops_cross_in_the_precision_of_the_block_before_them(served: tuple[Plan, str]) -> None:
+    plan, url = served
+    if plan.raw.name != "bf16-hops":
+        pytest.skip("for the bf16 plan only")
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        def types(model: str) -> tuple[list[str], list[str]]:
+            cfg = client.get_model_config(model)
+            return [t["data_type"] for t in cfg["input"]], [t["data_type"] for t in cfg["output"]]
+
+        cpu = naming.transport_suffix("triton-cpu")
+        assert types(f"trunk{cpu}") == (["TYPE_FP32"], ["TYPE_BF16", "TYPE_BF16"])  # the image in; two bf16 tensors out
+        assert types(f"head_a{cpu}") == (["TYPE_BF16", "TYPE_BF16"], ["TYPE_FP32"])  # an fp32 head takes bf16
+        assert types(f"head_b{cpu}") == (["TYPE_BF16", "TYPE_BF16"], ["TYPE_FP32"])  # logits stay fp32
+        assert types("task_a") == (["TYPE_FP32"], ["TYPE_FP32"])
+    finally:
+        client.close()

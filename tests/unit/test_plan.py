@@ -195,3 +195,16 @@ def test_path_mixing_architectures_is_refused_even_when_shapes_match() -> None:
     with pytest.raises(PlanError) as info:
         parse_plan(data)
     assert "tasks.mixed.path: blocks of one path must come from models with the same arch" in str(info.value)
+
+
+def test_a_block_fed_in_two_dtypes_is_refused() -> None:
+    # A hop crosses in the precision of the block before it; one Triton model has one input dtype.
+    data = base()
+    data["blocks"]["alt_s0"] = {"model": "r50", "stages": 0, "precision": "fp16", "weights": {"seed": 1}}
+    data["tasks"]["alt"] = {"path": ["alt_s0", *data["tasks"]["cls_a"]["path"][1:]]}
+    with pytest.raises(PlanError) as info:
+        parse_plan(data)
+    [issue] = info.value.issues
+    assert issue.loc == "blocks.r50_s1" and "'alt_s0' (fp16), 'r50_s0' (fp32)" in issue.message
+    data["blocks"]["alt_s0"]["precision"] = "tf32"  # tf32 computes in fp32 and hands on fp32
+    assert parse_plan(data).block_in_dtype(parse_plan(data).blocks["r50_s1"]) == "fp32"
