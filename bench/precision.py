@@ -101,9 +101,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--commit", help="the commit measured (default: git's HEAD)")
+    ap.add_argument("--cases", default="", help="comma-separated indices into CASES (default: all)")
+    ap.add_argument("--merge", type=Path, help="results.json of an earlier run whose rows come first")
     args = ap.parse_args()
-    rows = []
-    for net, shape, cuts in CASES:
+    rows: list[dict[str, Any]] = json.loads(args.merge.read_text())["rows"] if args.merge else []
+    chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    for net, shape, cuts in chosen:
         rows.append(measure(net, shape, cuts, args.batch))
         print(json.dumps(rows[-1]), flush=True)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from blockflow.plan import Plan, load_plan, naming
 from blockflow.triton.server import ServerOptions, TritonServer
@@ -25,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PLANS = ROOT / "tests" / "plans"
 
 
+# The program run here, on the CPU, against blocks served where Triton placed them: on a GPU,
+# cuDNN's summation order differs from the CPU's (an H100 gave 1.2e-4 for the TorchScript blocks).
+CROSS_DEVICE = 1e-4 if torch.cuda.is_available() else 1e-5
 EXAMPLES = ("skipnet", "skipnet_stages")  # plans/examples: a program cut by BlockFlow; one cut into stage files
 
 
@@ -77,8 +81,6 @@ def test_an_exported_model_cut_or_pre_cut_equals_the_program_run_whole(served: t
     plan, url = served
     if plan.raw.name not in ("skipnet", "skipnet-stages"):
         pytest.skip("for the exported example only")
-    import torch
-
     program = torch.export.load(str(Path(plan.source).parent / "skipnet.pt2")).module()
     x = np.random.default_rng(7).standard_normal((3, 3, 32, 32), dtype=np.float32)
     with torch.no_grad():
@@ -88,7 +90,8 @@ def test_an_exported_model_cut_or_pre_cut_equals_the_program_run_whole(served: t
         for task in own:
             for transport in plan.transports_of(task):
                 got = client.infer(naming.task_model(task.name, transport, task.transport), x)
-                assert float(np.abs(got - want).max() / np.abs(want).max()) <= 1e-5, (task.name, transport)
+                err = float(np.abs(got - want).max() / np.abs(want).max())
+                assert err <= CROSS_DEVICE, (task.name, transport, err)
 
 
 def test_hops_cross_in_the_precision_of_the_block_before_them(served: tuple[Plan, str]) -> None:
