@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from backend.stage_cache import StageCache
-from blockflow.core import arch, env
+from blockflow.core import arch, env, stage_files
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ModelSpec, Part
 
@@ -83,7 +83,7 @@ def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> 
 def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
     if spec.stage_files:  # pre-cut: each file is one stage, with its weights
         try:
-            return _Chain([arch.load_stage_file(f) for f in spec.stage_files[part.first:part.last + 1]]).eval()
+            return _Chain([stage_files.load_stage_file(f) for f in spec.stage_files[part.first:part.last + 1]]).eval()
         except ValueError as exc:
             raise BlockError(str(exc)) from None
     seed = part.weights.seed if part.weights.seed is not None else 0

@@ -124,13 +124,13 @@ def _mib(shapes: tuple[tuple[int, ...], ...], dtype: str = "fp32") -> str:
 def _param_counts(p: Plan) -> dict[str, int]:
     """Parameters per block, counted on the meta device (no memory, no weights)."""
 
-    from blockflow.core import arch
+    from blockflow.core import arch, stage_files
 
     counts: dict[str, int] = {}
     for b in p.blocks.values():
         m = p.models[b.model]
         if m.stage_files is not None:
-            parts = [arch.load_stage_file(f) for f in m.stage_files[b.first:b.last + 1]]
+            parts = [stage_files.load_stage_file(f) for f in m.stage_files[b.first:b.last + 1]]
             counts[b.name] = sum(t.numel() for part in parts for t in part.parameters())
             continue
         net = arch.meta_network(m.network, m.num_classes, m.input_shape)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import operator
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+from blockflow.core.cuts import Cut, Cuts, HopTensor
 
 # The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
 MAX_HOP_TENSORS = 8
@@ -208,12 +209,12 @@ def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: in
         leaving = [env[n] for n in traced.live_after(bounds[last])]
         graph.output(leaving[0] if len(leaving) == 1 else tuple(leaving))
     else:
-        graph.output(fx.map_arg(_only_output(output), env.__getitem__))
+        graph.output(fx.map_arg(only_output(output), env.__getitem__))
     graph.lint()
     return fx.GraphModule(traced.module, graph, f"stages_{first}_{last}").eval()
 
 
-def _only_output(output: fx.Node) -> Any:
+def only_output(output: fx.Node) -> Any:
     """What the network returns (an exported program returns its one output in a tuple)."""
     value = output.args[0]
     return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
@@ -245,57 +246,6 @@ def _mutates(node: fx.Node, value: fx.Node) -> bool:
 def slice_stages(net: nn.Module, arch: str, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
     """Stages ``first..last`` (inclusive) of ``net``, sharing its parameters."""
     return stage_module(trace(net), cut_points, first, last)
-
-
-@dataclass(frozen=True)
-class HopTensor:
-    """One tensor that crosses a cut: its per-sample shape and dtype."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_sample(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class Cut:
-    """A place a network can be cut: after module (or node) ``name``; ``tensors`` cross it."""
-
-    name: str
-    tensors: tuple[HopTensor, ...]
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(t.shape for t in self.tensors)
-
-    @property
-    def bytes_per_sample(self) -> int:
-        return sum(t.bytes_per_sample for t in self.tensors)
-
-
-@dataclass(frozen=True)
-class Cuts:
-    """The legal cuts of one network at one input shape, in network order, and its output's shape."""
-
-    cuts: tuple[Cut, ...]
-    ends: tuple[int, ...]  # index of each cut's last node in the traced graph
-    output_shape: tuple[int, ...]
-    input_shape: tuple[int, ...] = ()
-
-    def names(self) -> list[str]:
-        return [c.name for c in self.cuts]
-
-    def get(self, name: str) -> Cut | None:
-        return next((c for c in self.cuts if c.name == name), None)
-
-    def position(self, name: str) -> int:
-        """Where the cut falls in the network (cuts of modules that end together share a position)."""
-        return self.ends[self.names().index(name)]
 
 
 def meta_network(arch: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
@@ -358,14 +308,19 @@ def _program_cuts(path: str, mtime_ns: int, size: int) -> Cuts:
         raise ValueError(f"exported program {path} has dynamic dimensions besides the batch; export it with a fixed "
                          "sample shape (only dimension 0 dynamic)")
 
-    def hop_tensor(node: fx.Node) -> HopTensor | None:
-        v = node.meta.get("val")
-        if (isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt)
-                and v.shape[0].node.expr == batch.node.expr and all(isinstance(d, int) for d in v.shape[1:])):
-            return HopTensor(tuple(int(d) for d in v.shape[1:]), v.dtype)
-        return None
+    return _find_cuts(traced, lambda node: recorded_tensor(node, batch), tuple(int(d) for d in value.shape[1:]))
 
-    return _find_cuts(traced, hop_tensor, tuple(int(d) for d in value.shape[1:]))
+
+def recorded_tensor(node: fx.Node, batch: torch.SymInt | None = None) -> HopTensor | None:
+    """What an exported node gives per sample, from the value the export recorded: None unless it is
+    a tensor whose only dynamic dimension is the batch, first (``batch``'s symbol, when given)."""
+    v = node.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt)
+            and all(isinstance(d, int) for d in v.shape[1:])):
+        return None
+    if batch is not None and v.shape[0].node.expr != batch.node.expr:
+        return None
+    return HopTensor(tuple(int(d) for d in v.shape[1:]), v.dtype)
 
 
 def _shape_prop_tensor(node: fx.Node) -> HopTensor | None:
@@ -398,82 +353,11 @@ def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) ->
         if all(t is not None and t.dtype.is_floating_point for t in tensors):
             found.append(Cut(name, tuple(tensors)))
             found_ends.append(end)
-    result = _only_output(traced.nodes[output])
+    result = only_output(traced.nodes[output])
     out = hop_tensor(result) if isinstance(result, fx.Node) else None
     if out is None:
         raise ValueError("the network's output is not one tensor with the batch first")
     return Cuts(tuple(found), tuple(found_ends), out.shape, input_shape)
-
-
-def load_stage_file(path: str) -> nn.Module:
-    """One pre-cut stage: an exported program (``.pt2``) or a TorchScript file, as a module that
-    takes its tensors positionally (CPU, its own weights). ``ValueError`` if it does not load."""
-    if is_program(path):
-        traced = trace(load_program(path, single=False))
-        return stage_module(traced, [], 0, 0)  # a plain GraphModule: no pytree calling convention, picklable
-    try:
-        with warnings.catch_warnings():
-            # PyTorch deprecates TorchScript in favour of torch.export; files of it are still read here
-            # (the research prototype stored its blocks so), and the docs point to .pt2.
-            warnings.simplefilter("ignore", FutureWarning)
-            script: nn.Module = torch.jit.load(path, map_location="cpu")  # type: ignore[no-untyped-call]
-    except Exception as exc:  # a missing, truncated or foreign file: torch raises many kinds
-        raise ValueError(f"cannot load {path} as an exported program (.pt2) or a TorchScript file: "
-                         f"{type(exc).__name__}: {exc}") from None
-    return script.eval()
-
-
-Shapes = tuple[tuple[int, ...], ...]
-
-
-def stage_file_shapes(paths: Sequence[str], input_shape: Sequence[int] | None) -> list[tuple[Shapes, Shapes]]:
-    """(input shapes, output shapes) per sample of each pre-cut stage file, in order.
-
-    An exported program records its shapes. A TorchScript file does not, so it is run once on
-    zeros (batch 2, CPU) with what the previous file gives, or ``input_shape`` when it is the first.
-    Raises ``ValueError`` naming the file.
-    """
-    out: list[tuple[Shapes, Shapes]] = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-        given = out[-1][1] if out else (None if input_shape is None else (tuple(input_shape),))
-        out.append(_stage_file_shapes(path, st.st_mtime_ns, st.st_size, given))
-    return out
-
-
-@lru_cache(maxsize=64)
-def _stage_file_shapes(path: str, mtime_ns: int, size: int, given: Shapes | None) -> tuple[Shapes, Shapes]:
-    module = load_stage_file(path)
-    if isinstance(module, fx.GraphModule):
-        def per_sample(v: Any) -> tuple[int, ...]:
-            if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt)
-                    and all(isinstance(d, int) for d in v.shape[1:]) and v.dtype.is_floating_point):
-                raise ValueError(f"{path}: every input and output must be a floating-point tensor whose only dynamic "
-                                 "dimension is the batch, first; export with dynamic_shapes={0: torch.export.Dim('batch')} "
-                                 "for each input")
-            return tuple(int(d) for d in v.shape[1:])
-
-        nodes = list(module.graph.nodes)
-        ins = tuple(per_sample(n.meta.get("val")) for n in nodes if n.op == "placeholder")
-        result = _only_output(nodes[-1])
-        outs = tuple(per_sample(n.meta.get("val")) for n in (result if isinstance(result, (tuple, list)) else (result,)))
-        return ins, outs
-    if given is None:
-        raise ValueError(f"{path} is a TorchScript file, which does not record its input's shape; give the "
-                         "model's input_shape")
-    try:
-        with torch.no_grad():
-            result = module(*(torch.zeros(2, *s) for s in given))
-    except Exception as exc:  # the script's own error for inputs it cannot take
-        raise ValueError(f"{path} cannot take inputs of shape {' + '.join(str(list(s)) for s in given)}: {exc}") from None
-    results = result if isinstance(result, (tuple, list)) else (result,)
-    if not results or not all(isinstance(r, torch.Tensor) and r.dim() >= 1 and r.shape[0] == 2 and r.dtype.is_floating_point
-                              for r in results):
-        raise ValueError(f"{path} must return a floating-point tensor (or a tuple of them) with the batch first")
-    return given, tuple(tuple(int(d) for d in r.shape[1:]) for r in results)
 
 
 def stage_output_shapes(

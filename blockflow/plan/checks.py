@@ -6,6 +6,7 @@ import difflib
 from collections.abc import Iterable
 
 from blockflow.core import arch as archs
+from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.plan.deployment import Plan
 from blockflow.plan.schema import NAME_RE, NAME_RULE, BlockDef, ModelDef, TaskDef
@@ -134,7 +135,7 @@ def _stage_file_issues(plan: Plan, name: str, written: ModelDef) -> Iterable[Pla
         return
     given = written.input_shape if "input_shape" in written.model_fields_set else None
     try:
-        shapes = archs.stage_file_shapes([str(plan.file_path(f)) for f in files], given)
+        shapes = stage_files.stage_file_shapes([str(plan.file_path(f)) for f in files], given)
     except ValueError as exc:
         yield PlanIssue(f"models.{name}.stage_files", str(exc))
         return
@@ -157,11 +158,10 @@ def _stage_file_issues(plan: Plan, name: str, written: ModelDef) -> Iterable[Pla
 def _file_issue(plan: Plan, loc: str, written: str, what: str) -> PlanIssue | None:
     """Why the file a plan names at ``loc`` cannot be read (None: it can)."""
     # Resolved (links followed) before the check, so '..' or a link cannot leave the allowed directories.
-    file = (plan.base_dir / written).resolve()
-    allowed = plan.weights_dirs
-    if allowed is not None and not any(file.is_relative_to(d) for d in allowed):
+    file = plan.file_path(written)
+    if not plan.allows(file):
         return PlanIssue(loc, f"{written!r} is outside the directories this server reads {what} from "
-                              f"({', '.join(map(str, allowed))}); put the file there, or start "
+                              f"({', '.join(map(str, plan.weights_dirs or []))}); put the file there, or start "
                               "`blockflow serve` with --weights-dir naming its directory")
     if not file.is_file():
         return PlanIssue(loc, f"file not found: {plan.base_dir / written} (paths are relative to the plan file)")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from blockflow.core import arch as archs
+from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TransportName, WeightsSource, hop_dtype
 from blockflow.plan import naming
@@ -94,9 +95,13 @@ class Plan:
         """Where a file the plan names is (links followed: the allowed-directory check needs the real path)."""
         return (self.base_dir / written).resolve()
 
+    def allows(self, path: Path) -> bool:
+        """Whether ``path`` (resolved) is in the directories this plan may read files from."""
+        return self.weights_dirs is None or any(path.is_relative_to(d) for d in self.weights_dirs)
+
     def readable(self, path: Path) -> bool:
         """Whether ``path`` is a regular file in the directories this plan may read from."""
-        return (self.weights_dirs is None or any(path.is_relative_to(d) for d in self.weights_dirs)) and path.is_file()
+        return self.allows(path) and path.is_file()
 
     def _resolved(self, m: ModelDef) -> ModelDef:
         if m.stage_files is not None:
@@ -105,7 +110,7 @@ class Plan:
                 return m
             given = m.input_shape if "input_shape" in m.model_fields_set else None
             try:
-                shapes = archs.stage_file_shapes([str(f) for f in files], given)
+                shapes = stage_files.stage_file_shapes([str(f) for f in files], given)
             except ValueError:
                 return m  # the checks report why it cannot be served
             return m.model_copy(update={"stage_files": [str(f) for f in files], "input_shape": list(shapes[0][0][0]),
@@ -217,7 +222,7 @@ class Plan:
     @staticmethod
     def _stage_shapes(m: ModelDef) -> list[tuple[tuple[int, ...], ...]]:
         if m.stage_files is not None:
-            return [outs for _, outs in archs.stage_file_shapes(m.stage_files, m.input_shape)]
+            return [outs for _, outs in stage_files.stage_file_shapes(m.stage_files, m.input_shape)]
         return archs.stage_output_shapes(m.network, m.cut_points, m.input_shape, m.num_classes)
 
     def block_in_shapes(self, block: Block) -> tuple[tuple[int, ...], ...]:

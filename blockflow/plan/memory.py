@@ -103,7 +103,7 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
 def _file_stage_profile(files: tuple[str, ...], input_shape: tuple[int, ...], first: int, last: int) -> tuple[int, int]:
     """:func:`_stage_profile` of pre-cut stage files: their parameters and buffers, and the largest
     tensor that crosses their edges (what happens inside a file is not looked into)."""
-    from blockflow.core.arch import load_stage_file, stage_file_shapes
+    from blockflow.core.stage_files import load_stage_file, stage_file_shapes
 
     shapes = stage_file_shapes(files, input_shape)[first:last + 1]
     params = 0

@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from blockflow.core import arch
+from blockflow.core import arch, stage_files
 from blockflow.core.errors import PlanError
 from blockflow.plan import parse_plan
 
@@ -156,7 +156,7 @@ def test_stage_files_chained_equal_the_program(stage_dir: Path) -> None:
         for suffix in ("pt2", "ts"):
             xs: tuple[torch.Tensor, ...] = (x,)
             for i in range(3):
-                out = arch.load_stage_file(str(stage_dir / "blocks" / f"stage{i}.{suffix}"))(*xs)
+                out = stage_files.load_stage_file(str(stage_dir / "blocks" / f"stage{i}.{suffix}"))(*xs)
                 xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             assert torch.allclose(xs[0], want, rtol=0, atol=1e-6), suffix
     plan = parse_plan(yaml.safe_load((stage_dir / "skipnet_stages.yaml").read_text()), base_dir=stage_dir)

@@ -1,0 +1,59 @@
+"""Where a network can be cut: each legal cut and the tensors that would cross it (found by
+``blockflow.core.arch.legal_cuts``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HopTensor:
+    """One tensor that crosses a cut: its per-sample shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_sample(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A place a network can be cut: after module (or node) ``name``; ``tensors`` cross it."""
+
+    name: str
+    tensors: tuple[HopTensor, ...]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(t.shape for t in self.tensors)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return sum(t.bytes_per_sample for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """The legal cuts of one network at one input shape, in network order, and its output's shape."""
+
+    cuts: tuple[Cut, ...]
+    ends: tuple[int, ...]  # index of each cut's last node in the traced graph
+    output_shape: tuple[int, ...]
+    input_shape: tuple[int, ...] = ()
+
+    def names(self) -> list[str]:
+        return [c.name for c in self.cuts]
+
+    def get(self, name: str) -> Cut | None:
+        return next((c for c in self.cuts if c.name == name), None)
+
+    def position(self, name: str) -> int:
+        """Where the cut falls in the network (cuts of modules that end together share a position)."""
+        return self.ends[self.names().index(name)]
