@@ -4,8 +4,17 @@ In-process (no Triton): each network is cut in three blocks exactly as a plan de
 (``ensemble_gen.generator.block_spec``: hops cross in the block's precision, CUDA graphs on), a
 batch runs through them, and the logits are compared with the whole fp32 network run on the CPU.
 Two errors per case: the largest difference relative to the largest logit (what the GPU tests
-bound), and the relative L2 norm of the difference. Weights are seeded (``arch.build_network``),
-so they say how a precision treats the network's arithmetic, not a trained model's accuracy.
+bound), and the relative L2 norm of the difference. Two more figures per precision separate what
+the split costs from what the precision costs:
+
+- ``split_vs_whole``: the three blocks against the same network as one block in the same
+  precision on the same GPU (what cutting costs: the hops cross in the block's own dtype, so
+  nothing is rounded that the whole network would not round);
+- ``input_floor``: the fp32 network on the CPU fed the input rounded to the precision (no
+  arithmetic in it at all), a lower bound that no deployment in that precision can beat.
+
+Weights are seeded (``arch.build_network``), so they say how a precision treats the network's
+arithmetic, not a trained model's accuracy.
 
     python -m bench.precision --out bench/results/h100/precision-DATE-COMMIT
 """
@@ -43,21 +52,33 @@ CASES: list[tuple[str, tuple[int, int, int], tuple[str, str]]] = [
 SEED = 5
 
 
-def _plan(net: str, shape: tuple[int, ...], cuts: tuple[str, str], precision: str) -> Any:
+def _plan(net: str, shape: tuple[int, ...], cuts: tuple[str, str], precision: str, whole: bool = False) -> Any:
+    """``net`` cut in three blocks in ``precision``; or, ``whole``, one block of all three stages."""
+    blocks: dict[str, Any] = {f"b{i}": {"model": "m", "stages": i, "weights": {"seed": SEED}} for i in range(3)}
+    if whole:
+        blocks = {"w": {"model": "m", "stages": [0, 2], "weights": {"seed": SEED}}}
     return parse_plan({
         "version": 1, "name": "precision",
         "models": {"m": {"arch": net, "cut_points": list(cuts), "input_shape": list(shape), "num_classes": 1000}},
         "defaults": {"placement": "gpu", "max_batch_size": 8, "precision": precision},
-        "blocks": {f"b{i}": {"model": "m", "stages": i, "weights": {"seed": SEED}} for i in range(3)},
-        "tasks": {"t": {"path": ["b0", "b1", "b2"]}},
+        "blocks": blocks,
+        "tasks": {"t": {"path": list(blocks)}},
         "transport": "triton-gpu",
     })
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    diff = got.double().cpu() - want
+    return float(diff.abs().max() / want.abs().max()), float(diff.norm() / want.norm())
+
+
 def measure(net: str, shape: tuple[int, ...], cuts: tuple[str, str], batch: int) -> dict[str, Any]:
     x = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(1))
+    network = arch.build_network(net, 1000, SEED, shape)
     with torch.inference_mode():
-        want = arch.build_network(net, 1000, SEED, shape)(x).double()
+        want = network(x).double()
+        floors = {p: _rel(network(x.to(dt).float()), want)[0]
+                  for p, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
     row: dict[str, Any] = {"arch": net, "input_shape": list(shape), "cuts": list(cuts), "batch": batch,
                            "logit_max": float(want.abs().max())}
     cuda = torch.device("cuda", 0)
@@ -72,10 +93,14 @@ def measure(net: str, shape: tuple[int, ...], cuts: tuple[str, str], batch: int)
             ys = r.run_all(ys)
             hops.append(sorted({str(y.dtype).removeprefix("torch.") for y in ys}))
         got = ys[0].double().cpu()
-        diff = got - want
-        row[precision] = {"max_rel": float(diff.abs().max() / want.abs().max()),
-                          "l2_rel": float(diff.norm() / want.norm()), "hop_dtypes": hops[:-1]}
-        del runners
+        whole_plan = _plan(net, shape, cuts, precision, whole=True)
+        whole = BlockRunner(block_spec(whole_plan, whole_plan.blocks["w"], "triton-gpu"), cuda)
+        whole.warmup()
+        max_rel, l2_rel = _rel(got, want)
+        row[precision] = {"max_rel": max_rel, "l2_rel": l2_rel, "hop_dtypes": hops[:-1],
+                          "split_vs_whole": _rel(got, whole.run_all([x.to(cuda)])[0].double().cpu())[0],
+                          "input_floor": floors.get(precision, 0.0)}
+        del runners, whole
         torch.cuda.empty_cache()
     return row
 
@@ -85,15 +110,25 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"`python -m bench.precision`, commit {meta['commit']}, {meta['date']}; torch {meta['torch']}. "
              "Each network cut in three blocks (CUDA graphs on, hops in the block's precision), batch "
              f"{rows[0]['batch']}, against the whole fp32 network on the CPU. max: the largest difference over the "
-             "largest logit; L2: the norm of the difference over the norm of the logits. Seeded weights.", "",
-             "| network | input | hops | fp32 max | fp16 max | fp16 L2 | bf16 max | bf16 L2 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "largest logit; L2: the norm of the difference over the norm of the logits. split/whole: the "
+             "three blocks against the same network as one block in the same precision on the GPU (what "
+             "cutting costs). floor: the fp32 network fed the input rounded to that precision (what the "
+             "precision costs before any arithmetic; no deployment in it does better). Seeded weights.", "",
+             "| network | input | hops | fp32 max | fp16 max | fp16 L2 | fp16 split/whole | fp16 floor "
+             "| bf16 max | bf16 L2 | bf16 split/whole | bf16 floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         hops = " / ".join("+".join(h) for h in r["fp16"]["hop_dtypes"])
-        lines.append(f"| {r['arch']} | {r['input_shape'][1]}×{r['input_shape'][2]} | fp16: {hops} | {r['fp32']['max_rel']:.1e} "
-                     f"| {r['fp16']['max_rel']:.1e} | {r['fp16']['l2_rel']:.1e} | {r['bf16']['max_rel']:.1e} "
-                     f"| {r['bf16']['l2_rel']:.1e} |")
+        cells = [r["arch"], f"{r['input_shape'][1]}×{r['input_shape'][2]}", f"fp16: {hops}", f"{r['fp32']['max_rel']:.1e}"]
+        for p in ("fp16", "bf16"):
+            c = r[p]
+            cells += [f"{c['max_rel']:.1e}", f"{c['l2_rel']:.1e}", _opt(c.get("split_vs_whole")), _opt(c.get("input_floor"))]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _opt(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1e}"
 
 
 def main() -> None:
