@@ -29,7 +29,31 @@ def load_stage_file(path: str) -> nn.Module:
     except Exception as exc:  # a missing, truncated or foreign file: torch raises many kinds
         raise ValueError(f"cannot load {path} as an exported program (.pt2) or a TorchScript file: "
                          f"{type(exc).__name__}: {exc}") from None
+    _no_tf32_convolutions(script)
     return script.eval()
+
+
+# aten::_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
+#                    benchmark, deterministic, cudnn_enabled, allow_tf32)
+_ALLOW_TF32 = 12
+
+
+def _no_tf32_convolutions(script: nn.Module) -> None:
+    """Make a traced file's convolutions follow the process's TF32 switch.
+
+    ``torch.jit.trace`` records ``torch.backends.cudnn.allow_tf32`` as it was when tracing (True
+    by default) as a constant of every convolution, so on a GPU a fp32 block would convolve in
+    TF32 (1.2e-4 from the program it was traced from) whatever the block's precision says. The
+    constant becomes False: a fp32 block stays fp32; a tf32 block's convolutions run in fp32.
+    """
+    for module in script.modules():
+        graph = getattr(getattr(module, "forward", None), "graph", None)
+        if graph is None:
+            continue
+        for node in graph.findAllNodes("aten::_convolution"):
+            if node.inputsSize() > _ALLOW_TF32:
+                with graph.insert_point_guard(node):  # the constant must come before its use
+                    node.replaceInput(_ALLOW_TF32, graph.insertConstant(False))
 
 
 Shapes = tuple[tuple[int, ...], ...]

@@ -194,3 +194,21 @@ def test_stage_file_blocks_take_no_weights(stage_dir: Path) -> None:
     data["blocks"]["front"]["weights"] = {"seed": 1}
     with pytest.raises(PlanError, match="carry their own weights"):
         parse_plan(data, base_dir=stage_dir)
+
+
+def test_a_torchscript_file_convolves_without_the_tf32_it_was_traced_with(tmp_path: Path) -> None:
+    # torch.jit.trace records cuDNN's allow_tf32 (True by default) in every convolution; left so,
+    # a fp32 block of a TorchScript file would convolve in TF32 on a GPU (1.2e-4 off, measured).
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)).eval()
+    torch.jit.save(torch.jit.trace(net, torch.randn(1, 3, 8, 8)), tmp_path / "s.ts")  # type: ignore[no-untyped-call]
+
+    def allow_tf32(module: nn.Module) -> list[bool]:
+        return [n.inputsAt(12).toIValue() for m in module.modules() if hasattr(m, "forward") and hasattr(m.forward, "graph")
+                for n in m.forward.graph.findAllNodes("aten::_convolution")]
+
+    assert allow_tf32(torch.jit.load(tmp_path / "s.ts")) == [True, True]  # type: ignore[no-untyped-call]  # as traced
+    loaded = stage_files.load_stage_file(str(tmp_path / "s.ts"))
+    assert allow_tf32(loaded) == [False, False]
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), net(x))
