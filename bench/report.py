@@ -25,7 +25,35 @@ def _f(v: Any, fmt: str = ".2f") -> str:
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str = ".2f") -> str:
-    return "failed" if "error" in r else _f(r.get(key), fmt)
+    """A figure, with ± half the range of its repeated runs when there were several."""
+    if "error" in r:
+        return "failed"
+    spread = r.get("spread", {}).get(key)
+    return _f(r.get(key), fmt) + (f" ±{spread * 50:.0f}%" if spread is not None and len(r.get("runs", [])) > 1 else "")
+
+
+def split_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each transport against the monolithic reference (CUDA graphs if measured, else eager), in
+    the same run: c1 p50 ratio, per-hop cost and throughput ratio at the highest concurrency."""
+    pipe, conc = res.get("pipeline", {}), res.get("concurrency", {})
+    mono = next((m for m in ("monolithic-graph", "monolithic-eager") if m in pipe), None)
+    if mono is None:
+        return []
+    hops = max(1, len(res.get("path", [])) - 1)
+    rows = []
+    for label in _labels(pipe):
+        if label.startswith("monolithic") or "error" in pipe[label] or "error" in pipe[mono]:
+            continue
+        m, s = pipe[mono]["p50_ms"], pipe[label]["p50_ms"]
+        row: dict[str, Any] = {"transport": label, "mono": mono, "mono_p50_ms": m, "split_p50_ms": s,
+                               "p50_ratio": s / m, "hop_ms": (s - m) / hops}
+        top = max(conc.get(label, {}), key=int, default=None)
+        if top is not None and top in conc.get(mono, {}) and "error" not in conc[label][top] and "error" not in conc[mono][top]:
+            row.update(concurrency=int(top), mono_throughput=conc[mono][top]["throughput"],
+                       split_throughput=conc[label][top]["throughput"],
+                       throughput_ratio=conc[label][top]["throughput"] / conc[mono][top]["throughput"])
+        rows.append(row)
+    return rows
 
 
 def plots(res: dict[str, Any], out: Path) -> list[str]:
@@ -146,10 +174,26 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     f"Plan `{meta['plan']}` ({meta['plan_name']}), task `{res['task']}` = {' → '.join(res['path'])}; "
                     f"{meta['date']} on {meta['host']}; GPUs: {', '.join(meta['gpus']) or 'none'}; torch {meta['torch']}"
                     + ("; **--quick**" if meta.get("quick") else "") + ".", "",
+                    f"Commit {meta.get('commit', '?')}; blocks and monolithic references in **{meta.get('precision', 'fp32')}** "
+                    f"(references: {meta.get('reference_precision', 'fp32')}); client inputs: **{meta.get('input', 'host')}**"
+                    f"{' (perf_analyzer --shared-memory cuda)' if meta.get('input') == 'cuda-shm' else ' memory, in the request'}; "
+                    f"MPS {'on' if meta.get('mps') else 'off'}; each figure the median of {meta.get('repeats', 1)} perf_analyzer "
+                    "run(s)" + (" ± half their range" if meta.get("repeats", 1) > 1 else "") + ".", "",
                     "Every row was measured in one server, one after the other (compare within this report only). "
                     "Latencies are perf_analyzer's (HTTP, binary tensors) unless noted.", ""]
     if not meta.get("complete", True):  # results.json of a run cut short (results files before this flag are complete)
         L += ["**Incomplete run**: it stopped before its end; the sections below are those it finished.", ""]
+    split = split_rows(res)
+    if split:
+        L += [f"## The split against the unsplit model ({split[0]['mono']}, same precision, same run)", "",
+              "hop: (split − mono) p50 at c1 over the task's hops; throughput at the highest concurrency measured.", "",
+              "| transport | mono c1 p50 ms | split c1 p50 ms | split/mono | hop ms | mono /s | split /s | split/mono |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in split:
+            L.append(f"| {r['transport']} | {r['mono_p50_ms']:.2f} | {r['split_p50_ms']:.2f} | {r['p50_ratio']:.2f}× | {r['hop_ms']:.3f} | "
+                     + (f"{r['mono_throughput']:.0f} (c{r['concurrency']}) | {r['split_throughput']:.0f} | {r['throughput_ratio']:.2f}× |"
+                        if "throughput_ratio" in r else "— | — | — |"))
+        L.append("")
     pipe = res.get("pipeline", {})
     if pipe:
         L += ["## Pipeline time (Fig 4.3) and where it goes (Fig 4.4), batch 1, concurrency 1", "",

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import math
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -56,12 +58,15 @@ class BenchConfig:
     gpu_layouts: list[int] = field(default_factory=lambda: [2, 4])  # 1 GPU is the main run itself
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
     mps: bool = False  # serve under a private MPS daemon (blockflow.triton.mps)
+    repeats: int = 3  # perf_analyzer runs per figure: the median is reported, with the runs' spread
+    input: str = "host"  # how perf_analyzer sends inputs: "host" (in the request) or "cuda-shm"
+    precision: str | None = None  # every block in this precision instead of the plan's
 
     @classmethod
     def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
         """A few minutes on a CPU machine: every section, fewer and shorter points."""
         return cls(plan, out, quick=True, seconds=1.0, batches=[1, 4], concurrencies=[1, 4], rate_fractions=[0.5, 1.0],
-                   clients=[1, 4], client_seconds=2.0, gpu_layouts=[2])
+                   clients=[1, 4], client_seconds=2.0, gpu_layouts=[2], repeats=1)
 
 
 def model_stats(url: str) -> dict[str, dict[str, int]]:
@@ -103,9 +108,17 @@ def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int)
     return out
 
 
+INPUTS = ("host", "cuda-shm")
+FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
+
+
 def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
-                  rate: float | None = None) -> dict[str, Any]:
-    """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s)."""
+                  rate: float | None = None, input_memory: str = "host", output_bytes: int = 0) -> dict[str, Any]:
+    """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
+
+    ``input_memory="cuda-shm"``: inputs and outputs through CUDA shared-memory regions
+    (perf_analyzer's ``--shared-memory cuda``), each output's region ``output_bytes`` large.
+    """
     pa = perf_analyzer_path()
     if pa is None:
         raise EnvironmentProblem("perf_analyzer not found: run ./scripts/setup.sh (or source scripts/gpu_env.sh on a GPU machine)")
@@ -113,6 +126,8 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
         cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
                "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
                "--stability-percentage", "20", "-f", f.name]
+        if input_memory == "cuda-shm":
+            cmd += ["--shared-memory", "cuda", "--output-shared-memory-size", str(max(output_bytes, 102400))]
         if rate is not None:
             # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
             # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
@@ -138,6 +153,25 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
             **({"unstable": 1.0} if unstable else {})}
 
 
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several perf_analyzer runs of one point as one: each figure's median, its spread
+    ((max - min) / median) and the runs themselves; an error if any run failed."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    out: dict[str, Any] = {}
+    for key in FIGURES:
+        values = sorted(r[key] for r in runs if key in r)
+        if values:
+            mid = statistics.median(values)
+            out[key] = mid
+            out.setdefault("spread", {})[key] = (values[-1] - values[0]) / mid if mid else 0.0
+    if any("unstable" in r for r in runs):
+        out["unstable"] = 1.0
+    out["runs"] = [{k: r[k] for k in FIGURES if k in r} for r in runs]
+    return out
+
+
 def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
     """label -> {model, blocks}: the task's monolithic references first, then each transport's ensemble."""
     task = plan.tasks[task_name]
@@ -161,10 +195,16 @@ class Bench:
         self.checkpoint = checkpoint or (lambda _res: None)
         self.gpus = GpuSampler()
         self.plan = load_plan(cfg.plan)
+        if cfg.precision is not None:
+            self.plan = in_precision(self.plan, cfg.precision)
+        if cfg.input not in INPUTS:
+            raise BlockFlowError(f"unknown input path {cfg.input!r}; choose from {', '.join(INPUTS)}")
         self.task = next(iter(self.plan.tasks.values()))
         c, h, w = self.plan.block_in_shape(self.plan.blocks[self.task.path[0]])
         self.shape = f"IMAGE:{c},{h},{w}"
         self.image_shape = (c, h, w)
+        last = self.plan.blocks[self.task.path[-1]]
+        self.output_bytes = 4 * math.prod(self.plan.block_out_shape(last)) * max(cfg.batches)
 
     # ------------------------------------------------------------------ models of a plan
 
@@ -175,7 +215,8 @@ class Bench:
                 rate: float | None = None) -> dict[str, Any]:
         before = model_stats(server.http_url)
         e0, t0 = self.gpus.energy_mj(), time.monotonic()
-        r: dict[str, Any] = dict(perf_analyzer(server.http_url, model["model"], self.shape, batch, self.cfg.seconds, concurrency, rate))
+        r = median_of([self._pa(server, model["model"], batch, self.cfg.seconds, concurrency, rate)
+                       for _ in range(max(1, self.cfg.repeats))])
         t1, e1 = time.monotonic(), self.gpus.energy_mj()
         d = delta(model_stats(server.http_url), before)
         top = d.get(model["model"], {})
@@ -190,9 +231,16 @@ class Bench:
             r["block_compute_ms"] = sum(b["compute_ms"] for b in blocks)
         return r
 
+    def _pa(self, server: TritonServer, model: str, batch: int, seconds: float, concurrency: int | None = None,
+            rate: float | None = None) -> dict[str, Any]:
+        return perf_analyzer(server.http_url, model, self.shape, batch, seconds, concurrency, rate,
+                             self.cfg.input, self.output_bytes)
+
     def _line(self, section: str, label: str, point: str, r: dict[str, Any]) -> None:
         keys = ("p50_ms", "p99_ms", "throughput", "energy_mj_per_inference")
-        self.log(f"[bench] {section:11s} {label:18s} {point:8s} " + "  ".join(f"{k}={r[k]:.3f}" for k in keys if k in r)
+        spread = r.get("spread", {})
+        self.log(f"[bench] {section:11s} {label:18s} {point:8s} "
+                 + "  ".join(f"{k}={r[k]:.3f}" + (f"(±{spread[k] * 50:.0f}%)" if k in spread else "") for k in keys if k in r)
                  + ("  FAILED" if "error" in r else ""))
 
     # ------------------------------------------------------------------ sections
@@ -215,7 +263,7 @@ class Bench:
             res["memory"] = self._memory(server)
             self.checkpoint(res)
             for m in models.values():  # warm-up, not recorded
-                perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
+                self._pa(server, m["model"], 1, 0.5, 1)
             res["pipeline"] = {}
             res["batch"] = {}
             for label, m in models.items():  # batch 1 is the pipeline figure; the batch sweep adds the rest
@@ -257,9 +305,17 @@ class Bench:
     def _meta(self) -> dict[str, Any]:
         import torch
 
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
         return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "plan": str(self.cfg.plan),
                 "plan_name": self.plan.raw.name, "gpus": self.gpus.names(), "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "quick": self.cfg.quick,
+                "commit": commit or "unknown",
+                # Like with like: the split and its monolithic references in one precision, one input path.
+                "precision": self.plan.task_precision(self.task),
+                "reference_precision": self.plan.task_precision(self.task),
+                "mps": self.cfg.mps, "input": self.cfg.input, "repeats": self.cfg.repeats,
+                "cuda_graphs": sorted({self.plan.blocks[b].cuda_graphs for b in self.task.path}),
                 "complete": False}
 
     def _peak(self, conc: dict[str, dict[str, dict[str, Any]]]) -> float:
@@ -321,7 +377,7 @@ class Bench:
             try:
                 models = {label: m for label, m in self.models(plan).items() if label in ("tensormq", "triton-gpu")}
                 for label, m in models.items():
-                    perf_analyzer(server.http_url, m["model"], self.shape, 1, 0.5, 1)
+                    self._pa(server, m["model"], 1, 0.5, 1)
                     for c in (1, max(self.cfg.concurrencies)):
                         r = self.measure(server, m, 1, concurrency=c)
                         out.setdefault(str(k), {}).setdefault(label, {})[str(c)] = r
@@ -330,6 +386,16 @@ class Bench:
                 server.stop()
             progress(out)
         return out
+
+
+def in_precision(plan: Plan, precision: str) -> Plan:
+    """``plan`` with every block in ``precision``."""
+    raw = plan.raw.model_dump(mode="json", exclude_none=True)
+    raw.setdefault("defaults", {})["precision"] = precision
+    for b in raw["blocks"].values():
+        b.pop("precision", None)
+    raw["name"] = f"{plan.raw.name}-{precision}"
+    return parse_plan(raw, source=f"{plan.source} in {precision}", base_dir=plan.base_dir)
 
 
 def spread(plan: Plan, task: str, k: int) -> Plan:

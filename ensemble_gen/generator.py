@@ -117,19 +117,23 @@ def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[Mod
     return spec, dataclasses.replace(first, name=pack.name)
 
 
-def reference_spec(plan: Plan, task: Task, graph: bool) -> tuple[ModelSpec, Block]:
-    """The unsplit model of ``task``: its path's parts in one process, fp32, same weights."""
+def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> tuple[ModelSpec, Block]:
+    """The unsplit model of ``task``: its path's parts in one process, same weights, in the task's
+    precision (what a split is compared with for speed); ``fp32``: the eager fp32 one accuracy is
+    checked against."""
     blocks = [plan.blocks[b] for b in task.path]
+    precision = "fp32" if fp32 else plan.task_precision(task)
     deploy = dataclasses.replace(
         blocks[0],
-        name=naming.reference_model(task.name, graph),
+        name=naming.fp32_reference(task.name) if fp32 else naming.reference_model(task.name, graph),
         instances=1,
         max_batch_size=min(b.max_batch_size for b in blocks),
-        precision="fp32",
+        precision=precision,
         cuda_graphs=graph,
     )
-    spec = _path_spec(plan, "reference", task.name, blocks, "triton-gpu", "fp32", graph, deploy.max_batch_size)
+    spec = _path_spec(plan, "reference", task.name, blocks, "triton-gpu", precision, graph, deploy.max_batch_size)
     return spec, deploy
+
 
 
 def _digest(cfg: mc.ModelConfig, extra: Mapping[str, bytes], weight_files: list[Path]) -> str:
@@ -181,6 +185,9 @@ def render(plan: Plan) -> dict[str, bytes]:
             _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
         for variant in plan.raw.references:
             spec, deploy = reference_spec(plan, task, graph=variant == "graph")
+            python_model(deploy.name, spec, deploy)
+        if plan.raw.references and plan.task_precision(task) != "fp32":
+            spec, deploy = reference_spec(plan, task, graph=False, fp32=True)
             python_model(deploy.name, spec, deploy)
     for mname, (spec, deploy) in blocks.items():
         if spec.transport == "tensormq" and mname in feeders:  # a TensorMQ consumer accepts its feeders' tickets only

@@ -112,7 +112,7 @@ def _print_endpoints(service: Service) -> None:
         table.add_column(col)
     for t in p.tasks.values():
         models = [naming.task_model(t.name, tr, t.transport) for tr in p.transports_of(t)]
-        models += [naming.reference_model(t.name, v == "graph") for v in p.raw.references]
+        models += p.reference_models(t)
         table.add_row(t.name, ", ".join(models), " → ".join(t.path))
     out.print(table)
     first = next(iter(p.tasks.values()))

@@ -20,13 +20,23 @@ from blockflow.cli.app import app, out_console
 @click.option("--sections", default=None, help="Comma-separated subset of: batch, concurrency, rate, clients, gpus (default: all).")
 @click.option("--concurrency", "concurrencies", default=None, help="Comma-separated concurrency levels (default 1,4,16,32).")
 @click.option("--mps", is_flag=True, help="Serve under a private NVIDIA MPS daemon (as `blockflow serve --mps`).")
+@click.option("--repeats", type=click.IntRange(1, 20), default=None,
+              help="perf_analyzer runs per figure; the report gives their median and spread (default 3; 1 with --quick).")
+@click.option("--input", "input_memory", type=click.Choice(["host", "cuda-shm"]), default="host", show_default=True,
+              help="How inputs reach the server: in the request, or CUDA shared memory (perf_analyzer --shared-memory cuda).")
+@click.option("--precision", type=click.Choice(["fp32", "tf32", "fp16", "bf16"]), default=None,
+              help="Every block, and the monolithic references, in this precision instead of the plan's.")
 def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: str | None, concurrencies: str | None,
-          mps: bool) -> None:
+          mps: bool, repeats: int | None, input_memory: str, precision: str | None) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
     from bench.suite import SECTIONS, BenchConfig, run_bench
 
     cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
     cfg.mps = mps
+    cfg.input = input_memory
+    cfg.precision = precision
+    if repeats is not None:
+        cfg.repeats = repeats
     if seconds is not None:
         cfg.seconds = seconds
     if sections is not None:

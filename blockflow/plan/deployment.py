@@ -243,6 +243,20 @@ class Plan:
                     out[before] = hop_dtype(self.blocks[before].precision)
         return out
 
+    def task_precision(self, task: Task) -> Precision:
+        """The precision every block of ``task``'s path runs in; fp32 when they differ (no one
+        precision to match), which is the precision of the task's monolithic references."""
+        kinds = {self.blocks[b].precision for b in task.path}
+        return kinds.pop() if len(kinds) == 1 else "fp32"
+
+    def reference_models(self, task: Task) -> list[str]:
+        """The monolithic reference models generated for ``task``: one per ``references`` variant,
+        and the fp32 one when the task runs in another precision."""
+        names = [naming.reference_model(task.name, v == "graph") for v in self.raw.references]
+        if self.raw.references and self.task_precision(task) != "fp32":
+            names.append(naming.fp32_reference(task.name))
+        return names
+
     def block_in_dtype(self, block: Block) -> HopDtype:
         """The dtype of the hop into ``block``: the precision of the block before it (the checks
         make every path agree)."""

@@ -7,8 +7,9 @@
 * Blocks fused into one model (``fuse: auto``) are named ``<first>__to__<last>``.
 * Task heads packed into one model (``pack: heads``) after segment ``<seg>``
   are ``<seg>__heads`` (``<seg>__heads2``, … when several packs follow it).
-* The monolithic reference of a task (same weights, unsplit) is
-  ``<task>__ref`` (eager) and ``<task>__ref_graph`` (CUDA graphs).
+* The monolithic references of a task (same weights, unsplit, in the task's precision) are
+  ``<task>__ref`` (eager) and ``<task>__ref_graph`` (CUDA graphs); a task in another precision
+  than fp32 also gets ``<task>__ref_fp32`` (eager, fp32) to check its accuracy against.
 
 Plan names may not contain ``__``, so generated names never collide with them.
 """
@@ -34,6 +35,10 @@ def task_model(task: str, transport: TransportName, own: TransportName) -> str:
 
 def reference_model(task: str, graph: bool) -> str:
     return f"{task}{SEP}ref_graph" if graph else f"{task}{SEP}ref"
+
+
+def fp32_reference(task: str) -> str:
+    return f"{task}{SEP}ref_fp32"
 
 
 def segment_model(blocks: list[str] | tuple[str, ...]) -> str:

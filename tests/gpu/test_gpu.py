@@ -80,15 +80,20 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.mark.parametrize(("task", "tol"), [("g_fp32_eager", 1e-4), ("g_fp16", 1e-2), ("g_bf16", 1e-2)])
-def test_served_precisions_against_fp32_references(gpu_server: str, task: str, tol: float) -> None:
+def test_served_precisions_against_their_references(gpu_server: str, task: str, tol: float) -> None:
     from clients.client import TaskClient
 
     with TaskClient(gpu_server) as c:
         for batch in (1, 3, 8):
             x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
-            want = c.infer(f"{task}__ref", x)
-            assert rel_err(c.infer(f"{task}__ref_graph", x), want) <= 1e-4
-            assert rel_err(c.infer(task, x), want) <= tol, (task, batch)
+            # __ref and __ref_graph run in the task's precision (what a split is timed against);
+            # __ref_fp32, there for tasks in another precision, is what accuracy is checked against.
+            same = c.infer(f"{task}__ref", x)
+            want = c.infer(f"{task}__ref_fp32", x) if tol > 1e-4 else same
+            got = c.infer(task, x)
+            assert rel_err(c.infer(f"{task}__ref_graph", x), same) <= min(tol, 1e-3)
+            assert rel_err(got, same) <= min(tol, 1e-3), (task, batch)  # the split against the whole, same precision
+            assert rel_err(got, want) <= tol, (task, batch)
 
 
 def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:

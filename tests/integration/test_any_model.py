@@ -57,8 +57,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _tolerance(plan: Plan, task: str) -> float:
-    """fp32 paths equal their reference; a bf16 one is within bf16's rounding (8 bits of mantissa)."""
-    return 3e-2 if any(plan.blocks[b].precision in ("fp16", "bf16") for b in plan.tasks[task].path) else 1e-5
+    """A path equals its reference (which runs in the path's precision, or fp32 when the path
+    mixes precisions); a mixed one is within bf16's rounding (8 bits of mantissa) of fp32."""
+    return 1e-5 if len({plan.blocks[b].precision for b in plan.tasks[task].path}) == 1 else 3e-2
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -72,6 +73,9 @@ def test_every_task_on_every_transport_equals_its_reference(served: tuple[Plan, 
                 got = client.infer(naming.task_model(task.name, transport, task.transport), x)
                 err = float(np.abs(got - want).max() / np.abs(want).max())
                 assert got.shape == (batch, 10) and err <= _tolerance(plan, task.name), (task.name, transport, err)
+                if plan.task_precision(task) != "fp32":  # and within bf16's rounding of fp32
+                    fp32 = client.infer(naming.fp32_reference(task.name), x)
+                    assert float(np.abs(got - fp32).max() / np.abs(fp32).max()) <= 3e-2, (task.name, transport)
         a = client.infer("task_a", x)
         b = client.infer("task_b", x)
     if plan.raw.name != "skipnet-stages":  # there, every task runs the same weights
