@@ -1,7 +1,7 @@
 """Host time of one TensorMQ hop, step by step, in-process on one GPU (no Triton).
 
 Two consecutive blocks of a plan's first task (``--blocks``, default its 2nd and 3rd) run as
-their instances do in ``backend.model``: the producer reserves a pool slot, runs its block into
+their instances do in ``backend.model``, each in its own process: the producer reserves a pool slot, runs its block into
 it and signs tickets; the consumer checks and claims the tickets, waits on the slot's event,
 runs its own block into its own pool and queues the release. Each step is timed on the host
 (``time.perf_counter_ns``), the GPU drained between iterations (untimed), so the figures are
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -36,67 +38,138 @@ from blockflow.triton.server import prepare_tensormq
 from ensemble_gen.generator import block_spec
 
 
-def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], iters: int, batch: int) -> dict[str, Any]:
+def _setup(plan_path: Path, precision: str | None, blocks: tuple[int, int]) -> tuple[Any, list[str], list[Any]]:
     plan = load_plan(plan_path)
     if precision is not None:
         plan = in_precision(plan, precision)
     task = next(iter(plan.tasks.values()))
     names = [task.path[i] for i in blocks]
+    return plan, names, [block_spec(plan, plan.blocks[n], "tensormq") for n in names]
+
+
+class _Laps:
+    def __init__(self) -> None:
+        self.steps: dict[str, list[float]] = defaultdict(list)
+
+    def lap(self, name: str, t0: int) -> int:
+        now = time.perf_counter_ns()
+        self.steps[name].append((now - t0) / 1e3)
+        return now
+
+
+def _producer(plan_path: Path, precision: str | None, blocks: tuple[int, int], runtime: Path, batch: int,
+              conn: Connection) -> None:
+    """The first block, in its own process (CUDA IPC handles do not open in the process that made them)."""
+    plan, names, specs = _setup(plan_path, precision, blocks)
     cuda = torch.device("cuda", 0)
     torch.cuda.set_device(cuda)
-    specs = [block_spec(plan, plan.blocks[n], "tensormq") for n in names]
-    runners = [BlockRunner(s, cuda) for s in specs]
-    for r in runners:
-        r.warmup()
+    runner = BlockRunner(specs[0], cuda)
+    runner.warmup()
+    stream = int(torch.cuda.current_stream(cuda).cuda_stream)
+    t = plan.raw.tensormq
+    producer = Producer(f"{names[0]}/0", runtime, cuda, t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=names[0],
+                        max_samples=specs[0].max_batch_size)
+    x = torch.randn(batch, *specs[0].in_shape, device=cuda, dtype=runner.dtype)
+    laps = _Laps()
+    conn.send("ready")
+    try:
+        while conn.recv() == "go":
+            t0 = time.perf_counter_ns()
+            res = producer.reserve_tensors(batch, specs[0].out_shapes, runner.out_dtype)
+            t0 = laps.lap("p.reserve", t0)
+            runner.run_all([x], outs=res.views)
+            t0 = laps.lap("p.run_into_slot", t0)
+            tickets = producer.commit(res, stream)
+            t0 = laps.lap("p.commit_and_sign", t0)
+            raw = torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
+            raw = from_dlpack(to_dlpack(raw))  # what crosses pb_utils
+            laps.lap("p.tickets_to_tensor", t0)
+            conn.send(raw.numpy().tobytes())
+        conn.send(dict(laps.steps))
+    finally:
+        producer.close(drain_s=2.0)
+
+
+def _replay_only(runner: BlockRunner, batch: int) -> dict[str, Any]:
+    """The host time of the consumer's CUDA graph launch alone, and the graph's node count."""
+    g = runner._graphs.get(batch)
+    if g is None:
+        return {}
+    laps = []
+    for _ in range(500):
+        t0 = time.perf_counter_ns()
+        g.graph.replay()
+        laps.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    nodes = -1
+    try:
+        import ctypes
+
+        from blockflow.core.cuda import _lib
+
+        count = ctypes.c_size_t(0)
+        _lib().cuGraphGetNodes(ctypes.c_void_p(g.graph.raw_cuda_graph()), None, ctypes.byref(count))
+        nodes = int(count.value)
+    except Exception:  # an older torch without raw_cuda_graph
+        pass
+    return {"replay_only_us": statistics.median(laps[50:]), "graph_nodes": nodes}
+
+
+def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], iters: int, batch: int,
+            profile: Any = None) -> dict[str, Any]:
+    """``profile``: a ``cProfile.Profile`` enabled around the consumer's steps (not the producer's)."""
+    plan, names, specs = _setup(plan_path, precision, blocks)
+    cuda = torch.device("cuda", 0)
+    torch.cuda.set_device(cuda)
+    runner = BlockRunner(specs[1], cuda)
+    runner.warmup()
     stream = int(torch.cuda.current_stream(cuda).cuda_stream)
     runtime = Path(tempfile.mkdtemp(prefix="bf-hop-", dir=os.environ.get("XDG_RUNTIME_DIR")))
     prepare_tensormq(runtime)
     t = plan.raw.tensormq
-    producers = [Producer(f"{n}/0", runtime, cuda, t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=n,
-                          max_samples=s.max_batch_size) for n, s in zip(names, specs, strict=True)]
+    producer = Producer(f"{names[1]}/0", runtime, cuda, t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=names[1],
+                        max_samples=specs[1].max_batch_size)
     consumer = Consumer(runtime, cuda, accepts_from=[names[0]])
-    x = torch.randn(batch, *specs[0].in_shape, device=cuda, dtype=runners[0].dtype)
-    steps: dict[str, list[float]] = defaultdict(list)
-
-    def lap(name: str, t0: int) -> int:
-        now = time.perf_counter_ns()
-        steps[name].append((now - t0) / 1e3)
-        return now
-
+    replay = _replay_only(runner, batch)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_producer, args=(plan_path, precision, blocks, runtime, batch, there))
+    child.start()
+    laps = _Laps()
     try:
+        if here.recv() != "ready":
+            raise RuntimeError("the producer process did not start")
         for i in range(iters + 50):
+            here.send("go")
+            raw = torch.frombuffer(bytearray(here.recv()), dtype=torch.uint8).reshape(batch, TICKET_BYTES)
+            if profile is not None and i >= 50:
+                profile.enable()
             t0 = time.perf_counter_ns()
-            # ---- producer block: reserve, run into the slot, commit, tickets as Triton's tensor
-            res = producers[0].reserve_tensors(batch, specs[0].out_shapes, runners[0].out_dtype)
-            t0 = lap("p.reserve", t0)
-            runners[0].run_all([x], outs=res.views)
-            t0 = lap("p.run_into_slot", t0)
-            tickets = producers[0].commit(res, stream)
-            t0 = lap("p.commit_and_sign", t0)
-            raw = torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
-            raw = from_dlpack(to_dlpack(raw))  # what crosses pb_utils both ways
-            t0 = lap("p.tickets_to_tensor", t0)
-            # ---- consumer block: check and claim, wait on the event, run into its own slot, release
             views, releases = consumer.gather_tensors(raw, specs[1].in_shapes, stream)
-            t0 = lap("c.gather_verify_claim_wait", t0)
-            res2 = producers[1].reserve_tensors(batch, specs[1].out_shapes, runners[1].out_dtype)
-            t0 = lap("c.reserve", t0)
-            runners[1].run_all(views, outs=res2.views)
-            t0 = lap("c.run_into_slot", t0)
-            tickets2 = producers[1].commit(res2, stream)
-            t0 = lap("c.commit_and_sign", t0)
+            t0 = laps.lap("c.gather_verify_claim_wait", t0)
+            res = producer.reserve_tensors(batch, specs[1].out_shapes, runner.out_dtype)
+            t0 = laps.lap("c.reserve", t0)
+            runner.run_all(views, outs=res.views)
+            t0 = laps.lap("c.run_into_slot", t0)
+            tickets = producer.commit(res, stream)
+            t0 = laps.lap("c.commit_and_sign", t0)
             consumer.release_after(releases, stream)
-            t0 = lap("c.release_after", t0)
+            laps.lap("c.release_after", t0)
+            if profile is not None:
+                profile.disable()
             torch.cuda.synchronize()
-            producers[1].abort(res2)  # nobody reads block 2's tickets here
-            del tickets2
-            if i < 50:
-                steps.clear()
+            producer.abort(res)  # nobody reads this block's tickets here
+            del tickets
+            if i == 49:
+                laps.steps.clear()
+        here.send("stop")
+        steps = {k: v[50:] for k, v in here.recv().items()}
+        steps.update(laps.steps)
     finally:
+        child.join(30)
         consumer.close()
-        for p in producers:
-            p.close()
-    return {"blocks": names, "precision": specs[0].precision, "batch": batch, "iters": iters,
+        producer.close()
+    return {"blocks": names, "precision": specs[0].precision, "batch": batch, "iters": iters, **replay,
             "median_us": {k: statistics.median(v) for k, v in steps.items()},
             "p90_us": {k: float(np.percentile(v, 90)) for k, v in steps.items()}}
 
@@ -109,12 +182,24 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile", type=int, default=0, help="print the consumer's N costliest calls (cProfile, tottime)")
     args = ap.parse_args()
     a, b = (int(v) for v in args.blocks.split(","))
-    res = measure(args.plan, args.precision, (a, b), args.iters, args.batch)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    res = measure(args.plan, args.precision, (a, b), args.iters, args.batch, prof)
+    if prof is not None:
+        import pstats
+
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     lines = [f"{k:28s} {v:8.1f} us  (p90 {res['p90_us'][k]:.1f})" for k, v in res["median_us"].items()]
     per_block = sum(v for k, v in res["median_us"].items() if k.startswith("c."))
     lines.append(f"{'consumer block, all steps':28s} {per_block:8.1f} us")
+    if "replay_only_us" in res:
+        lines.append(f"{'graph replay alone':28s} {res['replay_only_us']:8.1f} us  ({res['graph_nodes']} nodes)")
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,8 @@ class Consumer:
         self._remotes: dict[tuple[int, int], _Remote] = {}
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         # Items: (CUDA event to wait for, releases, set when sent); None stops the thread.
-        self._queue: queue.Queue[tuple[int | None, list[Release], threading.Event | None] | None] = queue.Queue()
+        # A SimpleQueue: its put is a few C calls, where Queue.put takes a Python lock and notifies.
+        self._queue: queue.SimpleQueue[tuple[int | None, list[Release], threading.Event | None] | None] = queue.SimpleQueue()
         # A ring of plain events marks "the reads of this batch are done". Reusing one before the
         # release thread waited on it only makes that wait longer (it then waits for a later batch),
         # never shorter, so a release is never sent early. Blocking-sync events let the release thread

@@ -91,9 +91,10 @@ def test_served_precisions_against_their_references(gpu_server: str, task: str, 
             same = c.infer(f"{task}__ref", x)
             want = c.infer(f"{task}__ref_fp32", x) if tol > 1e-4 else same
             got = c.infer(task, x)
-            assert rel_err(c.infer(f"{task}__ref_graph", x), same) <= min(tol, 1e-3)
-            assert rel_err(got, same) <= min(tol, 1e-3), (task, batch)  # the split against the whole, same precision
-            assert rel_err(got, want) <= tol, (task, batch)
+            # Separate processes may pick different cuDNN algorithms: in fp16/bf16 the split and the
+            # whole then differ by that precision's rounding (in one process they are equal: bench.precision).
+            graph_err, split_err, err = rel_err(c.infer(f"{task}__ref_graph", x), same), rel_err(got, same), rel_err(got, want)
+            assert graph_err <= tol and split_err <= tol and err <= tol, (task, batch, graph_err, split_err, err)
 
 
 def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:
