@@ -20,7 +20,9 @@ Who owns a slot when:
    the writes, then issued one ticket per sample (the slot counts one reference
    per ticket). The producer never writes a lent slot.
 4. CLAIMED — ``Consumer.gather`` verifies each ticket (MAC, layout, the hop:
-   the ticket's model id must be one of the blocks that feed this one), maps
+   the ticket's model id must be one of the blocks that feed this one; the
+   fields other than slot, seq, sample and offset are checked once per distinct
+   value of them, after the MAC, and remembered), maps
    the producer on first contact (HELLO → segment and event handles, opened
    once per producer generation and cached), then *claims* the ticket's sample
    in the producer's claim table (``backend/tensormq/claims.py``). Only then
