@@ -83,19 +83,9 @@ def _error(message: str, code: str) -> Any:
     return pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
 
 
-def _split(outputs: Any, sizes: list[int]) -> list[Any]:
-    """Each request's rows of a batch's outputs, a tensor or an array of tickets (no split call
-    for the common single-request batch)."""
-    if len(sizes) == 1:
-        return [outputs]
-    if isinstance(outputs, np.ndarray):
-        return list(np.split(outputs, np.cumsum(sizes)[:-1]))
-    return list(torch.split(outputs, sizes))
-
-
-def _output(pb_utils: Any, name: str, rows: Any) -> Any:
-    """A response tensor: tickets (a small host array) as they are, tensors through DLPack (no copy)."""
-    return pb_utils.Tensor(name, rows) if isinstance(rows, np.ndarray) else pb_utils.Tensor.from_dlpack(name, to_dlpack(rows))
+def _split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
+    return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
 
 
 class TritonPythonModel:
@@ -195,9 +185,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is None:
                 raise RequestError(f"request has no input {name!r}")
-            # Tickets: a numpy view of the request's memory, which is all the consumer reads
-            # (a DLPack round trip into torch cost more host time than the ticket check).
-            xs.append(tensor.as_numpy() if self.consumer is not None and tensor.is_cpu() else from_dlpack(tensor.to_dlpack()))
+            xs.append(from_dlpack(tensor.to_dlpack()))
         if self.consumer is not None:
             views, rel = self.consumer.gather_tensors(xs[0], self.spec.in_shapes, self.stream)
             releases.extend(rel)
@@ -247,7 +235,7 @@ class TritonPythonModel:
                     names = [name] if len(results) == 1 else self.out_names
                     for out_name, result in zip(names, results, strict=True):
                         for k, rows in zip(ks, _split(result, sizes), strict=True):
-                            outputs[k].append(_output(pb_utils, out_name, rows))
+                            outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)
                     self._fail(responses, [owners[k] for k in ks], sum(sizes), exc)
@@ -296,7 +284,7 @@ class TritonPythonModel:
         for i in owners:
             responses[i] = pb_utils.InferenceResponse(error=_error(f"block {self.spec.name!r} failed: {exc}", code))
 
-    def _run(self, runner: BlockRunner, xs: list[torch.Tensor]) -> list[Any]:
+    def _run(self, runner: BlockRunner, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets."""
         if self.producer is None:
             outs = runner.run_all(xs)
@@ -310,7 +298,9 @@ class TritonPythonModel:
             self.producer.abort(reservation)
             raise
         tickets = self.producer.commit(reservation, self.stream)
-        return [np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES)]
+        # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
+        # A bytearray is writable, so torch takes it without a copy.
+        return [torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))]
 
     def finalize(self) -> None:
         if self.tracer is not None:

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
-from numpy.typing import NDArray
 
 from backend.tensormq import ticket as tk
 from backend.tensormq.claims import ClaimTable, claims_path
@@ -147,13 +145,13 @@ class Consumer:
         r.segment.close()
         r.claims.close()
 
-    def gather(self, raw: torch.Tensor | NDArray[np.uint8], sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
+    def gather(self, raw: torch.Tensor, sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
         """:meth:`gather_tensors` for a hop of one tensor."""
         views, releases = self.gather_tensors(raw, (sample_shape,), stream)
         return views[0], releases
 
-    def gather_tensors(self, raw: torch.Tensor | NDArray[np.uint8], shapes: Sequence[tuple[int, ...]], stream: int) -> tuple[list[torch.Tensor], list[Release]]:
-        """Views of the samples that ``raw`` (uint8 ``[n, 256]``, a tensor or an array) names: one ``[n, *shape]`` tensor per
+    def gather_tensors(self, raw: torch.Tensor, shapes: Sequence[tuple[int, ...]], stream: int) -> tuple[list[torch.Tensor], list[Release]]:
+        """Views of the samples that ``raw`` (uint8 ``[n, 256]``) names: one ``[n, *shape]`` tensor per
         entry of ``shapes`` (several: the tickets name records of those tensors).
 
         The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event.
@@ -161,14 +159,9 @@ class Consumer:
         """
         offsets = tk.record_offsets(shapes)
         sample_shape, layout = (tuple(shapes[0]), 0) if len(shapes) == 1 else ((offsets[-1],), tk.layout_id(shapes))
-        if isinstance(raw, np.ndarray):
-            if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != tk.TICKET_BYTES:
-                raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
-            data = raw.tobytes()
-        else:
-            if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != tk.TICKET_BYTES:
-                raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
-            data = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy().tobytes()
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != tk.TICKET_BYTES:
+            raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
+        data = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy().tobytes()
         parts: list[torch.Tensor] = []
         seen: list[Release] = []  # every ticket this request claimed, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
