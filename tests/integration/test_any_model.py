@@ -57,9 +57,14 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _tolerance(plan: Plan, task: str) -> float:
-    """A path equals its reference (which runs in the path's precision, or fp32 when the path
-    mixes precisions); a mixed one is within bf16's rounding (8 bits of mantissa) of fp32."""
-    return 1e-5 if len({plan.blocks[b].precision for b in plan.tasks[task].path}) == 1 else 3e-2
+    """A path equals its reference, which runs in the path's precision (fp32 when the path mixes
+    precisions, and a mixed path is then within bf16's rounding, 8 bits of mantissa, of it). On a
+    GPU each process picks its own cuDNN algorithms, so a fp16/bf16 path and its reference
+    differ by that rounding there (an H100: batch 3 of bf16_hops); on the CPU they are equal."""
+    precisions = {plan.blocks[b].precision for b in plan.tasks[task].path}
+    if len(precisions) > 1 or (precisions & {"fp16", "bf16"} and torch.cuda.is_available()):
+        return 3e-2
+    return 1e-5
 
 
 @pytest.mark.parametrize("batch", [1, 3])
