@@ -42,19 +42,29 @@ if TYPE_CHECKING:
                    "default: the served plan's directory).")
 @click.option("--load-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="Seconds one model load (a plan change, a block reload) may take before it fails and is rolled back.")
+@click.option("--tritonserver-arg", "tritonserver_args", multiple=True, metavar="--FLAG[=VALUE]",
+              help="Passed to tritonserver as it is (repeatable), e.g. --tritonserver-arg=--log-verbose=1 or "
+                   "--tritonserver-arg=--trace-config=rate=100. Flags BlockFlow sets itself (ports, addresses, "
+                   "repository, model control, restricted APIs) are refused.")
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
-          mps: bool, weights_dirs: tuple[Path, ...], load_timeout: float) -> None:
+          mps: bool, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...]) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
     through Triton's model control API while the server keeps serving.
     """
     from blockflow.control.serve import ServeOptions, Service
+    from blockflow.triton.server import check_extra_args
 
+    try:
+        check_extra_args(tritonserver_args)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tritonserver-arg") from None
     token = _control_token(token_file) if control_port else ""
     service = Service(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
-                                   control_port, token, token_file, state_dir, mps, list(weights_dirs), load_timeout),
+                                   control_port, token, token_file, state_dir, mps, list(weights_dirs), load_timeout,
+                                   list(tritonserver_args)),
                       say=lambda m: err.print(f"[yellow]{escape(m)}[/]"),
                       log_apply=lambda m: err.print(f"apply: {m}", markup=False, highlight=False))
     try:

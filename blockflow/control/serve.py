@@ -54,6 +54,7 @@ class ServeOptions:
     mps: bool = False
     weights_dirs: list[Path] = field(default_factory=list)  # default: the plan's directory
     load_timeout: float = 300.0  # one model load during a plan change or a block reload
+    tritonserver_args: list[str] = field(default_factory=list)  # passed through (checked: triton.server.check_extra_args)
 
 
 def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
@@ -92,7 +93,8 @@ class Service:
         self.files = generator.render(self.plan)
         o = options
         self.server = TritonServer(ServerOptions([self.repository], o.host, o.http_port, o.grpc_port, o.metrics_port,
-                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps), runtime_dir=self.runtime)
+                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, extra_args=list(o.tritonserver_args)),
+                                   runtime_dir=self.runtime)
         self.lock = threading.Lock()  # one plan change at a time; the supervisor waits for it
         self.controller: Controller | None = None
         self.control: ControlServer | None = None

@@ -134,6 +134,41 @@ class ServerOptions:
         return cls(repositories, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **options)
 
 
+# Flags of tritonserver that BlockFlow sets itself: how the server finds and loads the generated
+# models, where it listens, and which APIs need the admin key. A pass-through argument may not
+# change them (the restricted APIs above all: the model-control API runs the caller's code).
+OWNED_FLAGS = {
+    "model-repository": "the repository is generated from the plan",
+    "model-store": "the repository is generated from the plan",
+    "backend-directory": "BlockFlow prepares the backend directory",
+    "model-control-mode": "plan changes go through `blockflow apply`",
+    "load-model": "the plan says which models load",
+    "disable-auto-complete-config": "the generator writes complete configs",
+    "strict-model-config": "the generator writes complete configs",
+    "http-address": "use --host", "grpc-address": "use --host", "metrics-address": "use --host",
+    "http-port": "use --http-port", "grpc-port": "use --grpc-port", "metrics-port": "use --metrics-port",
+    "allow-http": "the tools need HTTP", "allow-grpc": "the control path needs gRPC",
+    "allow-metrics": "monitoring needs the metrics endpoint",
+    "http-restricted-api": "BlockFlow keeps the model-control, trace and logging APIs behind the admin key",
+    "grpc-restricted-api": "BlockFlow keeps the model-control, trace and logging APIs behind the admin key",
+    "cuda-memory-pool-byte-size": "use --cuda-pool-mb",
+}
+
+
+def check_extra_args(args: Sequence[str]) -> list[str]:
+    """``args`` for tritonserver, each ``--flag=value`` or ``--flag``; ``ValueError`` naming the
+    first one BlockFlow sets itself (:data:`OWNED_FLAGS`) or one that is not a long flag."""
+    for arg in args:
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ValueError(f"{arg!r} is not a tritonserver flag; give it as --flag=value")
+        flag = arg[2:].split("=", 1)[0]
+        # tritonserver parses with getopt_long, which takes any unambiguous abbreviation of a flag.
+        owned = next((o for o in OWNED_FLAGS if o.startswith(flag)), None)
+        if owned is not None:
+            raise ValueError(f"--{owned} is set by BlockFlow ({OWNED_FLAGS[owned]})")
+    return list(args)
+
+
 class TritonServer:
     """One ``tritonserver`` process. Use as a context manager, or call :meth:`start` / :meth:`stop`."""
 
@@ -188,7 +223,8 @@ class TritonServer:
             f"--http-address={o.host}", f"--http-port={o.http_port}",
             f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
-            f"--log-verbose={o.log_verbose}",
+            # The user's own --log-verbose (a pass-through argument) replaces this one.
+            *([] if any(a.startswith("--log-verbose") for a in o.extra_args) else [f"--log-verbose={o.log_verbose}"]),
             *access.restricted_args(self.admin_key),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
             "--metrics-config=summary_latencies=true",
@@ -198,7 +234,7 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={env.stub_shm_prefix(os.getpid(), self.runtime_dir)}",
             "--backend-config=python,shm-default-byte-size=8388608",
             "--backend-config=python,shm-growth-byte-size=33554432",
-            *o.extra_args,
+            *check_extra_args(o.extra_args),
         ]
         return cmd
 

@@ -7,6 +7,7 @@ stub does not add to that server's host-memory peak on a CPU machine.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -64,10 +65,14 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
     plan = PLAN.parent / "one_block.yaml"
     said: list[str] = []
     service = Service(ServeOptions(plan, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                                   control_port=free_port(), token=token, state_dir=tmp_path / "plans"), say=said.append)
+                                   control_port=free_port(), token=token, state_dir=tmp_path / "plans",
+                                   tritonserver_args=["--log-format=ISO8601"]), say=said.append)
     runtime = service.runtime
     try:
         service.start()
+        # The pass-through flag reached tritonserver: its log lines start with an ISO 8601 time.
+        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", service.server.log_path.read_text()), \
+            service.server.log_path.read_text()[:300]
         assert service.control is not None and service.token_path is not None
         assert service.token_path.read_text().strip() == token and service.token_path.stat().st_mode & 0o077 == 0
         with TaskClient(service.server.http_url) as client:

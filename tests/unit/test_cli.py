@@ -128,3 +128,25 @@ def test_serve_suggests_mps_only_when_many_processes_share_a_gpu() -> None:
     packed = memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True, pack=True)  # 6 processes
     assert len(memory.modular(packed, 1, memory.Calibration())) < MPS_HINT_PROCESSES and mps_hint(render(packed), 1) == ""
     assert mps_hint(render(load_plan(ROOT / "plans" / "default.yaml")), 0) == ""  # placement auto on a CPU machine: no GPU
+
+
+@pytest.mark.parametrize(("arg", "fragment"), [
+    ("--tritonserver-arg=--http-restricted-api=model-repository:", "--http-restricted-api is set by BlockFlow"),
+    ("--tritonserver-arg=--model-control-mode=poll", "--model-control-mode is set by BlockFlow"),
+    ("--tritonserver-arg=--http-port=9", "use --http-port"),
+    ("--tritonserver-arg=--model-control=poll", "--model-control-mode is set by BlockFlow"),  # getopt abbreviation
+    ("--tritonserver-arg=log-verbose=1", "give it as --flag=value"),
+])
+def test_serve_refuses_tritonserver_args_that_blockflow_sets(arg: str, fragment: str) -> None:
+    res = blockflow("serve", arg)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and fragment in res.stderr, res.stderr
+
+
+def test_tritonserver_args_pass_through_and_replace_the_log_verbosity(tmp_path: Path) -> None:
+    from blockflow.triton.server import ServerOptions, TritonServer
+
+    server = TritonServer(ServerOptions([tmp_path], extra_args=["--log-verbose=1", "--trace-config=rate=100"]), runtime_dir=tmp_path)
+    cmd = server.command()
+    assert cmd[-2:] == ["--log-verbose=1", "--trace-config=rate=100"]
+    assert [a for a in cmd if a.startswith("--log-verbose")] == ["--log-verbose=1"]
+    assert any(a.startswith("--http-restricted-api=") for a in cmd)
