@@ -141,11 +141,8 @@ def _references(plan: Plan, cal: Calibration) -> list[Process]:
     out = []
     for task in plan.tasks.values():
         blocks = [plan.blocks[b] for b in task.path]
-        variants = [(v == "graph", False) for v in plan.raw.references]
-        if plan.raw.references and plan.task_precision(task) != "fp32":
-            variants.append((False, True))
-        for graph, fp32 in variants:
-            _, deploy = reference_spec(plan, task, graph=graph, fp32=fp32)
+        for graph, fp32 in plan.reference_variants(task):
+            _, deploy = reference_spec(plan, task, graph, fp32)
             out.append(memory._process(plan, deploy.name, [blocks], deploy, 0, 0.0, cal))
     return out
 

@@ -183,11 +183,8 @@ def render(plan: Plan) -> dict[str, bytes]:
             first, last = plan.blocks[task.path[0]], plan.blocks[task.path[-1]]
             cfg = ensemble_config(ename, steps, plan.block_in_shape(first), plan.block_out_shape(last))
             _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
-        for variant in plan.raw.references:
-            spec, deploy = reference_spec(plan, task, graph=variant == "graph")
-            python_model(deploy.name, spec, deploy)
-        if plan.raw.references and plan.task_precision(task) != "fp32":
-            spec, deploy = reference_spec(plan, task, graph=False, fp32=True)
+        for graph, fp32 in plan.reference_variants(task):
+            spec, deploy = reference_spec(plan, task, graph, fp32)
             python_model(deploy.name, spec, deploy)
     for mname, (spec, deploy) in blocks.items():
         if spec.transport == "tensormq" and mname in feeders:  # a TensorMQ consumer accepts its feeders' tickets only

@@ -249,13 +249,19 @@ class Plan:
         kinds = {self.blocks[b].precision for b in task.path}
         return kinds.pop() if len(kinds) == 1 else "fp32"
 
-    def reference_models(self, task: Task) -> list[str]:
-        """The monolithic reference models generated for ``task``: one per ``references`` variant,
-        and the fp32 one when the task runs in another precision."""
-        names = [naming.reference_model(task.name, v == "graph") for v in self.raw.references]
+    def reference_variants(self, task: Task) -> list[tuple[bool, bool]]:
+        """(CUDA graphs, fp32) of each monolithic reference generated for ``task``: one per
+        ``references`` variant, in the task's precision, and the eager fp32 one when the task runs
+        in another precision."""
+        variants = [(v == "graph", False) for v in self.raw.references]
         if self.raw.references and self.task_precision(task) != "fp32":
-            names.append(naming.fp32_reference(task.name))
-        return names
+            variants.append((False, True))
+        return variants
+
+    def reference_models(self, task: Task) -> list[str]:
+        """The names of :meth:`reference_variants`' models."""
+        return [naming.fp32_reference(task.name) if fp32 else naming.reference_model(task.name, graph)
+                for graph, fp32 in self.reference_variants(task)]
 
     def block_in_dtype(self, block: Block) -> HopDtype:
         """The dtype of the hop into ``block``: the precision of the block before it (the checks
