@@ -16,6 +16,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -57,19 +58,25 @@ class _Laps:
         return now
 
 
+def _block(plan: Any, name: str, spec: Any, runtime: Path) -> tuple[BlockRunner, int, Producer]:
+    """One block instance on GPU 0 as ``backend.model`` sets it up: its runner (warmed up), its
+    stream and its TensorMQ producer."""
+    cuda = torch.device("cuda", 0)
+    torch.cuda.set_device(cuda)
+    runner = BlockRunner(spec, cuda)
+    runner.warmup()
+    t = plan.raw.tensormq
+    producer = Producer(f"{name}/0", runtime, cuda, t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=name,
+                        max_samples=spec.max_batch_size)
+    return runner, int(torch.cuda.current_stream(cuda).cuda_stream), producer
+
+
 def _producer(plan_path: Path, precision: str | None, blocks: tuple[int, int], runtime: Path, batch: int,
               conn: Connection) -> None:
     """The first block, in its own process (CUDA IPC handles do not open in the process that made them)."""
     plan, names, specs = _setup(plan_path, precision, blocks)
-    cuda = torch.device("cuda", 0)
-    torch.cuda.set_device(cuda)
-    runner = BlockRunner(specs[0], cuda)
-    runner.warmup()
-    stream = int(torch.cuda.current_stream(cuda).cuda_stream)
-    t = plan.raw.tensormq
-    producer = Producer(f"{names[0]}/0", runtime, cuda, t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=names[0],
-                        max_samples=specs[0].max_batch_size)
-    x = torch.randn(batch, *specs[0].in_shape, device=cuda, dtype=runner.dtype)
+    runner, stream, producer = _block(plan, names[0], specs[0], runtime)
+    x = torch.randn(batch, *specs[0].in_shape, device=runner.device, dtype=runner.dtype)
     laps = _Laps()
     conn.send("ready")
     try:
@@ -91,7 +98,7 @@ def _producer(plan_path: Path, precision: str | None, blocks: tuple[int, int], r
 
 
 def _replay_only(runner: BlockRunner, batch: int) -> dict[str, Any]:
-    """The host time of the consumer's CUDA graph launch alone, and the graph's node count."""
+    """The host time of the consumer's CUDA graph launch alone."""
     g = runner._graphs.get(batch)
     if g is None:
         return {}
@@ -101,35 +108,17 @@ def _replay_only(runner: BlockRunner, batch: int) -> dict[str, Any]:
         g.graph.replay()
         laps.append((time.perf_counter_ns() - t0) / 1e3)
         torch.cuda.synchronize()
-    nodes = -1
-    try:
-        import ctypes
-
-        from blockflow.core.cuda import _lib
-
-        count = ctypes.c_size_t(0)
-        _lib().cuGraphGetNodes(ctypes.c_void_p(g.graph.raw_cuda_graph()), None, ctypes.byref(count))
-        nodes = int(count.value)
-    except Exception:  # an older torch without raw_cuda_graph
-        pass
-    return {"replay_only_us": statistics.median(laps[50:]), "graph_nodes": nodes}
+    return {"replay_only_us": statistics.median(laps[50:])}
 
 
 def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], iters: int, batch: int,
             profile: Any = None) -> dict[str, Any]:
     """``profile``: a ``cProfile.Profile`` enabled around the consumer's steps (not the producer's)."""
     plan, names, specs = _setup(plan_path, precision, blocks)
-    cuda = torch.device("cuda", 0)
-    torch.cuda.set_device(cuda)
-    runner = BlockRunner(specs[1], cuda)
-    runner.warmup()
-    stream = int(torch.cuda.current_stream(cuda).cuda_stream)
     runtime = Path(tempfile.mkdtemp(prefix="bf-hop-", dir=os.environ.get("XDG_RUNTIME_DIR")))
     prepare_tensormq(runtime)
-    t = plan.raw.tensormq
-    producer = Producer(f"{names[1]}/0", runtime, cuda, t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=names[1],
-                        max_samples=specs[1].max_batch_size)
-    consumer = Consumer(runtime, cuda, accepts_from=[names[0]])
+    runner, stream, producer = _block(plan, names[1], specs[1], runtime)
+    consumer = Consumer(runtime, runner.device, accepts_from=[names[0]])
     replay = _replay_only(runner, batch)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -169,6 +158,7 @@ def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], ite
         child.join(30)
         consumer.close()
         producer.close()
+        shutil.rmtree(runtime, ignore_errors=True)
     return {"blocks": names, "precision": specs[0].precision, "batch": batch, "iters": iters, **replay,
             "median_us": {k: statistics.median(v) for k, v in steps.items()},
             "p90_us": {k: float(np.percentile(v, 90)) for k, v in steps.items()}}
@@ -199,7 +189,7 @@ def main() -> None:
     per_block = sum(v for k, v in res["median_us"].items() if k.startswith("c."))
     lines.append(f"{'consumer block, all steps':28s} {per_block:8.1f} us")
     if "replay_only_us" in res:
-        lines.append(f"{'graph replay alone':28s} {res['replay_only_us']:8.1f} us  ({res['graph_nodes']} nodes)")
+        lines.append(f"{'graph replay alone':28s} {res['replay_only_us']:8.1f} us")
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
