@@ -17,13 +17,10 @@ Everything lands in ``results.json``; ``report.md`` and the PNG plots are drawn 
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import math
 import platform
-import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -32,12 +29,12 @@ from typing import Any
 
 from bench.harness import rendered
 from bench.nvml import GpuSampler
+from bench.perf_analyzer import INPUTS, median_of, perf_analyzer
 from bench.report import write_report
-from blockflow.core.errors import BlockFlowError, EnvironmentProblem
+from blockflow.core.errors import BlockFlowError
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import Plan, load_plan, naming, parse_plan
 from blockflow.triton.api import TritonApi
-from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.server import ServerOptions, TritonServer
 from clients.load import LoadSpec, run_load, summarize
 
@@ -105,70 +102,6 @@ def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int)
         out.append({"block": b, "compute_ms": compute_ms(s),
                     "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
                     "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))})
-    return out
-
-
-INPUTS = ("host", "cuda-shm")
-FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
-
-
-def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
-                  rate: float | None = None, input_memory: str = "host", output_bytes: int = 0) -> dict[str, Any]:
-    """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
-
-    ``input_memory="cuda-shm"``: inputs and outputs through CUDA shared-memory regions
-    (perf_analyzer's ``--shared-memory cuda``), each output's region ``output_bytes`` large.
-    """
-    pa = perf_analyzer_path()
-    if pa is None:
-        raise EnvironmentProblem("perf_analyzer not found: run ./scripts/setup.sh (or source scripts/gpu_env.sh on a GPU machine)")
-    with tempfile.NamedTemporaryFile(suffix=".csv") as f:
-        cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
-               "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
-               "--stability-percentage", "20", "-f", f.name]
-        if input_memory == "cuda-shm":
-            cmd += ["--shared-memory", "cuda", "--output-shared-memory-size", str(max(output_bytes, 102400))]
-        if rate is not None:
-            # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
-            # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
-            cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson", "--max-threads", "64"]
-        else:
-            cmd += ["--concurrency-range", str(concurrency or 1)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
-        if unstable:
-            # A busy or noisy machine: take the last window as it is, and say so in the results.
-            res = subprocess.run(cmd + ["--stability-percentage", "1000", "--max-trials", "3"],
-                                 capture_output=True, text=True, timeout=600, check=False)
-        if res.returncode != 0:
-            return {"error": 1.0, "message": ((res.stderr or res.stdout).strip().splitlines() or ["?"])[-1]}
-        rows = list(csv.DictReader(open(f.name)))
-    if not rows:
-        return {"error": 1.0}
-    row = rows[0]
-    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
-             "Server Compute Infer", "Server Compute Output", "Client Recv")
-    return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
-            "p99_ms": float(row["p99 latency"]) / 1e3, "avg_ms": sum(float(row[p]) for p in parts if p in row) / 1e3,
-            **({"unstable": 1.0} if unstable else {})}
-
-
-def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several perf_analyzer runs of one point as one: each figure's median, its spread
-    ((max - min) / median) and the runs themselves; an error if any run failed."""
-    failed = [r for r in runs if "error" in r]
-    if failed:
-        return failed[0]
-    out: dict[str, Any] = {}
-    for key in FIGURES:
-        values = sorted(r[key] for r in runs if key in r)
-        if values:
-            mid = statistics.median(values)
-            out[key] = mid
-            out.setdefault("spread", {})[key] = (values[-1] - values[0]) / mid if mid else 0.0
-    if any("unstable" in r for r in runs):
-        out["unstable"] = 1.0
-    out["runs"] = [{k: r[k] for k in FIGURES if k in r} for r in runs]
     return out
 
 

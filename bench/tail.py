@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from bench.harness import device_name, rendered
-from bench.suite import block_breakdown, delta, model_stats, perf_analyzer, task_models
+from bench.perf_analyzer import perf_analyzer
+from bench.suite import block_breakdown, delta, model_stats, task_models
 from bench.timeline import read_traces
 from blockflow.core import env as blockflow_env
 from blockflow.core.env import TRACE_DIR as TRACE_ENV

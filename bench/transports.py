@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import rendered
-from bench.suite import block_breakdown, compute_ms, delta, model_stats, perf_analyzer
+from bench.perf_analyzer import perf_analyzer
+from bench.suite import block_breakdown, compute_ms, delta, model_stats
 from blockflow.plan import load_plan, naming
 from blockflow.triton.server import ServerOptions, TritonServer
 

@@ -55,7 +55,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     through Triton's model control API while the server keeps serving.
     """
     from blockflow.control.serve import ServeOptions, Service
-    from blockflow.triton.server import check_extra_args
+    from blockflow.triton.flags import check_extra_args
 
     try:
         check_extra_args(tritonserver_args)

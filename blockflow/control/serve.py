@@ -54,7 +54,7 @@ class ServeOptions:
     mps: bool = False
     weights_dirs: list[Path] = field(default_factory=list)  # default: the plan's directory
     load_timeout: float = 300.0  # one model load during a plan change or a block reload
-    tritonserver_args: list[str] = field(default_factory=list)  # passed through (checked: triton.server.check_extra_args)
+    tritonserver_args: list[str] = field(default_factory=list)  # passed through (checked: triton.flags.check_extra_args)
 
 
 def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
