@@ -35,7 +35,7 @@ from backend.tensormq.metrics import TmqMetrics
 from backend.tensormq.producer import PoolExhaustedError, Producer
 from backend.tensormq.ticket import ProducerGoneError
 from backend.trace import Tracer, trace_dir
-from blockflow.core import env
+from blockflow.core import env, runtime_dir
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import (
     ACTIVATION_IN,
@@ -67,14 +67,6 @@ def _device(args: dict[str, str]) -> torch.device:
             raise BlockError("Triton placed this instance on a GPU but torch sees no CUDA device")
         return torch.device("cuda", int(args["model_instance_device_id"]))
     return torch.device("cpu")
-
-
-def _runtime_dir() -> Path:
-    value = os.environ.get(env.RUNTIME_DIR)
-    if not value or not Path(value).is_dir():
-        raise BlockError("TensorMQ needs BLOCKFLOW_RUNTIME_DIR (the server's private runtime directory); "
-                         "start the server with `blockflow serve`")
-    return Path(value)
 
 
 def _error(message: str, code: str) -> Any:
@@ -144,7 +136,9 @@ class TritonPythonModel:
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         if spec.transport == "tensormq" and spec.tensormq is not None:
-            runtime = _runtime_dir()
+            # BLOCKFLOW_RUNTIME_DIR under `blockflow serve`; beside the repository under a tritonserver started by hand.
+            runtime = runtime_dir.locate(Path(args["model_repository"]).parent)
+            runtime_dir.ensure_tensormq(runtime)
             if not spec.gives_logits:
                 t = spec.tensormq
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,

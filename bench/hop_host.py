@@ -34,8 +34,8 @@ from backend.tensormq.consumer import Consumer
 from backend.tensormq.producer import Producer
 from backend.tensormq.ticket import TICKET_BYTES
 from bench.suite import in_precision
+from blockflow.core.runtime_dir import ensure_tensormq
 from blockflow.plan import load_plan
-from blockflow.triton.server import prepare_tensormq
 from ensemble_gen.generator import block_spec
 
 
@@ -116,7 +116,7 @@ def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], ite
     """``profile``: a ``cProfile.Profile`` enabled around the consumer's steps (not the producer's)."""
     plan, names, specs = _setup(plan_path, precision, blocks)
     runtime = Path(tempfile.mkdtemp(prefix="bf-hop-", dir=os.environ.get("XDG_RUNTIME_DIR")))
-    prepare_tensormq(runtime)
+    ensure_tensormq(runtime)
     runner, stream, producer = _block(plan, names[1], specs[1], runtime)
     consumer = Consumer(runtime, runner.device, accepts_from=[names[0]])
     replay = _replay_only(runner, batch)

@@ -17,10 +17,10 @@ import zmq
 from backend.tensormq import ticket as tk
 from backend.tensormq.claims import ClaimTable, claims_path
 from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
-from backend.tensormq.producer import read_key
 from backend.tensormq.ticket import ProducerGoneError, TicketError
 from backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
 from blockflow.core import cuda
+from blockflow.core.runtime_dir import read_key
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
 RELEASE_EVENTS = 64

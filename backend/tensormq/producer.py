@@ -22,6 +22,7 @@ from backend.tensormq.slots import Slot, SlotTable
 from backend.tensormq.wire import ERROR, HELLO, RELEASE, RELEASE_ITEM, STATS, WELCOME, endpoint, generations, listening, socket_path
 from blockflow.core import env
 from blockflow.core.errors import BlockError
+from blockflow.core.runtime_dir import read_key
 
 
 class PoolExhaustedError(BlockError):
@@ -31,17 +32,6 @@ class PoolExhaustedError(BlockError):
 def producer_id(name: str) -> int:
     """Stable 64-bit id of a model instance (it survives restarts; the generation does not)."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
-def read_key(runtime_dir: Path) -> bytes:
-    path = runtime_dir / env.TMQ_KEY_FILE
-    try:
-        key = path.read_bytes()
-    except OSError as exc:
-        raise BlockError(f"TensorMQ key {path} is missing; start the server with `blockflow serve`: {exc}") from exc
-    if len(key) < 16:
-        raise BlockError(f"TensorMQ key {path} is too short")
-    return key
 
 
 @dataclass

@@ -7,12 +7,14 @@ non-zero exit code, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 from rich.console import Console
 
+from blockflow.core import env
 from blockflow.core.errors import BlockFlowError, PlanError
 
 DEFAULT_PLAN = Path(__file__).resolve().parents[2] / "plans" / "default.yaml"
@@ -38,6 +40,19 @@ def app() -> None:
 
 PLAN = click.argument("plan", type=click.Path(path_type=Path))
 PORT = click.IntRange(0, 65535)
+
+
+def _set_triton_home(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        # Read by blockflow.triton.install.locate, in this process and in those it starts.
+        os.environ[env.TRITON_HOME] = str(value)
+
+
+TRITON_HOME = click.option(
+    "--triton-home", type=click.Path(path_type=Path, file_okay=False, exists=True), envvar=env.TRITON_HOME,
+    expose_value=False, callback=_set_triton_home,
+    help=f"The Triton directory to use: NVIDIA's container layout (/opt/tritonserver) or the nvidia-pytriton wheel's "
+         f"(default: tritonserver on PATH if it is a container's, else the wheel; also ${env.TRITON_HOME}).")
 
 
 def read_secret(path: Path, flag: str) -> str:

@@ -12,7 +12,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from blockflow.cli.app import DEFAULT_PLAN, PORT, app, err, out, read_secret
+from blockflow.cli.app import DEFAULT_PLAN, PORT, TRITON_HOME, app, err, out, read_secret
 
 if TYPE_CHECKING:
     from blockflow.control.serve import Service
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
               help="Passed to tritonserver as it is (repeatable), e.g. --tritonserver-arg=--log-verbose=1 or "
                    "--tritonserver-arg=--trace-config=rate=100. Flags BlockFlow sets itself (ports, addresses, "
                    "repository, model control, restricted APIs) are refused.")
+@TRITON_HOME
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
           mps: bool, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...]) -> None:

@@ -1,4 +1,4 @@
-"""bench and doctor."""
+"""bench, doctor and triton-command."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from blockflow.cli.app import app, out_console
+from blockflow.cli.app import TRITON_HOME, app, out_console
 
 
 @app.command()
@@ -54,6 +54,7 @@ def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: s
 
 
 @app.command()
+@TRITON_HOME
 def doctor() -> None:
     """Check the environment: versions, server and stub, torch/CUDA, GPUs; one fix per problem."""
     from blockflow.triton.doctor import run_checks
@@ -69,3 +70,32 @@ def doctor() -> None:
         raise click.exceptions.Exit(1)
 
 
+
+
+@app.command("triton-command", context_settings={"ignore_unknown_options": True})
+@click.argument("repository", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.argument("tritonserver_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRITONSERVER FLAGS]")
+@click.option("--backend-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where the Python backend with this Python's stub is put together for the nvidia-pytriton layout "
+                   "(default: ~/.cache/blockflow/triton-backends; a container's own backend is used as it is).")
+@click.option("--admin-key-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="Start in explicit model-control mode, its model-repository, trace and logging APIs behind the key "
+                   "in this file (read when the script runs), so `blockflow apply --triton-grpc-url` can change the plan. "
+                   "Without it, Triton's default mode: every model loaded, loads refused.")
+@TRITON_HOME
+def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend_dir: Path | None,
+                   admin_key_file: Path | None) -> None:
+    """Print a shell script that starts tritonserver yourself on a generated REPOSITORY.
+
+    \b
+    blockflow generate plans/default.yaml -o repo
+    blockflow triton-command repo > start-triton.sh && sh start-triton.sh --http-port=8000
+    """
+    import os
+
+    from blockflow.triton.install import locate, standalone_script
+
+    if backend_dir is None:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        backend_dir = cache / "blockflow" / "triton-backends"
+    click.echo(standalone_script(locate(), repository, backend_dir, list(tritonserver_args), admin_key_file), nl=False)

@@ -77,7 +77,8 @@ def _triton_checks() -> list[Check]:
         install = locate()
     except EnvironmentProblem as exc:
         return [Check("tritonserver", False, str(exc))]
-    rows = [Check("tritonserver", True, f"{install.server} (nvidia-pytriton {_version('nvidia-pytriton') or '?'})")]
+    where = f"nvidia-pytriton {_version('nvidia-pytriton') or '?'}" if install.layout == "pytriton" else f"{install.layout} layout"
+    rows = [Check("tritonserver", True, f"{install.server} ({where})")]
     stub = install.stub()
     missing = _missing_libs(stub, install.libs)
     py = f"{sys.version_info.major}.{sys.version_info.minor}"

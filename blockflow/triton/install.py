@@ -1,24 +1,32 @@
 """Where the real Triton server lives, and the environment its Python stubs need.
 
-The server comes from PyPI inside the ``nvidia-pytriton`` wheel::
+Two layouts are found. The ``nvidia-pytriton`` wheel (what ``scripts/setup.sh`` installs)::
 
     site-packages/pytriton/tritonserver/bin/tritonserver
     site-packages/pytriton/tritonserver/backends/python/{libtriton_python.so,triton_python_backend_utils.py}
     site-packages/pytriton/tritonserver/python_backend_stubs/3.X/triton_python_backend_stub
     site-packages/nvidia_pytriton.libs/            (the server's and stub's shared libraries)
 
-``BLOCKFLOW_TRITON_HOME`` may point at another ``tritonserver`` directory of the
-same layout (the GPU bundle does). The stub for the running Python goes into a
-backend directory of our own; the stub embeds ``libpython3.X.so.1.0`` and finds
-the environment's packages through ``PATH`` (a venv's ``pyvenv.cfg``); it does
-not reliably honour ``PYTHONPATH``, so every generated ``model.py`` puts the roots
-of ``BLOCKFLOW_PYTHONPATH`` on ``sys.path`` before importing the block runtime.
+NVIDIA's ``nvcr.io/nvidia/tritonserver:<yy.mm>-py3`` containers (``/opt/tritonserver``)::
+
+    bin/tritonserver  lib/  backends/python/{libtriton_python.so,triton_python_backend_stub,...}
+
+``--triton-home`` (``BLOCKFLOW_TRITON_HOME``) names either; without it, ``tritonserver`` on
+``PATH`` (a container) and then the wheel are tried. The wheel's stubs live apart from its
+backend, so the stub for the running Python goes into a backend directory of our own; a
+container's stub is in its backend already, built for the container's Python. The stub embeds
+``libpython3.X.so.1.0`` and finds the environment's packages through ``PATH`` (a venv's
+``pyvenv.cfg``); it does not reliably honour ``PYTHONPATH``, so every generated ``model.py`` puts
+the roots of ``BLOCKFLOW_PYTHONPATH`` on ``sys.path`` before importing the block runtime.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shlex
+import shutil
 import site
 import sys
 from dataclasses import dataclass
@@ -26,9 +34,12 @@ from pathlib import Path
 
 from blockflow.core import env as blockflow_env
 from blockflow.core.errors import EnvironmentProblem
+from blockflow.core.nvml import gpu_count
+from blockflow.triton.access import restricted_args as access_args
 
 HOME_ENV = blockflow_env.TRITON_HOME
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+STUB = "triton_python_backend_stub"
 
 
 @dataclass(frozen=True)
@@ -36,46 +47,74 @@ class TritonInstall:
     home: Path
 
     @property
+    def layout(self) -> str:
+        """``container`` (NVIDIA's image: the stub inside the Python backend) or ``pytriton`` (the wheel)."""
+        return "container" if (self.home / "backends" / "python" / STUB).is_file() else "pytriton"
+
+    @property
     def server(self) -> Path:
         return self.home / "bin" / "tritonserver"
 
     @property
     def libs(self) -> Path:
-        return self.home.parent.parent / "nvidia_pytriton.libs"
+        return self.home / "lib" if self.layout == "container" else self.home.parent.parent / "nvidia_pytriton.libs"
 
     @property
     def python_backend(self) -> Path:
         return self.home / "backends" / "python"
 
     def stub(self, version: tuple[int, int] = (sys.version_info.major, sys.version_info.minor)) -> Path:
-        return self.home / "python_backend_stubs" / f"{version[0]}.{version[1]}" / "triton_python_backend_stub"
+        if self.layout == "container":
+            return self.python_backend / STUB
+        return self.home / "python_backend_stubs" / f"{version[0]}.{version[1]}" / STUB
+
+    def stub_python(self) -> str | None:
+        """The Python version (``3.12``) the stub embeds, read from its ELF; None if it names none."""
+        try:
+            found = re.search(rb"libpython(3\.\d+)\.so", self.stub().read_bytes())
+        except OSError:
+            return None
+        return found.group(1).decode() if found else None
 
     def problems(self) -> list[str]:
         """Every missing piece, each with its fix."""
+        fix = "run ./scripts/setup.sh" if self.layout == "pytriton" else f"check --triton-home ({self.home})"
         out = []
         if not self.server.is_file():
-            out.append(f"tritonserver binary missing at {self.server}; run ./scripts/setup.sh")
+            out.append(f"tritonserver binary missing at {self.server}; {fix}")
         if not (self.python_backend / "libtriton_python.so").is_file():
-            out.append(f"Python backend missing at {self.python_backend}; run ./scripts/setup.sh")
+            out.append(f"Python backend missing at {self.python_backend}; {fix}")
+        here = f"{sys.version_info.major}.{sys.version_info.minor}"
         if not self.stub().is_file():
-            out.append(f"no Python-backend stub for Python {sys.version_info.major}.{sys.version_info.minor} "
-                       f"at {self.stub()}; use Python 3.8-3.13")
+            out.append(f"no Python-backend stub for Python {here} at {self.stub()}; use Python 3.8-3.13")
+        elif self.layout == "container" and self.stub_python() not in (None, here):
+            out.append(f"the Python-backend stub {self.stub()} is built for Python {self.stub_python()}, this is {here}; "
+                       f"install BlockFlow into that Python (python{self.stub_python()} -m pip install blockflow)")
         if not self.libs.is_dir():
-            out.append(f"server libraries missing at {self.libs}; reinstall nvidia-pytriton")
+            out.append(f"server libraries missing at {self.libs}; {fix}")
         return out
 
 
-def locate() -> TritonInstall:
-    """Find the Triton installation, or raise :class:`EnvironmentProblem` with the fix."""
-    env = os.environ.get(HOME_ENV)
-    if env:
-        install = TritonInstall(Path(env).resolve())
+def locate(home: Path | None = None) -> TritonInstall:
+    """Find the Triton installation, or raise :class:`EnvironmentProblem` with the fix.
+
+    ``home`` (``--triton-home``), else ``$BLOCKFLOW_TRITON_HOME``, else the directory above the
+    ``tritonserver`` on ``PATH`` when it is a container layout, else the nvidia-pytriton wheel.
+    """
+    named = home or (Path(os.environ[HOME_ENV]) if os.environ.get(HOME_ENV) else None)
+    if named is not None:
+        install = TritonInstall(named.resolve())
     else:
-        spec = importlib.util.find_spec("pytriton")
-        if spec is None or not spec.submodule_search_locations:
-            raise EnvironmentProblem("Triton server not found: the nvidia-pytriton package is not installed; "
-                                     f"run ./scripts/setup.sh (or set {HOME_ENV})")
-        install = TritonInstall(Path(list(spec.submodule_search_locations)[0]) / "tritonserver")
+        on_path = shutil.which("tritonserver")
+        found = TritonInstall(Path(on_path).resolve().parent.parent) if on_path else None
+        if found is not None and found.layout == "container":
+            install = found
+        else:
+            spec = importlib.util.find_spec("pytriton")
+            if spec is None or not spec.submodule_search_locations:
+                raise EnvironmentProblem("Triton server not found: no tritonserver on PATH and no nvidia-pytriton package; "
+                                         f"run ./scripts/setup.sh, or name it with --triton-home (or {HOME_ENV})")
+            install = TritonInstall(Path(list(spec.submodule_search_locations)[0]) / "tritonserver")
     problems = install.problems()
     if problems:
         raise EnvironmentProblem("; ".join(problems))
@@ -83,7 +122,10 @@ def locate() -> TritonInstall:
 
 
 def prepare_backend_dir(install: TritonInstall, runtime_dir: Path) -> Path:
-    """A backend directory whose ``python/`` holds the Python backend plus the stub for this Python."""
+    """A backend directory whose ``python/`` holds the Python backend plus the stub for this Python
+    (under ``runtime_dir``; a container's own backend directory already has both)."""
+    if install.layout == "container":
+        return install.home / "backends"
     backends = runtime_dir / "backends"
     python = backends / "python"
     python.mkdir(parents=True, exist_ok=True)
@@ -117,3 +159,48 @@ def server_env(install: TritonInstall, runtime_dir: Path) -> dict[str, str]:
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env[blockflow_env.RUNTIME_DIR] = str(runtime_dir)
     return env
+
+
+def standalone_script(install: TritonInstall, repository: Path, backend_base: Path, extra_args: list[str],
+                      admin_key_file: Path | None = None) -> str:
+    """A POSIX shell script that starts ``tritonserver`` by hand on a generated ``repository``,
+    with the environment the block processes need (``blockflow triton-command``).
+
+    With ``admin_key_file``, the server starts in explicit model-control mode (``blockflow apply
+    --triton-grpc-url`` can change its plan) with its restricted APIs behind the key in that file,
+    read when the script runs; without it, in Triton's default mode, where loads are refused.
+
+    TensorMQ needs no variable: its block processes share a private runtime directory derived
+    from the repository's path (:mod:`blockflow.core.runtime_dir`).
+    """
+    backends = prepare_backend_dir(install, backend_base)
+    roots = os.pathsep.join(stub_pythonpath())
+    # Only what the stub needs; PATH and LD_LIBRARY_PATH keep what the shell has after ours.
+    keep = '"${%s:+:$%s}"'
+    exports = [
+        f"PATH={shlex.quote(str(Path(sys.executable).parent))}{keep % ('PATH', 'PATH')}",
+        f"LD_LIBRARY_PATH={shlex.quote(str(install.libs))}{keep % ('LD_LIBRARY_PATH', 'LD_LIBRARY_PATH')}",
+        f"{blockflow_env.PYTHONPATH}={shlex.quote(roots)}",
+        "PYTHONDONTWRITEBYTECODE=1",
+    ]
+    args = [
+        f"--model-repository={repository.resolve()}",
+        f"--backend-directory={backends}",
+        "--disable-auto-complete-config",
+        # See ServerOptions.cuda_pool_mb: GPU tensors between Triton and the blocks need the pool.
+        *[f"--cuda-memory-pool-byte-size={gpu}:{2048 * 2**20}" for gpu in range(gpu_count())],
+        *(["--model-control-mode=explicit", "--load-model=*"] if admin_key_file is not None else []),
+        *extra_args,
+    ]
+    restricted = ""
+    if admin_key_file is not None:
+        # The key stays in its file (not in this script); Triton takes it on its command line.
+        restricted = " " + " ".join(f'{a.rsplit("=", 1)[0]}="$(cat {shlex.quote(str(admin_key_file.resolve()))})"'
+                                    for a in access_args("KEY"))
+    lines = ["#!/bin/sh",
+             f"# tritonserver ({install.layout} layout at {install.home}) serving {repository.resolve()};",
+             "# written by `blockflow triton-command`. Further tritonserver flags may follow on this script's command line."]
+    lines += [f"export {e}" for e in exports]
+    lines.append(" ".join(["exec", shlex.quote(str(install.server)), *map(shlex.quote, args)]) + restricted + ' "$@"')
+    return "\n".join(lines) + "\n"
+

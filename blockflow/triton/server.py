@@ -38,6 +38,7 @@ from blockflow.core.errors import (
     TritonApiError,
 )
 from blockflow.core.nvml import gpu_count
+from blockflow.core.runtime_dir import ensure_tensormq
 from blockflow.triton import access
 from blockflow.triton.api import TritonApi
 from blockflow.triton.flags import check_extra_args
@@ -209,7 +210,7 @@ class TritonServer:
         for what, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
             check_port(o.host, port, what)
         cmd = self.command()
-        prepare_tensormq(self.runtime_dir)
+        ensure_tensormq(self.runtime_dir)
         access.write_private(self.admin_key_file, self.admin_key)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
@@ -351,16 +352,6 @@ class TritonServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
-
-
-def prepare_tensormq(runtime_dir: Path) -> None:
-    """The TensorMQ socket directory and ticket-signing key of one server (both private to its user)."""
-    (runtime_dir / env.TMQ_DIR).mkdir(mode=0o700, exist_ok=True)
-    key = runtime_dir / env.TMQ_KEY_FILE
-    if not key.exists():
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(os.urandom(32))
 
 
 def _die_with_parent() -> None:

@@ -12,7 +12,7 @@ import torch
 
 from backend.tensormq.consumer import Consumer
 from backend.tensormq.producer import Producer
-from blockflow.triton.server import prepare_tensormq
+from blockflow.core.runtime_dir import ensure_tensormq
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ def test_cuda_ipc_tickets_between_processes(tmp_path: Path, consumer_gpu: int) -
         pytest.skip("needs two GPUs")
     runtime = Path("/tmp") / f"bf-gpu-{os.getpid()}-{consumer_gpu}"
     runtime.mkdir(mode=0o700)
-    prepare_tensormq(runtime)
+    ensure_tensormq(runtime)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_produce, args=(str(runtime), 0, there))

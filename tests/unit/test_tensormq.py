@@ -21,7 +21,7 @@ from backend.tensormq.producer import PoolExhaustedError, Producer
 from backend.tensormq.slots import ALIGN, SlotTable
 from backend.tensormq.ticket import TicketError
 from backend.tensormq.wire import STATS, endpoint, generations
-from blockflow.triton.server import prepare_tensormq
+from blockflow.core.runtime_dir import ensure_tensormq
 
 KEY = b"k" * 32
 CPU = torch.device("cpu")
@@ -131,7 +131,7 @@ def test_slot_table_allocates_frees_and_coalesces() -> None:
 def runtime(tmp_path: Path) -> Iterator[Path]:
     d = Path(os.environ.get("XDG_RUNTIME_DIR", "/tmp")) / f"bf-tmq-{os.getpid()}-{time.monotonic_ns()}"
     d.mkdir(mode=0o700)
-    prepare_tensormq(d)
+    ensure_tensormq(d)
     yield d
     for p in Path("/dev/shm").glob(f"blockflow-tmq-{d.name}-*"):
         p.unlink()

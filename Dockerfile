@@ -1,0 +1,38 @@
+# BlockFlow on NVIDIA's Triton Inference Server image (docs/deploy.md):
+#   docker build -t blockflow .
+#   docker run --gpus all --shm-size=2g -p 8000-8003:8000-8003 blockflow
+# serves plans/default.yaml on every interface. The control service's token comes from
+# BLOCKFLOW_TOKEN (docker run -e BLOCKFLOW_TOKEN=...); without it a random one is written to the
+# runtime directory, whose path `blockflow serve` prints.
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.01-py3
+FROM ${TRITON_IMAGE}
+
+# The image's Python 3.12 is the one its Python-backend stub embeds, so BlockFlow goes into it
+# (PEP 668 marks it externally managed; this image is that environment's only user).
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    BLOCKFLOW_TRITON_HOME=/opt/tritonserver \
+    MPLCONFIGDIR=/tmp/matplotlib
+
+WORKDIR /opt/blockflow
+COPY pyproject.toml README.md LICENSE CHANGELOG.md ./
+COPY blockflow/ blockflow/
+COPY backend/ backend/
+COPY ensemble_gen/ ensemble_gen/
+COPY clients/ clients/
+COPY bench/ bench/
+COPY plans/ plans/
+COPY monitoring/ monitoring/
+# The server comes with the image, so not the `server` extra (the nvidia-pytriton wheel).
+RUN python3 -m pip install --no-compile . \
+    && blockflow --version
+
+# The image's unprivileged user, triton-server; runtime directories go under /tmp (or $XDG_RUNTIME_DIR).
+USER 1000:1000
+EXPOSE 8000 8001 8002 8003
+HEALTHCHECK --interval=30s --timeout=5s --start-period=15m \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4)"]
+ENTRYPOINT ["blockflow"]
+CMD ["serve", "--host", "0.0.0.0", "--plan", "/opt/blockflow/plans/default.yaml"]

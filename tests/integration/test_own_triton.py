@@ -1,0 +1,161 @@
+"""A generated repository on a tritonserver started by hand, with the script `blockflow triton-command`
+writes, in both layouts BlockFlow finds: the nvidia-pytriton wheel's, and NVIDIA's container layout
+(/opt/tritonserver, put together here from the same real binaries). TensorMQ needs no variable: the
+block processes make their private runtime directory and ticket key beside the repository's digest."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
+
+from blockflow.core import env
+from blockflow.core.runtime_dir import default_for
+from blockflow.plan import load_plan
+from blockflow.triton import access
+from blockflow.triton.install import STUB, locate
+from blockflow.triton.server import free_port, group_members
+from ensemble_gen import generator
+
+pytestmark = pytest.mark.integration
+PLAN = Path(__file__).resolve().parents[1] / "plans" / "own_triton.yaml"
+START_TIMEOUT = float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
+
+
+def container_layout(where: Path) -> Path:
+    """NVIDIA's image layout (bin/, lib/, backends/python/ with the stub inside), linked from the wheel's files."""
+    wheel = locate()
+    home = where / "opt" / "tritonserver"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "tritonserver").symlink_to(wheel.server)
+    (home / "lib").symlink_to(wheel.libs)
+    python = home / "backends" / "python"
+    python.mkdir(parents=True)
+    for f in (wheel.python_backend / "libtriton_python.so", wheel.python_backend / "triton_python_backend_utils.py", wheel.stub()):
+        (python / f.name).symlink_to(f)
+    return home
+
+
+@pytest.fixture(scope="module", params=["pytriton", "container"])
+def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path, Path]]:
+    where = tmp_path_factory.mktemp(f"own-{request.param}")
+    repo = where / "repo"
+    generator.write(generator.render(load_plan(PLAN)), repo)
+    # A short base, as a user's /run/user/<uid> is: Unix socket paths hold at most 107 bytes.
+    runtime_base = Path(tempfile.mkdtemp(prefix="bf-xdg-"))
+    # What a user's shell has: no BlockFlow variable (pytest's own process may carry some).
+    shell_env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKFLOW_")}
+    shell_env["XDG_RUNTIME_DIR"] = str(runtime_base)
+    home_args = ["--triton-home", str(container_layout(where))] if request.param == "container" else []
+    if request.param == "container":  # this one in explicit mode, its repository API behind a key
+        access.write_private(where / "admin.key", access.new_secret())
+        home_args += ["--admin-key-file", str(where / "admin.key")]
+    script = subprocess.run([sys.executable, "-m", "blockflow", "triton-command", str(repo), "--backend-dir", str(where / "be"),
+                             *home_args], capture_output=True, text=True, env=shell_env, check=True).stdout
+    assert ("--backend-directory=" + str(where / "opt" / "tritonserver" / "backends")) in script if home_args else str(where / "be") in script
+    (where / "start.sh").write_text(script)
+    port = free_port()
+    log = (where / "tritonserver.log").open("wb")
+    proc = subprocess.Popen(["sh", str(where / "start.sh"), f"--http-port={port}", f"--grpc-port={free_port()}",
+                             f"--metrics-port={free_port()}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+                             "--metrics-address=127.0.0.1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=shell_env, start_new_session=True)
+    url = f"127.0.0.1:{port}"
+    try:
+        client = http.InferenceServerClient(url)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert proc.poll() is None, (where / "tritonserver.log").read_text()[-3000:]
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:  # not listening yet
+                pass
+            assert time.monotonic() < deadline, "tritonserver did not become ready"
+            time.sleep(0.5)
+        client.close()  # an open keep-alive connection holds tritonserver's exit for --exit-timeout-secs
+        yield url, repo, runtime_base, where / "admin.key"
+    finally:
+        proc.terminate()  # as a container runtime or systemd stops it: SIGTERM to tritonserver alone
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    deadline = time.monotonic() + 30
+    while list(group_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(group_members(proc.pid)) == [], "block processes outlived the hand-started server"
+    shutil.rmtree(runtime_base, ignore_errors=True)
+
+
+def test_a_hand_started_triton_serves_tensormq_like_the_unsplit_model(own_server: tuple[str, Path, Path, Path]) -> None:
+    url, *_ = own_server
+    client = http.InferenceServerClient(url)
+    x = np.random.default_rng(7).standard_normal((3, 3, 32, 32)).astype(np.float32)
+
+    def logits(model: str) -> np.ndarray:
+        inp = http.InferInput("IMAGE", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        out = client.infer(model, [inp]).as_numpy("LOGITS")
+        assert out is not None
+        return out
+
+    split, whole = logits("split"), logits("split__ref")
+    client.close()
+    assert split.shape == (3, 10)
+    # The CPU runs both exactly alike; a GPU block folds BatchNorm into its convolutions (backend.runtime).
+    tolerance = 1e-5 if torch.cuda.is_available() else 0.0
+    assert np.abs(split - whole).max() <= tolerance
+
+
+def test_its_runtime_directory_and_key_are_private(own_server: tuple[str, Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, repo, runtime_base, _ = own_server
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_base))
+    runtime = default_for(repo)
+    assert runtime.parent == runtime_base
+    assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+    assert stat.S_IMODE((runtime / env.TMQ_DIR).stat().st_mode) == 0o700
+    key = runtime / env.TMQ_KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.stat().st_size == 32
+    assert not [p for p in runtime.iterdir() if p.name.startswith(".tmq-key-")], "a key's temporary file was left"
+
+
+def test_its_model_repository_api_loads_nothing_without_the_key(own_server: tuple[str, Path, Path, Path]) -> None:
+    url, _, _, key_file = own_server
+    client = http.InferenceServerClient(url)
+    try:
+        with pytest.raises(InferenceServerException):
+            client.load_model("trunk")
+        if key_file.exists():  # explicit mode: the key opens it
+            client.load_model("trunk", headers=access.admin_headers(access.read_secret(key_file)))
+        else:  # Triton's default mode: no key opens it
+            with pytest.raises(InferenceServerException, match="explicit"):
+                client.load_model("trunk")
+        assert client.is_model_ready("split")
+    finally:
+        client.close()
+
+
+def test_the_container_layout_is_recognised(tmp_path: Path) -> None:
+    home = container_layout(tmp_path)
+    from blockflow.triton.install import TritonInstall
+
+    install = TritonInstall(home)
+    assert install.layout == "container" and install.stub() == home / "backends" / "python" / STUB
+    assert install.stub_python() == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert install.problems() == []

@@ -1,0 +1,77 @@
+"""The container recipe and the Helm chart say what BlockFlow needs. `scripts/check_deploy.sh` lints and
+validates them with hadolint, helm and kubeconform; these tests read what `helm template` renders."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "blockflow"
+
+
+def helm() -> str:
+    found = shutil.which("helm", path=str(Path(os.environ.get("BLOCKFLOW_TOOLS", ROOT / ".tools")) / "bin")) or shutil.which("helm")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("helm is missing; scripts/test.sh builds it (scripts/check_deploy.sh) before pytest")
+        pytest.skip("no helm: run scripts/check_deploy.sh once")
+    return found
+
+
+def render(*args: str) -> dict[str, dict[str, Any]]:
+    text = subprocess.run([helm(), "template", "bf", str(CHART), *args], capture_output=True, text=True, check=True).stdout
+    return {d["kind"]: d for d in yaml.safe_load_all(text) if d}
+
+
+def test_the_chart_serves_the_default_plan_from_its_copy() -> None:
+    assert (CHART / "files" / "plan.yaml").read_text() == (ROOT / "plans" / "default.yaml").read_text(), \
+        "deploy/helm/blockflow/files/plan.yaml must be a copy of plans/default.yaml (cp it)"
+    objects = render()
+    assert objects["ConfigMap"]["data"]["plan.yaml"].strip() == (ROOT / "plans" / "default.yaml").read_text().strip()
+
+
+def test_the_pod_is_ready_with_its_models_and_scraped_on_the_metrics_port() -> None:
+    pod = render()["Deployment"]["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8002"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002, "control": 8003}
+    assert container["args"][:3] == ["serve", "--host=0.0.0.0", "--plan=/etc/blockflow/plan.yaml"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_control_token_comes_from_a_secret() -> None:
+    objects = render()
+    env = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    ref = next(e for e in env if e["name"] == "BLOCKFLOW_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": objects["Secret"]["metadata"]["name"], "key": "token"}
+    own = render("--set", "controlToken.existingSecret=mine", "--set", "controlToken.key=bearer")
+    assert "Secret" not in own
+    assert own["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "bearer"}
+
+
+def test_a_new_plan_rolls_the_pods_and_unknown_values_are_refused() -> None:
+    def checksum(*args: str) -> str:
+        return str(render(*args)["Deployment"]["spec"]["template"]["metadata"]["annotations"]["checksum/plan"])
+
+    assert checksum() != checksum("--set-file", f"plan={ROOT / 'tests' / 'plans' / 'one_block.yaml'}")
+    res = subprocess.run([helm(), "template", "bf", str(CHART), "--set", "replicas=2"], capture_output=True, text=True, check=False)
+    assert res.returncode != 0 and "additional properties 'replicas' not allowed" in res.stderr
+
+
+def test_the_image_installs_every_package_the_wheel_has() -> None:
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    copied = set(re.findall(r"^COPY (\S+)/ ", (ROOT / "Dockerfile").read_text(), flags=re.M))
+    assert {p.split(".")[0] for p in packages} <= copied

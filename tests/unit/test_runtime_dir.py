@@ -1,0 +1,72 @@
+"""A runtime directory and TensorMQ key are made private or refused (blockflow.core.runtime_dir)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import stat
+from pathlib import Path
+
+import pytest
+
+from blockflow.core import env
+from blockflow.core.errors import EnvironmentProblem
+from blockflow.core.runtime_dir import MAX_CHARS, default_for, ensure_tensormq, locate, private_dir, read_key
+
+
+def test_the_default_is_one_directory_per_user_and_repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(env.RUNTIME_DIR, raising=False)
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert default_for(a) == default_for(tmp_path / "x" / ".." / "a") != default_for(b)
+    made = locate(a)
+    assert made == default_for(a) and stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert locate(a) == made  # found again, as every block process of one server finds it
+
+
+def test_a_named_directory_is_used_but_not_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.RUNTIME_DIR, str(tmp_path / "absent"))
+    with pytest.raises(EnvironmentProblem, match="missing"):
+        locate(tmp_path)
+
+
+def test_a_directory_others_can_open_or_a_link_is_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    with pytest.raises(EnvironmentProblem, match="open to other users"):
+        private_dir(open_dir)
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(EnvironmentProblem, match="not a directory"):
+        private_dir(tmp_path / "link")
+
+
+def test_a_path_too_long_for_a_unix_socket_is_refused_up_front(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * max(1, MAX_CHARS - len(str(tmp_path))))
+    deep.mkdir(mode=0o700)
+    with pytest.raises(EnvironmentProblem, match="too long"):
+        ensure_tensormq(deep)
+
+
+def _make_key(runtime: str) -> bytes:
+    ensure_tensormq(Path(runtime))
+    return read_key(Path(runtime))
+
+
+def test_block_processes_starting_together_agree_on_one_key(tmp_path: Path) -> None:
+    runtime = private_dir(tmp_path / "rt")
+    with mp.get_context("spawn").Pool(4) as pool:
+        keys = pool.map(_make_key, [str(runtime)] * 8)
+    assert len(set(keys)) == 1 and len(keys[0]) == 32
+    key = runtime / env.TMQ_KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert sorted(p.name for p in runtime.iterdir()) == sorted([env.TMQ_KEY_FILE, env.TMQ_DIR])  # no temporary key left
+
+
+def test_a_key_others_can_read_is_refused(tmp_path: Path) -> None:
+    runtime = private_dir(tmp_path / "rt")
+    ensure_tensormq(runtime)
+    (runtime / env.TMQ_KEY_FILE).chmod(0o644)
+    with pytest.raises(EnvironmentProblem, match="mode 600"):
+        read_key(runtime)
