@@ -56,8 +56,9 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     generator.write(generator.render(load_plan(PLAN)), repo)
     # A short base, as a user's /run/user/<uid> is: Unix socket paths hold at most 107 bytes.
     runtime_base = Path(tempfile.mkdtemp(prefix="bf-xdg-"))
-    # What a user's shell has: no BlockFlow variable (pytest's own process may carry some).
-    shell_env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKFLOW_")}
+    # What a user's shell has: none of the variables `blockflow serve` gives its server (an operator's
+    # own, such as BLOCKFLOW_TRITON_HOME on the GPU machine, stay).
+    shell_env = {k: v for k, v in os.environ.items() if k not in (env.RUNTIME_DIR, env.PYTHONPATH)}
     shell_env["XDG_RUNTIME_DIR"] = str(runtime_base)
     home_args = ["--triton-home", str(container_layout(where))] if request.param == "container" else []
     if request.param == "container":  # this one in explicit mode, its repository API behind a key
