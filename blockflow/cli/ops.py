@@ -26,20 +26,33 @@ from blockflow.core.errors import PlanError
 @click.option("--admin-key-file", type=click.Path(path_type=Path), default=None,
               help="With --triton-grpc-url: the key of Triton's restricted model-repository API (blockflow serve writes it to "
                    "<runtime dir>/admin.key).")
+@click.option("--fleet", default=None, metavar="URL,URL,...",
+              help="Apply to these control services one at a time (the first is the canary) instead of --url; if one "
+                   "fails, those already changed go back to their previous plan. One token for all.")
+@click.option("--fleet-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="As --fleet, one control-service URL per line (# starts a comment).")
 def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_url: str | None, repository: Path | None,
-          admin_key_file: Path | None) -> None:
-    """Make a running server serve PLAN, without stopping it.
+          admin_key_file: Path | None, fleet: str | None, fleet_file: Path | None) -> None:
+    """Make a running server, or a fleet of them, serve PLAN, without stopping it.
 
     New and changed blocks load first, then the ensembles that use them; removed tasks and
     the blocks no task needs any more are unloaded last. If a load fails, the previous plan
-    is restored and keeps serving every task.
+    is restored and keeps serving every task. A fleet is checked whole, then changed one
+    server at a time, and rolled back whole if one server fails.
     """
-    import os
 
     from blockflow.core.errors import ApplyError
     from blockflow.plan import load_plan
 
     p = load_plan(plan)  # a bad plan is refused here, before anything is sent
+    if fleet is not None or fleet_file is not None:
+        if triton_url is not None:
+            raise click.UsageError("--fleet goes through the servers' control services, not --triton-grpc-url")
+        urls = [u.strip() for u in (fleet or "").split(",") if u.strip()]
+        if fleet_file is not None:
+            urls += [line.split("#", 1)[0].strip() for line in fleet_file.read_text().splitlines() if line.split("#", 1)[0].strip()]
+        _apply_fleet(plan, urls, _token(token_file), dry_run)
+        return
     if triton_url is not None:
         from blockflow.control.apply import Applier
 
@@ -55,9 +68,7 @@ def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_u
     else:
         import httpx
 
-        token = read_secret(token_file, "--token-file") if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", "")
-        if not token:
-            raise click.UsageError("give the control service's token with --token-file or $BLOCKFLOW_TOKEN")
+        token = _token(token_file)
         try:
             r = httpx.post(f"{url.rstrip('/')}/plan", params={"dry_run": str(dry_run).lower()}, content=plan.read_bytes(),
                            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/yaml"}, timeout=1800)
@@ -77,6 +88,32 @@ def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_u
         out.print("(dry run: nothing changed)")
     elif steps:
         out.print(f"[green]applied[/] {p.raw.name!r} in {seconds:.1f} s")
+
+
+def _token(token_file: Path | None) -> str:
+    import os
+
+    token = read_secret(token_file, "--token-file") if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", "")
+    if not token:
+        raise click.UsageError("give the control service's token with --token-file or $BLOCKFLOW_TOKEN")
+    return token
+
+
+def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool) -> None:
+    from blockflow.control.fleet import apply_fleet, succeeded
+    from blockflow.core.errors import ApplyError
+
+    outcomes = apply_fleet(plan.read_text(), urls, token, dry_run=dry_run,
+                           log=lambda m: err.print(m, markup=False, highlight=False))
+    table = Table(title=f"fleet: {plan}")
+    for col in ("server", "result", "s", "changes / error"):
+        table.add_column(col)
+    for o in outcomes:
+        table.add_row(o.url, o.state, f"{o.seconds:.1f}", o.error or "; ".join(o.lines) or "-")
+    out.print(table)
+    if not succeeded(outcomes):
+        raise ApplyError("the plan was not applied to the fleet: " + "; ".join(f"{o.url} {o.state}" for o in outcomes if o.state != "not reached"))
+    out.print("(dry run: nothing changed)" if dry_run else f"[green]applied[/] to {len(outcomes)} server(s)")
 
 
 @app.command()

@@ -1,0 +1,146 @@
+"""One plan on several servers: ``blockflow apply --fleet``, through each server's control service.
+
+The rules, in order:
+
+1. **Nothing changes until every server agrees.** Each is asked for the plan it serves
+   (``GET /plan``, which also checks the token) and to check the new one (``POST /plan?dry_run=true``:
+   the server's own limits, weights directories and GPUs). If any cannot, no server is changed.
+2. **One server at a time**, in the order given; the first is the canary. Each applies the plan
+   with its own guarantees (loads before unloads; a failed load restores its previous plan), so
+   the others keep serving the previous plan meanwhile.
+3. **A failure rolls the fleet back.** The servers already changed get back the plan text they
+   served before (from step 1), newest first; those not reached were never changed. The fleet
+   ends on the previous plan everywhere, or the report says which server could not get it back.
+4. **A report per server**: what happened there, the changes, the seconds, the error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from blockflow.core.errors import ApplyError
+
+# What happened on one server.
+UNCHANGED = "unchanged"  # it already served the plan
+APPLIED = "applied"
+FAILED = "failed"  # its own apply failed (it restored its previous plan itself)
+ROLLED_BACK = "rolled back"  # applied, then given its previous plan back after another server failed
+ROLLBACK_FAILED = "rollback failed"
+NOT_REACHED = "not reached"  # the fleet stopped before this server
+CHECKED = "checked"  # a dry run passed
+
+
+@dataclass
+class ServerOutcome:
+    url: str
+    state: str = NOT_REACHED
+    lines: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+    previous_name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "state": self.state, "lines": self.lines, "seconds": round(self.seconds, 3),
+                "error": self.error, "previous_plan": self.previous_name}
+
+
+class _Control:
+    """The control service of one ``blockflow serve``."""
+
+    def __init__(self, url: str, token: str, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            r = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ApplyError(f"cannot reach the control service at {self.url}: {exc}") from None
+        body: dict[str, Any] = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
+        if r.status_code != 200:
+            issues = "; ".join(f"{i.get('loc')}: {i.get('message')}" for i in body.get("issues") or [])
+            raise ApplyError(f"{issues or body.get('error') or body.get('detail') or r.text} (HTTP {r.status_code})")
+        return body
+
+    def current(self) -> dict[str, Any]:
+        return self._call("GET", "/plan")
+
+    def post(self, text: str, dry_run: bool = False) -> dict[str, Any]:
+        return self._call("POST", "/plan", params={"dry_run": str(dry_run).lower()}, content=text.encode(),
+                          headers={"Content-Type": "application/yaml"})
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = False, timeout: float = 1800.0,
+                log: Callable[[str], None] = lambda _: None) -> list[ServerOutcome]:
+    """Apply the plan ``text`` to the servers at ``urls`` (control-service URLs) by the rules above.
+
+    Returns one outcome per server, in order; raises nothing for a server's failure (the outcomes
+    say it), only :class:`ApplyError` when ``urls`` is empty or repeats a server.
+    """
+    if not urls:
+        raise ApplyError("no servers given for the fleet")
+    if len({u.rstrip("/") for u in urls}) != len(urls):
+        raise ApplyError("a server is named twice in the fleet")
+    servers = [_Control(u, token, timeout) for u in urls]
+    outcomes = [ServerOutcome(s.url) for s in servers]
+    previous: list[str | None] = [None] * len(servers)
+    try:
+        for i, (s, o) in enumerate(zip(servers, outcomes, strict=True)):  # rule 1
+            try:
+                now = s.current()
+                previous[i], o.previous_name = now.get("text"), now.get("name")
+                report = s.post(text, dry_run=True)
+            except ApplyError as exc:
+                o.state, o.error = FAILED, f"refused before any change: {exc}"
+                log(f"{s.url}: {o.error}; no server was changed")
+                return outcomes
+            o.state, o.lines = CHECKED, report["lines"]
+        if dry_run:
+            return outcomes
+        for i, (s, o) in enumerate(zip(servers, outcomes, strict=True)):  # rule 2
+            log(f"{s.url}: applying ({i + 1} of {len(servers)})")
+            t0 = time.monotonic()
+            try:
+                report = s.post(text)
+            except ApplyError as exc:
+                o.state, o.error, o.seconds = FAILED, str(exc), time.monotonic() - t0
+                log(f"{s.url}: failed: {exc}; rolling back the {i} server(s) already changed")
+                _roll_back(servers[:i], outcomes[:i], previous[:i], log)  # rule 3
+                for later in outcomes[i + 1:]:
+                    later.state = NOT_REACHED
+                return outcomes
+            o.state = APPLIED if report["steps"] else UNCHANGED
+            o.lines, o.seconds = report["lines"], time.monotonic() - t0
+        return outcomes
+    finally:
+        for s in servers:
+            s.close()
+
+
+def _roll_back(servers: Sequence[_Control], outcomes: Sequence[ServerOutcome], previous: Sequence[str | None],
+               log: Callable[[str], None]) -> None:
+    for s, o, text in reversed(list(zip(servers, outcomes, previous, strict=True))):
+        if o.state == UNCHANGED:
+            continue  # it served this plan before: nothing to undo
+        if text is None:
+            o.state, o.error = ROLLBACK_FAILED, "the server kept no previous plan to go back to"
+            continue
+        try:
+            s.post(text)
+            o.state = ROLLED_BACK
+            log(f"{s.url}: back on its previous plan {o.previous_name!r}")
+        except ApplyError as exc:
+            o.state, o.error = ROLLBACK_FAILED, str(exc)
+            log(f"{s.url}: could not go back to its previous plan: {exc}")
+
+
+def succeeded(outcomes: Sequence[ServerOutcome]) -> bool:
+    return all(o.state in (APPLIED, UNCHANGED, CHECKED) for o in outcomes)
