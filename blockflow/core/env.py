@@ -3,7 +3,9 @@
 Written once here because two kinds of process read them: ``blockflow serve`` sets them when it
 starts ``tritonserver``, and every block process (Triton's Python stub) reads them back.
 
-The runtime directory (0700, one per ``tritonserver``, under ``$XDG_RUNTIME_DIR`` or the temp dir)::
+The runtime directory (0700, one per ``tritonserver``, under ``$XDG_RUNTIME_DIR`` or the temp dir;
+made by ``blockflow serve``, or by the block processes of a hand-started server: see
+:mod:`blockflow.core.runtime_dir`)::
 
     <runtime>/
         admin.key            the key of Triton's restricted APIs (0600)
