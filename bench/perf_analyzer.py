@@ -10,6 +10,7 @@ from typing import Any
 
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.doctor import perf_analyzer_path
+from blockflow.triton.install import perf_analyzer_env
 
 INPUTS = ("host", "cuda-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
@@ -37,12 +38,12 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
             cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson", "--max-threads", "64"]
         else:
             cmd += ["--concurrency-range", str(concurrency or 1)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, env=perf_analyzer_env())
         unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
         if unstable:
             # A busy or noisy machine: take the last window as it is, and say so in the results.
             res = subprocess.run(cmd + ["--stability-percentage", "1000", "--max-trials", "3"],
-                                 capture_output=True, text=True, timeout=600, check=False)
+                                 capture_output=True, text=True, timeout=600, check=False, env=perf_analyzer_env())
         if res.returncode != 0:
             return {"error": 1.0, "message": ((res.stderr or res.stdout).strip().splitlines() or ["?"])[-1]}
         rows = list(csv.DictReader(open(f.name)))

@@ -15,9 +15,10 @@ import click
 from rich.console import Console
 
 from blockflow.core import env
-from blockflow.core.errors import BlockFlowError, PlanError
+from blockflow.core.errors import BlockFlowError, EnvironmentProblem, PlanError
+from blockflow.core.shipped import shipped
 
-DEFAULT_PLAN = Path(__file__).resolve().parents[2] / "plans" / "default.yaml"
+DEFAULT_PLAN = shipped("plans/default.yaml")
 
 # Piped output (files, CI logs) gets wide tables instead of 80 columns of wrapped cells.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 220)
@@ -65,6 +66,16 @@ def read_secret(path: Path, flag: str) -> str:
         raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=flag) from None
 
 
+# Top-level modules of the optional dependencies (pyproject.toml), and the extra that brings each.
+_EXTRAS = {**dict.fromkeys(("torch", "torchvision", "zmq", "fastapi", "uvicorn", "psutil", "pynvml", "safetensors",
+                            "prometheus_client", "matplotlib", "google"), "runtime"),
+           "pytriton": "server", "cuda": "client"}
+
+
+def _extra_for(module: str) -> str | None:
+    return _EXTRAS.get(module.split(".")[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turning every expected error into one clear message."""
     if argv is None and len(sys.argv) == 1:
@@ -87,6 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     except BlockFlowError as exc:
         err.print(f"blockflow: error: {exc}", markup=False, highlight=False)
         sys.exit(exc.exit_code)
+    except ModuleNotFoundError as exc:
+        extra = _extra_for(exc.name or "")
+        if extra is None:
+            raise  # not an optional dependency: a bug, keep its traceback
+        err.print(f"blockflow: error: this needs {exc.name}, which comes with the {extra!r} extra: "
+                  f"pip install 'blockflow[{extra}]'", markup=False, highlight=False)
+        sys.exit(EnvironmentProblem.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -177,9 +177,10 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
                 cuda_pool_mb: int) -> None:
     """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""
     from blockflow.core.nvml import gpu_count
+    from blockflow.core.shipped import shipped
     from blockflow.plan import load_plan, memory
 
-    default_cal = Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "memory_calibration.json"
+    default_cal = shipped("bench/results/h100/memory_calibration.json")
     cal_path = calibration or (default_cal if default_cal.is_file() else None)
     cal = memory.Calibration.load(cal_path) if cal_path else memory.Calibration()
     out.print(f"calibration: {cal.source} (process {cal.process_mib:.0f} MiB, activation factor {cal.activation_factor:.2f}, "

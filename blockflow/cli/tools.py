@@ -9,10 +9,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from blockflow.cli.app import TRITON_HOME, app, out_console
+from blockflow.core.shipped import shipped
 
 
 @app.command()
-@click.option("--plan", type=click.Path(path_type=Path), default=Path("plans/bench_r50.yaml"), show_default=True,
+@click.option("--plan", type=click.Path(path_type=Path), default=shipped("plans/bench_r50.yaml"), show_default="plans/bench_r50.yaml",
               help="Plan whose first task is measured on every transport, with its monolithic references.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for results.json, report.md and the plots.")
 @click.option("--quick", is_flag=True, help="Fewer, shorter points: a few minutes on a CPU machine.")
@@ -99,3 +100,19 @@ def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         backend_dir = cache / "blockflow" / "triton-backends"
     click.echo(standalone_script(locate(), repository, backend_dir, list(tritonserver_args), admin_key_file), nl=False)
+
+
+@app.command("perf-analyzer", context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def perf_analyzer(args: tuple[str, ...]) -> None:
+    """Run Triton's perf_analyzer (from tritonclient) with the libraries it needs; every argument goes to it."""
+    import os
+
+    from blockflow.core.errors import EnvironmentProblem
+    from blockflow.triton.doctor import perf_analyzer_path
+    from blockflow.triton.install import perf_analyzer_env
+
+    pa = perf_analyzer_path()
+    if pa is None:
+        raise EnvironmentProblem("perf_analyzer not found; fix: pip install 'blockflow[client]'")
+    os.execve(pa, [pa, *args], perf_analyzer_env())

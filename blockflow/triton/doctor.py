@@ -12,7 +12,7 @@ from pathlib import Path
 from blockflow import __version__
 from blockflow.core import nvml
 from blockflow.core.errors import EnvironmentProblem
-from blockflow.triton.install import locate
+from blockflow.triton.install import locate, perf_analyzer_env
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,12 @@ def _triton_checks() -> list[Check]:
     if pa is None:
         rows.append(Check("perf_analyzer", False, "not on PATH; fix: pip install 'tritonclient[all]==2.50.0' (ships the binary)"))
     else:
-        res = subprocess.run([pa, "--version"], capture_output=True, text=True, check=False)
+        # As BlockFlow runs it (`blockflow perf-analyzer`, the benchmarks): with the server's libraries.
+        res = subprocess.run([pa, "--version"], capture_output=True, text=True, check=False, env=perf_analyzer_env())
         text = (res.stdout + res.stderr).strip().splitlines()
         ok = res.returncode == 0 or "error while loading shared libraries" not in (res.stdout + res.stderr)
-        rows.append(Check("perf_analyzer", ok, pa if ok else f"{pa}: {text[-1] if text else 'does not run'}; fix: ./scripts/setup.sh"))
+        rows.append(Check("perf_analyzer", ok, f"{pa} (run it as `blockflow perf-analyzer ...`)" if ok else
+                          f"{pa}: {text[-1] if text else 'does not run'}; fix: pip install 'blockflow[server]' (its libraries)"))
     return rows
 
 

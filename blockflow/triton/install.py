@@ -204,3 +204,28 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
     lines.append(" ".join(["exec", shlex.quote(str(install.server)), *map(shlex.quote, args)]) + restricted + ' "$@"')
     return "\n".join(lines) + "\n"
 
+
+
+def perf_analyzer_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment ``perf_analyzer`` from the tritonclient wheel runs in.
+
+    It wants ``libb64.so.0d`` and ``libcudart.so.12`` by those names; the nvidia-pytriton wheel
+    carries both under mangled ones (``libb64-<hash>.so.0d``). A directory of links with the plain
+    names (in the user's cache) goes first on ``LD_LIBRARY_PATH``. Without a Triton install the
+    environment is returned as it is.
+    """
+    env = dict(os.environ if base is None else base)
+    try:
+        libs = locate().libs
+    except EnvironmentProblem:
+        return env
+    links = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blockflow" / "perf-analyzer-libs"
+    links.mkdir(parents=True, exist_ok=True)
+    for plain, pattern in (("libb64.so.0d", "libb64-*.so.0d"), ("libcudart.so.12", "libcudart-*.so.12*")):
+        found = sorted(libs.glob(pattern))
+        link = links / plain
+        if found and not (link.is_symlink() and link.resolve() == found[0].resolve()):
+            link.unlink(missing_ok=True)
+            link.symlink_to(found[0])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(links), str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
