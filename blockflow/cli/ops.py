@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 from rich.console import Group
 from rich.table import Table
 
 from blockflow.cli.app import PLAN, app, err, out, read_secret
-from blockflow.core.errors import PlanError
 
 
 @app.command()
@@ -40,17 +38,16 @@ def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_u
     is restored and keeps serving every task. A fleet is checked whole, then changed one
     server at a time, and rolled back whole if one server fails.
     """
-
-    from blockflow.core.errors import ApplyError
     from blockflow.plan import load_plan
 
     p = load_plan(plan)  # a bad plan is refused here, before anything is sent
     if fleet is not None or fleet_file is not None:
         if triton_url is not None:
             raise click.UsageError("--fleet goes through the servers' control services, not --triton-grpc-url")
-        urls = [u.strip() for u in (fleet or "").split(",") if u.strip()]
+        urls = (fleet or "").split(",")
         if fleet_file is not None:
-            urls += [line.split("#", 1)[0].strip() for line in fleet_file.read_text().splitlines() if line.split("#", 1)[0].strip()]
+            urls += [line.split("#", 1)[0] for line in fleet_file.read_text().splitlines()]
+        urls = [u.strip() for u in urls if u.strip()]
         _apply_fleet(plan, urls, _token(token_file), dry_run)
         return
     if triton_url is not None:
@@ -66,21 +63,10 @@ def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_u
             applier.close()
         lines, steps, seconds = report.diff.lines(), report.steps, report.seconds
     else:
-        import httpx
+        from blockflow.control.client import ControlClient
 
-        token = _token(token_file)
-        try:
-            r = httpx.post(f"{url.rstrip('/')}/plan", params={"dry_run": str(dry_run).lower()}, content=plan.read_bytes(),
-                           headers={"Authorization": f"Bearer {token}", "Content-Type": "application/yaml"}, timeout=1800)
-        except httpx.HTTPError as exc:
-            raise ApplyError(f"cannot reach the control service at {url}: {exc}") from None
-        body: dict[str, Any] = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
-        if r.status_code == 422 and body.get("issues"):
-            from blockflow.core.errors import PlanIssue
-
-            raise PlanError([PlanIssue(i["loc"], i["message"]) for i in body["issues"]], f"{plan} (refused by the server)")
-        if r.status_code != 200:
-            raise ApplyError(f"{body.get('error') or body.get('detail') or r.text} (HTTP {r.status_code})")
+        with ControlClient(url, _token(token_file)) as control:
+            body = control.post(plan.read_text(), dry_run=dry_run, source=f"{plan} (refused by the server)")
         lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
     for line in lines:
         out.print(line, markup=False, highlight=False)

@@ -19,11 +19,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import httpx
-
-from blockflow.core.errors import ApplyError
+from blockflow.control.client import ControlClient
+from blockflow.core.errors import ApplyError, BlockFlowError
 
 # What happened on one server.
 UNCHANGED = "unchanged"  # it already served the plan
@@ -44,39 +42,6 @@ class ServerOutcome:
     error: str = ""
     previous_name: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "state": self.state, "lines": self.lines, "seconds": round(self.seconds, 3),
-                "error": self.error, "previous_plan": self.previous_name}
-
-
-class _Control:
-    """The control service of one ``blockflow serve``."""
-
-    def __init__(self, url: str, token: str, timeout: float) -> None:
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        try:
-            r = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise ApplyError(f"cannot reach the control service at {self.url}: {exc}") from None
-        body: dict[str, Any] = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
-        if r.status_code != 200:
-            issues = "; ".join(f"{i.get('loc')}: {i.get('message')}" for i in body.get("issues") or [])
-            raise ApplyError(f"{issues or body.get('error') or body.get('detail') or r.text} (HTTP {r.status_code})")
-        return body
-
-    def current(self) -> dict[str, Any]:
-        return self._call("GET", "/plan")
-
-    def post(self, text: str, dry_run: bool = False) -> dict[str, Any]:
-        return self._call("POST", "/plan", params={"dry_run": str(dry_run).lower()}, content=text.encode(),
-                          headers={"Content-Type": "application/yaml"})
-
-    def close(self) -> None:
-        self.http.close()
-
 
 def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = False, timeout: float = 1800.0,
                 log: Callable[[str], None] = lambda _: None) -> list[ServerOutcome]:
@@ -89,7 +54,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
         raise ApplyError("no servers given for the fleet")
     if len({u.rstrip("/") for u in urls}) != len(urls):
         raise ApplyError("a server is named twice in the fleet")
-    servers = [_Control(u, token, timeout) for u in urls]
+    servers = [ControlClient(u, token, timeout) for u in urls]
     outcomes = [ServerOutcome(s.url) for s in servers]
     previous: list[str | None] = [None] * len(servers)
     try:
@@ -98,7 +63,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
                 now = s.current()
                 previous[i], o.previous_name = now.get("text"), now.get("name")
                 report = s.post(text, dry_run=True)
-            except ApplyError as exc:
+            except BlockFlowError as exc:  # unreachable, a bad token, or the plan refused
                 o.state, o.error = FAILED, f"refused before any change: {exc}"
                 log(f"{s.url}: {o.error}; no server was changed")
                 return outcomes
@@ -110,7 +75,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             t0 = time.monotonic()
             try:
                 report = s.post(text)
-            except ApplyError as exc:
+            except BlockFlowError as exc:
                 o.state, o.error, o.seconds = FAILED, str(exc), time.monotonic() - t0
                 log(f"{s.url}: failed: {exc}; rolling back the {i} server(s) already changed")
                 _roll_back(servers[:i], outcomes[:i], previous[:i], log)  # rule 3
@@ -125,7 +90,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             s.close()
 
 
-def _roll_back(servers: Sequence[_Control], outcomes: Sequence[ServerOutcome], previous: Sequence[str | None],
+def _roll_back(servers: Sequence[ControlClient], outcomes: Sequence[ServerOutcome], previous: Sequence[str | None],
                log: Callable[[str], None]) -> None:
     for s, o, text in reversed(list(zip(servers, outcomes, previous, strict=True))):
         if o.state == UNCHANGED:
@@ -137,7 +102,7 @@ def _roll_back(servers: Sequence[_Control], outcomes: Sequence[ServerOutcome], p
             s.post(text)
             o.state = ROLLED_BACK
             log(f"{s.url}: back on its previous plan {o.previous_name!r}")
-        except ApplyError as exc:
+        except BlockFlowError as exc:
             o.state, o.error = ROLLBACK_FAILED, str(exc)
             log(f"{s.url}: could not go back to its previous plan: {exc}")
 
