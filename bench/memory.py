@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.harness import device_name, gpu_used_mib, rendered
 from blockflow.plan import load_plan, memory
+from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
 from ensemble_gen.generator import reference_spec
 
@@ -150,7 +151,7 @@ def _references(plan: Plan, cal: Calibration) -> list[Process]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cuda-pool-mb", type=int, default=2048)
+    ap.add_argument("--cuda-pool-mb", type=int, default=CUDA_POOL_MB)
     ap.add_argument("--plans", nargs="*", default=["plans/default.yaml", "plans/default_fused.yaml", "plans/bench_r50.yaml",
                                                    "tests/plans/fused.yaml", "tests/plans/r18_three_cuts.yaml"])
     ap.add_argument("--skip-breakdown", action="store_true")

@@ -35,6 +35,7 @@ from blockflow.core import nvml
 from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import load_plan, memory, parse_plan
+from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
 from clients.load import LoadSpec, run_load, summarize
 
@@ -193,7 +194,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="of traditional, fused, packed, packed2")
     ap.add_argument("--clients", default="1,16", help="closed-loop client counts")
     ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--cuda-pool-mb", type=int, default=2048)
+    ap.add_argument("--cuda-pool-mb", type=int, default=CUDA_POOL_MB)
     ap.add_argument("--mps", action="store_true", help="block processes as clients of a private MPS daemon (as `blockflow serve --mps`)")
     ap.add_argument("--calibration", type=Path, default=ROOT / "bench" / "results" / "h100" / "memory_calibration.json")
     args = ap.parse_args()

@@ -26,6 +26,7 @@ from bench.nvml import GpuSampler
 from bench.timeline import read_traces
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import load_plan
+from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
 from ensemble_gen import generator
 
@@ -110,7 +111,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", nargs="*", default=["b0", "b0__triton_gpu", "r50__ref", "r50__ref_graph"])
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--cuda-pool-mb", type=int, default=2048)
+    ap.add_argument("--cuda-pool-mb", type=int, default=CUDA_POOL_MB)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     repo = Path(tempfile.mkdtemp(prefix="bench-stubmem-repo-"))

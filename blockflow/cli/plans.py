@@ -10,6 +10,7 @@ import click
 from rich.table import Table
 
 from blockflow.cli.app import PLAN, app, err, out
+from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
     from blockflow.plan import Plan
@@ -172,7 +173,7 @@ def generate(plan: Path, output: Path, check: bool) -> None:
 @click.option("--scenarios", "arch", type=click.Choice(["resnet50", "resnet152"]), default=None,
               help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
 @click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
-@click.option("--cuda-pool-mb", type=click.IntRange(0), default=2048, show_default=True, help="Triton's CUDA pool per GPU, as `serve` sets it.")
+@click.option("--cuda-pool-mb", type=click.IntRange(0), default=CUDA_POOL_MB, show_default=True, help="Triton's CUDA pool per GPU, as `serve` sets it.")
 def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, arch: str | None, n_tasks: int,
                 cuda_pool_mb: int) -> None:
     """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from blockflow.cli.app import DEFAULT_PLAN, PORT, TRITON_HOME, app, err, out, read_secret
+from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
     from blockflow.control.serve import Service
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 @click.option("--metrics-port", type=PORT, default=8002, show_default=True)
 @click.option("--repository", type=click.Path(path_type=Path), default=None, help="Where to generate the repository (default: a private runtime dir).")
 @click.option("--timeout", type=click.FloatRange(1), default=900.0, show_default=True, help="Seconds to wait for every model to load.")
-@click.option("--cuda-pool-mb", type=click.IntRange(64), default=2048, show_default=True,
+@click.option("--cuda-pool-mb", type=click.IntRange(64), default=CUDA_POOL_MB, show_default=True,
               help="Triton's CUDA memory pool per GPU; GPU activations between blocks travel through it.")
 @click.option("--control-port", type=click.IntRange(0, 65535), default=8003, show_default=True,
               help="Port of the control service (POST /plan …) on --host; 0 turns it off.")

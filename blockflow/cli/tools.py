@@ -71,8 +71,6 @@ def doctor() -> None:
         raise click.exceptions.Exit(1)
 
 
-
-
 @app.command("triton-command", context_settings={"ignore_unknown_options": True})
 @click.argument("repository", type=click.Path(path_type=Path, file_okay=False, exists=True))
 @click.argument("tritonserver_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRITONSERVER FLAGS]")
@@ -92,14 +90,10 @@ def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend
     blockflow generate plans/default.yaml -o repo
     blockflow triton-command repo > start-triton.sh && sh start-triton.sh --http-port=8000
     """
-    import os
+    from blockflow.triton.install import locate, standalone_script, user_cache
 
-    from blockflow.triton.install import locate, standalone_script
-
-    if backend_dir is None:
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        backend_dir = cache / "blockflow" / "triton-backends"
-    click.echo(standalone_script(locate(), repository, backend_dir, list(tritonserver_args), admin_key_file), nl=False)
+    backends = backend_dir or user_cache() / "triton-backends"
+    click.echo(standalone_script(locate(), repository, backends, list(tritonserver_args), admin_key_file), nl=False)
 
 
 @app.command("perf-analyzer", context_settings={"ignore_unknown_options": True, "help_option_names": []})

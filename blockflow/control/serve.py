@@ -28,6 +28,7 @@ from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import Plan, load_plan
 from blockflow.triton.access import write_private
+from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer, check_port, make_runtime_dir
 from ensemble_gen import generator
 
@@ -46,7 +47,7 @@ class ServeOptions:
     metrics_port: int = 8002
     repository: Path | None = None  # default: <runtime dir>/model_repository
     timeout: float = 900.0  # every model loaded at start-up
-    cuda_pool_mb: int = 2048
+    cuda_pool_mb: int = CUDA_POOL_MB
     control_port: int = 8003  # 0: no control service
     token: str = ""  # the control service's bearer token (required when control_port is set)
     token_file: Path | None = None  # where the token is kept; default: <runtime dir>/control.token, written here

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Triton's CUDA memory pool per GPU, in MiB, unless --cuda-pool-mb says otherwise (why it is this
+# large: blockflow.triton.server.ServerOptions.cuda_pool_mb).
+CUDA_POOL_MB = 2048
+
 # Flags of tritonserver that BlockFlow sets itself: how the server finds and loads the generated
 # models, where it listens, and which APIs need the admin key. A pass-through argument may not
 # change them (the restricted APIs above all: the model-control API runs the caller's code).

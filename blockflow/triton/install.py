@@ -36,6 +36,7 @@ from blockflow.core import env as blockflow_env
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.nvml import gpu_count
 from blockflow.triton.access import restricted_args as access_args
+from blockflow.triton.flags import CUDA_POOL_MB
 
 HOME_ENV = blockflow_env.TRITON_HOME
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -146,17 +147,32 @@ def stub_pythonpath() -> list[str]:
     return list(dict.fromkeys(roots))
 
 
+def user_cache() -> Path:
+    """BlockFlow's directory in the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blockflow"
+
+
+def stub_environment(install: TritonInstall) -> tuple[dict[str, str], dict[str, str]]:
+    """What ``tritonserver``'s Python stubs need, whoever starts it: directories to put first on
+    ``PATH``-like variables, and variables to set."""
+    first = {"PATH": str(Path(sys.executable).parent), "LD_LIBRARY_PATH": str(install.libs)}
+    fixed = {
+        blockflow_env.PYTHONPATH: os.pathsep.join(stub_pythonpath()),  # read by every generated model.py
+        # A stub importing model.py would write 1/__pycache__/ into the repository; Triton then sees the
+        # model as modified and reloads it whenever a model that depends on it is loaded (blockflow apply).
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    return first, fixed
+
+
 def server_env(install: TritonInstall, runtime_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(install.libs), env.get("LD_LIBRARY_PATH", "")] if p)
-    roots = os.pathsep.join(stub_pythonpath())
-    env["PYTHONPATH"] = roots
-    env[blockflow_env.PYTHONPATH] = roots  # read by every generated model.py (see ensemble_gen.generator)
+    first, fixed = stub_environment(install)
+    for name, value in first.items():
+        env[name] = os.pathsep.join(p for p in (value, env.get(name, "")) if p)
+    env.update(fixed)
+    env["PYTHONPATH"] = fixed[blockflow_env.PYTHONPATH]
     env["PYTHONUNBUFFERED"] = "1"
-    # A stub importing model.py would write 1/__pycache__/ into the repository; Triton then sees the
-    # model as modified and reloads it whenever a model that depends on it is loaded (blockflow apply).
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     env[blockflow_env.RUNTIME_DIR] = str(runtime_dir)
     return env
 
@@ -174,36 +190,29 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
     from the repository's path (:mod:`blockflow.core.runtime_dir`).
     """
     backends = prepare_backend_dir(install, backend_base)
-    roots = os.pathsep.join(stub_pythonpath())
     # Only what the stub needs; PATH and LD_LIBRARY_PATH keep what the shell has after ours.
-    keep = '"${%s:+:$%s}"'
-    exports = [
-        f"PATH={shlex.quote(str(Path(sys.executable).parent))}{keep % ('PATH', 'PATH')}",
-        f"LD_LIBRARY_PATH={shlex.quote(str(install.libs))}{keep % ('LD_LIBRARY_PATH', 'LD_LIBRARY_PATH')}",
-        f"{blockflow_env.PYTHONPATH}={shlex.quote(roots)}",
-        "PYTHONDONTWRITEBYTECODE=1",
-    ]
+    first, fixed = stub_environment(install)
+    exports = [f'{k}={shlex.quote(v)}"${{{k}:+:${k}}}"' for k, v in first.items()]
+    exports += [f"{k}={shlex.quote(v)}" for k, v in fixed.items()]
     args = [
         f"--model-repository={repository.resolve()}",
         f"--backend-directory={backends}",
         "--disable-auto-complete-config",
         # See ServerOptions.cuda_pool_mb: GPU tensors between Triton and the blocks need the pool.
-        *[f"--cuda-memory-pool-byte-size={gpu}:{2048 * 2**20}" for gpu in range(gpu_count())],
+        *[f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_MB * 2**20}" for gpu in range(gpu_count())],
         *(["--model-control-mode=explicit", "--load-model=*"] if admin_key_file is not None else []),
         *extra_args,
     ]
     restricted = ""
     if admin_key_file is not None:
-        # The key stays in its file (not in this script); Triton takes it on its command line.
-        restricted = " " + " ".join(f'{a.rsplit("=", 1)[0]}="$(cat {shlex.quote(str(admin_key_file.resolve()))})"'
-                                    for a in access_args("KEY"))
+        # The key stays in its file (not in this script): the shell reads it into Triton's command line.
+        restricted = " " + " ".join(access_args(f'"$(cat {shlex.quote(str(admin_key_file.resolve()))})"'))
     lines = ["#!/bin/sh",
              f"# tritonserver ({install.layout} layout at {install.home}) serving {repository.resolve()};",
              "# written by `blockflow triton-command`. Further tritonserver flags may follow on this script's command line."]
     lines += [f"export {e}" for e in exports]
     lines.append(" ".join(["exec", shlex.quote(str(install.server)), *map(shlex.quote, args)]) + restricted + ' "$@"')
     return "\n".join(lines) + "\n"
-
 
 
 def perf_analyzer_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -219,7 +228,7 @@ def perf_analyzer_env(base: dict[str, str] | None = None) -> dict[str, str]:
         libs = locate().libs
     except EnvironmentProblem:
         return env
-    links = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blockflow" / "perf-analyzer-libs"
+    links = user_cache() / "perf-analyzer-libs"
     links.mkdir(parents=True, exist_ok=True)
     for plain, pattern in (("libb64.so.0d", "libb64-*.so.0d"), ("libcudart.so.12", "libcudart-*.so.12*")):
         found = sorted(libs.glob(pattern))

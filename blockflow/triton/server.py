@@ -41,7 +41,7 @@ from blockflow.core.nvml import gpu_count
 from blockflow.core.runtime_dir import ensure_tensormq
 from blockflow.triton import access
 from blockflow.triton.api import TritonApi
-from blockflow.triton.flags import check_extra_args
+from blockflow.triton.flags import CUDA_POOL_MB, check_extra_args
 from blockflow.triton.install import (
     TritonInstall,
     locate,
@@ -120,7 +120,7 @@ class ServerOptions:
     # per-tensor CUDA IPC, which returned other requests' data under concurrent load on an H100
     # (bench.stress: 50-60% of 120 concurrent requests wrong with the 64 MiB default, none with
     # 1 GiB; with no pool the server crashed). Size it for the activations in flight.
-    cuda_pool_mb: int = 2048
+    cuda_pool_mb: int = CUDA_POOL_MB
     # Run the block processes as clients of a private MPS daemon (see blockflow.triton.mps).
     mps: bool = False
     extra_args: Sequence[str] = field(default_factory=list)
