@@ -80,7 +80,7 @@ def doctor() -> None:
 @click.option("--admin-key-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="Start in explicit model-control mode, its model-repository, trace and logging APIs behind the key "
                    "in this file (read when the script runs), so `blockflow apply --triton-grpc-url` can change the plan. "
-                   "Without it, Triton's default mode: every model loaded, loads refused.")
+                   "Without it, Triton's default mode: every model loaded, loads refused, those APIs behind a random key.")
 @TRITON_HOME
 def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend_dir: Path | None,
                    admin_key_file: Path | None) -> None:

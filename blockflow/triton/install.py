@@ -184,7 +184,8 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
 
     With ``admin_key_file``, the server starts in explicit model-control mode (``blockflow apply
     --triton-grpc-url`` can change its plan) with its restricted APIs behind the key in that file,
-    read when the script runs; without it, in Triton's default mode, where loads are refused.
+    read when the script runs; without it, in Triton's default mode, where loads are refused and
+    those APIs are behind a random key nobody has. It listens on loopback unless told otherwise.
 
     TensorMQ needs no variable: its block processes share a private runtime directory derived
     from the repository's path (:mod:`blockflow.core.runtime_dir`).
@@ -198,19 +199,26 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
         f"--model-repository={repository.resolve()}",
         f"--backend-directory={backends}",
         "--disable-auto-complete-config",
+        # Loopback unless the flags after the script say otherwise (tritonserver takes a flag's last value).
+        "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
         # See ServerOptions.cuda_pool_mb: GPU tensors between Triton and the blocks need the pool.
         *[f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_MB * 2**20}" for gpu in range(gpu_count())],
         *(["--model-control-mode=explicit", "--load-model=*"] if admin_key_file is not None else []),
         *extra_args,
     ]
-    restricted = ""
+    # The model-repository, trace and logging APIs are always behind a key: the one in the key file (read by
+    # the shell, so it is not in this script), or, without one, a random key made at each start and given to
+    # nobody (Triton's trace settings can write files wherever the server may).
     if admin_key_file is not None:
-        # The key stays in its file (not in this script): the shell reads it into Triton's command line.
-        restricted = " " + " ".join(access_args(f'"$(cat {shlex.quote(str(admin_key_file.resolve()))})"'))
+        read_key = f"key=\"$(cat {shlex.quote(str(admin_key_file.resolve()))})\""
+    else:
+        read_key = "key=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\""
+    restricted = " " + " ".join(access_args('"$key"'))
     lines = ["#!/bin/sh",
              f"# tritonserver ({install.layout} layout at {install.home}) serving {repository.resolve()};",
              "# written by `blockflow triton-command`. Further tritonserver flags may follow on this script's command line."]
     lines += [f"export {e}" for e in exports]
+    lines.append(read_key)
     lines.append(" ".join(["exec", shlex.quote(str(install.server)), *map(shlex.quote, args)]) + restricted + ' "$@"')
     return "\n".join(lines) + "\n"
 
