@@ -27,14 +27,14 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
-from backend.monitor import BlockMonitor
-from backend.runtime import DTYPES, BlockRunner
-from backend.stage_cache import StageCache
-from backend.tensormq.consumer import Consumer
-from backend.tensormq.metrics import TmqMetrics
-from backend.tensormq.producer import PoolExhaustedError, Producer
-from backend.tensormq.ticket import ProducerGoneError
-from backend.trace import Tracer, trace_dir
+from blockflow.backend.monitor import BlockMonitor
+from blockflow.backend.runtime import DTYPES, BlockRunner
+from blockflow.backend.stage_cache import StageCache
+from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.metrics import TmqMetrics
+from blockflow.backend.tensormq.producer import PoolExhaustedError, Producer
+from blockflow.backend.tensormq.ticket import ProducerGoneError
+from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import (
@@ -250,7 +250,7 @@ class TritonPythonModel:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
             if self.consumer is not None and releases:
-                # Release the producers' slots once the GPU work that read them is done (see backend.tensormq).
+                # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq).
                 self.consumer.release_after(releases, self.stream)
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)

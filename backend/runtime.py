@@ -1,6 +1,6 @@
 """The block runtime: builds a block's stages and runs batches through them.
 
-Pure PyTorch, no Triton: ``backend.model`` wraps it for the Python backend and
+Pure PyTorch, no Triton: ``blockflow.backend.model`` wraps it for the Python backend and
 tests drive it directly. On a GPU it runs channels-last, in the plan's
 precision, and (optionally) replays one CUDA graph per batch-size bucket;
 inputs and outputs at its edges are always fp32 in standard layout.
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from backend.stage_cache import StageCache
+from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch, cuda, env, stage_files
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ModelSpec, Part
@@ -208,7 +208,7 @@ class BlockRunner:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             # cuDNN's algorithm search (benchmark mode) leaves large workspaces cached in the allocator;
-            # a block process keeps them for its lifetime unless released here (bench.memory measures it).
+            # a block process keeps them for its lifetime unless released here (blockflow.bench.memory measures it).
             if os.environ.get(env.KEEP_ALLOCATOR_CACHE) != "1":
                 torch.cuda.empty_cache()
 

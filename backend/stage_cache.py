@@ -13,7 +13,7 @@ cuts, stages, the seed or the weights file's bytes, the torch and torchvision ve
 directory's (0700, the server's user): what is unpickled here was written by this server's own
 block processes, which already run code from the model repository; a file that is not the
 user's own, or that others can write, is ignored. User-supplied weights are never unpickled
-(``weights_only`` loads, in ``backend.runtime``).
+(``weights_only`` loads, in ``blockflow.backend.runtime``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ JSON lines to ``<dir>/<model>.<instance>.<pid>.jsonl``:
   entry, inputs read, work queued, and return; and the GPU time between two CUDA events
   around the block's own kernels (after it waited for its producer).
 
-Unset, nothing is created and each call costs one attribute test. ``bench.timeline`` and
-``bench.stub_memory`` read these files. GPU times are collected without stalling the
+Unset, nothing is created and each call costs one attribute test. ``blockflow.bench.timeline`` and
+``blockflow.bench.stub_memory`` read these files. GPU times are collected without stalling the
 execute thread: an event pair is read once ``query()`` says it completed, at a later call or
 at ``close()``.
 """
@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import torch
 
-from backend.monitor import nvml_handle
+from blockflow.backend.monitor import nvml_handle
 from blockflow.core import env, nvml
 
 ENV = env.TRACE_DIR

@@ -4,7 +4,7 @@ Serves ``--plan-a`` (explicit model control), then applies the two plans in turn
 :class:`blockflow.control.apply.Applier`, optionally while closed-loop clients keep every task busy, and
 writes each change's seconds (and the per-model load log) to ``OUT/apply_time.json``.
 
-    python -m bench.apply_time --out DIR [--changes 6] [--clients 2] \\
+    python -m blockflow.bench.apply_time --out DIR [--changes 6] [--clients 2] \\
         [--plan-a tests/plans/live_a.yaml --plan-b tests/plans/live_b.yaml]
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from blockflow.clients.client import TaskClient
 from blockflow.control.apply import Applier
+from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.client import TaskClient
-from ensemble_gen import generator
 
 
 def _clients(url: str, tasks: list[str], shape: tuple[int, ...], per_task: int, stop: threading.Event,

@@ -1,7 +1,7 @@
 """Programs the benchmarks run in a fresh process each (a clean CUDA context per measurement):
 
-    python -m bench.children eager-shapes PLAN TASK unpadded|padded
-    python -m bench.children memory-steps PLAN BLOCK BASELINE_MIB
+    python -m blockflow.bench.children eager-shapes PLAN TASK unpadded|padded
+    python -m blockflow.bench.children memory-steps PLAN BLOCK BASELINE_MIB
 
 Each prints one JSON line: its result.
 """
@@ -14,10 +14,10 @@ import sys
 import time
 from typing import Any
 
-from backend.runtime import BlockRunner
+from blockflow.backend.runtime import BlockRunner
 from blockflow.core import nvml
+from blockflow.ensemble_gen.generator import reference_spec, segment_spec
 from blockflow.plan import load_plan
-from ensemble_gen.generator import reference_spec, segment_spec
 
 
 def eager_shapes(plan_path: str, task_name: str, variant: str) -> dict[int, list[float]]:
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
     elif kind == "memory-steps":
         print(json.dumps(memory_steps(rest[0], rest[1], float(rest[2]))))
     else:
-        raise SystemExit(f"unknown child program {kind!r}; see python -m bench.children --help")
+        raise SystemExit(f"unknown child program {kind!r}; see python -m blockflow.bench.children --help")
 
 
 if __name__ == "__main__":

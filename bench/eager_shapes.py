@@ -1,6 +1,6 @@
 """First-call latency of an eager (no CUDA graphs) block at every batch size, unpadded vs padded.
 
-    python -m bench.eager_shapes --out bench/results/h100/eager_shapes.md
+    python -m blockflow.bench.eager_shapes --out bench/results/h100/eager_shapes.md
 
 Dynamic batching hands a block any batch size up to ``max_batch_size``. With cuDNN benchmark
 mode each new input shape starts an algorithm search. ``BlockRunner`` therefore runs eager
@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     res = {}
     for variant in ("unpadded", "padded"):
-        run = subprocess.run([sys.executable, "-m", "bench.children", "eager-shapes", str(args.plan), args.task, variant], capture_output=True, text=True,
+        run = subprocess.run([sys.executable, "-m", "blockflow.bench.children", "eager-shapes", str(args.plan), args.task, variant], capture_output=True, text=True,
                              check=True, timeout=900, cwd=ROOT)
         res[variant] = json.loads(run.stdout.strip().splitlines()[-1])
     L = [f"# Eager ResNet-50 (`{args.task}` of `{args.plan.name}`, unsplit, fp32) on {torch.cuda.get_device_name(0)}: "

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.core import nvml
+from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan
 from blockflow.triton.server import ServerOptions, TritonServer
-from ensemble_gen import generator
 
 
 def rendered(plan: Plan, prefix: str = "bench-") -> Path:

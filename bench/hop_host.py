@@ -1,13 +1,13 @@
 """Host time of one TensorMQ hop, step by step, in-process on one GPU (no Triton).
 
 Two consecutive blocks of a plan's first task (``--blocks``, default its 2nd and 3rd) run as
-their instances do in ``backend.model``, each in its own process: the producer reserves a pool slot, runs its block into
+their instances do in ``blockflow.backend.model``, each in its own process: the producer reserves a pool slot, runs its block into
 it and signs tickets; the consumer checks and claims the tickets, waits on the slot's event,
 runs its own block into its own pool and queues the release. Each step is timed on the host
 (``time.perf_counter_ns``), the GPU drained between iterations (untimed), so the figures are
 the Python and driver work each ``execute`` adds, which Triton's "compute infer" contains.
 
-    python -m bench.hop_host --plan plans/bench_r50.yaml --precision fp16 --out DIR
+    python -m blockflow.bench.hop_host --plan plans/bench_r50.yaml --precision fp16 --out DIR
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
-from backend.runtime import BlockRunner
-from backend.tensormq.consumer import Consumer
-from backend.tensormq.producer import Producer
-from backend.tensormq.ticket import TICKET_BYTES
-from bench.suite import in_precision
+from blockflow.backend.runtime import BlockRunner
+from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.producer import Producer
+from blockflow.backend.tensormq.ticket import TICKET_BYTES
+from blockflow.bench.suite import in_precision
 from blockflow.core.runtime_dir import ensure_tensormq
+from blockflow.ensemble_gen.generator import block_spec
 from blockflow.plan import load_plan
-from ensemble_gen.generator import block_spec
 
 
 def _setup(plan_path: Path, precision: str | None, blocks: tuple[int, int]) -> tuple[Any, list[str], list[Any]]:
@@ -59,7 +59,7 @@ class _Laps:
 
 
 def _block(plan: Any, name: str, spec: Any, runtime: Path) -> tuple[BlockRunner, int, Producer]:
-    """One block instance on GPU 0 as ``backend.model`` sets it up: its runner (warmed up), its
+    """One block instance on GPU 0 as ``blockflow.backend.model`` sets it up: its runner (warmed up), its
     stream and its TensorMQ producer."""
     cuda = torch.device("cuda", 0)
     torch.cuda.set_device(cuda)

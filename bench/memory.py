@@ -1,9 +1,9 @@
 """What a block process's GPU memory is made of, and the memory model's calibration and check.
 
-    python -m bench.memory --out bench/results/h100          # on a GPU machine, nothing else running on GPU 0
+    python -m blockflow.bench.memory --out bench/results/h100          # on a GPU machine, nothing else running on GPU 0
 
 1. Breakdown: a fresh process per setting builds a block the way a block instance does
-   (backend.runtime.BlockRunner) and reports GPU 0's used memory after each step: CUDA
+   (blockflow.backend.runtime.BlockRunner) and reports GPU 0's used memory after each step: CUDA
    context, weights, warm-up / CUDA-graph capture, and after ``torch.cuda.empty_cache()``.
 2. Calibration: real servers (`blockflow serve`'s settings) for several plans; GPU 0's used
    memory with the plan loaded minus before; least squares for the per-process overhead,
@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.harness import device_name, gpu_used_mib, rendered
+from blockflow.bench.harness import device_name, gpu_used_mib, rendered
+from blockflow.ensemble_gen.generator import reference_spec
 from blockflow.plan import load_plan, memory
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
-from ensemble_gen.generator import reference_spec
 
 if TYPE_CHECKING:
     from blockflow.plan import Plan
@@ -46,7 +46,7 @@ def breakdown(plan: Path, blocks: list[str]) -> list[dict[str, Any]]:
     for block in blocks:
         for label, env in settings.items():
             base = gpu_used_mib()
-            res = subprocess.run([sys.executable, "-m", "bench.children", "memory-steps", str(plan), block, str(base)], capture_output=True, text=True,
+            res = subprocess.run([sys.executable, "-m", "blockflow.bench.children", "memory-steps", str(plan), block, str(base)], capture_output=True, text=True,
                                  env={**os.environ, **env, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
                                  timeout=300, check=False)
             row: dict[str, Any] = {"block": block, "setting": label}
@@ -107,7 +107,7 @@ def _distinct(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _measured_in(path: Path) -> list[dict[str, Any]]:
     """Measured plans in a results file, with plan paths made local."""
     data = json.loads(path.read_text())
-    if "variants" in data:  # bench.scenarios
+    if "variants" in data:  # blockflow.bench.scenarios
         rows = [{"plan": v["plan"], "measured_mib": v["measured_mib"], "processes": v["processes"]} for v in data["variants"].values()]
     else:
         rows = [{"plan": m["plan"], "measured_mib": m["measured_mib"],
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--skip-breakdown", action="store_true")
     ap.add_argument("--refit-from", type=Path, nargs="*", default=[],
                     help="fit to measurements in these files instead of measuring (memory.json of this tool, "
-                         "results.json of bench.scenarios); no GPU needed")
+                         "results.json of blockflow.bench.scenarios); no GPU needed")
     ap.add_argument("--breakdown-only", action="store_true", help="only the standalone per-step breakdown (breakdown.json)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,7 @@ def main() -> None:
         (args.out / "breakdown.json").write_text(json.dumps(result, indent=2))
         return
     if args.refit_from:
-        # No GPU needed: fit to plans measured earlier (bench.memory's memory.json, bench.scenarios' results.json).
+        # No GPU needed: fit to plans measured earlier (blockflow.bench.memory's memory.json, blockflow.bench.scenarios' results.json).
         measured = _distinct([m for f in args.refit_from for m in _measured_in(f)])
         device = "; ".join(sorted({str(json.loads(f.read_text()).get("device", "")) for f in args.refit_from} - {""})) or "earlier runs"
     else:

@@ -5,7 +5,7 @@ samples at its default period, 2 s, on one copy and is off on the other). perf_a
 measures the two in turns (``--rounds`` times each, batch 1, concurrency 1), so drifts of
 the machine hit both alike; the report gives each round and the median ratio.
 
-    python -m bench.monitor_overhead --out bench/results/h100
+    python -m blockflow.bench.monitor_overhead --out bench/results/h100
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.harness import rendered
-from bench.transports import perf
+from blockflow.bench.harness import rendered
+from blockflow.bench.transports import perf
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -55,7 +55,7 @@ def main() -> None:
     (args.out / "monitor_overhead.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Block monitor overhead — {result['device']}", "",
              "Same 4-block ResNet-50 task (tensormq, CUDA graphs, batch 1, concurrency 1), monitor at its default period (2 s) vs off,",
-             "measured in alternating turns in one server (`python -m bench.monitor_overhead`).", "",
+             "measured in alternating turns in one server (`python -m blockflow.bench.monitor_overhead`).", "",
              "| round | p50 on (ms) | p50 off (ms) | on/off |", "|---|---|---|---|"]
     for r in ok:
         lines.append(f"| {r['round']} | {r['monitored']['p50_ms']:.3f} | {r['unmonitored']['p50_ms']:.3f} | "

@@ -1,7 +1,7 @@
 """fp16 and bf16 blocks against the fp32 network, for several families, on one GPU.
 
 In-process (no Triton): each network is cut in three blocks exactly as a plan deploys them
-(``ensemble_gen.generator.block_spec``: hops cross in the block's precision, CUDA graphs on), a
+(``blockflow.ensemble_gen.generator.block_spec``: hops cross in the block's precision, CUDA graphs on), a
 batch runs through them, and the logits are compared with the whole fp32 network run on the CPU.
 Two errors per case: the largest difference relative to the largest logit (what the GPU tests
 bound), and the relative L2 norm of the difference. Two more figures per precision separate what
@@ -16,7 +16,7 @@ the split costs from what the precision costs:
 Weights are seeded (``arch.build_network``), so they say how a precision treats the network's
 arithmetic, not a trained model's accuracy.
 
-    python -m bench.precision --out bench/results/h100/precision-DATE-COMMIT
+    python -m blockflow.bench.precision --out bench/results/h100/precision-DATE-COMMIT
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from backend.runtime import BlockRunner
+from blockflow.backend.runtime import BlockRunner
 from blockflow.core import arch
+from blockflow.ensemble_gen.generator import block_spec
 from blockflow.plan import parse_plan
-from ensemble_gen.generator import block_spec
 
 # (torchvision name, input shape, two cuts): the families CI serves, at its sizes, and two at 224×224.
 CASES: list[tuple[str, tuple[int, int, int], tuple[str, str]]] = [
@@ -107,7 +107,7 @@ def measure(net: str, shape: tuple[int, ...], cuts: tuple[str, str], batch: int)
 
 def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# fp16 and bf16 blocks against the fp32 network — {meta['gpu']}", "",
-             f"`python -m bench.precision`, commit {meta['commit']}, {meta['date']}; torch {meta['torch']}. "
+             f"`python -m blockflow.bench.precision`, commit {meta['commit']}, {meta['date']}; torch {meta['torch']}. "
              "Each network cut in three blocks (CUDA graphs on, hops in the block's precision), batch "
              f"{rows[0]['batch']}, against the whole fp32 network on the CPU. max: the largest difference over the "
              "largest logit; L2: the norm of the difference over the norm of the logits. split/whole: the "

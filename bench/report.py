@@ -1,6 +1,6 @@
 """``report.md`` and PNG plots from a benchmark's ``results.json``.
 
-    python -m bench.report bench/results/h100      # redraw from results.json
+    python -m blockflow.bench.report bench/results/h100      # redraw from results.json
 
 Each plot is named after the thesis figure it reproduces (fig4_3_pipeline.png, …).
 """
@@ -282,7 +282,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
         names = plots(res, out)
     except ImportError:
         names = []
-        L += ["(matplotlib is not installed here: draw the plots with `python -m bench.report DIR` where it is.)", ""]
+        L += ["(matplotlib is not installed here: draw the plots with `python -m blockflow.bench.report DIR` where it is.)", ""]
     if names:
         L += ["## Plots", ""] + [f"![{n}]({n})" for n in names] + [""]
     (out / "report.md").write_text("\n".join(L))

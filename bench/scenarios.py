@@ -1,6 +1,6 @@
 """A thesis scenario on a real server: GPU memory and latency, BlockFlow vs one full model per task.
 
-    python -m bench.scenarios --arch resnet50 --scenario 1 --tasks 18 --out bench/results/h100/scenario1_r50_n18
+    python -m blockflow.bench.scenarios --arch resnet50 --scenario 1 --tasks 18 --out bench/results/h100/scenario1_r50_n18
 
 The scenario's tasks (thesis Table 4.4: class A runs a whole network of its own, B shares
 stages 0-1, C shares stages 0-2) are deployed three ways, one server at a time, on GPU 0:
@@ -29,15 +29,15 @@ from typing import Any
 
 import yaml
 
-from bench.harness import gpu_used_mib, rendered
-from bench.suite import delta, model_stats
+from blockflow.bench.harness import gpu_used_mib, rendered
+from blockflow.bench.suite import delta, model_stats
+from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core import nvml
 from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import load_plan, memory, parse_plan
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.load import LoadSpec, run_load, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("traditional", "fused", "packed")
@@ -58,7 +58,7 @@ def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str,
     paths = {}
     for name, raw in raws.items():
         paths[name] = out / f"{arch}_scenario{number}_n{n_tasks}_{name}.yaml"
-        paths[name].write_text(f"# bench.scenarios: thesis scenario {number} {shares}, {n_tasks} tasks, deployed {name}\n"
+        paths[name].write_text(f"# blockflow.bench.scenarios: thesis scenario {number} {shares}, {n_tasks} tasks, deployed {name}\n"
                                + yaml.safe_dump(raw, sort_keys=False))
     return paths
 
@@ -205,10 +205,10 @@ def main() -> None:
     paths = scenario_plans(args.arch, args.scenario, args.tasks, args.out / "plans")
     issues = load_plan(paths["packed"]).device_issues(gpu_count())
     if issues:  # the scenario plans place every block on GPU 0
-        sys.exit(f"bench.scenarios needs a GPU: {PlanError(issues, str(paths['packed']))}")
+        sys.exit(f"blockflow.bench.scenarios needs a GPU: {PlanError(issues, str(paths['packed']))}")
     res: dict[str, Any] = {"arch": args.arch, "scenario": args.scenario, "shares": [round(x, 3) for x in memory.SCENARIOS[args.scenario]],
                            "tasks": args.tasks, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                           "command": "python -m bench.scenarios " + shlex.join(sys.argv[1:]),
+                           "command": "python -m blockflow.bench.scenarios " + shlex.join(sys.argv[1:]),
                            "calibration": f"{cal.source} (process {cal.process_mib:.0f} MiB)", "variants": {}}
     for name in args.variants.split(","):
         v = run_variant(paths[name], args.cuda_pool_mb, [int(c) for c in args.clients.split(",")], args.seconds, args.mps)

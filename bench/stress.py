@@ -4,7 +4,7 @@ Starts one server for the plan, computes every request's expected logits from th
 monolithic reference (sequentially), then replays all requests concurrently and counts
 mismatches. A diagnostic, not a test: prints one line per configuration.
 
-    python -m bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--server-arg=...]
+    python -m blockflow.bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--server-arg=...]
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from blockflow.clients.client import TaskClient
+from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan, naming
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.client import TaskClient
-from ensemble_gen import generator
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What one block process costs in GPU memory inside Triton, step by step.
 
-    python -m bench.stub_memory --out bench/results/h100 [--plan plans/bench_r50.yaml] [--models b0 r50__ref ...]
+    python -m blockflow.bench.stub_memory --out bench/results/h100 [--plan plans/bench_r50.yaml] [--models b0 r50__ref ...]
 
 Starts a server with nothing loaded and ``BLOCKFLOW_TRACE_DIR`` set, then loads the given
 models one at a time. For each it records the GPU's used memory before and after the load
@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.nvml import GpuSampler
-from bench.timeline import read_traces
+from blockflow.bench.nvml import GpuSampler
+from blockflow.bench.timeline import read_traces
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
+from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
-from ensemble_gen import generator
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},

@@ -27,16 +27,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import rendered
-from bench.nvml import GpuSampler
-from bench.perf_analyzer import INPUTS, median_of, perf_analyzer
-from bench.report import write_report
+from blockflow.bench.harness import rendered
+from blockflow.bench.nvml import GpuSampler
+from blockflow.bench.perf_analyzer import INPUTS, median_of, perf_analyzer
+from blockflow.bench.report import write_report
+from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core.errors import BlockFlowError
 from blockflow.core.nvml import gpu_count
 from blockflow.plan import Plan, load_plan, naming, parse_plan
 from blockflow.triton.api import TritonApi
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.load import LoadSpec, run_load, summarize
 
 SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
 
@@ -350,7 +350,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:
 
     def save(res: dict[str, Any]) -> None:
         # After every model of every section, so a run cut short (a time limit, a crash) keeps what
-        # it measured: `python -m bench.report DIR` draws a report from it. Replaced atomically.
+        # it measured: `python -m blockflow.bench.report DIR` draws a report from it. Replaced atomically.
         tmp = cfg.out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=2))
         tmp.replace(cfg.out / "results.json")

@@ -1,6 +1,6 @@
 """Tail latency under open-loop (Poisson) load: where do the slow requests come from?
 
-    python -m bench.tail --plan plans/bench_r50.yaml --rate 400 --seconds 8 --out DIR [--variants default,trace,nomonitor,mps]
+    python -m blockflow.bench.tail --plan plans/bench_r50.yaml --rate 400 --seconds 8 --out DIR [--variants default,trace,nomonitor,mps]
 
 The `rate` section of `blockflow bench` showed, on H100s, a p99 of ~120 ms for the 4-block
 `tensormq` pipeline at half the monolithic model's peak rate, where the monolithic CUDA graph
@@ -33,15 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import device_name, rendered
-from bench.perf_analyzer import perf_analyzer
-from bench.suite import block_breakdown, delta, model_stats, task_models
-from bench.timeline import read_traces
+from blockflow.bench.harness import device_name, rendered
+from blockflow.bench.perf_analyzer import perf_analyzer
+from blockflow.bench.suite import block_breakdown, delta, model_stats, task_models
+from blockflow.bench.timeline import read_traces
+from blockflow.clients.load import LoadSpec, run_load, write_csv
 from blockflow.core import env as blockflow_env
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import Plan, load_plan, parse_plan
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.load import LoadSpec, run_load, write_csv
 
 VARIANTS = ("default", "trace", "nomonitor", "mps", "gpulogits")
 SLOW_MS = 50.0  # a request this slow is counted as a stall (the monolithic graph's p99 is ~15-20 ms)

@@ -1,6 +1,6 @@
 """Where one request's time goes, block by block: host timestamps and GPU times, one request at a time.
 
-    python -m bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300]
+    python -m blockflow.bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300]
 
 Starts one server with ``BLOCKFLOW_TRACE_DIR`` set (see backend/trace.py), sends sequential
 batch-1 requests to every model of the plan's first task (the monolithic references and each
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import rendered
-from bench.suite import block_breakdown, delta, model_stats, task_models
+from blockflow.bench.harness import rendered
+from blockflow.bench.suite import block_breakdown, delta, model_stats, task_models
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer

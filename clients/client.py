@@ -17,9 +17,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from blockflow.clients.cuda_shm import CudaInputRegion, region_name
 from blockflow.core.errors import ClientError
 from blockflow.core.spec import IMAGE, LOGITS
-from clients.cuda_shm import CudaInputRegion, region_name
 
 Protocol = Literal["http", "grpc"]
 Array = npt.NDArray[np.float32]
@@ -58,7 +58,7 @@ class TaskClient:
     """Synchronous client. ``url`` is ``host:port`` of the HTTP or gRPC endpoint.
 
     ``input_memory="cuda"`` sends images through a CUDA shared-memory region on GPU ``device``
-    (see clients.cuda_shm): images already on that GPU (torch tensors) never cross the host.
+    (see blockflow.clients.cuda_shm): images already on that GPU (torch tensors) never cross the host.
     """
     def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
                  input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:

@@ -37,5 +37,5 @@ def class_names(n: int) -> list[str]:
     """ImageNet's class names for a 1000-class output; no names for any other size."""
     if n != 1000:
         return []
-    text = (resources.files("clients") / "imagenet_classes.txt").read_text()
+    text = (resources.files("blockflow.clients") / "imagenet_classes.txt").read_text()
     return [line for line in text.splitlines() if line and not line.startswith("#")]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.client import AsyncTaskClient, Protocol
+from blockflow.clients.client import AsyncTaskClient, Protocol
 
 
 @dataclass(frozen=True)

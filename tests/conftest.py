@@ -47,13 +47,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     that no process of its group is left.
     """
     from blockflow.core.errors import ServerError
+    from blockflow.ensemble_gen import generator
     from blockflow.plan import load_plan
     from blockflow.triton.server import (
         ServerOptions,
         TritonServer,
         group_members,
     )
-    from ensemble_gen import generator
 
     base = tmp_path_factory.mktemp("served")
     repos, plans = [], {}

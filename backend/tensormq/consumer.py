@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import zmq
 
-from backend.tensormq import ticket as tk
-from backend.tensormq.claims import ClaimTable, claims_path
-from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
-from backend.tensormq.ticket import ProducerGoneError, TicketError
-from backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
+from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.claims import ClaimTable, claims_path
+from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
+from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
+from blockflow.backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
 from blockflow.core import cuda
 from blockflow.core.runtime_dir import read_key
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from backend.tensormq.ticket import DEVICE_CUDA, DEVICE_HOST
+from blockflow.backend.tensormq.ticket import DEVICE_CUDA, DEVICE_HOST
 from blockflow.core import cuda
 
 SHM_DIR = Path("/dev/shm")

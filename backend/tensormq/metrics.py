@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any
 
-from backend.tensormq.consumer import Consumer
-from backend.tensormq.producer import Producer
+from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.producer import Producer
 
 GAUGES = {
     "blockflow_tmq_pool_bytes_in_use": "Bytes of the block instance's TensorMQ pool lent to consumers",

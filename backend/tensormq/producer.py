@@ -15,11 +15,22 @@ from typing import Any
 import torch
 import zmq
 
-from backend.tensormq import ticket as tk
-from backend.tensormq.claims import ClaimTable, claims_path
-from backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
-from backend.tensormq.slots import Slot, SlotTable
-from backend.tensormq.wire import ERROR, HELLO, RELEASE, RELEASE_ITEM, STATS, WELCOME, endpoint, generations, listening, socket_path
+from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.claims import ClaimTable, claims_path
+from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
+from blockflow.backend.tensormq.slots import Slot, SlotTable
+from blockflow.backend.tensormq.wire import (
+    ERROR,
+    HELLO,
+    RELEASE,
+    RELEASE_ITEM,
+    STATS,
+    WELCOME,
+    endpoint,
+    generations,
+    listening,
+    socket_path,
+)
 from blockflow.core import env
 from blockflow.core.errors import BlockError
 from blockflow.core.runtime_dir import read_key

@@ -1,6 +1,6 @@
 """A producer pool's bookkeeping: byte ranges of one segment handed out as slots.
 
-Pure logic (no I/O, no locks): :class:`~backend.tensormq.producer.Producer`
+Pure logic (no I/O, no locks): :class:`~blockflow.backend.tensormq.producer.Producer`
 serialises access. A slot holds one batch; it is freed when every sample ticket
 issued for it has been released or when its lease expires. Releases name the
 sample, so a duplicated release (a replayed ticket) cannot free a slot early.
@@ -24,7 +24,7 @@ class Slot:
     nbytes: int
     pending: set[int]
     deadline: float
-    # Until when consumers may claim its samples (backend.tensormq.claims); after it, the samples
+    # Until when consumers may claim its samples (blockflow.backend.tensormq.claims); after it, the samples
     # nobody claimed are released by the producer. inf until the slot is committed.
     claim_deadline: float = float("inf")
 

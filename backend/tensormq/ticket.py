@@ -34,7 +34,7 @@ A ticket is untrusted input (a client can send one straight to a block model):
 directory), the layout and every field, and raises :class:`TicketError` with a
 clear message for anything wrong. Bounds against the producer's pool, the hop (is
 the producing block one that feeds this one?) and the one-shot rule
-(:mod:`backend.tensormq.claims`) are checked by the consumer.
+(:mod:`blockflow.backend.tensormq.claims`) are checked by the consumer.
 """
 
 from __future__ import annotations

@@ -146,8 +146,8 @@ def _param_counts(p: Plan) -> dict[str, int]:
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUTPUT differs from the plan.")
 def generate(plan: Path, output: Path, check: bool) -> None:
     """Generate the Triton model repository for a plan (atomically; same plan, same bytes)."""
+    from blockflow.ensemble_gen import generator
     from blockflow.plan import load_plan
-    from ensemble_gen import generator
 
     p = load_plan(plan)
     files = generator.render(p)
@@ -169,7 +169,7 @@ def generate(plan: Path, output: Path, check: bool) -> None:
 @click.argument("plan", type=click.Path(path_type=Path), required=False)
 @click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs to place on (default: the GPUs NVML sees, at least 1).")
 @click.option("--calibration", type=click.Path(path_type=Path, exists=True), default=None,
-              help="Constants measured by `python -m bench.memory` (default: bench/results/h100/memory_calibration.json if present).")
+              help="Constants measured by `python -m blockflow.bench.memory` (default: bench/results/h100/memory_calibration.json if present).")
 @click.option("--scenarios", "arch", type=click.Choice(["resnet50", "resnet152"]), default=None,
               help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
 @click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
@@ -206,7 +206,7 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
     if uncalibrated:
         err.print(f"[yellow]warning[/]: the memory model's constants were measured on ResNets only; for "
                   f"{', '.join(uncalibrated)} the figures below are an estimate, not a calibrated prediction "
-                  "(calibrate with `python -m bench.memory` on plans of that network)")
+                  "(calibrate with `python -m blockflow.bench.memory` on plans of that network)")
     n = gpus if gpus is not None else max(1, gpu_count())
     mod, trad = memory.modular(p, n, cal), memory.traditional(p, n, cal)
     table = Table(title=f"{plan}: predicted GPU memory per process (MiB)")

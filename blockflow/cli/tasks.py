@@ -23,8 +23,8 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
     """Send images to a task; print its top-5 classes and the latency."""
     import numpy as np
 
-    from clients.client import TaskClient, top_k
-    from clients.images import class_names, load_image
+    from blockflow.clients.client import TaskClient, top_k
+    from blockflow.clients.images import class_names, load_image
 
     if (image is None) == (not random_input):
         raise click.UsageError("give exactly one of --image FILE or --random")
@@ -67,8 +67,8 @@ def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, r
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from clients.client import TaskClient
-    from clients.load import LoadSpec, run_load, summarize, write_csv
+    from blockflow.clients.client import TaskClient
+    from blockflow.clients.load import LoadSpec, run_load, summarize, write_csv
 
     url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
     with TaskClient(url, protocol) as client:  # type: ignore[arg-type]

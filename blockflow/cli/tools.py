@@ -30,7 +30,7 @@ from blockflow.core.shipped import shipped
 def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: str | None, concurrencies: str | None,
           mps: bool, repeats: int | None, input_memory: str, precision: str | None) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
-    from bench.suite import SECTIONS, BenchConfig, run_bench
+    from blockflow.bench.suite import SECTIONS, BenchConfig, run_bench
 
     cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
     cfg.mps = mps

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from blockflow.core.errors import ApplyError, TritonApiError
+from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
-from ensemble_gen import generator
-from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 
 Action = Literal["add", "change", "remove"]
 
@@ -102,7 +102,7 @@ def _digest_of(config: Mapping[str, Any]) -> str | None:
 
 
 def compute_diff(files: Mapping[str, bytes], served: Iterable[Served]) -> Diff:
-    """Compare a rendered repository (:func:`ensemble_gen.generator.render`) with the served models."""
+    """Compare a rendered repository (:func:`blockflow.ensemble_gen.generator.render`) with the served models."""
     wanted = generator.by_model(files)
     have = {s.name: s for s in served}
     changes: list[Change] = []

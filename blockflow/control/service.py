@@ -30,9 +30,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from blockflow.control.apply import Applier, Report, expected_instances
 from blockflow.core.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
+from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, naming, parse_plan_text
 from blockflow.triton.access import same_secret
-from ensemble_gen import generator
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
         tmq/                 one ZeroMQ socket and one claim table per producer generation:
             <producer id:016x>-<generation:08x>.sock
             <producer id:016x>-<generation:08x>.claims
-        stages/              built block parts kept for the next process that needs them (backend.stage_cache)
+        stages/              built block parts kept for the next process that needs them (blockflow.backend.stage_cache)
 
 POSIX shared memory under ``/dev/shm`` carries the runtime directory's name, so one server's
 leftovers are found and removed without touching another's: :func:`stub_shm_prefix` (Triton's

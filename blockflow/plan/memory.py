@@ -15,7 +15,7 @@ Every block instance is a process, and on a GPU each process costs
 The server process adds ``server_mib`` plus Triton's CUDA pool per GPU, for either deployment.
 The *traditional* deployment of the same tasks runs each task's whole path in one process
 (one full model per task, the same settings, no TensorMQ pool). Calibration
-(``python -m bench.memory``) fits the constants to NVML measurements of real plans.
+(``python -m blockflow.bench.memory``) fits the constants to NVML measurements of real plans.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Calibration:
         data = json.loads(path.read_text())
         if data.get("model", 1) != MODEL_VERSION:
             raise CalibrationError(f"calibration {path} was fitted for memory model {data.get('model', 1)}, this is model "
-                                 f"{MODEL_VERSION}; refit it: python -m bench.memory --refit-from <results> --out DIR")
+                                 f"{MODEL_VERSION}; refit it: python -m blockflow.bench.memory --refit-from <results> --out DIR")
         keys = ("process_mib", "activation_factor", "eager_process_mib", "server_mib", "pack_head_factor", "source")
         return cls(**{k: data[k] for k in keys if k in data})
 

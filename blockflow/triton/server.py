@@ -118,7 +118,7 @@ class ServerOptions:
     # Triton's CUDA memory pool per GPU, in MiB. The Python backend moves GPU tensors between the
     # server and block processes through it; when it runs out, python_backend r24.10 falls back to
     # per-tensor CUDA IPC, which returned other requests' data under concurrent load on an H100
-    # (bench.stress: 50-60% of 120 concurrent requests wrong with the 64 MiB default, none with
+    # (blockflow.bench.stress: 50-60% of 120 concurrent requests wrong with the 64 MiB default, none with
     # 1 GiB; with no pool the server crashed). Size it for the activations in flight.
     cuda_pool_mb: int = CUDA_POOL_MB
     # Run the block processes as clients of a private MPS daemon (see blockflow.triton.mps).

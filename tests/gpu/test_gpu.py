@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from backend.runtime import DTYPES, BlockRunner
+from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.core.spec import hop_dtype
+from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan
-from ensemble_gen.generator import block_spec, reference_spec
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +66,8 @@ def test_graph_replay_does_not_alias_outputs() -> None:
 
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from blockflow.ensemble_gen import generator
     from blockflow.triton.server import ServerOptions, TritonServer
-    from ensemble_gen import generator
 
     repo = tmp_path_factory.mktemp("gpu") / "repo"
     generator.write(generator.render(load_plan(ROOT / "tests" / "plans" / "gpu_precisions.yaml")), repo)
@@ -81,7 +81,7 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.mark.parametrize(("task", "tol"), [("g_fp32_eager", 1e-4), ("g_fp16", 1e-2), ("g_bf16", 1e-2)])
 def test_served_precisions_against_their_references(gpu_server: str, task: str, tol: float) -> None:
-    from clients.client import TaskClient
+    from blockflow.clients.client import TaskClient
 
     with TaskClient(gpu_server) as c:
         for batch in (1, 3, 8):
@@ -92,7 +92,7 @@ def test_served_precisions_against_their_references(gpu_server: str, task: str, 
             want = c.infer(f"{task}__ref_fp32", x) if tol > 1e-4 else same
             got = c.infer(task, x)
             # Separate processes may pick different cuDNN algorithms: in fp16/bf16 the split and the
-            # whole then differ by that precision's rounding (in one process they are equal: bench.precision).
+            # whole then differ by that precision's rounding (in one process they are equal: blockflow.bench.precision).
             graph_err, split_err, err = rel_err(c.infer(f"{task}__ref_graph", x), same), rel_err(got, same), rel_err(got, want)
             assert graph_err <= tol and split_err <= tol and err <= tol, (task, batch, graph_err, split_err, err)
 
@@ -108,7 +108,7 @@ def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:
 def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str) -> None:
     import tritonclient.http as th
 
-    from clients.client import TaskClient
+    from blockflow.clients.client import TaskClient
 
     with TaskClient(gpu_server) as host, TaskClient(gpu_server, input_memory="cuda") as dev:
         for batch in (1, 3, 8, 2):  # the region grows once (1 -> 3 -> 8) and is reused for 2

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from blockflow.clients.client import TaskClient
+from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.client import TaskClient
-from ensemble_gen import generator
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

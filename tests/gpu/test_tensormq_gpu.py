@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.tensormq.consumer import Consumer
-from backend.tensormq.producer import Producer
+from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.producer import Producer
 from blockflow.core.runtime_dir import ensure_tensormq
 
 pytestmark = pytest.mark.gpu

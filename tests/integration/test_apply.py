@@ -254,7 +254,7 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
     windows: list[tuple[float, float]] = []
     # Sixteen clients at up to 1 request/s each: requests are in flight through every change, and on
     # a 2-core machine the blocks being loaded still get CPU (clients without pauses saturate the
-    # server there, and a change then waits on CPU, not on BlockFlow; bench.apply_time --clients
+    # server there, and a change then waits on CPU, not on BlockFlow; blockflow.bench.apply_time --clients
     # measures that case).
     with Load(live.http, TASKS_A | TASKS_B, per_task=4, pause_s=1.0) as load:
         time.sleep(5)

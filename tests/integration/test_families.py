@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from blockflow.clients.client import TaskClient
 from blockflow.core import arch
+from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, naming, parse_plan
 from blockflow.triton.server import ServerOptions, TritonServer
-from clients.client import TaskClient
-from ensemble_gen import generator
 
 pytestmark = pytest.mark.integration
 

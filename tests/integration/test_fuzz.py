@@ -22,8 +22,8 @@ import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
 
+from blockflow.clients.client import TaskClient
 from blockflow.triton.access import ADMIN_HEADER, grpc_admin_headers
-from clients.client import TaskClient
 
 from ..conftest import Served
 

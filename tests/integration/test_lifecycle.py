@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton.server import (
     ServerOptions,
     TritonServer,
     group_members,
 )
-from ensemble_gen import generator
 
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "live_a.yaml"
@@ -57,9 +57,9 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
     import httpx
     import numpy as np
 
+    from blockflow.clients.client import TaskClient
     from blockflow.control.serve import ServeOptions, Service
     from blockflow.triton.server import free_port
-    from clients.client import TaskClient
 
     token = "a-token-for-the-service-test"
     plan = PLAN.parent / "one_block.yaml"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.client import TaskClient
-from ensemble_gen import generator
+from blockflow.clients.client import TaskClient
+from blockflow.ensemble_gen import generator
 
 from ..conftest import Served
 

@@ -24,11 +24,11 @@ from tritonclient.utils import InferenceServerException
 
 from blockflow.core import env
 from blockflow.core.runtime_dir import default_for
+from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access
 from blockflow.triton.install import STUB, locate
 from blockflow.triton.server import free_port, group_members
-from ensemble_gen import generator
 
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "own_triton.yaml"
@@ -119,7 +119,7 @@ def test_a_hand_started_triton_serves_tensormq_like_the_unsplit_model(own_server
     split, whole = logits("split"), logits("split__ref")
     client.close()
     assert split.shape == (3, 10)
-    # The CPU runs both exactly alike; a GPU block folds BatchNorm into its convolutions (backend.runtime).
+    # The CPU runs both exactly alike; a GPU block folds BatchNorm into its convolutions (blockflow.backend.runtime).
     tolerance = 1e-5 if torch.cuda.is_available() else 0.0
     assert np.abs(split - whole).max() <= tolerance
 

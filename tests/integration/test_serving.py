@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
 from blockflow.plan import Plan, naming
-from clients.client import TaskClient
 
 from ..conftest import Served
 
@@ -48,7 +48,7 @@ def input_shape(plan: Plan, task: str) -> tuple[int, ...]:
 def test_every_model_is_ready(served: Served) -> None:
     with TaskClient(served.http) as c:
         states = {m["name"]: m["state"] for m in c.models()}
-    from ensemble_gen import generator
+    from blockflow.ensemble_gen import generator
 
     for plan in served.plans.values():
         assert isinstance(plan, Plan)

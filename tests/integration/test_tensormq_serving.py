@@ -14,8 +14,8 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 import zmq
 
-from backend.tensormq.wire import STATS
-from clients.client import TaskClient
+from blockflow.backend.tensormq.wire import STATS
+from blockflow.clients.client import TaskClient
 
 from ..conftest import Served
 

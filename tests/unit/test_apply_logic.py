@@ -13,9 +13,9 @@ from blockflow.control.apply import (
     compute_diff,
     expected_instances,
 )
+from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 from blockflow.plan import load_plan
-from ensemble_gen import generator
-from ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
 
 ROOT = Path(__file__).resolve().parents[2]
 A = load_plan(ROOT / "tests" / "plans" / "live_a.yaml")

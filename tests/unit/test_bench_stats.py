@@ -1,10 +1,10 @@
-"""bench.suite's reading of Triton's statistics (pure arithmetic)."""
+"""blockflow.bench.suite's reading of Triton's statistics (pure arithmetic)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.suite import block_breakdown, compute_ms, delta
+from blockflow.bench.suite import block_breakdown, compute_ms, delta
 
 
 def test_compute_is_per_execution_when_requests_are_batched() -> None:
@@ -23,7 +23,7 @@ def test_delta_subtracts_only_what_was_there() -> None:
 
 
 def test_busiest_is_the_share_of_time_each_instance_executed() -> None:
-    from bench.scenarios import busiest
+    from blockflow.bench.scenarios import busiest
 
     # 10 s of load: "pack" ran 1000 executions of 8 ms on 2 instances (40% busy), 4 requests each,
     # whose per-request statistics count each execution 4 times; "s0" ran 500 of 2 ms on one.
@@ -41,7 +41,7 @@ def test_busiest_is_the_share_of_time_each_instance_executed() -> None:
 def test_packed2_doubles_only_the_blocks_that_get_packed(tmp_path: Path) -> None:
     import yaml
 
-    from bench.scenarios import scenario_plans
+    from blockflow.bench.scenarios import scenario_plans
     from blockflow.plan import load_plan
 
     paths = scenario_plans("resnet50", 2, 4, tmp_path)
@@ -53,8 +53,8 @@ def test_packed2_doubles_only_the_blocks_that_get_packed(tmp_path: Path) -> None
 
 
 def test_tail_serves_only_the_chosen_models_and_switches_the_monitor_off() -> None:
-    from bench.suite import task_models
-    from bench.tail import _variant_plan
+    from blockflow.bench.suite import task_models
+    from blockflow.bench.tail import _variant_plan
     from blockflow.plan import load_plan
 
     plan = load_plan(Path(__file__).resolve().parents[2] / "plans" / "bench_r50.yaml")
@@ -69,7 +69,7 @@ def test_tail_serves_only_the_chosen_models_and_switches_the_monitor_off() -> No
 def test_tail_percentiles_count_stalls() -> None:
     import numpy as np
 
-    from bench.tail import SLOW_MS, _percentiles
+    from blockflow.bench.tail import SLOW_MS, _percentiles
 
     ms = np.array([5.0] * 98 + [SLOW_MS + 1, 200.0])
     q = _percentiles(ms)
@@ -80,7 +80,7 @@ def test_tail_percentiles_count_stalls() -> None:
 def test_a_run_cut_short_still_gives_a_report_that_says_so(tmp_path: Path) -> None:
     import json
 
-    from bench.report import write_report
+    from blockflow.bench.report import write_report
 
     full = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "bench_r50-2026-11-23-25d3c8d" / "results.json").read_text())
     cut = {k: v for k, v in full.items() if k in ("meta", "config", "task", "path", "models", "memory", "pipeline", "batch", "concurrency")}

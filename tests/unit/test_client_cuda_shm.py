@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
-from clients.client import TaskClient
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU; tests/gpu covers it")

@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from backend import monitor
-from backend.tensormq import metrics as tmq
+from blockflow.backend import monitor
+from blockflow.backend.tensormq import metrics as tmq
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "monitoring" / "grafana" / "blockflow.json"
 TRITON = {"nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_summary_us",

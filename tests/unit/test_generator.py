@@ -13,9 +13,9 @@ import pytest
 
 from blockflow.core.errors import GenerateError
 from blockflow.core.spec import SPEC_PARAMETER, ModelSpec
+from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen.configs import parse_pbtxt, to_pbtxt
 from blockflow.plan import load_plan
-from ensemble_gen import generator
-from ensemble_gen.configs import parse_pbtxt, to_pbtxt
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = [ROOT / "plans" / "default.yaml", *sorted((ROOT / "tests" / "plans").glob("*.yaml"))]
@@ -171,8 +171,8 @@ def _packed_raw() -> dict[str, Any]:
 
 def test_pack_heads_runs_the_heads_after_one_segment_as_one_model() -> None:
     from blockflow.core.spec import ModelSpec
+    from blockflow.ensemble_gen.configs import parse_pbtxt
     from blockflow.plan import load_plan
-    from ensemble_gen.configs import parse_pbtxt
 
     plan = load_plan(ROOT / "tests" / "plans" / "packed.yaml")
     packs = {t: p.name for t, p in plan.head_packs.items()}

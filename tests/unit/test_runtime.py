@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.runtime import BlockRunner, batch_buckets, bucket_for
+from blockflow.backend.runtime import BlockRunner, batch_buckets, bucket_for
 from blockflow.core import arch
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ModelSpec, Part, WeightsSource
+from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan, parse_plan
-from ensemble_gen.generator import block_spec, reference_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

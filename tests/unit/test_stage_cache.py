@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend import runtime
-from backend.runtime import BlockRunner
-from backend.stage_cache import StageCache
+from blockflow.backend import runtime
+from blockflow.backend.runtime import BlockRunner
+from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch
 from blockflow.core.spec import ModelSpec, Part, WeightsSource
 
@@ -65,7 +65,7 @@ def test_loading_a_kept_resnet_part_does_not_import_torchvision(tmp_path: Path) 
     BlockRunner(_spec(), CPU, cache)
     code = (
         "import sys, pathlib\n"
-        "from backend.stage_cache import StageCache\n"
+        "from blockflow.backend.stage_cache import StageCache\n"
         "from blockflow.core.spec import ModelSpec\n"
         f"cache = StageCache(pathlib.Path({str(tmp_path / 'stages')!r}))\n"
         f"spec = ModelSpec.model_validate_json({_spec().to_json()!r})\n"

@@ -15,12 +15,12 @@ import pytest
 import torch
 import zmq
 
-from backend.tensormq import ticket as tk
-from backend.tensormq.consumer import Consumer
-from backend.tensormq.producer import PoolExhaustedError, Producer
-from backend.tensormq.slots import ALIGN, SlotTable
-from backend.tensormq.ticket import TicketError
-from backend.tensormq.wire import STATS, endpoint, generations
+from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.producer import PoolExhaustedError, Producer
+from blockflow.backend.tensormq.slots import ALIGN, SlotTable
+from blockflow.backend.tensormq.ticket import TicketError
+from blockflow.backend.tensormq.wire import STATS, endpoint, generations
 from blockflow.core.runtime_dir import ensure_tensormq
 
 KEY = b"k" * 32
@@ -182,7 +182,7 @@ def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime
             consumer.release_now(releases)
         consumer.flush()
         assert consumer.stats.handle_opens == 1 and consumer.stats.hellos == 1  # once per segment, not per request
-        from backend.tensormq.producer import producer_id
+        from blockflow.backend.tensormq.producer import producer_id
 
         deadline = time.monotonic() + 5
         while _stats(runtime, producer_id("blockA/0"))["slots_in_use"] and time.monotonic() < deadline:
@@ -204,7 +204,7 @@ def _consume_and_die(runtime: str, conn: mp.connection.Connection) -> None:
 
 
 def test_killed_consumer_slots_come_back_within_the_lease(runtime: Path) -> None:
-    from backend.tensormq.producer import producer_id
+    from blockflow.backend.tensormq.producer import producer_id
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -342,7 +342,7 @@ def test_tickets_are_one_shot_and_bound_to_their_hop(runtime: Path) -> None:
 
 
 def _claim_all(path: str, slots: int, samples: int, seq: int, result: str) -> None:
-    from backend.tensormq.claims import ClaimTable
+    from blockflow.backend.tensormq.claims import ClaimTable
 
     table = ClaimTable(Path(path))
     won = sum(table.claim(s, seq, k) is None for s in range(slots) for k in range(samples))
@@ -351,7 +351,7 @@ def _claim_all(path: str, slots: int, samples: int, seq: int, result: str) -> No
 
 
 def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) -> None:
-    from backend.tensormq.claims import ClaimTable
+    from blockflow.backend.tensormq.claims import ClaimTable
 
     slots, samples = 16, 40  # two claim words per slot
     table = ClaimTable(tmp_path / "t.claims", slots, samples, create=True)
