@@ -216,6 +216,7 @@ class TritonPythonModel:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
         failed: set[int] = set()  # positions in ``batch``
+        synced = False
         try:
             if self.tracer is not None:
                 self.tracer.mark()  # inputs read
@@ -239,6 +240,7 @@ class TritonPythonModel:
                     # the host) must be done by then. One wait for the whole call: a pack queues every
                     # head's work first.
                     torch.cuda.current_stream(self.device).synchronize()
+                    synced = True  # what read the producers' slots is done too: release them now
                 except Exception as exc:
                     rest = [k for k in range(len(batch)) if k not in failed]
                     failed.update(rest)
@@ -250,8 +252,9 @@ class TritonPythonModel:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
             if self.consumer is not None and releases:
-                # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq).
-                self.consumer.release_after(releases, self.stream)
+                # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
+                # at once after the stream's sync, else after an event recorded now.
+                self.consumer.release_after(releases, None if synced else self.stream)
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
