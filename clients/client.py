@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.clients.cuda_shm import CudaInputRegion, region_name
-from blockflow.core.errors import ClientError
+from blockflow.core.errors import ClientError, Unreachable
 from blockflow.core.spec import IMAGE, LOGITS
 
 Protocol = Literal["http", "grpc"]
@@ -90,7 +90,7 @@ class TaskClient:
         try:
             stats = self._client.get_inference_statistics()
         except Exception as exc:
-            raise ClientError(f"cannot reach the server at {self.url} over {self.protocol}: {exc}") from exc
+            raise Unreachable(f"cannot reach the server at {self.url} over {self.protocol}: {exc}") from exc
         if self.protocol == "grpc":
             names = sorted({m.name for m in stats.model_stats})
         else:

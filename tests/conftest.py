@@ -15,6 +15,14 @@ SERVED_PLANS = [ROOT / "plans" / "default.yaml", ROOT / "tests" / "plans" / "r18
 # two-block head inside a pack), and every served stub costs ~0.5 GB of host memory on a CPU machine.
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_endpoints_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers the tests start write their endpoints here, never over a developer's own file
+    (and client commands the tests run read them from here); a test may point at its own."""
+    os.environ["BLOCKFLOW_ENDPOINTS"] = str(tmp_path_factory.mktemp("endpoints") / "endpoints.json")
+    yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 
 from blockflow.core import env
-from blockflow.core.errors import BlockFlowError, EnvironmentProblem, PlanError
+from blockflow.core.errors import EXIT_CODES, BlockFlowError, EnvironmentProblem, PlanError
 from blockflow.core.shipped import shipped
 
 DEFAULT_PLAN = shipped("plans/default.yaml")
@@ -26,7 +26,11 @@ out_console = out  # for commands with an `out` parameter
 err = Console(stderr=True, soft_wrap=True)
 
 
-@click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]})
+# "\b" keeps click from rewrapping the table.
+_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES.items())
+
+
+@click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]}, epilog=_EPILOG)
 @click.version_option(package_name="blockflow", prog_name="blockflow")
 def app() -> None:
     """Serve DNNs cut into shared blocks on NVIDIA Triton."""

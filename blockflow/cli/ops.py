@@ -9,13 +9,17 @@ import click
 from rich.console import Group
 from rich.table import Table
 
+from blockflow.cli import where
 from blockflow.cli.app import PLAN, app, err, out, read_secret
+from blockflow.core import env
 
 
 @app.command()
 @PLAN
-@click.option("--url", default="http://127.0.0.1:8003", show_default=True, help="The control service of `blockflow serve`.")
-@click.option("--token-file", type=click.Path(path_type=Path), default=None, help="File with the bearer token (else $BLOCKFLOW_TOKEN).")
+@click.option("--url", default=None, help="The control service of `blockflow serve` (default: $BLOCKFLOW_CONTROL_URL, else the "
+              "running server's endpoints file, else http://127.0.0.1:8003).")
+@click.option("--token-file", type=click.Path(path_type=Path), default=None,
+              help="File with the bearer token (default: $BLOCKFLOW_TOKEN_FILE, $BLOCKFLOW_TOKEN, else the endpoints file's).")
 @click.option("--dry-run", is_flag=True, help="Only print what would change.")
 @click.option("--triton-grpc-url", "triton_url", default=None, metavar="HOST:PORT",
               help="Apply straight to the Triton whose gRPC endpoint this is (explicit model control; loads go over gRPC "
@@ -29,7 +33,7 @@ from blockflow.cli.app import PLAN, app, err, out, read_secret
                    "fails, those already changed go back to their previous plan. One token for all.")
 @click.option("--fleet-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="As --fleet, one control-service URL per line (# starts a comment).")
-def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_url: str | None, repository: Path | None,
+def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, triton_url: str | None, repository: Path | None,
           admin_key_file: Path | None, fleet: str | None, fleet_file: Path | None) -> None:
     """Make a running server, or a fleet of them, serve PLAN, without stopping it.
 
@@ -65,7 +69,8 @@ def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_u
     else:
         from blockflow.control.client import ControlClient
 
-        with ControlClient(url, _token(token_file)) as control:
+        address = where.control(url)
+        with where.reaching(address), ControlClient(address.value, _token(token_file)) as control:
             body = control.post(plan.read_text(), dry_run=dry_run, source=f"{plan} (refused by the server)")
         lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
     for line in lines:
@@ -79,9 +84,11 @@ def apply(plan: Path, url: str, token_file: Path | None, dry_run: bool, triton_u
 def _token(token_file: Path | None) -> str:
     import os
 
-    token = read_secret(token_file, "--token-file") if token_file is not None else os.environ.get("BLOCKFLOW_TOKEN", "")
+    path = where.token_file(token_file)
+    token = read_secret(path, "--token-file") if path is not None else os.environ.get(env.TOKEN, "")
     if not token:
-        raise click.UsageError("give the control service's token with --token-file or $BLOCKFLOW_TOKEN")
+        raise click.UsageError(f"give the control service's token with --token-file, ${env.TOKEN_FILE} or ${env.TOKEN} "
+                               "(or run blockflow serve here: its endpoints file names the token's file)")
     return token
 
 
@@ -103,12 +110,14 @@ def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool) -> None
 
 
 @app.command()
-@click.option("--url", default="127.0.0.1:8000", show_default=True, help="Triton's HTTP endpoint.")
-@click.option("--metrics-url", default=None, help="Triton's metrics endpoint (default: the --url host, port 8002).")
+@click.option("--url", default=None, help="Triton's HTTP endpoint (default: $BLOCKFLOW_HTTP_URL, else the running server's "
+              "endpoints file, else 127.0.0.1:8000).")
+@click.option("--metrics-url", default=None, help="Triton's metrics (default: $BLOCKFLOW_METRICS_URL, else the endpoints file's "
+              "when --url is its server, else port 8002 on the --url host).")
 @click.option("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True, help="Seconds between the two samples rates are computed from.")
 @click.option("--watch", is_flag=True, help="Refresh the tables every --interval seconds until Ctrl-C.")
 @click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON instead of tables.")
-def status(url: str, metrics_url: str | None, interval: float, watch: bool, as_json: bool) -> None:
+def status(url: str | None, metrics_url: str | None, interval: float, watch: bool, as_json: bool) -> None:
     """Tasks (ready, request rate, p50/p99) and blocks (instances, device, memory, utilisation, queue and compute time)."""
     import json
 
@@ -118,10 +127,11 @@ def status(url: str, metrics_url: str | None, interval: float, watch: bool, as_j
     from blockflow.control.status import block_rows, snapshot, task_rows
     from blockflow.triton.api import TritonApi
 
-    host = url.removeprefix("http://").rsplit(":", 1)[0]
-    murl = metrics_url or f"http://{host}:8002/metrics"
-    api = TritonApi(http_url=url, timeout=30)
-    with httpx.Client(timeout=30) as client:
+    triton = where.http(url)
+    metrics = where.metrics(metrics_url, triton)
+    api = TritonApi(http_url=triton.value, timeout=30)
+    murl = metrics.value
+    with httpx.Client(timeout=30) as client, where.reaching(triton, metrics):
         prev = snapshot(api, murl, client)
         time.sleep(interval)
         cur = snapshot(api, murl, client)

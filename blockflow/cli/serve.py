@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from blockflow.cli.app import DEFAULT_PLAN, PORT, TRITON_HOME, app, err, out, read_secret
+from blockflow.core import endpoints
 from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
@@ -77,18 +79,17 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         stop = _install_stop_handlers()
         err.print(f"starting tritonserver with {service.model_count} models from {plan} (log: {service.server.log_path}) …")
         service.start()
-        _print_endpoints(service)
+        _print_endpoints(service, _write_endpoints(service, plan))
         service.run(stop)
         err.print("stopping …")
     finally:
+        endpoints.remove(os.getpid())
         service.stop()
     err.print("stopped; no process left behind")
 
 
 def _control_token(token_file: Path | None) -> str:
     """The control service's token: from ``token_file``, $BLOCKFLOW_TOKEN, or a new random one."""
-    import os
-
     from blockflow.triton.access import new_secret
 
     if token_file is not None:
@@ -110,7 +111,15 @@ def _install_stop_handlers() -> threading.Event:
     return stop
 
 
-def _print_endpoints(service: Service) -> None:
+def _write_endpoints(service: Service, plan: Path) -> Path:
+    server = service.server
+    found = endpoints.Endpoints(http=server.http_url, grpc=server.grpc_url, metrics=server.metrics_url,
+                                control=service.control.url if service.control is not None else "",
+                                token_file=str(service.token_path or ""), pid=os.getpid(), plan=str(plan))
+    return endpoints.write(found)
+
+
+def _print_endpoints(service: Service, written: Path) -> None:
     from blockflow.plan import naming
     from blockflow.triton.doctor import perf_analyzer_path
 
@@ -119,6 +128,7 @@ def _print_endpoints(service: Service) -> None:
     out.print(f"  HTTP    {server.http_url}")
     out.print(f"  gRPC    {server.grpc_url}")
     out.print(f"  metrics {server.metrics_url}")
+    out.print(f"  (in {written}, where blockflow infer, load, status and apply find them)")
     table = Table(title="tasks")
     for col in ("task", "ensembles", "path"):
         table.add_column(col)

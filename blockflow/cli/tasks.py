@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
+from blockflow.cli import where
 from blockflow.cli.app import app, err, out
 
 
@@ -17,7 +18,8 @@ from blockflow.cli.app import app, err, out
 @click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded).")
 @click.option("--batch", type=click.IntRange(1, 1024), default=1, show_default=True, help="Batch size.")
 @click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
-@click.option("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, :8001 for grpc).")
+@click.option("--url", default=None, help="host:port (default: $BLOCKFLOW_HTTP_URL or $BLOCKFLOW_GRPC_URL, else the running "
+              "server's endpoints file, else 127.0.0.1:8000 for http, :8001 for grpc).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True, help="Send the request this many times; report latency percentiles.")
 def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int) -> None:
     """Send images to a task; print its top-5 classes and the latency."""
@@ -28,8 +30,8 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
 
     if (image is None) == (not random_input):
         raise click.UsageError("give exactly one of --image FILE or --random")
-    url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
-    with TaskClient(url, protocol) as client:  # type: ignore[arg-type]
+    address = where.http(url, protocol)
+    with where.reaching(address), TaskClient(address.value, protocol) as client:  # type: ignore[arg-type]
         shape = client.input_shape(task)
         if image is not None:
             x = load_image(image, shape[1], shape[2])
@@ -50,7 +52,8 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
 
 @app.command()
 @click.option("--task", "tasks", multiple=True, required=True, help="Task to load (repeat for several).")
-@click.option("--url", default=None, help="host:port (default 127.0.0.1:8000 for http, :8001 for grpc).")
+@click.option("--url", default=None, help="host:port (default: $BLOCKFLOW_HTTP_URL or $BLOCKFLOW_GRPC_URL, else the running "
+              "server's endpoints file, else 127.0.0.1:8000 for http, :8001 for grpc).")
 @click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
 @click.option("--clients", type=click.IntRange(1, 4096), default=1, show_default=True, help="Closed loop: concurrent clients.")
 @click.option("--rate", type=click.FloatRange(min=0.001), default=None, help="Open loop: Poisson arrivals per second (instead of --clients).")
@@ -70,8 +73,9 @@ def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, r
     from blockflow.clients.client import TaskClient
     from blockflow.clients.load import LoadSpec, run_load, summarize, write_csv
 
-    url = url or ("127.0.0.1:8000" if protocol == "http" else "127.0.0.1:8001")
-    with TaskClient(url, protocol) as client:  # type: ignore[arg-type]
+    address = where.http(url, protocol)
+    url = address.value
+    with where.reaching(address), TaskClient(url, protocol) as client:  # type: ignore[arg-type]
         shapes = {t: client.input_shape(t) for t in tasks}
     if len(set(shapes.values())) > 1:
         raise click.UsageError(f"tasks take different input shapes {shapes}; load them in separate runs")

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from blockflow.core.errors import ApplyError, PlanError, PlanIssue
+from blockflow.core.errors import ApplyError, PlanError, PlanIssue, Unreachable
 
 
 class ControlClient:
@@ -20,7 +20,7 @@ class ControlClient:
         try:
             r = self.http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ApplyError(f"cannot reach the control service at {self.url}: {exc}") from None
+            raise Unreachable(f"cannot reach the control service at {self.url}: {exc}") from None
         body: dict[str, Any] = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
         if r.status_code == 422 and body.get("issues"):
             raise PlanError([PlanIssue(i["loc"], i["message"]) for i in body["issues"]], source)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockflow.core.errors import BlockFlowError, TritonApiError
+from blockflow.core.errors import TritonApiError, Unreachable
 from blockflow.triton.api import TritonApi
 
 
@@ -51,9 +51,14 @@ def snapshot(api: TritonApi, metrics_url: str, client: httpx.Client) -> Snapshot
                 ensembles.add(name)
             else:
                 instances[name] = sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []))
-        text = client.get(_url(metrics_url)).text
     except (TritonApiError, httpx.HTTPError, ValueError, KeyError) as exc:
-        raise BlockFlowError(f"cannot read the server's state at {api.url} / {metrics_url}: {exc}") from None
+        raise Unreachable(f"cannot read Triton's statistics at {api.url}: {exc}") from None
+    try:
+        r = client.get(_url(metrics_url))
+        r.raise_for_status()
+        text = r.text
+    except httpx.HTTPError as exc:
+        raise Unreachable(f"cannot read Triton's metrics at {metrics_url}: {exc}") from None
     samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -39,6 +39,13 @@ DISABLE_CUDA_GRAPHS = "BLOCKFLOW_DISABLE_CUDA_GRAPHS"  # "1": run GPU blocks eag
 KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cache after warm-up (memory runs)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
+# -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
+TOKEN_FILE = "BLOCKFLOW_TOKEN_FILE"  # a file holding that token
+HTTP_URL = "BLOCKFLOW_HTTP_URL"  # Triton's HTTP endpoint, host:port
+GRPC_URL = "BLOCKFLOW_GRPC_URL"  # Triton's gRPC endpoint, host:port
+METRICS_URL = "BLOCKFLOW_METRICS_URL"  # Triton's metrics, http://host:port/metrics
+CONTROL_URL = "BLOCKFLOW_CONTROL_URL"  # the control service, http://host:port
+ENDPOINTS = "BLOCKFLOW_ENDPOINTS"  # the endpoints file `blockflow serve` writes and the client commands read
 STAGE_CACHE = "BLOCKFLOW_STAGE_CACHE"  # "0": every block process builds its parts (no stages/ cache)
 
 ADMIN_KEY_FILE = "admin.key"

@@ -19,6 +19,9 @@ traceback) and an exit code.
     ├── BlockError           a block failed to build or run (raised inside a block process)
     │   └── RequestError     one request is invalid; it fails alone
     └── ClientError          an inference call through the client failed
+        └── Unreachable      a server (Triton, its metrics, the control service) did not answer
+
+The CLI's exit codes (:data:`EXIT_CODES`) follow the tree; 2 stays click's, for bad flags and arguments.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class PlanIssue:
 class PlanError(BlockFlowError):
     """A plan failed validation. ``issues`` holds every problem found."""
 
-    exit_code = 2
+    exit_code = 7
 
     def __init__(self, issues: Sequence[PlanIssue], source: str = "") -> None:
         self.issues = list(issues)
@@ -114,3 +117,24 @@ class ClientError(BlockFlowError):
     """An inference call made through :mod:`clients` failed."""
 
     exit_code = 5
+
+
+class Unreachable(ClientError):
+    """A server BlockFlow was pointed at did not answer (nothing listens, or the network refused)."""
+
+    exit_code = 8
+
+
+# What each exit status of the `blockflow` command means (listed in `blockflow --help` and the README).
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    1: "an error not listed below",
+    2: "bad flags or arguments (usage)",
+    3: "something needed is missing: a binary, a library, an extra, a GPU",
+    4: "tritonserver did not start, stopped, or a model did not load",
+    5: "an inference request failed",
+    6: "a plan change was not applied (the previous plan was kept)",
+    7: "the plan is invalid",
+    8: "a server did not answer",
+    130: "interrupted (Ctrl-C)",
+}

@@ -60,8 +60,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     cmd = [*BLOCKFLOW, "serve", "--plan", str(PLAN_A), "--http-port", str(http), "--grpc-port", str(free_port()),
            "--metrics-port", str(free_port()), "--control-port", str(control), "--token-file", str(token_file),
            "--state-dir", str(base / "plans"), "--weights-dir", str(base)]
+    endpoints_file = base / "endpoints.json"
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "BLOCKFLOW_ENDPOINTS": str(endpoints_file)})
     lv = Live(f"127.0.0.1:{http}", f"http://127.0.0.1:{control}", token, token_file, log, base, proc,
               {"Authorization": f"Bearer {token}"})
     deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
@@ -87,6 +89,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             proc.wait()
         assert proc.returncode == 0, log.read_text()[-3000:]
         assert "no process left behind" in log.read_text()
+        assert not endpoints_file.exists(), "the stopped server left its endpoints file"
 
 
 def _image(seed: int = 0) -> np.ndarray:
@@ -124,6 +127,27 @@ def _apply_cli(live: Live, plan: Path, *extra: str) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=900)
 
 
+def test_client_commands_find_the_server_through_its_endpoints_file(live: Live) -> None:
+    """Non-default ports, no flags: infer, status (metrics included) and apply read the endpoints file."""
+    where = live.base / "endpoints.json"
+    assert where.stat().st_mode & 0o777 == 0o600
+    found = json.loads(where.read_text())
+    assert found["http"] == live.http and found["control"] == live.control and found["token_file"] == str(live.token_file)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKFLOW_")} | {"BLOCKFLOW_ENDPOINTS": str(where)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*BLOCKFLOW, *args], capture_output=True, text=True, timeout=300, env=env)
+
+    res = run("status", "--json", "--interval", "0.2")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["tasks"], res.stdout
+    task = next(iter(_served_tasks(live)))
+    res = run("infer", task, "--random")
+    assert res.returncode == 0 and "latency" in res.stdout, res.stderr
+    res = run("apply", str(PLAN_A), "--dry-run")
+    assert res.returncode == 0 and "dry run" in res.stdout, res.stdout + res.stderr
+
+
 def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:
     before = httpx.get(f"{live.control}/plan", headers=live.headers).json()
     body = PLAN_B.read_bytes()
@@ -144,7 +168,7 @@ def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:
     # The CLI refuses a malformed plan before sending anything, naming the key.
     (tmp_path / "bad.yaml").write_text(bad)
     res = _apply_cli(live, tmp_path / "bad.yaml")
-    assert res.returncode == 2 and "tasks.new.path[1]" in res.stderr, res.stderr
+    assert res.returncode == 7 and "tasks.new.path[1]" in res.stderr, res.stderr
     res = subprocess.run([*BLOCKFLOW, "apply", str(PLAN_B), "--url", live.control], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "BLOCKFLOW_TOKEN"})
     assert res.returncode != 0 and "token" in res.stderr

@@ -1,0 +1,89 @@
+"""Where the running ``blockflow serve`` answers: the endpoints file it writes, read by the client commands.
+
+``blockflow serve`` writes, once every model is loaded, ``endpoints.json`` (0600) in the user's
+runtime directory (``$XDG_RUNTIME_DIR/blockflow/``, else ``<temp dir>/blockflow-<uid>/``; or the
+path in ``$BLOCKFLOW_ENDPOINTS``), and removes it when it stops. ``infer``, ``load``, ``status``
+and ``apply`` take each address from, in order: their flag, its ``BLOCKFLOW_*`` variable, this
+file (when the server that wrote it still runs), the default port on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from blockflow.core import env
+
+FILE_NAME = "endpoints.json"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The addresses of one ``blockflow serve``; ``control`` and ``token_file`` are empty without a control service."""
+
+    http: str
+    grpc: str
+    metrics: str
+    control: str
+    token_file: str
+    pid: int
+    plan: str
+
+
+def path() -> Path:
+    """The endpoints file: ``$BLOCKFLOW_ENDPOINTS``, else in the user's runtime directory."""
+    named = os.environ.get(env.ENDPOINTS)
+    if named:
+        return Path(named)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(xdg) / "blockflow" if xdg else Path(tempfile.gettempdir()) / f"blockflow-{os.geteuid()}"
+    return base / FILE_NAME
+
+
+def write(e: Endpoints) -> Path:
+    """Write ``e`` (0600, its directory 0700 if made here), replacing any earlier file whole."""
+    target = path()
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(e), f, indent=1)
+    os.replace(tmp, target)
+    return target
+
+
+def read() -> Endpoints | None:
+    """The file's endpoints if it is this user's own, closed to others, and its server still runs; else None."""
+    target = path()
+    try:
+        st = target.lstat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not target.is_file():
+            return None  # another user's file, or one others could have written: not trusted
+        data = json.loads(target.read_text())
+        e = Endpoints(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    return e if _alive(e.pid) else None
+
+
+def remove(pid: int) -> None:
+    """Remove the file if it is still the one process ``pid`` wrote (a later server may have replaced it)."""
+    target = path()
+    try:
+        if json.loads(target.read_text()).get("pid") == pid:
+            target.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
