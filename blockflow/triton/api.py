@@ -143,3 +143,13 @@ class TritonApi:
     def unload(self, model: str) -> None:
         with self._grpc(f"unloading {model}") as client:
             client.unload_model(model, headers=self._grpc_headers, client_timeout=self.timeout)
+
+    def ensembles(self, models: list[str]) -> set[str]:
+        """Which of ``models`` are ensembles (their configs, over gRPC)."""
+        out = set()
+        with self._grpc("reading model configs") as client:
+            for m in models:
+                cfg: Any = client.get_model_config(m, as_json=True, client_timeout=self.timeout)
+                if cfg.get("config", {}).get("platform") == "ensemble":
+                    out.add(m)
+        return out

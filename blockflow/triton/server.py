@@ -322,9 +322,11 @@ class TritonServer:
             return
         self._stopping = True
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            drained = self._drain_then_terminate(proc, grace)
             try:
-                proc.wait(grace)
+                # Once every model is unloaded, all Triton still waits for is idle HTTP connections
+                # (a client's keep-alive): up to its exit timeout, with nothing left to finish.
+                proc.wait(0.5 if drained else grace)
             except subprocess.TimeoutExpired:
                 pass
         _kill_group(proc.pid)
@@ -339,6 +341,35 @@ class TritonServer:
             self.mps.stop()  # after every client (stub) is gone
         if self._own_runtime:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _drain_then_terminate(self, proc: subprocess.Popen[bytes], grace: float) -> bool:
+        """SIGTERM the server, then unload every model through gRPC; True once all are unloaded.
+
+        After SIGTERM Triton takes no new HTTP connections but waits, up to its exit timeout, for
+        the open ones to close, idle keep-alive ones included, before it even starts to unload;
+        its gRPC endpoint still answers meanwhile. Unloading the ensembles first, then the rest,
+        lets requests in flight finish and every block process run its finalize, so the server
+        can then be stopped without waiting out clients that merely stay connected.
+        """
+        api = self.api(timeout=grace)
+        try:
+            ready = [m.name for m in api.index() if m.state == "READY"]
+            ensembles = api.ensembles(ready)
+        except TritonApiError:
+            ready, ensembles = [], set()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        try:
+            for group in (ensembles, set(ready) - ensembles):
+                for m in group:
+                    api.unload(m)
+                while any(m.name in group and m.state in ("READY", "UNLOADING") for m in api.index()):
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        return False
+                    time.sleep(0.05)
+        except TritonApiError:
+            return False  # gone, or stopping on its own: wait for it as before
+        return True
 
     def _remove_shm(self) -> None:
         # The Python backend's regions, and TensorMQ host pools of stubs that were killed.

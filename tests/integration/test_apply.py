@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     log = base / "serve.log"
     cmd = [*BLOCKFLOW, "serve", "--plan", str(PLAN_A), "--http-port", str(http), "--grpc-port", str(free_port()),
            "--metrics-port", str(free_port()), "--control-port", str(control), "--token-file", str(token_file),
-           "--state-dir", str(base / "plans"), "--weights-dir", str(base)]
+           "--state-dir", str(base / "plans"), "--weights-dir", str(base), f"--tritonserver-arg=--log-file={base / 'triton.log'}"]
     endpoints_file = base / "endpoints.json"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -81,15 +82,25 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             time.sleep(0.5)
         yield lv
     finally:
+        # A client that stays connected (keep-alive) while nothing is in flight must not hold the
+        # stop for Triton's exit timeout (20 s): the models are unloaded, then the server stopped.
+        idle = HTTPConnection("127.0.0.1", http)
+        idle.request("GET", "/v2/health/live")
+        idle.getresponse().read()
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        took = time.monotonic() - t0
+        idle.close()
         assert proc.returncode == 0, log.read_text()[-3000:]
         assert "no process left behind" in log.read_text()
         assert not endpoints_file.exists(), "the stopped server left its endpoints file"
+        triton_log = (base / "triton.log").read_text()
+        assert "Exit timeout expired" not in triton_log and took < 12, f"stop took {took:.1f} s:\n{triton_log[-2000:]}"
 
 
 def _image(seed: int = 0) -> np.ndarray:
