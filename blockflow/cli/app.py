@@ -7,6 +7,8 @@ non-zero exit code, never a traceback.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -58,6 +60,25 @@ TRITON_HOME = click.option(
     expose_value=False, callback=_set_triton_home,
     help=f"The Triton directory to use: NVIDIA's container layout (/opt/tritonserver) or the nvidia-pytriton wheel's "
          f"(default: tritonserver on PATH if it is a container's, else the wheel; also ${env.TRITON_HOME}).")
+
+
+JSON = click.option("--json", "as_json", is_flag=True,
+                    help="Print one JSON document instead of tables (its schema: docs/cli-json.md).")
+
+
+def emit(doc: object) -> None:
+    """A command's ``--json`` output: one document on stdout, nothing else there (NaN and infinities as null)."""
+    click.echo(json.dumps(_finite(doc), indent=1, default=str, allow_nan=False))
+
+
+def _finite(doc: object) -> object:
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_finite(v) for v in doc]
+    return doc
 
 
 def read_secret(path: Path, flag: str) -> str:

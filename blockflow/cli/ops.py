@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 
 from blockflow.cli import where
-from blockflow.cli.app import PLAN, app, err, out, read_secret
+from blockflow.cli.app import JSON, PLAN, app, emit, err, out, read_secret
 from blockflow.core import env
 
 
@@ -33,8 +33,9 @@ from blockflow.core import env
                    "fails, those already changed go back to their previous plan. One token for all.")
 @click.option("--fleet-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="As --fleet, one control-service URL per line (# starts a comment).")
+@JSON
 def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, triton_url: str | None, repository: Path | None,
-          admin_key_file: Path | None, fleet: str | None, fleet_file: Path | None) -> None:
+          admin_key_file: Path | None, fleet: str | None, fleet_file: Path | None, as_json: bool) -> None:
     """Make a running server, or a fleet of them, serve PLAN, without stopping it.
 
     New and changed blocks load first, then the ensembles that use them; removed tasks and
@@ -52,7 +53,7 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
         if fleet_file is not None:
             urls += [line.split("#", 1)[0] for line in fleet_file.read_text().splitlines()]
         urls = [u.strip() for u in urls if u.strip()]
-        _apply_fleet(plan, urls, _token(token_file), dry_run)
+        _apply_fleet(plan, urls, _token(token_file), dry_run, as_json)
         return
     if triton_url is not None:
         from blockflow.control.apply import Applier
@@ -73,6 +74,9 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
         with where.reaching(address), ControlClient(address.value, _token(token_file)) as control:
             body = control.post(plan.read_text(), dry_run=dry_run, source=f"{plan} (refused by the server)")
         lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
+    if as_json:
+        emit({"plan": p.raw.name, "dry_run": dry_run, "changes": list(lines), "steps": list(steps), "seconds": seconds})
+        return
     for line in lines:
         out.print(line, markup=False, highlight=False)
     if dry_run:
@@ -92,12 +96,19 @@ def _token(token_file: Path | None) -> str:
     return token
 
 
-def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool) -> None:
+def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool, as_json: bool = False) -> None:
     from blockflow.control.fleet import apply_fleet, succeeded
     from blockflow.core.errors import ApplyError
 
     outcomes = apply_fleet(plan.read_text(), urls, token, dry_run=dry_run,
                            log=lambda m: err.print(m, markup=False, highlight=False))
+    if as_json:
+        emit({"plan": str(plan), "dry_run": dry_run, "applied": succeeded(outcomes) and not dry_run,
+              "servers": [{"url": o.url, "state": o.state, "seconds": o.seconds, "changes": list(o.lines), "error": o.error or None}
+                          for o in outcomes]})
+        if not succeeded(outcomes):
+            raise click.exceptions.Exit(ApplyError.exit_code)
+        return
     table = Table(title=f"fleet: {plan}")
     for col in ("server", "result", "s", "changes / error"):
         table.add_column(col)
@@ -119,7 +130,6 @@ def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool) -> None
 @click.option("--json", "as_json", is_flag=True, help="Print one sample as JSON instead of tables.")
 def status(url: str | None, metrics_url: str | None, interval: float, watch: bool, as_json: bool) -> None:
     """Tasks (ready, request rate, p50/p99) and blocks (instances, device, memory, utilisation, queue and compute time)."""
-    import json
 
     import httpx
     from rich.live import Live
@@ -136,7 +146,7 @@ def status(url: str | None, metrics_url: str | None, interval: float, watch: boo
         time.sleep(interval)
         cur = snapshot(api, murl, client)
         if as_json:
-            out.print_json(json.dumps({"tasks": task_rows(prev, cur), "blocks": block_rows(prev, cur)}))
+            emit({"tasks": task_rows(prev, cur), "blocks": block_rows(prev, cur)})
             return
         if not watch:
             out.print(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))

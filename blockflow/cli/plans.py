@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 from rich.table import Table
 
-from blockflow.cli.app import PLAN, app, err, out
+from blockflow.cli.app import JSON, PLAN, app, emit, err, out
 from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
@@ -18,11 +18,23 @@ if TYPE_CHECKING:
 
 @app.command()
 @PLAN
-def validate(plan: Path) -> None:
+@JSON
+def validate(plan: Path, as_json: bool) -> None:
     """Check a plan; print every problem with its key path and fix."""
+    from blockflow.core.errors import PlanError
     from blockflow.plan import load_plan
 
-    p = load_plan(plan)
+    try:
+        p = load_plan(plan)
+    except PlanError as exc:
+        if not as_json:
+            raise
+        emit({"plan": str(plan), "valid": False, "issues": [{"loc": i.loc, "message": i.message} for i in exc.issues]})
+        raise click.exceptions.Exit(exc.exit_code) from None
+    if as_json:
+        emit({"plan": str(plan), "valid": True, "models": len(p.models), "blocks": len(p.blocks), "tasks": len(p.tasks),
+              "warnings": list(p.warnings())})
+        return
     for w in p.warnings():
         err.print(f"[yellow]warning[/]: {w}")
     out.print(f"plan {plan} is valid: {len(p.models)} model(s), {len(p.blocks)} block(s), {len(p.tasks)} task(s)")
@@ -34,16 +46,31 @@ def validate(plan: Path) -> None:
               "or a torchvision model name (e.g. mobilenet_v3_large).")
 @click.option("--input-shape", default="3,224,224", show_default=True, help="With --cuts and a model name: C,H,W of one input.")
 @click.option("--num-classes", type=click.IntRange(1), default=1000, show_default=True, help="With --cuts and a model name.")
-def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
+@JSON
+def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: bool) -> None:
     """Tasks, blocks, what each task shares, and the tensors between blocks; or, with --cuts, a network's legal cuts."""
     from blockflow.core.spec import hop_dtype
     from blockflow.plan import load_plan
 
     if cuts:
-        _show_cuts(plan, input_shape, num_classes)
+        _show_cuts(plan, input_shape, num_classes, as_json)
         return
     p = load_plan(Path(plan))
     sharing = p.sharing()
+    if as_json:
+        params = _param_counts(p)
+        emit({"plan": plan,
+              "tasks": [{"task": t.name, "transports": list(p.transports_of(t)), "path": list(t.path),
+                         "shared_blocks": [b for b in t.path if len(sharing[b]) > 1],
+                         "hops": [{"shapes": [list(s) for s in p.block_out_shapes(p.blocks[n])],
+                                   "dtype": hop_dtype(p.blocks[n].precision)} for n in t.path[:-1]]}
+                        for t in p.tasks.values()],
+              "blocks": [{"block": b.name, "model": b.model, "stages": [b.first, b.last],
+                          "in_shapes": [list(x) for x in p.block_in_shapes(b)], "out_shapes": [list(x) for x in p.block_out_shapes(b)],
+                          "parameters": params[b.name], "placement": list(b.placement) if isinstance(b.placement, tuple) else b.placement,
+                          "instances": b.instances, "max_batch_size": b.max_batch_size, "precision": b.precision,
+                          "cuda_graphs": b.cuda_graphs, "used_by": list(sharing[b.name])} for b in p.blocks.values()]})
+        return
     blocks = Table(title="blocks")
     for col in ("block", "model", "stages", "in", "out", "params", "placement", "inst", "batch", "precision", "graphs", "used by"):
         blocks.add_column(col)
@@ -70,7 +97,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int) -> None:
     out.print(blocks)
 
 
-def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
+def _show_cuts(what: str, input_shape: str, num_classes: int, as_json: bool = False) -> None:
     """Every legal cut of the plan's models (or of one torchvision model or exported program), with
     the tensors that would cross it."""
     from blockflow.core import arch
@@ -92,11 +119,18 @@ def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
         except ValueError:
             raise click.BadParameter("give C,H,W, e.g. 3,224,224", param_hint="--input-shape") from None
         nets = [(f"{what} (input {list(shape)})", what, shape, num_classes)]
+    docs = []
     for title, name, shape, classes in nets:
         try:
             found = arch.legal_cuts(name, shape, classes)
         except ValueError as exc:
             raise BlockFlowError(str(exc)) from None
+        if as_json:
+            docs.append({"network": name, "input_shape": list(found.input_shape),
+                         "cuts": [{"cut": c.name, "tensors": [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                                                              for t in c.tensors], "bytes_per_sample": c.bytes_per_sample}
+                                  for c in found.cuts]})
+            continue
         if arch.is_program(name):
             title += f" (input {list(found.input_shape)})"
         table = Table(title=f"{title}: {len(found.cuts)} legal cuts, in network order")
@@ -106,6 +140,8 @@ def _show_cuts(what: str, input_shape: str, num_classes: int) -> None:
             table.add_row(c.name, _shapes(c.shapes), " + ".join(str(t.dtype).removeprefix("torch.") for t in c.tensors),
                           f"{c.bytes_per_sample:,}")
         out.print(table)
+    if as_json:
+        emit({"networks": docs})
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -144,7 +180,8 @@ def _param_counts(p: Plan) -> dict[str, int]:
 @PLAN
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Repository directory to write.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUTPUT differs from the plan.")
-def generate(plan: Path, output: Path, check: bool) -> None:
+@JSON
+def generate(plan: Path, output: Path, check: bool, as_json: bool) -> None:
     """Generate the Triton model repository for a plan (atomically; same plan, same bytes)."""
     from blockflow.ensemble_gen import generator
     from blockflow.plan import load_plan
@@ -153,6 +190,11 @@ def generate(plan: Path, output: Path, check: bool) -> None:
     files = generator.render(p)
     if check:
         differences = generator.diff(files, output)
+        if as_json:
+            emit({"output": str(output), "up_to_date": not differences, "differences": list(differences)})
+            if differences:
+                raise click.exceptions.Exit(1)
+            return
         if differences:
             err.print(f"{output} is stale for {plan} ({len(differences)} difference(s)); "
                       f"regenerate with: blockflow generate {plan} -o {output}")
@@ -162,6 +204,9 @@ def generate(plan: Path, output: Path, check: bool) -> None:
         out.print(f"{output} is up to date with {plan}")
         return
     generator.write(files, output)
+    if as_json:
+        emit({"output": str(output), "models": sorted(generator.model_names(files))})
+        return
     out.print(f"wrote {len(generator.model_names(files))} models to {output}")
 
 
@@ -174,8 +219,9 @@ def generate(plan: Path, output: Path, check: bool) -> None:
               help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
 @click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
 @click.option("--cuda-pool-mb", type=click.IntRange(0), default=CUDA_POOL_MB, show_default=True, help="Triton's CUDA pool per GPU, as `serve` sets it.")
+@JSON
 def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, arch: str | None, n_tasks: int,
-                cuda_pool_mb: int) -> None:
+                cuda_pool_mb: int, as_json: bool) -> None:
     """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""
     from blockflow.core.nvml import gpu_count
     from blockflow.core.shipped import shipped
@@ -184,8 +230,15 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
     default_cal = shipped("bench/results/h100/memory_calibration.json")
     cal_path = calibration or (default_cal if default_cal.is_file() else None)
     cal = memory.Calibration.load(cal_path) if cal_path else memory.Calibration()
-    out.print(f"calibration: {cal.source} (process {cal.process_mib:.0f} MiB, activation factor {cal.activation_factor:.2f}, "
-              f"server {cal.server_mib:.0f} MiB + CUDA pool {cuda_pool_mb} MiB per GPU)")
+    calibration_doc = {"source": cal.source, "process_mib": cal.process_mib, "activation_factor": cal.activation_factor,
+                       "server_mib": cal.server_mib, "cuda_pool_mib": cuda_pool_mb}
+    if as_json and arch is not None:
+        emit({"calibration": calibration_doc, "network": arch, "tasks": n_tasks,
+              "scenarios": memory.scenario_table(arch, n_tasks, cal, cuda_pool_mb)})
+        return
+    if not as_json:
+        out.print(f"calibration: {cal.source} (process {cal.process_mib:.0f} MiB, activation factor {cal.activation_factor:.2f}, "
+                  f"server {cal.server_mib:.0f} MiB + CUDA pool {cuda_pool_mb} MiB per GPU)")
     if arch is not None:
         table = Table(title=f"{arch}, N = {n_tasks} tasks, one GPU: predicted MiB (thesis Table 4.4 scenarios)")
         for col in ("scenario", "A / B / C", "modular", "fused", "fused + packed", "traditional", "saving", "saving fused",
@@ -209,6 +262,16 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
                   "(calibrate with `python -m blockflow.bench.memory` on plans of that network)")
     n = gpus if gpus is not None else max(1, gpu_count())
     mod, trad = memory.modular(p, n, cal), memory.traditional(p, n, cal)
+    m, t = memory.per_gpu(mod, n, cal, cuda_pool_mb), memory.per_gpu(trad, n, cal, cuda_pool_mb)
+    if as_json:
+        emit({"plan": str(plan), "calibration": calibration_doc, "calibrated": not uncalibrated,
+              "processes": [{"model": pr.model, "gpu": pr.gpu, "overhead_mib": pr.overhead_mib, "weights_mib": pr.weights_mib,
+                             "cuda_graph_pools_mib": pr.activations_mib, "tensormq_pool_mib": pr.pool_mib, "total_mib": pr.total_mib}
+                            for pr in mod],
+              "per_gpu": [{"gpu": g, "blockflow_mib": m.get(g, 0), "blockflow_processes": sum(1 for x in mod if x.gpu == g),
+                           "traditional_mib": t.get(g, 0), "traditional_processes": sum(1 for x in trad if x.gpu == g)}
+                          for g in sorted(set(m) | set(t))]})
+        return
     table = Table(title=f"{plan}: predicted GPU memory per process (MiB)")
     for col in ("model", "GPU", "overhead", "weights", "CUDA-graph pools", "TensorMQ pool", "total"):
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -216,7 +279,6 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
         table.add_row(pr.model, str(pr.gpu), f"{pr.overhead_mib:.0f}", f"{pr.weights_mib:.1f}", f"{pr.activations_mib:.1f}",
                       f"{pr.pool_mib:.0f}", f"{pr.total_mib:.0f}")
     out.print(table)
-    m, t = memory.per_gpu(mod, n, cal, cuda_pool_mb), memory.per_gpu(trad, n, cal, cuda_pool_mb)
     summary = Table(title="per GPU (MiB, with the server): BlockFlow vs one full model per task")
     for col in ("GPU", "BlockFlow", "processes", "traditional", "processes", "saving"):
         summary.add_column(col, justify="right")

@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from blockflow.cli import where
-from blockflow.cli.app import app, err, out
+from blockflow.cli.app import JSON, app, emit, err, out
 
 
 @app.command()
@@ -21,7 +21,9 @@ from blockflow.cli.app import app, err, out
 @click.option("--url", default=None, help="host:port (default: $BLOCKFLOW_HTTP_URL or $BLOCKFLOW_GRPC_URL, else the running "
               "server's endpoints file, else 127.0.0.1:8000 for http, :8001 for grpc).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True, help="Send the request this many times; report latency percentiles.")
-def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int) -> None:
+@JSON
+def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int,
+          as_json: bool) -> None:
     """Send images to a task; print its top-5 classes and the latency."""
     import numpy as np
 
@@ -43,9 +45,15 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
             result = client.infer_timed(task, x)
             latencies.append(result.latency_ms)
     names = class_names(result.logits.shape[1])
+    lat = np.array(latencies)
+    if as_json:
+        emit({"task": task, "url": address.value, "protocol": protocol, "batch": batch, "requests": repeat,
+              "top5": [[{"index": int(i), "class": names[i] if names else str(i), "p": float(p)} for i, p in best]
+                       for best in top_k(result.logits, 5)],
+              "latency_ms": {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "min": float(lat.min())}})
+        return
     for row, best in enumerate(top_k(result.logits, 5)):
         out.print(f"[bold]{task}[/] sample {row}: " + ", ".join(f"{names[i] if names else i} ({p:.3f})" for i, p in best))
-    lat = np.array(latencies)
     out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
               f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
 
@@ -63,8 +71,9 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
 @click.option("--out", "csv_path", type=click.Path(path_type=Path), default=None,
               help="CSV of every request (task, batch, send time, latency, outcome).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@JSON
 def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, rate: float | None, batch: int,
-         duration: float, max_requests: int | None, csv_path: Path | None, seed: int) -> None:
+         duration: float, max_requests: int | None, csv_path: Path | None, seed: int, as_json: bool) -> None:
     """Closed-loop clients or open-loop Poisson arrivals over tasks; per-request latencies and a summary."""
     import asyncio
 
@@ -89,6 +98,11 @@ def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, r
         elapsed = time.monotonic() - t0
     if csv_path is not None:
         write_csv(records, csv_path)
+    if as_json:
+        emit({"url": url, "protocol": protocol, "mode": "open" if rate else "closed", "clients": None if rate else clients,
+              "rate": rate, "batch": batch, "seconds": elapsed, "requests": len(records), "csv": str(csv_path) if csv_path else None,
+              "tasks": summarize(records, elapsed)})
+        return
     table = Table(title=f"{mode}, batch {batch}, {elapsed:.1f} s ({protocol})")
     for col in ("task", "requests", "errors", "inferences/s", "p50 ms", "p90 ms", "p99 ms", "mean ms"):
         table.add_column(col, justify="right" if col != "task" else "left")

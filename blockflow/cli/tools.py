@@ -8,7 +8,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from blockflow.cli.app import TRITON_HOME, app, out_console
+from blockflow.cli.app import JSON, TRITON_HOME, app, emit, out_console
 from blockflow.core.shipped import shipped
 
 
@@ -56,11 +56,17 @@ def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: s
 
 @app.command()
 @TRITON_HOME
-def doctor() -> None:
+@JSON
+def doctor(as_json: bool) -> None:
     """Check the environment: versions, server and stub, torch/CUDA, GPUs; one fix per problem."""
     from blockflow.triton.doctor import run_checks
 
     rows = run_checks()
+    if as_json:
+        emit({"ok": all(r.ok for r in rows), "checks": [{"check": r.name, "ok": r.ok, "detail": r.detail} for r in rows]})
+        if not all(r.ok for r in rows):
+            raise click.exceptions.Exit(1)
+        return
     table = Table(title="blockflow doctor")
     for col in ("check", "status", "detail / fix"):
         table.add_column(col)

@@ -157,6 +157,13 @@ def test_client_commands_find_the_server_through_its_endpoints_file(live: Live) 
     assert res.returncode == 0 and "latency" in res.stdout, res.stderr
     res = run("apply", str(PLAN_A), "--dry-run")
     assert res.returncode == 0 and "dry run" in res.stdout, res.stdout + res.stderr
+    # The same with --json (docs/cli-json.md): one document each.
+    inferred = json.loads(run("infer", task, "--random", "--batch", "2", "--json").stdout)
+    assert inferred["url"] == live.http and len(inferred["top5"]) == 2 and inferred["latency_ms"]["p50"] > 0
+    applied = json.loads(run("apply", str(PLAN_A), "--dry-run", "--json").stdout)
+    assert applied.keys() == {"plan", "dry_run", "changes", "steps", "seconds"} and applied["dry_run"] is True
+    loaded = json.loads(run("load", "--task", task, "--duration", "1", "--json").stdout)
+    assert loaded["tasks"][task]["requests"] > 0 and loaded["tasks"][task]["errors"] == 0
 
 
 def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:

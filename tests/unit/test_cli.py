@@ -150,3 +150,31 @@ def test_tritonserver_args_pass_through_and_replace_the_log_verbosity(tmp_path: 
     assert cmd[-2:] == ["--log-verbose=1", "--trace-config=rate=100"]
     assert [a for a in cmd if a.startswith("--log-verbose")] == ["--log-verbose=1"]
     assert any(a.startswith("--http-restricted-api=") for a in cmd)
+
+
+def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None:
+    """Each prints one document with the keys docs/cli-json.md lists."""
+    import json
+
+    def doc(*args: str, code: int = 0) -> dict[str, object]:
+        res = blockflow(*args, "--json")
+        assert res.returncode == code, res.stderr
+        parsed: dict[str, object] = json.loads(res.stdout)
+        return parsed
+
+    assert doc("validate", "plans/default.yaml").keys() == {"plan", "valid", "models", "blocks", "tasks", "warnings"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "plans" / "default.yaml").read_text().replace("instances: 1", "instances: 0"))
+    invalid = doc("validate", str(bad), code=7)
+    assert invalid["valid"] is False and any(i["loc"] == "defaults.instances" for i in invalid["issues"])  # type: ignore[attr-defined]
+    shown = doc("show", "tests/plans/skip_cut.yaml")
+    assert shown.keys() == {"plan", "tasks", "blocks"}
+    assert {"task", "transports", "path", "shared_blocks", "hops"} == set(shown["tasks"][0])  # type: ignore[index]
+    cuts = doc("show", "--cuts", "resnet18", "--input-shape", "3,32,32")
+    assert cuts["networks"][0]["cuts"][0].keys() == {"cut", "tensors", "bytes_per_sample"}  # type: ignore[index]
+    memory = doc("plan-memory", "plans/default.yaml", "--gpus", "1")
+    assert memory.keys() == {"plan", "calibration", "calibrated", "processes", "per_gpu"} and memory["calibrated"] is True
+    assert doc("generate", "tests/plans/one_block.yaml", "-o", str(tmp_path / "repo"))["models"] == ["only", "whole"]
+    assert doc("generate", "tests/plans/one_block.yaml", "-o", str(tmp_path / "repo"), "--check")["up_to_date"] is True
+    checks = blockflow("doctor", "--json")
+    assert {"ok", "checks"} == json.loads(checks.stdout).keys()
