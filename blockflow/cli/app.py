@@ -32,17 +32,25 @@ err = Console(stderr=True, soft_wrap=True)
 _EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES.items())
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 @click.group(name="blockflow", context_settings={"help_option_names": ["-h", "--help"]}, epilog=_EPILOG)
 @click.version_option(package_name="blockflow", prog_name="blockflow")
-def app() -> None:
+@click.option("-v", "--verbose", count=True, help="More log lines: -v BlockFlow's debug lines, -vv every library's too.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, envvar=env.LOG_LEVEL, show_envvar=True,
+              help="The lowest level of BlockFlow's log lines on stderr (default: info).")
+def app(verbose: int, log_level: str | None) -> None:
     """Serve DNNs cut into shared blocks on NVIDIA Triton."""
     import logging
 
-    from rich.logging import RichHandler
-
-    # Library warnings (e.g. the server watchdog's) on stderr, in the CLI's own style.
-    logging.basicConfig(level=logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_time=False, show_path=False)])
+    # Log lines (serve's progress, the supervisor, apply) on stderr, one line each with its time
+    # and level, never wrapped (logs are grepped); other libraries' only from warnings up unless
+    # -vv (httpx alone logs every request at info).
+    level = "debug" if verbose else (log_level or "info")
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S%z")
+    logging.getLogger("blockflow").setLevel(level.upper())
 
 
 PLAN = click.argument("plan", type=click.Path(path_type=Path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -10,15 +11,16 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape
 from rich.table import Table
 
-from blockflow.cli.app import DEFAULT_PLAN, PORT, TRITON_HOME, app, err, out, read_secret
+from blockflow.cli.app import DEFAULT_PLAN, PORT, TRITON_HOME, app, out, read_secret
 from blockflow.core import endpoints
 from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
     from blockflow.control.serve import Service
+
+log = logging.getLogger("blockflow.serve")
 
 
 @app.command()
@@ -69,23 +71,23 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     service = Service(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
                                    control_port, token, token_file, state_dir, mps, list(weights_dirs), load_timeout,
                                    list(tritonserver_args)),
-                      say=lambda m: err.print(f"[yellow]{escape(m)}[/]"),
-                      log_apply=lambda m: err.print(f"apply: {m}", markup=False, highlight=False))
+                      say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
         for w in service.plan.warnings():
-            err.print(f"[yellow]warning[/]: {escape(w)}")
+            log.warning(w)
         if service.hint():
-            err.print(f"[cyan]hint[/]: {escape(service.hint())}")
+            log.info("hint: %s", service.hint())
         stop = _install_stop_handlers()
-        err.print(f"starting tritonserver with {service.model_count} models from {plan} (log: {service.server.log_path}) …")
+        log.info("starting tritonserver with %d models from %s (log: %s)", service.model_count, plan, service.server.log_path)
         service.start()
+        log.info("ready in %.1f s", service.seconds_to_ready)
         _print_endpoints(service, _write_endpoints(service, plan))
         service.run(stop)
-        err.print("stopping …")
+        log.info("stopping")
     finally:
         endpoints.remove(os.getpid())
         service.stop()
-    err.print("stopped; no process left behind")
+    log.info("stopped; no process left behind")
 
 
 def _control_token(token_file: Path | None) -> str:

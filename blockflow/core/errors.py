@@ -134,7 +134,7 @@ EXIT_CODES: dict[int, str] = {
     4: "tritonserver did not start, stopped, or a model did not load",
     5: "an inference request failed",
     6: "a plan change was not applied (the previous plan was kept)",
-    7: "the plan is invalid",
+    7: "the plan is invalid or cannot be read",
     8: "a server did not answer",
     130: "interrupted (Ctrl-C)",
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def test_validate_reports_every_problem(tmp_path: Path) -> None:
 
 
 def test_missing_plan_file_is_one_line() -> None:
-    one_line_error(blockflow("serve", "--plan", "nope.yaml"), 2, "plan file not found: nope.yaml")
-    one_line_error(blockflow("validate", "nope.yaml"), 2, "plan file not found")
+    one_line_error(blockflow("serve", "--plan", "nope.yaml"), 7, "plan file not found: nope.yaml")
+    one_line_error(blockflow("validate", "nope.yaml"), 7, "plan file not found")
 
 
 def test_malformed_command_lines_are_one_line() -> None:
@@ -71,6 +72,14 @@ def test_port_in_use_is_one_line() -> None:
     assert res.returncode == 4
     assert "Traceback" not in res.stderr
     assert f"HTTP port {port} on 127.0.0.1 is already in use" in res.stderr
+    # serve's progress is logged with its time and level, one line each; --log-level hides it.
+    assert re.search(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\S* INFO +starting tritonserver with \d+ models", res.stderr, re.M), res.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        quiet = blockflow("--log-level", "warning", "serve", "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0")
+    assert quiet.returncode == 4 and "starting tritonserver" not in quiet.stderr and "already in use" in quiet.stderr
 
 
 def test_unreachable_server_is_one_line() -> None:
@@ -78,7 +87,7 @@ def test_unreachable_server_is_one_line() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     res = blockflow("infer", "cls_a", "--random", "--url", f"127.0.0.1:{port}")
-    assert res.returncode == 5 and "Traceback" not in res.stderr
+    assert res.returncode == 8 and "Traceback" not in res.stderr  # 8: a server did not answer
     assert "cannot reach the server" in res.stderr
 
 

@@ -75,4 +75,4 @@ def test_a_server_that_does_not_answer_is_named_with_its_flag_and_variable(tmp_p
     assert _blockflow("validate", str(bad), **isolated).returncode == 7
     assert _blockflow("validate", **isolated).returncode == 2
     listing = _blockflow("--help", **isolated).stdout
-    assert "7    the plan is invalid" in listing and "8    a server did not answer" in listing
+    assert "7    the plan is invalid or cannot be read" in listing and "8    a server did not answer" in listing
