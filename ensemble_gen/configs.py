@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.core.spec import (
@@ -140,3 +141,35 @@ def parse_pbtxt(text: str) -> mc.ModelConfig:
     cfg = mc.ModelConfig()
     text_format.Parse(text, cfg)
     return cfg
+
+
+def config_changes(old: str, new: str) -> list[str]:
+    """Each field that differs between two ``config.pbtxt`` texts, ``path: old → new`` (the block's
+    spec parameter compared field by field as ``spec.<field>``; the digest, which follows from the
+    rest, left out)."""
+    def flat(text: str) -> dict[str, object]:
+        cfg = json_format.MessageToDict(parse_pbtxt(text), preserving_proto_field_name=True)
+        params = cfg.pop("parameters", {})
+        params.pop(DIGEST_PARAMETER, None)
+        spec = params.pop(SPEC_PARAMETER, None)
+        out: dict[str, object] = {}
+        _flatten(cfg, "", out)
+        _flatten({k: v.get("string_value") for k, v in params.items()}, "parameters.", out)
+        if spec is not None:
+            _flatten(json.loads(spec["string_value"]), "spec.", out)
+        return out
+
+    a, b = flat(old), flat(new)
+    return [f"{k}: {a.get(k, '(none)')} → {b.get(k, '(none)')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _flatten(value: object, prefix: str, out: dict[str, object]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}{k}.", out)
+    elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix.rstrip('.')}[{i}].", out)
+    else:
+        out[prefix.rstrip(".")] = value
+

@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, config_changes, parse_pbtxt
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
 
@@ -77,6 +77,7 @@ class Diff:
     changes: tuple[Change, ...]
     unchanged: tuple[str, ...]
     foreign: tuple[str, ...] = ()  # served models BlockFlow did not generate: left alone
+    fields: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # changed model -> "path: old → new"
 
     @property
     def empty(self) -> bool:
@@ -88,11 +89,11 @@ class Diff:
     def lines(self) -> list[str]:
         if self.empty:
             return [f"no change ({len(self.unchanged)} models already as planned)"]
-        return [str(c) for c in self.changes]
+        return [line for c in self.changes for line in [str(c), *(f"    {f}" for f in self.fields.get(c.model, ()))]]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"changes": [{"model": c.model, "kind": "ensemble" if c.ensemble else "block", "action": c.action}
-                            for c in self.changes],
+        return {"changes": [{"model": c.model, "kind": "ensemble" if c.ensemble else "block", "action": c.action,
+                             "fields": list(self.fields.get(c.model, ()))} for c in self.changes],
                 "unchanged": list(self.unchanged), "foreign": list(self.foreign)}
 
 
@@ -173,7 +174,17 @@ class Applier:
         return out
 
     def diff(self, plan: Plan) -> Diff:
-        return compute_diff(generator.render(plan), self.served())
+        files = generator.render(plan)
+        return self._with_fields(compute_diff(files, self.served()), generator.by_model(files))
+
+    def _with_fields(self, d: Diff, wanted: Mapping[str, Mapping[str, bytes]]) -> Diff:
+        """``d`` with what changes in each changed model's config, against the repository's files."""
+        fields = {}
+        for c in d.changes:
+            old = generator.read_model(self.repository, c.model) if c.action == "change" else None
+            if old is not None and "config.pbtxt" in old:
+                fields[c.model] = tuple(config_changes(old["config.pbtxt"].decode(), wanted[c.model]["config.pbtxt"].decode()))
+        return Diff(d.changes, d.unchanged, d.foreign, fields)
 
     # ------------------------------------------------------------------ changing it
 
@@ -233,7 +244,7 @@ class Applier:
             if not (self.repository / generator.MARKER).is_file():
                 raise ApplyError(f"{self.repository} is not a BlockFlow model repository (no {generator.MARKER}); "
                                  "give the --repository the server was started with")
-            d = compute_diff(files, self.served())
+            d = self._with_fields(compute_diff(files, self.served()), wanted)
             report = Report(d)
             if dry_run or d.empty:
                 report.seconds = time.monotonic() - t0

@@ -198,6 +198,8 @@ def test_dry_run_and_idempotent_apply(live: Live) -> None:
     res = _apply_cli(live, PLAN_B, "--dry-run")
     assert res.returncode == 0, res.stderr
     assert "+ ensemble new" in res.stdout and "- ensemble gone" in res.stdout and "~ block head_keep" in res.stdout
+    # What changes in a changed model, field by field (old → new).
+    assert "    instance_group[0].count: 1 → 2" in res.stdout and "ensemble_scheduling.step[1].model_name: head_swap_a → head_swap_b" in res.stdout
     assert "- block trunk" not in res.stdout and "trunk" not in res.stdout  # the shared block is left alone
     assert _served_tasks(live) == TASKS_A
     res = _apply_cli(live, PLAN_A)

@@ -285,3 +285,15 @@ def test_served_test_plans_have_distinct_model_names() -> None:
         for name in generator.model_names(generator.render(load_plan(path))):
             assert name not in seen, f"{name} is in both {seen[name]} and {path.name}"
             seen[name] = path.name
+
+
+def test_config_changes_name_each_field_that_differs() -> None:
+    from blockflow.ensemble_gen.configs import config_changes
+
+    a = generator.by_model(generator.render(load_plan(ROOT / "tests" / "plans" / "live_a.yaml")))
+    b = generator.by_model(generator.render(load_plan(ROOT / "tests" / "plans" / "live_b.yaml")))
+    assert config_changes(a["head_keep"]["config.pbtxt"].decode(), b["head_keep"]["config.pbtxt"].decode()) == [
+        "dynamic_batching.max_queue_delay_microseconds: 200 → 50", "instance_group[0].count: 1 → 2"]
+    assert config_changes(a["trunk"]["config.pbtxt"].decode(), b["trunk"]["config.pbtxt"].decode()) == []
+    fp16 = a["head_keep"]["config.pbtxt"].decode().replace('\\"precision\\":\\"fp32\\"', '\\"precision\\":\\"fp16\\"')
+    assert "spec.precision: fp32 → fp16" in config_changes(a["head_keep"]["config.pbtxt"].decode(), fp16)
