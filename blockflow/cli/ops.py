@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Group
@@ -12,6 +14,9 @@ from rich.table import Table
 from blockflow.cli import where
 from blockflow.cli.app import JSON, PLAN, app, emit, err, out, read_secret
 from blockflow.core import env
+
+if TYPE_CHECKING:
+    from blockflow.control.client import ControlClient
 
 
 @app.command()
@@ -71,8 +76,12 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
         from blockflow.control.client import ControlClient
 
         address = where.control(url)
-        with where.reaching(address), ControlClient(address.value, _token(token_file)) as control:
-            body = control.post(plan.read_text(), dry_run=dry_run, source=f"{plan} (refused by the server)")
+        token = _token(token_file)
+        with where.reaching(address), ControlClient(address.value, token) as control:
+            if dry_run:
+                body = control.post(plan.read_text(), dry_run=True, source=f"{plan} (refused by the server)")
+            else:
+                body = _post_with_progress(control, ControlClient(address.value, token, timeout=10), plan)
         lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
     if as_json:
         emit({"plan": p.raw.name, "dry_run": dry_run, "changes": list(lines), "steps": list(steps), "seconds": seconds})
@@ -83,6 +92,32 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
         out.print("(dry run: nothing changed)")
     elif steps:
         out.print(f"[green]applied[/] {p.raw.name!r} in {seconds:.1f} s")
+
+
+def _post_with_progress(control: ControlClient, watcher: ControlClient, plan: Path) -> dict[str, Any]:
+    """POST the plan while logging each step the server reports done (a load can take minutes)."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    from blockflow.core.errors import BlockFlowError
+
+    log = logging.getLogger("blockflow.apply")
+    shown = 0
+    with ThreadPoolExecutor(1) as pool, watcher:
+        posted = pool.submit(control.post, plan.read_text(), False, f"{plan} (refused by the server)")
+        while not wait([posted], timeout=0.5).done:
+            try:
+                progress = watcher.progress()
+            except BlockFlowError:
+                continue  # progress is a courtesy: the POST's own answer decides
+            steps = progress.get("steps", [])
+            for step in steps[shown:]:
+                shown += 1
+                log.info("%s (%d/%d)", step, shown, progress.get("total", 0))
+        body = posted.result()
+    for step in body.get("steps", [])[shown:]:
+        shown += 1
+        log.info("%s (%d/%d)", step, shown, len(body.get("steps", [])))
+    return dict(body)
 
 
 def _token(token_file: Path | None) -> str:

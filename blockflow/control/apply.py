@@ -135,11 +135,17 @@ def compute_diff(files: Mapping[str, bytes], served: Iterable[Served]) -> Diff:
 
 @dataclass
 class Report:
-    """What one :meth:`Applier.apply` did."""
+    """What one :meth:`Applier.apply` did (while it runs, :attr:`Applier.current` is this, filling up)."""
 
     diff: Diff
     seconds: float = 0.0
     steps: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def progress(self) -> dict[str, Any]:
+        """The steps done so far out of the changes to make (``GET /plan/progress``)."""
+        return {"running": True, "done": len(self.steps), "total": len(self.diff.changes), "steps": list(self.steps),
+                "seconds": round(time.monotonic() - self.started, 3)}
 
 
 class Applier:
@@ -153,6 +159,7 @@ class Applier:
         self.repository = repository
         self.lock = lock or threading.Lock()
         self._log = log or (lambda _msg: None)
+        self.current: Report | None = None  # the apply in progress, read by other threads for its progress
 
     @contextmanager
     def _failing_as_apply(self) -> Iterator[None]:
@@ -254,19 +261,23 @@ class Applier:
             blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
             ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
             done: list[Change] = []
+            self.current = report
             try:
-                self._load_waves(blocks, ensembles, wanted, done, report)
-            except Exception as exc:
-                restored = self._undo(done, backup)
-                raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "
-                                 "the server serves the previous plan") from None
-            for c in d.changes:
-                if c.action == "remove":  # ensembles come first in the sorted changes
-                    self._unload(c.model)
-                    generator.write_model(self.repository, c.model, None)
-                    report.steps.append(f"unloaded {c.model}")
-                    self._log(f"unloaded {c}")
-            generator.write_marker(self.repository, files)
+                try:
+                    self._load_waves(blocks, ensembles, wanted, done, report)
+                except Exception as exc:
+                    restored = self._undo(done, backup)
+                    raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "
+                                     "the server serves the previous plan") from None
+                for c in d.changes:
+                    if c.action == "remove":  # ensembles come first in the sorted changes
+                        self._unload(c.model)
+                        generator.write_model(self.repository, c.model, None)
+                        report.steps.append(f"unloaded {c.model}")
+                        self._log(f"unloaded {c}")
+                generator.write_marker(self.repository, files)
+            finally:
+                self.current = None
         report.seconds = time.monotonic() - t0
         return report
 

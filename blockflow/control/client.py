@@ -39,6 +39,10 @@ class ControlClient:
         return self._call("POST", "/plan", source or f"the plan (refused by {self.url})",
                           params={"dry_run": str(dry_run).lower()}, content=text.encode(), headers={"Content-Type": "application/yaml"})
 
+    def progress(self) -> dict[str, Any]:
+        """The server's plan change in progress (``running``, ``done`` of ``total``, ``steps``)."""
+        return self._call("GET", "/plan/progress", self.url)
+
     def close(self) -> None:
         self.http.close()
 

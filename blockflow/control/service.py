@@ -196,6 +196,12 @@ def create_app(controller: Controller, token: str) -> FastAPI:
             raise HTTPException(400, "empty body: send the plan (YAML or JSON) as the request body")
         return _report(await run_in_threadpool(controller.submit, text, dry_run))
 
+    @app.get("/plan/progress", dependencies=[Depends(authorized)])
+    def get_progress() -> dict[str, Any]:
+        """The plan change in progress: steps done out of the changes to make; ``running: false`` when none."""
+        current = controller.applier.current
+        return current.progress() if current is not None else {"running": False}
+
     @app.get("/plan", dependencies=[Depends(authorized)])
     def get_plan() -> dict[str, Any]:
         entries = controller.history()

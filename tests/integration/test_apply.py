@@ -310,6 +310,9 @@ def test_twenty_alternating_plans_under_load(live: Live) -> None:
                 res = _apply_cli(live, plan)
                 assert res.returncode == 0, res.stdout + res.stderr
                 assert "applied" in res.stdout
+                # Progress, one log line per model as the server reports it: "loaded ~ block x (1/5)".
+                progress = re.findall(r"INFO +(?:loaded|unloaded) \S+ \((\d+)/(\d+)\)$", res.stderr, re.M)
+                assert progress and [int(n) for n, _ in progress] == list(range(1, len(progress) + 1)), res.stderr
             else:
                 r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plan.read_bytes(), timeout=900)
                 assert r.status_code == 200, r.text
