@@ -29,6 +29,8 @@ apt_install() {
 }
 if ! ldconfig -p 2>/dev/null | grep -q "libpython${PYVER}.so.1.0"; then apt_install "libpython${PYVER}"; fi
 if ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then apt_install "python${PYVER}-venv"; fi
+# A real terminal for the test of `blockflow status --watch` at 80x24.
+if ! command -v tmux >/dev/null; then apt_install tmux; fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $PY (Python $PYVER)"

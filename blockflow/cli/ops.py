@@ -17,6 +17,8 @@ from blockflow.core import env
 
 if TYPE_CHECKING:
     from blockflow.control.client import ControlClient
+    from blockflow.control.status import Snapshot
+    from blockflow.triton.api import TritonApi
 
 
 @app.command()
@@ -167,7 +169,6 @@ def status(url: str | None, metrics_url: str | None, interval: float, watch: boo
     """Tasks (ready, request rate, p50/p99) and blocks (instances, device, memory, utilisation, queue and compute time)."""
 
     import httpx
-    from rich.live import Live
 
     from blockflow.control.status import block_rows, snapshot, task_rows
     from blockflow.triton.api import TritonApi
@@ -184,37 +185,68 @@ def status(url: str | None, metrics_url: str | None, interval: float, watch: boo
             emit({"tasks": task_rows(prev, cur), "blocks": block_rows(prev, cur)})
             return
         if not watch:
-            out.print(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
+            out.print(_status_tables(task_rows(prev, cur), block_rows(prev, cur), out.width))
             return
-        with Live(Group(), console=out, refresh_per_second=4) as live:
-            try:
-                while True:
-                    live.update(_status_tables(task_rows(prev, cur), block_rows(prev, cur)))
-                    time.sleep(interval)
+    _watch(api, murl, interval, triton.value, prev, cur)
+
+
+def _watch(api: TritonApi, murl: str, interval: float, where_to: str, prev: Snapshot | None, cur: Snapshot | None) -> None:
+    """Redraw the tables every ``interval`` until Ctrl-C; while the server does not answer (a restart),
+    say so and keep asking."""
+    import httpx
+    from rich.live import Live
+    from rich.text import Text
+
+    from blockflow.control.status import block_rows, snapshot, task_rows
+    from blockflow.core.errors import Unreachable
+
+    down_since = ""
+    with httpx.Client(timeout=min(30.0, 2 * interval + 5)) as client, Live(Group(), console=out, refresh_per_second=4) as live:
+        try:
+            while True:
+                stamp = time.strftime("%H:%M:%S")
+                if prev is not None and cur is not None:
+                    head = Text(f"{where_to}  {stamp}  every {interval:g} s  (Ctrl-C stops)", style="dim")
+                    live.update(Group(head, _status_tables(task_rows(prev, cur), block_rows(prev, cur), out.width)))
+                time.sleep(interval)
+                try:
                     prev, cur = cur, snapshot(api, murl, client)
-            except KeyboardInterrupt:
-                pass
+                    down_since = ""
+                except Unreachable as exc:
+                    down_since = down_since or stamp
+                    prev = cur = None
+                    live.update(Text(f"{where_to} does not answer since {down_since}; waiting for it (Ctrl-C stops)\n{exc}",
+                                     style="yellow"))
+        except KeyboardInterrupt:
+            pass
 
 
-def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object]]) -> Group:
+def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object]], width: int = 200) -> Group:
+    """The tasks and blocks tables; below 120 columns, the blocks' columns that matter most, borderless."""
+    from rich import box
+
     def num(v: object, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     def ready(v: object) -> str:
-        return "[green]ready[/]" if v else "[red]not ready[/]"
+        return "[green]ready[/]" if v else "[red]down[/]"
 
-    t = Table(title="tasks")
+    narrow = width < 120
+    style = {"box": box.SIMPLE_HEAD, "pad_edge": False} if narrow else {}
+    t = Table(title="tasks", **style)  # type: ignore[arg-type]
     for col in ("task", "state", "req/s", "failed", "p50 ms", "p99 ms"):
-        t.add_column(col, justify="left" if col in ("task", "state") else "right")
+        t.add_column(col, justify="left" if col in ("task", "state") else "right", no_wrap=True)
     for r in tasks:
         t.add_row(str(r["task"]), ready(r["ready"]), num(r["rate"], ".1f"), str(r["failed"]), num(r["p50_ms"], ".2f"), num(r["p99_ms"], ".2f"))
-    b = Table(title="blocks")
-    for col in ("block", "state", "inst", "device", "GPU MiB", "RSS MiB", "GPU util", "CPU", "req/s", "queue ms", "compute ms"):
-        b.add_column(col, justify="left" if col in ("block", "state", "device") else "right")
+    b = Table(title="blocks", **style)  # type: ignore[arg-type]
+    cols = ("block", "state", "device", "GPU MiB", "req/s", "queue ms", "compute ms") if narrow else \
+        ("block", "state", "inst", "device", "GPU MiB", "RSS MiB", "GPU util", "CPU", "req/s", "queue ms", "compute ms")
+    for col in cols:
+        b.add_column(col, justify="left" if col in ("block", "state", "device") else "right", no_wrap=True)
     for r in blocks:
-        b.add_row(str(r["block"]), ready(r["ready"]), str(r["instances"]), str(r["device"]), num(r["gpu_mem_mib"], ".0f"),
-                  num(r["rss_mib"], ".0f"), num(r["gpu_util"], ".0%"), num(r["cpu_util"], ".0%"), num(r["rate"], ".1f"),
-                  num(r["queue_ms"], ".2f"), num(r["compute_ms"], ".2f"))
+        cells = {"block": str(r["block"]), "state": ready(r["ready"]), "inst": str(r["instances"]), "device": str(r["device"]),
+                 "GPU MiB": num(r["gpu_mem_mib"], ".0f"), "RSS MiB": num(r["rss_mib"], ".0f"), "GPU util": num(r["gpu_util"], ".0%"),
+                 "CPU": num(r["cpu_util"], ".0%"), "req/s": num(r["rate"], ".1f"), "queue ms": num(r["queue_ms"], ".2f"),
+                 "compute ms": num(r["compute_ms"], ".2f")}
+        b.add_row(*(cells[c] for c in cols))
     return Group(t, b)
-
-

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -435,6 +436,17 @@ def _children(pid: int, marker: bytes) -> list[int]:
     return out
 
 
+def _screen_with(session: str, text: str, timeout: float = 90) -> str:
+    """The tmux pane's screen once it shows ``text``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+        if text in screen:
+            return screen
+        assert time.monotonic() < deadline, f"the pane never showed {text!r}:\n{screen}"
+        time.sleep(0.25)
+
+
 def _tritonserver(live: Live) -> int:
     (pid,) = _children(live.proc.pid, b"tritonserver")
     return pid
@@ -480,11 +492,23 @@ def test_a_killed_tritonserver_is_restarted_with_the_same_plan(live: Live) -> No
     client = httpclient.InferenceServerClient(live.http, network_timeout=120)
     before = {t: _infer(client, t, _image()) for t in TASKS_B}
     old = _tritonserver(live)
-    with Load(live.http, TASKS_B, per_task=2):
-        time.sleep(1)
-        os.kill(old, signal.SIGKILL)
-        time.sleep(1)
-        seconds = _wait_answering(client, TASKS_B, timeout=180)
+    # `blockflow status --watch` in a real 80x24 terminal (tmux) reads well and waits out the restart.
+    watch = f"watch-{os.getpid()}"
+    cmd = shlex.join(["env", f"BLOCKFLOW_ENDPOINTS={live.base / 'endpoints.json'}", sys.executable, "-m", "blockflow",
+                      "status", "--watch", "--interval", "0.5"])
+    subprocess.run(["tmux", "new-session", "-d", "-s", watch, "-x", "80", "-y", "24", "-c", str(ROOT), cmd], check=True)
+    try:
+        screen = _screen_with(watch, "compute ms")
+        assert all(f" {t} " in f" {screen} " for t in TASKS_B) and "GPU MiB" in screen, screen  # no cell wrapped at 80 columns
+        with Load(live.http, TASKS_B, per_task=2):
+            time.sleep(1)
+            os.kill(old, signal.SIGKILL)
+            assert "does not answer since" in _screen_with(watch, "does not answer since")
+            time.sleep(1)
+            seconds = _wait_answering(client, TASKS_B, timeout=180)
+        _screen_with(watch, "compute ms")  # back by itself once the server answers again
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", watch], check=False)
     print(f"serving again {seconds:.1f} s after tritonserver was killed")
     assert _tritonserver(live) != old and _served_tasks(live) == TASKS_B
     assert httpx.get(f"{live.control}/plan", headers=live.headers).json()["name"] == "live-b"
