@@ -29,6 +29,7 @@ Array = npt.NDArray[np.float32]
 class Timed:
     logits: Array
     latency_ms: float
+    request_id: str = ""  # the id Triton answered with (the one sent, or "")
 
 
 def _module(protocol: Protocol) -> Any:
@@ -47,30 +48,126 @@ def _check_images(images: npt.NDArray[Any]) -> Array:
     return np.ascontiguousarray(images, dtype=np.float32)
 
 
-def _explain(exc: Exception, task: str) -> ClientError:
-    text = str(exc)
-    if "unknown model" in text or "not found" in text:
-        return ClientError(f"task {task!r} is not served here ({text.strip()})")
-    return ClientError(f"inference on {task!r} failed: {text.strip()}")
+# What a retry can help with: the server busy, restarting or out of time, not a wrong request.
+_RETRYABLE = {"429", "502", "503", "504", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "ABORTED"}
 
 
-class TaskClient:
+def _failure(exc: Exception, what: str, url: str) -> ClientError:
+    """``exc`` from tritonclient as a :class:`ClientError` carrying the server's status and whether to retry."""
+    from tritonclient.utils import InferenceServerException
+
+    if not isinstance(exc, InferenceServerException):  # sockets, DNS, a closed port
+        return Unreachable(f"cannot reach the server at {url}: {type(exc).__name__}: {exc}")
+    status = str(exc.status() or "").removeprefix("StatusCode.") or None
+    text = str(exc.message() or exc).strip()
+    if status == "UNAVAILABLE" and ("connect" in text.lower() or "socket" in text.lower()):
+        return Unreachable(f"cannot reach the server at {url}: {text}", status)
+    if status is None and ("Connection refused" in text or "connect" in text.lower()):
+        return Unreachable(f"cannot reach the server at {url}: {text}")
+    if "unknown model" in text or status in ("404", "NOT_FOUND"):
+        return ClientError(f"{what} is not served here ({text})", status)
+    return ClientError(f"{what} failed ({status or 'no status'}): {text}", status, status in _RETRYABLE)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One inference call's inputs and Triton's per-request options."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Shared:
+    """What both clients build the same way."""
+
+    url: str
+    protocol: Protocol
+    timeout_s: float
+    input_memory: Literal["host", "cuda"]
+    device: int
+    _mod: Any
+    _region: Any
+
+    def _setup(self, url: str, protocol: Protocol, timeout_s: float, input_memory: str, device: int) -> None:
+        if input_memory not in ("host", "cuda"):
+            raise ClientError(f"input_memory must be 'host' or 'cuda', not {input_memory!r}")
+        self.url, self.protocol, self.timeout_s, self.device = url, protocol, timeout_s, device
+        self.input_memory = input_memory  # type: ignore[assignment]
+        self._mod = _module(protocol)
+        self._region = None
+
+    def _request(self, task: str, images: Any, headers: dict[str, str] | None, request_id: str, priority: int,
+                 timeout_s: float | None, registrar: Any) -> _Request:
+        """The call's arguments: the image input (in the request, or in the CUDA region), the wanted
+        output, and Triton's options: its own timeout in microseconds (and, over gRPC, the
+        client's deadline), the priority, the request id, the headers."""
+        if self.input_memory == "cuda":
+            inp = self._cuda_input(images, registrar)
+        else:
+            x = _check_images(images)
+            inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+        kwargs: dict[str, Any] = {"outputs": [self._mod.InferRequestedOutput(LOGITS)], "request_id": request_id,
+                                  "priority": priority, "headers": headers}
+        if timeout_s is not None:
+            kwargs["timeout"] = int(timeout_s * 1e6)
+        if self.protocol == "grpc":
+            kwargs["client_timeout"] = timeout_s if timeout_s is not None else self.timeout_s
+        return _Request((task, [inp]), kwargs)
+
+    def _cuda_input(self, images: Any, registrar: Any) -> Any:
+        shape = list(images.shape)
+        if len(shape) != 4 or shape[1] != 3:
+            raise ClientError(f"images must be [batch, 3, H, W]; got shape {shape}")
+        nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
+        if self._region is None or self._region.byte_size < nbytes:
+            self._close_region()
+            self._region = CudaInputRegion(registrar, region_name(), nbytes, self.device)
+        self._region.write(images)
+        inp = self._mod.InferInput(IMAGE, shape, "FP32")
+        inp.set_shared_memory(self._region.name, nbytes)
+        return inp
+
+    def _close_region(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+    def _timed(self, task: str, result: Any, start: float) -> Timed:
+        latency = (time.perf_counter() - start) * 1e3
+        logits = result.as_numpy(LOGITS)
+        if logits is None:
+            raise ClientError(f"task {task!r} returned no {LOGITS}")
+        response = result.get_response()
+        rid = response.get("id", "") if isinstance(response, dict) else getattr(response, "id", "")
+        return Timed(np.asarray(logits, dtype=np.float32), latency, str(rid or ""))
+
+    def _names(self, stats: Any) -> list[dict[str, str]]:
+        if self.protocol == "grpc":
+            names = sorted({m.name for m in stats.model_stats})
+        else:
+            names = sorted({str(m["name"]) for m in stats.get("model_stats", [])})
+        return [{"name": n, "state": "READY"} for n in names]
+
+    @staticmethod
+    def _shape(meta: Any) -> tuple[int, int, int]:
+        inputs = meta["inputs"] if isinstance(meta, dict) else [{"shape": list(i.shape)} for i in meta.inputs]
+        dims = [int(d) for d in inputs[0]["shape"]][-3:]
+        return dims[0], dims[1], dims[2]
+
+
+class TaskClient(_Shared):
     """Synchronous client. ``url`` is ``host:port`` of the HTTP or gRPC endpoint.
 
     ``input_memory="cuda"`` sends images through a CUDA shared-memory region on GPU ``device``
     (see blockflow.clients.cuda_shm): images already on that GPU (torch tensors) never cross the host.
+    Every call takes Triton's per-request options: ``headers``, ``request_id``, ``priority`` and
+    ``timeout_s`` (Triton's own timeout for the request; over gRPC the client's deadline too).
     """
+
     def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
                  input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:
-        if input_memory not in ("host", "cuda"):
-            raise ClientError(f"input_memory must be 'host' or 'cuda', not {input_memory!r}")
-        self.url = url
-        self.protocol = protocol
-        self._mod = _module(protocol)
-        self.timeout_s = timeout_s
-        self.input_memory = input_memory
-        self.device = device
-        self._region: Any = None
+        self._setup(url, protocol, timeout_s, input_memory, device)
         try:
             if protocol == "http":
                 self._client = self._mod.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
@@ -88,69 +185,36 @@ class TaskClient:
     def models(self) -> list[dict[str, str]]:
         """The server's loaded models (from its statistics: the repository index is an admin API)."""
         try:
-            stats = self._client.get_inference_statistics()
+            return self._names(self._client.get_inference_statistics())
         except Exception as exc:
-            raise Unreachable(f"cannot reach the server at {self.url} over {self.protocol}: {exc}") from exc
-        if self.protocol == "grpc":
-            names = sorted({m.name for m in stats.model_stats})
-        else:
-            names = sorted({str(m["name"]) for m in stats.get("model_stats", [])})
-        return [{"name": n, "state": "READY"} for n in names]
+            raise _failure(exc, "listing the models", self.url) from exc
 
     def input_shape(self, task: str) -> tuple[int, int, int]:
         """The (channels, height, width) of one image the task takes."""
         try:
-            meta = self._client.get_model_metadata(task)
+            return self._shape(self._client.get_model_metadata(task))
         except Exception as exc:
-            names = [m["name"] for m in self.models() if m.get("state") == "READY"]
-            raise ClientError(f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})") from exc
-        inputs = meta["inputs"] if isinstance(meta, dict) else [{"shape": list(i.shape)} for i in meta.inputs]
-        dims = [int(d) for d in inputs[0]["shape"]][-3:]
-        return dims[0], dims[1], dims[2]
+            names = [m["name"] for m in self.models()]
+            raise ClientError(f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})",
+                              str(getattr(exc, "status", lambda: "")() or "").removeprefix("StatusCode.") or None) from exc
 
-    def infer(self, task: str, images: Any) -> Array:
+    def infer(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+              priority: int = 0, timeout_s: float | None = None) -> Array:
         """Logits of ``images`` (numpy, or with ``input_memory="cuda"`` also a torch tensor)."""
-        return self.infer_timed(task, images).logits
+        return self.infer_timed(task, images, headers=headers, request_id=request_id, priority=priority, timeout_s=timeout_s).logits
 
-    def infer_timed(self, task: str, images: Any) -> Timed:
-        if self.input_memory == "cuda":
-            inp = self._cuda_input(images)
-        else:
-            x = _check_images(images)
-            inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
-            inp.set_data_from_numpy(x)
-        out = self._mod.InferRequestedOutput(LOGITS)
-        kwargs: dict[str, Any] = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+    def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+                    priority: int = 0, timeout_s: float | None = None) -> Timed:
+        req = self._request(task, images, headers, request_id, priority, timeout_s, self._client)
         start = time.perf_counter()
         try:
-            result = self._client.infer(task, [inp], outputs=[out], **kwargs)
+            result = self._client.infer(*req.args, **req.kwargs)
         except Exception as exc:
-            raise _explain(exc, task) from exc
-        latency = (time.perf_counter() - start) * 1e3
-        logits = result.as_numpy(LOGITS)
-        if logits is None:
-            raise ClientError(f"task {task!r} returned no {LOGITS}")
-        return Timed(np.asarray(logits, dtype=np.float32), latency)
-
-    def _cuda_input(self, images: Any) -> Any:
-        shape = list(images.shape)
-        if len(shape) != 4 or shape[1] != 3:
-            raise ClientError(f"images must be [batch, 3, H, W]; got shape {shape}")
-        nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
-        if self._region is None or self._region.byte_size < nbytes:
-            if self._region is not None:
-                self._region.close()
-                self._region = None
-            self._region = CudaInputRegion(self._client, region_name(), nbytes, self.device)
-        self._region.write(images)
-        inp = self._mod.InferInput(IMAGE, shape, "FP32")
-        inp.set_shared_memory(self._region.name, nbytes)
-        return inp
+            raise _failure(exc, f"task {task!r}", self.url) from exc
+        return self._timed(task, result, start)
 
     def close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        self._close_region()
         self._client.close()
 
     def __enter__(self) -> TaskClient:
@@ -160,30 +224,74 @@ class TaskClient:
         self.close()
 
 
-class AsyncTaskClient:
-    """The asyncio twin of :class:`TaskClient` (``tritonclient``'s aio clients)."""
-    def __init__(self, url: str, protocol: Protocol = "http") -> None:
-        self.url = url
-        self.protocol = protocol
+class AsyncTaskClient(_Shared):
+    """The asyncio twin of :class:`TaskClient`: the same constructor, calls and options, awaited
+    (``tritonclient``'s aio clients); ``async with`` closes it."""
+
+    def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
+                 input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:
+        self._setup(url, protocol, timeout_s, input_memory, device)
         if protocol == "http":
             import tritonclient.http.aio as aio
+
+            self._client = aio.InferenceServerClient(url, conn_timeout=timeout_s)
         else:
             import tritonclient.grpc.aio as aio
-        self._mod = _module(protocol)
-        self._client = aio.InferenceServerClient(url)
 
-    async def infer(self, task: str, images: npt.NDArray[Any]) -> Array:
-        x = _check_images(images)
-        inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
+            self._client = aio.InferenceServerClient(url)
+        self._sync: TaskClient | None = None  # registers CUDA regions (a control call, once per region)
+
+    async def is_ready(self) -> bool:
         try:
-            result = await self._client.infer(task, [inp], outputs=[self._mod.InferRequestedOutput(LOGITS)])
+            return bool(await self._client.is_server_ready())
+        except Exception:
+            return False
+
+    async def models(self) -> list[dict[str, str]]:
+        try:
+            return self._names(await self._client.get_inference_statistics())
         except Exception as exc:
-            raise _explain(exc, task) from exc
-        return np.asarray(result.as_numpy(LOGITS), dtype=np.float32)
+            raise _failure(exc, "listing the models", self.url) from exc
+
+    async def input_shape(self, task: str) -> tuple[int, int, int]:
+        try:
+            return self._shape(await self._client.get_model_metadata(task))
+        except Exception as exc:
+            names = [m["name"] for m in await self.models()]
+            raise ClientError(f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})") from exc
+
+    async def infer(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+                    priority: int = 0, timeout_s: float | None = None) -> Array:
+        return (await self.infer_timed(task, images, headers=headers, request_id=request_id, priority=priority,
+                                       timeout_s=timeout_s)).logits
+
+    async def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+                          priority: int = 0, timeout_s: float | None = None) -> Timed:
+        registrar = None
+        if self.input_memory == "cuda":
+            if self._sync is None:
+                self._sync = TaskClient(self.url, self.protocol, self.timeout_s)
+            registrar = self._sync._client
+        req = self._request(task, images, headers, request_id, priority, timeout_s, registrar)
+        start = time.perf_counter()
+        try:
+            result = await self._client.infer(*req.args, **req.kwargs)
+        except Exception as exc:
+            raise _failure(exc, f"task {task!r}", self.url) from exc
+        return self._timed(task, result, start)
 
     async def close(self) -> None:
+        self._close_region()
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
         await self._client.close()
+
+    async def __aenter__(self) -> AsyncTaskClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
 
 
 def top_k(logits: Array, k: int = 5) -> list[list[tuple[int, float]]]:

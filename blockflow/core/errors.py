@@ -114,15 +114,28 @@ class RequestError(BlockError):
 
 
 class ClientError(BlockFlowError):
-    """An inference call made through :mod:`clients` failed."""
+    """An inference call made through :mod:`clients` failed.
+
+    ``status``: the HTTP status code (``"503"``) or gRPC status (``"UNAVAILABLE"``) the server
+    answered with, None when none came back; ``retryable``: whether the same call may succeed
+    later (the server was busy, unreachable or out of time) rather than being wrong as sent.
+    """
 
     exit_code = 5
+
+    def __init__(self, message: str, status: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
 
 
 class Unreachable(ClientError):
     """A server BlockFlow was pointed at did not answer (nothing listens, or the network refused)."""
 
     exit_code = 8
+
+    def __init__(self, message: str, status: str | None = None, retryable: bool = True) -> None:
+        super().__init__(message, status, retryable)
 
 
 # What each exit status of the `blockflow` command means (listed in `blockflow --help` and the README).

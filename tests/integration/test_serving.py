@@ -183,6 +183,47 @@ def _blockflow(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_sync_and_async_clients_are_twins(served: Served, protocol: str) -> None:
+    """The same surface and answers; Triton's per-request options pass through; errors carry the
+    server's status and whether a retry can help."""
+    import asyncio
+
+    from blockflow.clients.client import AsyncTaskClient
+    from blockflow.core.errors import Unreachable
+    from blockflow.triton.server import free_port
+
+    url = served.http if protocol == "http" else served.grpc
+    x = images(2, (3, 224, 224), seed=5)
+    options = {"headers": {"x-caller": "twins"}, "priority": 1, "timeout_s": 60.0}
+    with TaskClient(url, protocol) as c:  # type: ignore[arg-type]
+        assert c.is_ready() and "cls_a" in {m["name"] for m in c.models()}
+        shape = c.input_shape("cls_a")
+        sync = c.infer_timed("cls_a", x, request_id="sync-1", **options)  # type: ignore[arg-type]
+        with pytest.raises(ClientError) as wrong:
+            c.infer("nope", x)
+    assert sync.request_id == "sync-1" and wrong.value.status is not None and not wrong.value.retryable
+
+    async def twin() -> tuple[tuple[int, int, int], object, ClientError]:
+        async with AsyncTaskClient(url, protocol) as a:  # type: ignore[arg-type]
+            assert await a.is_ready() and "cls_a" in {m["name"] for m in await a.models()}
+            got = await a.infer_timed("cls_a", x, request_id="async-1", **options)  # type: ignore[arg-type]
+            try:
+                await a.infer("nope", x)
+            except ClientError as exc:
+                return await a.input_shape("cls_a"), got, exc
+        raise AssertionError("an unknown task answered")
+
+    async_shape, got, async_wrong = asyncio.run(twin())
+    assert async_shape == shape and got.request_id == "async-1"  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(got.logits, sync.logits)  # type: ignore[attr-defined]
+    assert async_wrong.status == wrong.value.status and not async_wrong.retryable
+    nothing = f"127.0.0.1:{free_port()}"
+    with TaskClient(nothing, protocol, timeout_s=5) as c, pytest.raises(Unreachable) as down:  # type: ignore[arg-type]
+        c.infer("cls_a", x)
+    assert down.value.retryable
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_cli_infer(served: Served, protocol: str) -> None:
     url = served.http if protocol == "http" else served.grpc
     res = _blockflow("infer", "det_c", "--random", "--batch", "2", "--protocol", protocol, "--url", url, "--repeat", "3")
