@@ -322,11 +322,12 @@ class TritonServer:
             return
         self._stopping = True
         if proc.poll() is None:
+            until = time.monotonic() + grace  # the whole stop, however far the drain gets
             drained = self._drain_then_terminate(proc, grace)
             try:
                 # Once every model is unloaded, all Triton still waits for is idle HTTP connections
                 # (a client's keep-alive): up to its exit timeout, with nothing left to finish.
-                proc.wait(0.5 if drained else grace)
+                proc.wait(0.5 if drained else max(0.5, until - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         _kill_group(proc.pid)
@@ -351,7 +352,7 @@ class TritonServer:
         lets requests in flight finish and every block process run its finalize, so the server
         can then be stopped without waiting out clients that merely stay connected.
         """
-        api = self.api(timeout=grace)
+        api = self.api(timeout=min(grace, 5.0))  # a server that answers does in milliseconds; a hung one gets SIGTERM soon
         try:
             ready = [m.name for m in api.index() if m.state == "READY"]
             ensembles = api.ensembles(ready)
