@@ -27,7 +27,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
-from blockflow.backend.monitor import BlockMonitor
+from blockflow.backend.monitor import BlockMonitor, metric_labels
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
@@ -153,8 +153,7 @@ class TritonPythonModel:
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
-        labels = {"block": args["model_name"], "instance": args["model_instance_name"],
-                  "gpu": str(self.device.index or 0) if self.device.type == "cuda" else "cpu"}
+        labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
         if (self.producer or self.consumer) and hasattr(pb_utils, "MetricFamily"):
             self.metrics = TmqMetrics(pb_utils, labels)
             self.metrics.publish(self.producer, self.consumer, force=True)

@@ -1,12 +1,17 @@
-"""The block monitor: each block instance samples its own resources and publishes them on
+"""The block monitor: each block instance samples its own process and publishes the values on
 Triton's metrics endpoint (the thesis' monitor thread, §3.5.1, done the Triton way).
 
-One daemon thread per instance wakes every ``period_s``, reads NVML (this process's GPU
-memory; the device's utilisation, SM clock, temperature and power), torch's allocator
-and psutil (this process's CPU use and RSS), and sets gauges labelled
-``{block, instance, gpu}`` through the Python backend's custom-metrics API. With
-``period_s == 0`` no thread, no NVML handle and no metric family exist: off costs nothing.
-Sampling never touches the execute thread or the CUDA stream.
+One daemon thread per instance wakes every ``period_s`` and reads what only this process
+knows: its CPU use and RSS (psutil) and, on a GPU, the GPU memory NVML charges to it and
+torch's allocator. Device-level values (utilisation, power, clocks) are Triton's own
+``nv_gpu_*`` metrics (and DCGM's): repeating them per block would only multiply series.
+
+Labels (:func:`metric_labels`) follow Triton's: ``model`` and ``model_instance`` as on
+``nv_inference_*``, ``gpu_uuid`` as on ``nv_gpu_*``, so a query joins them with ``on (model)``
+or ``on (gpu_uuid)`` and no label collides with Prometheus' own ``instance`` target label. A
+CPU instance has no ``gpu_uuid`` and no GPU families. With ``period_s == 0`` no thread, no NVML
+handle and no metric family exist: off costs nothing. Sampling never touches the execute
+thread or the CUDA stream.
 """
 
 from __future__ import annotations
@@ -22,20 +27,31 @@ import torch
 from blockflow.core import nvml
 
 GAUGES = {
-    "blockflow_block_gpu_memory_bytes": "GPU memory this block instance's process holds (NVML)",
-    "blockflow_block_torch_allocated_bytes": "GPU memory held by live torch tensors in this instance",
-    "blockflow_block_torch_reserved_bytes": "GPU memory reserved by this instance's torch caching allocator",
-    "blockflow_block_gpu_utilization_ratio": "Utilisation (0-1) of the GPU this instance runs on, over NVML's last sample period",
-    "blockflow_block_gpu_sm_clock_hertz": "SM clock of the GPU this instance runs on",
-    "blockflow_block_gpu_temperature_celsius": "Temperature of the GPU this instance runs on",
-    "blockflow_block_gpu_power_watts": "Power draw of the GPU this instance runs on",
     "blockflow_block_cpu_utilization_ratio": "CPU time of this instance's process per wall second since the last sample (1 = one core)",
     "blockflow_block_rss_bytes": "Resident memory of this instance's process",
+}
+GPU_GAUGES = {  # only on instances placed on a GPU
+    "blockflow_block_gpu_memory_bytes": "GPU memory NVML charges to this block instance's process",
+    "blockflow_block_torch_allocated_bytes": "GPU memory held by live torch tensors in this instance",
+    "blockflow_block_torch_reserved_bytes": "GPU memory reserved by this instance's torch caching allocator",
 }
 COUNTERS = {
     "blockflow_block_cpu_seconds_total": "CPU seconds this instance's process used",
     "blockflow_block_monitor_samples_total": "Samples the block monitor took",
 }
+
+
+def metric_labels(model: str, model_instance: str, device: torch.device) -> dict[str, str]:
+    """The labels of every series a block instance exports (see the module's docstring)."""
+    out = {"model": model, "model_instance": model_instance}
+    if device.type == "cuda":
+        out["gpu_uuid"] = gpu_uuid(device)
+    return out
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """A CUDA device's UUID as NVML, Triton's ``nv_gpu_*`` and DCGM write it (``GPU-…``)."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
 def nvml_handle(nv: Any, device: torch.device) -> Any:
@@ -44,7 +60,7 @@ def nvml_handle(nv: Any, device: torch.device) -> Any:
 
 
 class _Nvml:
-    """NVML handles for one GPU (see :func:`nvml_handle`)."""
+    """NVML's view of this process on one GPU (see :func:`nvml_handle`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.nv = nvml.init()
@@ -54,16 +70,9 @@ class _Nvml:
         self.pid = os.getpid()
 
     def sample(self) -> dict[str, float]:
-        nv, h = self.nv, self.handle
-        out: dict[str, float] = {}
-        mine = nvml.pid_gpu_bytes(nv, h, [self.pid])
-        if self.pid in mine:
-            out["blockflow_block_gpu_memory_bytes"] = mine[self.pid]
-        out["blockflow_block_gpu_utilization_ratio"] = nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
-        out["blockflow_block_gpu_sm_clock_hertz"] = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM) * 1e6
-        out["blockflow_block_gpu_temperature_celsius"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
-        out["blockflow_block_gpu_power_watts"] = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
-        return out
+        mine = nvml.pid_gpu_bytes(self.nv, self.handle, [self.pid])
+        # NVML may not list this PID (a container's PID namespace): then the gauge stays unset.
+        return {"blockflow_block_gpu_memory_bytes": mine[self.pid]} if self.pid in mine else {}
 
     def close(self) -> None:
         self.nv.nvmlShutdown()
@@ -75,8 +84,9 @@ class BlockMonitor:
     def __init__(self, pb_utils: Any, labels: dict[str, str], device: torch.device, period_s: float,
                  extra: Callable[[], None] | None = None) -> None:
         fam = pb_utils.MetricFamily
+        gauges = GAUGES | (GPU_GAUGES if device.type == "cuda" else {})
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
-        self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
+        self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in gauges.items()}
         self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()})
         self._metrics = {n: f.Metric(labels=labels) for n, f in self._families.items()}
         self.device = device

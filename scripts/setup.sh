@@ -37,6 +37,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 
+# A real Prometheus for the metrics tests (promtool's lint, a scrape joined with Triton's series):
+# the two binaries of Debian's package, into the venv, so no system service is installed or started.
+if [ ! -x "$VENV/bin/prometheus" ] || [ ! -x "$VENV/bin/promtool" ]; then
+  PROM_TMP="$(mktemp -d)"
+  if (cd "$PROM_TMP" && { apt-get download -q prometheus >/dev/null 2>&1 ||
+        { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download -q prometheus >/dev/null; }; }); then
+    log "installing prometheus and promtool (Debian's package) into $VENV/bin"
+    dpkg-deb -x "$PROM_TMP"/prometheus_*.deb "$PROM_TMP/x"
+    install -m 0755 "$PROM_TMP/x/usr/bin/prometheus" "$PROM_TMP/x/usr/bin/promtool" "$VENV/bin/"
+  else
+    log "could not download Debian's prometheus package: the Prometheus tests will be skipped (failed under CI)"
+  fi
+  rm -rf "$PROM_TMP"
+fi
+
 STAMP="$VENV/.blockflow-setup"
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then

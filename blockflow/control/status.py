@@ -2,9 +2,10 @@
 
 Built only from what Triton exposes without the admin key (through
 :class:`~blockflow.triton.api.TritonApi`): model configs, the statistics extension (``/v2/models/stats``: cumulative counts and times) and the
-metrics endpoint (``nv_inference_request_summary_us`` quantiles and the block
-monitor's ``blockflow_block_*`` gauges). Rates and per-request times are deltas
-between two snapshots.
+metrics endpoint (``nv_inference_request_summary_us`` quantiles, ``nv_gpu_utilization``
+where Triton exports GPU metrics, and the block monitor's ``blockflow_block_*`` gauges,
+joined on ``model`` and ``gpu_uuid``). Rates and per-request times are deltas between
+two snapshots.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def snapshot(api: TritonApi, metrics_url: str, client: httpx.Client) -> Snapshot
     samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.startswith(("blockflow_", "nv_inference_request_summary_us")):
+            if s.name.startswith(("blockflow_", "nv_inference_request_summary_us", "nv_gpu_utilization")):
                 samples[s.name].append((dict(s.labels), float(s.value)))
     return Snapshot(time.monotonic(), ready, ensembles, instances, stats, dict(samples))
 
@@ -94,20 +95,27 @@ def task_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
     return rows
 
 
+def device_name(gpu_uuid: str | None) -> str:
+    """How `status` names a device: ``cpu``, or a GPU's UUID cut to its first group (as ``nvidia-smi -L`` starts it)."""
+    return "-".join(gpu_uuid.split("-")[:2]) if gpu_uuid else "cpu"
+
+
 def block_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
     dt = max(b.at - a.at, 1e-9)
     rows = []
     for model in sorted(b.instances):
         n, queue_ns = _delta(a, b, model, "queue")
         _, compute_ns = _delta(a, b, model, "compute_infer")
-        gpus = sorted({lab.get("gpu", "?") for lab, _ in b.metric("blockflow_block_monitor_samples_total", block=model)})
-        gpu_mem = sum(v for _, v in b.metric("blockflow_block_gpu_memory_bytes", block=model))
-        rss = sum(v for _, v in b.metric("blockflow_block_rss_bytes", block=model))
-        util = [v for _, v in b.metric("blockflow_block_gpu_utilization_ratio", block=model)]
-        cpu = sum(v for _, v in b.metric("blockflow_block_cpu_utilization_ratio", block=model))
+        monitored = b.metric("blockflow_block_monitor_samples_total", model=model)
+        gpus = sorted({lab.get("gpu_uuid", "") for lab, _ in monitored})
+        gpu_mem = sum(v for _, v in b.metric("blockflow_block_gpu_memory_bytes", model=model))
+        rss = sum(v for _, v in b.metric("blockflow_block_rss_bytes", model=model))
+        # Utilisation is the device's (Triton's nv_gpu_utilization, 0-1), joined on the instances' GPUs.
+        util = [v for g in gpus if g for _, v in b.metric("nv_gpu_utilization", gpu_uuid=g)]
+        cpu = sum(v for _, v in b.metric("blockflow_block_cpu_utilization_ratio", model=model))
         rows.append({
             "block": model, "ready": b.ready.get(model, False), "instances": b.instances[model],
-            "device": ",".join(f"gpu{g}" if g != "cpu" else "cpu" for g in gpus) or "-",
+            "device": ",".join(device_name(g) for g in gpus) or "-",
             "gpu_mem_mib": gpu_mem / 2**20 if gpu_mem else None, "rss_mib": rss / 2**20 if rss else None,
             "gpu_util": max(util) if util else None, "cpu_util": cpu,
             "rate": n / dt, "queue_ms": queue_ns / n / 1e6 if n else None, "compute_ms": compute_ns / n / 1e6 if n else None,
