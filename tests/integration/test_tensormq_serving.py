@@ -149,7 +149,7 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
     text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
     lines = [ln for ln in text.splitlines() if ln.startswith("blockflow_tmq_")]
     def value(name: str, model: str) -> float:
-        hits = [float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{") and f'block="{model}"' in ln]
+        hits = [float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{") and f'model="{model}"' in ln]
         assert hits, f"{name} for {model} missing from the metrics endpoint"
         return sum(hits)
     assert value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
@@ -165,4 +165,4 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
     opens = value("blockflow_tmq_handle_opens_total", "r18_b__tensormq")
     assert opens % per_pair == 0 and 1 <= opens // per_pair <= pairs, (opens, per_pair, pairs)
     assert value("blockflow_tmq_pool_slots_in_use", "r18_b__tensormq") >= 0
-    assert any('instance="' in ln for ln in lines)
+    assert any('model_instance="' in ln for ln in lines)
