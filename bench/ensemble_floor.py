@@ -46,7 +46,9 @@ COPY_MODEL = '''import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+        # A copy: an output that is the input's own buffer comes out empty on a KIND_GPU instance
+        # (python_backend r24.10, seen on an H100), and a block's output is a new buffer too.
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().copy())])
                 for r in requests]
 '''
 
