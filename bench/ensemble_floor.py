@@ -5,18 +5,22 @@ served alone and as ensembles of 1 and 4 such steps, each step its own model (it
 process, as blocks are), on one real ``tritonserver``; perf_analyzer measures each at
 concurrency 1, batch 1. The cost of one step is ``(p50(4 steps) - p50(1 step)) / 3``.
 
-Two things that could make up that floor are switched in turns, in one server:
+A step is a chain of thread and process wake-ups (ensemble callback, scheduler thread, model
+instance thread, the stub through a shared-memory semaphore, back to the instance thread), so
+what a wake-up costs on the machine makes up much of the floor. The models come with and
+without Triton's dynamic batcher (blocks have it, delay 0: one wake-up more), and each is
+measured under ``--conditions``, switched in turns on one server:
 
-- ``batching``: the models with Triton's dynamic batcher (as blocks have, delay 0) or without;
-- ``cpu_latency``: this process holding ``/dev/cpu_dma_latency`` at 0 (the kernel's PM QoS
-  request that keeps every core out of deep C-states while the file is open; needs root), or not.
-  A step is a chain of thread and process wake-ups (ensemble callback, scheduler, model
-  instance, stub, back); a core woken from a deep C-state takes tens of microseconds.
+- ``free``: the server's threads may run on any CPU;
+- ``cpus=LIST``: every thread of the server and its stubs pinned to LIST (a wake-up on a busy
+  or the same CPU needs no inter-processor interrupt, which in a VM also costs a VM exit);
+- ``cpu-latency``: this process holding ``/dev/cpu_dma_latency`` at 0, the kernel's PM QoS
+  request that keeps cores out of deep C-states (needs root; no effect without a cpuidle driver).
 
 Each combination is measured ``--repeats`` times, alternating, and reported as the median and
 its spread. Triton's per-model statistics of the 4-step chain say where a step's time goes.
 
-    python -m blockflow.bench.ensemble_floor --out DIR
+    python -m blockflow.bench.ensemble_floor --out DIR [--conditions 'free;cpus=0;cpus=0-1;cpu-latency']
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import statistics
 import struct
 import tempfile
@@ -32,23 +37,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import device_name
 from blockflow.bench.perf_analyzer import perf_analyzer
-from blockflow.triton.server import ServerOptions, TritonServer
+from blockflow.triton.server import ServerOptions, TritonServer, group_members
 
 TICKET = 256
 STEPS = (1, 4)
 COPY_MODEL = '''import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 
 class TritonPythonModel:
     def execute(self, requests):
-        # A copy: an output that is the input's own buffer comes out empty on a KIND_GPU instance
-        # (python_backend r24.10, seen on an H100), and a block's output is a new buffer too.
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().copy())])
+        # Through DLPack and a new torch tensor, as a block hands its tickets over (a numpy output
+        # came out empty between two KIND_GPU instances in an ensemble: python_backend r24.10, H100).
+        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(
+                    "OUT", to_dlpack(from_dlpack(pb_utils.get_input_tensor_by_name(r, "IN").to_dlpack()).clone()))])
                 for r in requests]
 '''
 
@@ -97,22 +106,63 @@ def write_repository(repo: Path) -> list[str]:
     return measured
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """``0-3,8`` as a set of CPU numbers."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pin(pgid: int, cpus: set[int]) -> None:
+    """Every thread of the server's processes (tritonserver and its stubs) onto ``cpus``."""
+    for pid in group_members(pgid):
+        with contextlib.suppress(OSError):  # a thread may end while we walk them
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+
+
 @contextlib.contextmanager
-def cpu_latency(hold: bool) -> Iterator[bool]:
-    """While open, ``/dev/cpu_dma_latency`` set to 0 keeps cores out of deep C-states; yields whether it is held."""
-    if not hold:
-        yield False
-        return
-    try:
-        f = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115  # held across the yield
-    except OSError:
-        yield False
-        return
-    try:
-        f.write(struct.pack("i", 0))
+def condition(name: str, pgid: int, all_cpus: set[int]) -> Iterator[bool]:
+    """The server under one condition (see the module's docstring); yields whether it could be set."""
+    if name == "free":
+        pin(pgid, all_cpus)
         yield True
+    elif name.startswith("cpus="):
+        pin(pgid, parse_cpus(name[len("cpus="):]))
+        try:
+            yield True
+        finally:
+            pin(pgid, all_cpus)
+    elif name == "cpu-latency":
+        try:
+            f = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115  # held across the yield
+        except OSError:
+            yield False
+            return
+        try:
+            f.write(struct.pack("i", 0))
+            yield True
+        finally:
+            f.close()
+    else:
+        raise ValueError(f"unknown condition {name!r}: free, cpus=LIST or cpu-latency")
+
+
+def _check(server: TritonServer, models: list[str]) -> None:
+    """Every measured model gives back its input, byte for byte."""
+    x = np.arange(TICKET, dtype=np.uint8)[None]
+    client = httpclient.InferenceServerClient(server.http_url, network_timeout=60)
+    try:
+        for model in models:
+            inp = httpclient.InferInput("IN", list(x.shape), "UINT8")
+            inp.set_data_from_numpy(x)
+            out = client.infer(model, [inp]).as_numpy("OUT")
+            if out is None or not np.array_equal(out, x):
+                raise RuntimeError(f"{model} answered {None if out is None else out.shape} instead of its input")
     finally:
-        f.close()
+        client.close()
 
 
 def _stats(server: TritonServer, models: list[str]) -> dict[str, dict[str, float]]:
@@ -127,32 +177,38 @@ def _stats(server: TritonServer, models: list[str]) -> dict[str, dict[str, float
     return out
 
 
-def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
+def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[str, Any]:
     repo = Path(tempfile.mkdtemp(prefix="bench-floor-"))
     measured = write_repository(repo)
     runs: dict[str, list[float]] = {}
-    held_ok = False
+    unavailable: set[str] = set()
+    all_cpus = os.sched_getaffinity(0)
     with TritonServer(ServerOptions.on_free_ports([repo])) as server:
+        assert server.process is not None
+        _check(server, measured)
         for model in measured:  # warm-up, not recorded: the first requests of a model are slower
             perf_analyzer(server.http_url, model, f"IN:{TICKET}", 1, seconds / 2, concurrency=1)
-        for _, hold in itertools.product(range(repeats), (False, True)):
-            with cpu_latency(hold) as held:
-                held_ok |= held
+        for _, cond in itertools.product(range(repeats), conditions):
+            with condition(cond, server.process.pid, all_cpus) as ok:
+                if not ok:
+                    unavailable.add(cond)
+                    continue
                 for model in measured:
                     r = perf_analyzer(server.http_url, model, f"IN:{TICKET}", 1, seconds, concurrency=1)
                     if "error" in r:
                         raise RuntimeError(f"perf_analyzer on {model}: {r.get('message', r)}")
-                    runs.setdefault(f"{model}|{'held' if held else 'free'}", []).append(r["p50_ms"])
+                    runs.setdefault(f"{model}|{cond}", []).append(r["p50_ms"])
         stats = _stats(server, [f"copy_{_name(b)}_{i}" for b in (True, False) for i in range(max(STEPS))])
     rows = []
-    for batching, state in itertools.product((True, False), ("free", "held")):
+    for batching, cond in itertools.product((True, False), [c for c in conditions if c not in unavailable]):
         b = _name(batching)
         models = (("alone", f"copy_{b}_0"), *((f"chain{k}", f"chain{k}_{b}") for k in STEPS))
-        p = {k: statistics.median(runs.get(f"{m}|{state}", [float("nan")])) for k, m in models}
-        spread = {m: (max(v) - min(v)) / statistics.median(v) for _, m in models if (v := runs.get(f"{m}|{state}"))}
-        rows.append({"batching": batching, "cpu_latency": state, **{f"{k}_p50_ms": v for k, v in p.items()},
-                     "step_ms": (p["chain4"] - p["chain1"]) / 3, "max_spread": max(spread.values(), default=0.0)})
-    result = {"meta": {"device": device_name(), "seconds": seconds, "repeats": repeats, "cpu_latency_held": held_ok},
+        p = {k: statistics.median(runs[f"{m}|{cond}"]) for k, m in models}
+        spread = [(max(v) - min(v)) / statistics.median(v) for _, m in models if (v := runs[f"{m}|{cond}"])]
+        rows.append({"batching": batching, "condition": cond, **{f"{k}_p50_ms": v for k, v in p.items()},
+                     "step_ms": (p["chain4"] - p["chain1"]) / 3, "max_spread": max(spread)})
+    result = {"meta": {"device": device_name(), "cpus": len(all_cpus), "seconds": seconds, "repeats": repeats,
+                       "conditions": conditions, "unavailable": sorted(unavailable)},
               "rows": rows, "runs": runs, "stats_us": stats}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
@@ -162,15 +218,17 @@ def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     meta = res["meta"]
-    lines = [f"# Ensemble-step floor on {meta['device']}", "",
+    lines = [f"# Ensemble-step floor on {meta['device']} ({meta['cpus']} CPUs)", "",
              f"perf_analyzer over HTTP, batch 1, concurrency 1, {meta['seconds']} s windows, median of {meta['repeats']} "
-             "runs (spread: the largest (max - min) / median of a row's figures). A step copies 256 bytes in a Python-backend model.",
-             "", "| dynamic batcher | cpu_dma_latency 0 | model alone p50 | 1-step ensemble p50 | 4-step ensemble p50 | one step | spread |",
+             "runs taken in turns (spread: the largest (max - min) / median of a row's figures). A step copies 256 bytes "
+             "in a Python-backend model. Conditions: `free` (no affinity), `cpus=L` (every server thread pinned to L), "
+             "`cpu-latency` (/dev/cpu_dma_latency held at 0)."
+             + (f" Not available here: {', '.join(meta['unavailable'])}." if meta["unavailable"] else ""),
+             "", "| dynamic batcher | condition | model alone p50 | 1-step ensemble p50 | 4-step ensemble p50 | one step | spread |",
              "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        held = "held" if r["cpu_latency"] == "held" and meta["cpu_latency_held"] else ("not held" if r["cpu_latency"] == "free" else "not available")
-        lines.append(f"| {'on' if r['batching'] else 'off'} | {held} | {r['alone_p50_ms']:.3f} ms | {r['chain1_p50_ms']:.3f} ms | "
-                     f"{r['chain4_p50_ms']:.3f} ms | {r['step_ms']:.3f} ms | {r['max_spread']:.0%} |")
+        lines.append(f"| {'on' if r['batching'] else 'off'} | {r['condition']} | {r['alone_p50_ms']:.3f} ms | "
+                     f"{r['chain1_p50_ms']:.3f} ms | {r['chain4_p50_ms']:.3f} ms | {r['step_ms']:.3f} ms | {r['max_spread']:.0%} |")
     lines += ["", "Triton's statistics per request of each copy model over the whole run (µs):", "",
               "| model | queue | compute input | compute infer | compute output |", "|---|---|---|---|---|"]
     for name, s in sorted(res["stats_us"].items()):
@@ -183,8 +241,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--conditions", default="free;cpus=0;cpus=0-1;cpus=0-3",
+                    help="conditions separated by ';': free, cpus=LIST (e.g. cpus=0-1,4), cpu-latency")
     args = ap.parse_args()
-    print(report(run(args.out, args.seconds, args.repeats)))
+    print(report(run(args.out, args.seconds, args.repeats, args.conditions.split(";"))))
 
 
 if __name__ == "__main__":
