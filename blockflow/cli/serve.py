@@ -15,6 +15,7 @@ from rich.table import Table
 
 from blockflow.cli.app import DEFAULT_PLAN, PORT, TRITON_HOME, app, out, read_secret
 from blockflow.core import endpoints
+from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
@@ -81,7 +82,12 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         log.info("starting tritonserver with %d models from %s (log: %s)", service.model_count, plan, service.server.log_path)
         service.start()
         log.info("ready in %.1f s", service.seconds_to_ready)
-        _print_endpoints(service, _write_endpoints(service, plan))
+        try:
+            written: Path | None = _write_endpoints(service, plan)
+        except (EnvironmentProblem, OSError) as exc:  # the server runs; clients then need flags or variables
+            log.warning("endpoints file not written: %s", exc)
+            written = None
+        _print_endpoints(service, written)
         service.run(stop)
         log.info("stopping")
     finally:
@@ -121,7 +127,7 @@ def _write_endpoints(service: Service, plan: Path) -> Path:
     return endpoints.write(found)
 
 
-def _print_endpoints(service: Service, written: Path) -> None:
+def _print_endpoints(service: Service, written: Path | None) -> None:
     from blockflow.plan import naming
     from blockflow.triton.doctor import perf_analyzer_path
 
@@ -130,7 +136,8 @@ def _print_endpoints(service: Service, written: Path) -> None:
     out.print(f"  HTTP    {server.http_url}")
     out.print(f"  gRPC    {server.grpc_url}")
     out.print(f"  metrics {server.metrics_url}")
-    out.print(f"  (in {written}, where blockflow infer, load, status and apply find them)")
+    if written is not None:
+        out.print(f"  (in {written}, where blockflow infer, load, status and apply find them)")
     table = Table(title="tasks")
     for col in ("task", "ensembles", "path"):
         table.add_column(col)

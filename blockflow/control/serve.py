@@ -26,9 +26,9 @@ from blockflow.control.supervisor import Supervisor
 from blockflow.core import env
 from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
+from blockflow.core.runtime_dir import write_private
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
-from blockflow.triton.access import write_private
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer, check_port, make_runtime_dir
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from blockflow.core import env
+from blockflow.core.runtime_dir import private_dir, write_private
 
 FILE_NAME = "endpoints.json"
 
@@ -44,15 +46,22 @@ def path() -> Path:
 
 
 def write(e: Endpoints) -> Path:
-    """Write ``e`` (0600, its directory 0700 if made here), replacing any earlier file whole."""
+    """Write ``e`` (0600), replacing any earlier file whole.
+
+    The default directory must be this user's own and closed (made 0700 here if absent): a
+    directory another user made first in a shared temp dir is refused, not written into.
+    """
     target = path()
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(e), f, indent=1)
-    os.replace(tmp, target)
+    if os.environ.get(env.ENDPOINTS):
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    else:
+        private_dir(target.parent, what="endpoints directory", setting=env.ENDPOINTS)
+    write_private(target, json.dumps(asdict(e), indent=1))
     return target
+
+
+# One parse per version of the file: a command asks for several of its fields.
+_cache: dict[tuple[Path, int, int, int], Endpoints] = {}
 
 
 def read() -> Endpoints | None:
@@ -60,10 +69,14 @@ def read() -> Endpoints | None:
     target = path()
     try:
         st = target.lstat()
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not target.is_file():
-            return None  # another user's file, or one others could have written: not trusted
-        data = json.loads(target.read_text())
-        e = Endpoints(**data)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+            return None  # another user's file, one others could have written, or a link: not trusted
+        key = (target, st.st_ino, st.st_mtime_ns, st.st_size)
+        e = _cache.get(key)
+        if e is None:
+            e = Endpoints(**json.loads(target.read_text()))
+            _cache.clear()
+            _cache[key] = e
     except (OSError, ValueError, TypeError):
         return None
     return e if _alive(e.pid) else None

@@ -44,29 +44,50 @@ def locate(repository: Path | None) -> Path:
     return private_dir(path, create=not named)
 
 
-def private_dir(path: Path, create: bool = True) -> Path:
-    """``path``, made 0700 if ``create`` and absent; refused unless it is this user's own closed directory."""
+def private_dir(path: Path, create: bool = True, what: str = "runtime directory", setting: str = env.RUNTIME_DIR) -> Path:
+    """``path``, made 0700 if ``create`` and absent; refused unless it is this user's own closed directory.
+
+    ``what`` and ``setting`` name the directory and the variable that moves it, in the errors.
+    """
     if create:
         try:
             path.mkdir(mode=0o700)
         except FileExistsError:
             pass  # made by another block process of the same server, or left from an earlier one: checked below
         except OSError as exc:
-            raise EnvironmentProblem(f"cannot create runtime directory {path}: {exc.strerror}; "
-                                     f"set {env.RUNTIME_DIR} to a writable directory") from None
+            raise EnvironmentProblem(f"cannot create {what} {path}: {exc.strerror}; "
+                                     f"set {setting} to a writable place") from None
     try:
         st = path.lstat()
     except OSError as exc:
-        raise EnvironmentProblem(f"runtime directory {path} is missing: {exc.strerror}") from None
+        raise EnvironmentProblem(f"{what} {path} is missing: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise EnvironmentProblem(f"runtime directory {path} is not a directory (a link or a file); remove it or set {env.RUNTIME_DIR}")
+        raise EnvironmentProblem(f"{what} {path} is not a directory (a link or a file); remove it or set {setting}")
     if st.st_uid != os.geteuid():
-        raise EnvironmentProblem(f"runtime directory {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}); "
-                                 f"set {env.RUNTIME_DIR} to a directory of your own")
+        raise EnvironmentProblem(f"{what} {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}); "
+                                 f"set {setting} to a place of your own")
     if st.st_mode & 0o077:
-        raise EnvironmentProblem(f"runtime directory {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
+        raise EnvironmentProblem(f"{what} {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); "
                                  f"chmod 700 it")
     return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` whole with ``text`` (and a newline), readable by this user only.
+
+    The text goes to a new 0600 file beside it (``O_EXCL``, never through a link) that is renamed
+    over ``path``: a reader sees the old file or the new one, never a part, and never a mode wider
+    than 0600 (an existing file's mode would survive an in-place rewrite).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def ensure_tensormq(runtime_dir: Path) -> None:

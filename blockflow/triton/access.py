@@ -27,7 +27,6 @@ users mount ``/proc`` with ``hidepid=2`` (containers have their own process name
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from pathlib import Path
 
@@ -42,14 +41,6 @@ OPEN_APIS = ("health", "metadata", "inference", "shared-memory", "model-config",
 
 def new_secret() -> str:
     return secrets.token_urlsafe(32)
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by this user only (0600 from the start, never wider)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    path.chmod(0o600)  # an existing file keeps its mode through O_CREAT
 
 
 def read_secret(path: Path) -> str:

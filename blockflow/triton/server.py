@@ -38,7 +38,7 @@ from blockflow.core.errors import (
     TritonApiError,
 )
 from blockflow.core.nvml import gpu_count
-from blockflow.core.runtime_dir import ensure_tensormq
+from blockflow.core.runtime_dir import ensure_tensormq, write_private
 from blockflow.triton import access
 from blockflow.triton.api import TritonApi
 from blockflow.triton.flags import CUDA_POOL_MB, check_extra_args
@@ -211,7 +211,7 @@ class TritonServer:
             check_port(o.host, port, what)
         cmd = self.command()
         ensure_tensormq(self.runtime_dir)
-        access.write_private(self.admin_key_file, self.admin_key)
+        write_private(self.admin_key_file, self.admin_key)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
         if self.mps is not None:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tritonclient.http as http
 
-from blockflow.triton.access import write_private
+from blockflow.core.runtime_dir import write_private
 from blockflow.triton.server import free_port, group_members
 
 pytestmark = pytest.mark.integration

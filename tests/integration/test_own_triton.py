@@ -23,7 +23,7 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from blockflow.core import env
-from blockflow.core.runtime_dir import default_for
+from blockflow.core.runtime_dir import default_for, write_private
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access
@@ -62,7 +62,7 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     shell_env["XDG_RUNTIME_DIR"] = str(runtime_base)
     home_args = ["--triton-home", str(container_layout(where))] if request.param == "container" else []
     if request.param == "container":  # this one in explicit mode, its repository API behind a key
-        access.write_private(where / "admin.key", access.new_secret())
+        write_private(where / "admin.key", access.new_secret())
         home_args += ["--admin-key-file", str(where / "admin.key")]
     script = subprocess.run([sys.executable, "-m", "blockflow", "triton-command", str(repo), "--backend-dir", str(where / "be"),
                              *home_args], capture_output=True, text=True, env=shell_env, check=True).stdout

@@ -32,6 +32,24 @@ def test_written_private_and_read_back(where: Path) -> None:
     assert endpoints.read() == _mine()
 
 
+def test_the_default_directory_must_be_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from blockflow.core.errors import EnvironmentProblem
+
+    monkeypatch.delenv("BLOCKFLOW_ENDPOINTS", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "blockflow").mkdir(mode=0o755)
+    (tmp_path / "blockflow").chmod(0o755)  # as if another user had made it first, open
+    with pytest.raises(EnvironmentProblem, match="endpoints directory .* is open to other users.*chmod 700"):
+        endpoints.write(_mine())
+    (tmp_path / "blockflow").chmod(0o700)
+    assert endpoints.write(_mine()) == tmp_path / "blockflow" / "endpoints.json"
+    assert endpoints.read() == _mine()
+    # A rewrite replaces the file whole (a new inode), and the next read sees the new addresses.
+    endpoints.write(_mine(os.getppid()))
+    assert endpoints.read() == _mine(os.getppid())
+    assert [f.name for f in (tmp_path / "blockflow").iterdir()] == ["endpoints.json"]  # no temp file left
+
+
 def test_a_file_others_could_write_or_of_a_dead_server_is_ignored(where: Path) -> None:
     endpoints.write(_mine())
     where.chmod(0o644)
