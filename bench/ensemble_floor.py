@@ -44,7 +44,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import device_name
 from blockflow.bench.perf_analyzer import perf_analyzer
-from blockflow.triton.server import ServerOptions, TritonServer, group_members
+from blockflow.triton.process_group import group_members
+from blockflow.triton.server import ServerOptions, TritonServer
 
 TICKET = 256
 STEPS = (1, 4)

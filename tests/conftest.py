@@ -57,11 +57,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from blockflow.core.errors import ServerError
     from blockflow.ensemble_gen import generator
     from blockflow.plan import load_plan
-    from blockflow.triton.server import (
-        ServerOptions,
-        TritonServer,
-        group_members,
-    )
+    from blockflow.triton.process_group import group_members
+    from blockflow.triton.server import ServerOptions, TritonServer
 
     base = tmp_path_factory.mktemp("served")
     repos, plans = [], {}

@@ -18,13 +18,12 @@ import logging
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -49,6 +48,7 @@ from blockflow.triton.install import (
     server_env,
 )
 from blockflow.triton.mps import MpsDaemon
+from blockflow.triton.process_group import die_with_parent, drain_then_terminate, group_members, kill_group, stubs_by_model
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class TritonServer:
         logfile = self.log_path.open("wb")
         try:
             self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                            env=env, start_new_session=True, preexec_fn=die_with_parent)
         except BaseException:
             if self.mps is not None:
                 self.mps.stop()
@@ -242,7 +242,7 @@ class TritonServer:
         if not self._stopping:
             # Its stubs would notice the reaped parent within seconds, but a stub stuck in a CUDA
             # call or a long execute might not: SIGKILL the group, so their GPU memory comes back now.
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             log.error("tritonserver (pid %d) exited unexpectedly with code %s; its block processes were killed "
                       "(log: %s)", proc.pid, code, self.log_path)
         self.exited.set()
@@ -276,18 +276,7 @@ class TritonServer:
 
     def stub_processes(self) -> dict[str, list[int]]:
         """Model name -> PIDs of its live Python-backend stub processes (one per instance)."""
-        out: dict[str, list[int]] = {}
-        if self.process is None:
-            return out
-        for pid in group_members(self.process.pid):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            # The stub is started as: triton_python_backend_stub <repo>/<model>/<version>/model.py ...
-            if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub"):
-                out.setdefault(Path(cmd[1].decode()).parent.parent.name, []).append(pid)
-        return out
+        return {} if self.process is None else stubs_by_model(self.process.pid)
 
     def heal(self, expected: dict[str, int], timeout: float = 300.0) -> list[str]:
         """Reload (through the model control API) every model with fewer live stubs than ``expected``.
@@ -323,14 +312,15 @@ class TritonServer:
         self._stopping = True
         if proc.poll() is None:
             until = time.monotonic() + grace  # the whole stop, however far the drain gets
-            drained = self._drain_then_terminate(proc, grace)
+            # A server that answers does in milliseconds; a hung one gets SIGTERM after 5 s.
+            drained = drain_then_terminate(proc, self.api(timeout=min(grace, 5.0)), grace)
             try:
                 # Once every model is unloaded, all Triton still waits for is idle HTTP connections
                 # (a client's keep-alive): up to its exit timeout, with nothing left to finish.
                 proc.wait(0.5 if drained else max(0.5, until - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         proc.wait()
         # SIGKILLed stubs can take seconds to die while the driver tears down their CUDA contexts.
         deadline = time.monotonic() + 30
@@ -342,35 +332,6 @@ class TritonServer:
             self.mps.stop()  # after every client (stub) is gone
         if self._own_runtime:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
-
-    def _drain_then_terminate(self, proc: subprocess.Popen[bytes], grace: float) -> bool:
-        """SIGTERM the server, then unload every model through gRPC; True once all are unloaded.
-
-        After SIGTERM Triton takes no new HTTP connections but waits, up to its exit timeout, for
-        the open ones to close, idle keep-alive ones included, before it even starts to unload;
-        its gRPC endpoint still answers meanwhile. Unloading the ensembles first, then the rest,
-        lets requests in flight finish and every block process run its finalize, so the server
-        can then be stopped without waiting out clients that merely stay connected.
-        """
-        api = self.api(timeout=min(grace, 5.0))  # a server that answers does in milliseconds; a hung one gets SIGTERM soon
-        try:
-            ready = [m.name for m in api.index() if m.state == "READY"]
-            ensembles = api.ensembles(ready)
-        except TritonApiError:
-            ready, ensembles = [], set()
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        try:
-            for group in (ensembles, set(ready) - ensembles):
-                for m in group:
-                    api.unload(m)
-                while any(m.name in group and m.state in ("READY", "UNLOADING") for m in api.index()):
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        return False
-                    time.sleep(0.05)
-        except TritonApiError:
-            return False  # gone, or stopping on its own: wait for it as before
-        return True
 
     def _remove_shm(self) -> None:
         # The Python backend's regions, and TensorMQ host pools of stubs that were killed.
@@ -384,36 +345,3 @@ class TritonServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM tritonserver if whoever started it dies (even by SIGKILL)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: stop() and the signal handlers still clean up
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_members(pgid: int) -> Iterable[int]:
-    """Live (not zombie) PIDs still in process group ``pgid``: what stopping must leave empty."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state, ppid, pgrp, ...
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            yield int(entry.name)

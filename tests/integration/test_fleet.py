@@ -23,7 +23,8 @@ import pytest
 import tritonclient.http as http
 
 from blockflow.core.runtime_dir import write_private
-from blockflow.triton.server import free_port, group_members
+from blockflow.triton.process_group import group_members
+from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
 PLANS = Path(__file__).resolve().parents[1] / "plans"

@@ -16,11 +16,8 @@ import pytest
 
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
-from blockflow.triton.server import (
-    ServerOptions,
-    TritonServer,
-    group_members,
-)
+from blockflow.triton.process_group import group_members
+from blockflow.triton.server import ServerOptions, TritonServer
 
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "live_a.yaml"

@@ -28,7 +28,8 @@ from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access
 from blockflow.triton.install import STUB, locate
-from blockflow.triton.server import free_port, group_members
+from blockflow.triton.process_group import group_members
+from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "own_triton.yaml"

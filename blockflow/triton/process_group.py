@@ -1,0 +1,93 @@
+"""The processes of one ``tritonserver``: its process group, its Python-backend stubs, and how it is stopped.
+
+The server runs in a session of its own, so its process group holds it and every stub it
+started: ending the group ends them all, and an empty group is the proof that nothing is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from blockflow.core.errors import TritonApiError
+from blockflow.triton.api import TritonApi
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM tritonserver if whoever started it dies (even by SIGKILL)."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() and the signal handlers still clean up
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_members(pgid: int) -> Iterable[int]:
+    """Live (not zombie) PIDs still in process group ``pgid``: what stopping must leave empty."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            yield int(entry.name)
+
+
+def stubs_by_model(pgid: int) -> dict[str, list[int]]:
+    """Model name -> PIDs of the live Python-backend stubs in process group ``pgid``."""
+    out: dict[str, list[int]] = {}
+    for pid in group_members(pgid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # The stub is started as: triton_python_backend_stub <repo>/<model>/<version>/model.py ...
+        if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub"):
+            out.setdefault(Path(cmd[1].decode()).parent.parent.name, []).append(pid)
+    return out
+
+
+def drain_then_terminate(proc: subprocess.Popen[bytes], api: TritonApi, grace: float) -> bool:
+    """SIGTERM the server, then unload every model through gRPC; True once all are unloaded.
+
+    After SIGTERM Triton takes no new HTTP connections but waits, up to its exit timeout, for
+    the open ones to close, idle keep-alive ones included, before it even starts to unload;
+    its gRPC endpoint still answers meanwhile. Unloading the ensembles first, then the rest,
+    lets requests in flight finish and every block process run its finalize, so the server
+    can then be stopped without waiting out clients that merely stay connected.
+    """
+    try:
+        ready = [m.name for m in api.index() if m.state == "READY"]
+        ensembles = api.ensembles(ready)
+    except TritonApiError:
+        ready, ensembles = [], set()
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    try:
+        for group in (ensembles, set(ready) - ensembles):
+            for m in group:
+                api.unload(m)
+            while any(m.name in group and m.state in ("READY", "UNLOADING") for m in api.index()):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    return False
+                time.sleep(0.05)
+    except TritonApiError:
+        return False  # gone, or stopping on its own: wait for it as before
+    return True
+
