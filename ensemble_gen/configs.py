@@ -81,7 +81,8 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
         cfg.output.extend(_tensor(n, shape, mc.ModelOutput, HOP_TYPES[spec.out_dtype])
                           for n, shape in zip(activation_names(ACTIVATION_OUT, len(spec.out_shapes)), spec.out_shapes, strict=True))
     cfg.instance_group.append(_instance_group(block))
-    cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
+    if block.dynamic_batching:
+        cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
     # Client images arrive in host memory. With FORCE_CPU_ONLY_INPUT_TENSORS=no the Python backend
     # (r24.10, GetInputTensor) copies them to the GPU asynchronously through a BackendInputCollector
     # it never finalizes, so the stub can read a half-copied image under concurrent load (seen on an

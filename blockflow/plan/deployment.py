@@ -40,6 +40,7 @@ class Block:
     precision: Precision
     cuda_graphs: bool
     monitor_period_s: float = 2.0
+    dynamic_batching: bool = True
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,10 @@ class Plan:
     def warnings(self) -> list[str]:
         used = set(self.used_blocks())
         out = [f"blocks.{b}: no task uses this block; it is not deployed" for b in self.blocks if b not in used]
+        for name, sharing in self.sharing().items():
+            if not self.blocks[name].dynamic_batching and len(sharing) > 1:
+                out.append(f"blocks.{name}: dynamic_batching is off, so requests of its {len(sharing)} tasks "
+                           f"({', '.join(sharing)}) never share an execute; under load it runs them one by one")
         if self.raw.pack == "heads" and not self.head_packs:
             out.append("pack: 'heads' packs nothing: no two tasks have heads of their own after the same block "
                        "with the same deployment settings")
@@ -335,5 +340,6 @@ def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Pa
         precision=pick("precision"),
         cuda_graphs=pick("cuda_graphs"),
         monitor_period_s=pick("monitor_period_s"),
+        dynamic_batching=pick("dynamic_batching"),
     )
 

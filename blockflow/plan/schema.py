@@ -107,6 +107,8 @@ class BlockSettings(_Strict):
     instances: int | None = Field(default=None, ge=1, le=64)
     max_batch_size: int | None = Field(default=None, ge=1, le=1024)
     batching_delay_us: int | None = Field(default=None, ge=0, le=1_000_000)
+    # False: no Triton dynamic batcher; each request runs alone, one thread hand-off less per step.
+    dynamic_batching: bool | None = None
     precision: Precision | None = None
     cuda_graphs: bool | None = None
     # Seconds between the block monitor's samples (GPU/CPU memory, utilisation, power); 0 turns it off.
@@ -118,6 +120,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "instances": 1,
     "max_batch_size": 8,
     "batching_delay_us": 100,
+    "dynamic_batching": True,
     "precision": "fp32",
     "cuda_graphs": True,
     "monitor_period_s": 2.0,

@@ -50,6 +50,22 @@ def test_unused_block_is_a_warning() -> None:
     assert parse_plan(data).warnings() == ["blocks.spare: no task uses this block; it is not deployed"]
 
 
+def test_dynamic_batching_off_drops_the_batcher_and_warns_on_a_shared_block() -> None:
+    from blockflow.ensemble_gen import generator
+
+    data = base()
+    data["blocks"]["r50_s0"]["dynamic_batching"] = False
+    data["blocks"]["r50_full_d"]["dynamic_batching"] = False
+    plan = parse_plan(data)
+    assert plan.warnings() == ["blocks.r50_s0: dynamic_batching is off, so requests of its 3 tasks (cls_a, cls_b, det_c) "
+                               "never share an execute; under load it runs them one by one"]
+    models = generator.by_model(generator.render(plan))
+    assert b"dynamic_batching" not in models["r50_s0"]["config.pbtxt"]
+    assert b"dynamic_batching {\n  max_queue_delay_microseconds: 100\n}" in models["r50_s1"]["config.pbtxt"]
+    with pytest.raises(PlanError, match="dynamic_batching"):
+        parse_plan(base() | {"defaults": {"dynamic_batching": "sometimes"}})
+
+
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def apply(d: dict[str, Any]) -> None:
         *parents, last = path.split(".")
