@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from blockflow.core import nvml
+from blockflow.core import env, nvml
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan
 from blockflow.triton.server import ServerOptions, TritonServer
@@ -35,6 +37,15 @@ def served(plan: Plan, prefix: str = "bench-", start_timeout: float = 900.0, **o
         yield server
     finally:
         server.stop()
+
+
+def commit() -> str:
+    """The commit a report names: ``$BLOCKFLOW_COMMIT``, else git's, marked ``-dirty`` when the tree differs from it."""
+    named = os.environ.get(env.COMMIT)
+    if named:
+        return named
+    res = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True, check=False)
+    return res.stdout.strip() or "unknown"
 
 
 def device_name() -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from blockflow.backend.runtime import BlockRunner
+from blockflow.bench.harness import commit as harness_commit
 from blockflow.core import arch
 from blockflow.ensemble_gen.generator import block_spec
 from blockflow.plan import parse_plan
@@ -144,8 +145,7 @@ def main() -> None:
     for net, shape, cuts in chosen:
         rows.append(measure(net, shape, cuts, args.batch))
         print(json.dumps(rows[-1]), flush=True)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip() or "unknown"
+    commit = args.commit or harness_commit()
     meta = {"gpu": torch.cuda.get_device_name(0), "commit": commit, "torch": torch.__version__, "host": platform.node(),
             "date": subprocess.run(["date", "-u", "+%Y-%m-%d %H:%M UTC"], capture_output=True, text=True).stdout.strip()}
     args.out.mkdir(parents=True, exist_ok=True)

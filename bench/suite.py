@@ -20,14 +20,13 @@ import asyncio
 import json
 import math
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.harness import rendered
+from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import INPUTS, median_of, perf_analyzer
 from blockflow.bench.report import write_report
@@ -238,12 +237,10 @@ class Bench:
     def _meta(self) -> dict[str, Any]:
         import torch
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
         return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "plan": str(self.cfg.plan),
                 "plan_name": self.plan.raw.name, "gpus": self.gpus.names(), "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "quick": self.cfg.quick,
-                "commit": commit or "unknown",
+                "commit": commit(),
                 # Like with like: the split and its monolithic references in one precision, one input path.
                 "precision": self.plan.task_precision(self.task),
                 "reference_precision": self.plan.task_precision(self.task),
