@@ -16,6 +16,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockflow.clients.client import TaskClient
 from blockflow.ensemble_gen import generator
+from blockflow.plan import Plan
 from blockflow.triton.server import free_port
 
 from ..conftest import ROOT, Served
@@ -53,7 +55,8 @@ def _ensembles(served: Served) -> set[str]:
 def _models(served: Served) -> dict[str, dict[str, bytes]]:
     out: dict[str, dict[str, bytes]] = {}
     for plan in served.plans.values():
-        out.update(generator.by_model(generator.render(plan)))  # type: ignore[arg-type]
+        assert isinstance(plan, Plan)
+        out.update(generator.by_model(generator.render(plan)))
     return out
 
 
@@ -204,7 +207,7 @@ class _Prometheus:
         self.proc = subprocess.Popen([_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={base / 'data'}",
                                       f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
 
-    def query(self, expr: str) -> list[dict[str, object]]:
+    def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         try:
             body = json.loads(urllib.request.urlopen(url, timeout=10).read())
@@ -213,7 +216,7 @@ class _Prometheus:
         assert body["status"] == "success", body
         return list(body["data"]["result"])
 
-    def wait(self, expr: str, timeout: float = 60.0) -> list[dict[str, object]]:
+    def wait(self, expr: str, timeout: float = 60.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, "prometheus exited; see prometheus.log"
@@ -253,7 +256,6 @@ def test_prometheus_joins_block_and_triton_series_by_label(served: Served, prome
     assert rss
     for series in rss:
         labels = series["metric"]
-        assert isinstance(labels, dict)
         # No clash with Prometheus' target label: `instance` is the scrape target, nothing was renamed exported_*.
         assert not any(k.startswith("exported_") for k in labels), labels
         assert labels["instance"] == f"{served.server.options.host}:{served.server.options.metrics_port}"
@@ -261,13 +263,13 @@ def test_prometheus_joins_block_and_triton_series_by_label(served: Served, prome
     # The join itself: host CPU seconds per successful request of each block, one series per Python model.
     joined = prometheus.query("sum by (model) (blockflow_block_cpu_seconds_total)"
                               " / on (model) sum by (model) (nv_inference_request_success)")
-    assert {str(r["metric"]["model"]) for r in joined} == _python_models(served)  # type: ignore[index]
-    used = {str(r["metric"]["model"]): float(r["value"][1]) for r in joined}  # type: ignore[index]
+    assert {str(r["metric"]["model"]) for r in joined} == _python_models(served)
+    used = {str(r["metric"]["model"]): float(r["value"][1]) for r in joined}
     assert 0 < used["r50_full_d"] < float("inf")
     if _on_gpu():  # Triton's nv_gpu_* carry gpu_uuid as the block monitor writes it
         share = prometheus.wait("sum by (gpu_uuid) (blockflow_block_torch_reserved_bytes) / on (gpu_uuid) nv_gpu_memory_used_bytes", 5)
         if prometheus.query("nv_gpu_memory_used_bytes"):
-            assert share and all(0 < float(r["value"][1]) <= 1 for r in share), share  # type: ignore[index]
+            assert share and all(0 < float(r["value"][1]) <= 1 for r in share), share
 
 
 def _instantiate(expr: str) -> str:
@@ -284,10 +286,10 @@ def test_the_dashboard_queries_run_on_prometheus(served: Served, prometheus: _Pr
     assert task_query.startswith("query_result(") and task_query.endswith(")")
     rows = prometheus.wait(task_query[len("query_result("):-1])
     pattern = re.compile(variables["task"]["regex"].strip("/"))
-    labels = {pattern.search("{" + ",".join(f'{k}="{v}"' for k, v in r["metric"].items()) + "}") for r in rows}  # type: ignore[union-attr]
+    labels = {pattern.search("{" + ",".join(f'{k}="{v}"' for k, v in r["metric"].items()) + "}") for r in rows}
     assert {m.group(1) for m in labels if m} == _ensembles(served)
     assert variables["block"]["definition"] == "label_values(blockflow_block_monitor_samples_total, model)"
-    assert {str(r["metric"]["model"]) for r in prometheus.query("blockflow_block_monitor_samples_total")} == _python_models(served)  # type: ignore[index]
+    assert {str(r["metric"]["model"]) for r in prometheus.query("blockflow_block_monitor_samples_total")} == _python_models(served)
     empty = []
     for panel in dash["panels"]:
         for target in panel["targets"]:
