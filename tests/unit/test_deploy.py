@@ -52,6 +52,16 @@ def test_the_pod_is_ready_with_its_models_and_scraped_on_the_metrics_port() -> N
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+def test_the_root_filesystem_is_read_only_with_tmp_and_shm_volumes() -> None:
+    """What tests/integration/test_read_only_root.py runs serve under: only /tmp and /dev/shm writable, HOME in /tmp."""
+    container = render()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")} == {"/tmp", "/dev/shm"}
+    assert next(e for e in container["env"] if e["name"] == "HOME")["value"].startswith("/tmp/")
+    off = render("--set", "readOnlyRootFilesystem=false")["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert off["securityContext"]["readOnlyRootFilesystem"] is False
+
+
 def test_the_control_token_comes_from_a_secret() -> None:
     objects = render()
     env = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
