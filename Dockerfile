@@ -14,6 +14,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     BLOCKFLOW_TRITON_HOME=/opt/tritonserver \
+    HOME=/tmp/home \
     MPLCONFIGDIR=/tmp/matplotlib
 
 WORKDIR /opt/blockflow
