@@ -69,7 +69,8 @@ def test_the_control_token_comes_from_a_secret() -> None:
     assert ref == {"name": objects["Secret"]["metadata"]["name"], "key": "token"}
     own = render("--set", "controlToken.existingSecret=mine", "--set", "controlToken.key=bearer")
     assert "Secret" not in own
-    assert own["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "bearer"}
+    own_env = own["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert next(e for e in own_env if e["name"] == "BLOCKFLOW_TOKEN")["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "bearer"}
 
 
 def test_a_new_plan_rolls_the_pods_and_unknown_values_are_refused() -> None:
