@@ -70,7 +70,10 @@ Cancel, crash, restart:
 - A restarted producer keeps its id (derived from its model instance name) but
   draws a new *generation*, a new segment and a new socket. A ticket whose
   generation has no listening socket is refused at once ("stale ticket"); a
-  consumer that maps a new generation drops its mappings of stopped ones.
+  consumer that maps a new generation drops its mappings of stopped ones. The
+  new generation removes what killed ones of its id left: socket, claim table
+  and, for a host pool, its /dev/shm segment (``blockflow serve`` also sweeps
+  its runtime directory's segments when it stops).
 - Reload (a plan update, ``blockflow apply``): Triton starts the new instance
   before it unloads the old one, so two generations of one producer serve at
   once, each on its own socket; consumers map both. An unloading producer

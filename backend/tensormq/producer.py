@@ -17,7 +17,7 @@ import zmq
 
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
-from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
+from blockflow.backend.tensormq.memory import SHM_DIR, CudaSegment, EventRing, HostSegment, Segment
 from blockflow.backend.tensormq.slots import Slot, SlotTable
 from blockflow.backend.tensormq.wire import (
     ERROR,
@@ -102,7 +102,7 @@ class Producer:
             self.events = EventRing(int(device.index or 0), max_slots)
             self.device_type = tk.DEVICE_CUDA
         else:
-            self.segment = HostSegment(f"{env.pool_shm_prefix(runtime_dir)}{self.id:016x}-{self.generation:08x}", pool_bytes, create=True)
+            self.segment = HostSegment(env.pool_shm_name(runtime_dir, self.id, self.generation), pool_bytes, create=True)
             self.events = EventRing(None)
             self.device_type = tk.DEVICE_HOST
         self._welcome = json.dumps({
@@ -111,11 +111,13 @@ class Producer:
         }).encode()
         sock_path = socket_path(runtime_dir, self.id, self.generation)
         sock_path.parent.mkdir(mode=0o700, exist_ok=True)
-        for gen in generations(runtime_dir, self.id):  # sockets of earlier generations that were killed
+        for gen in generations(runtime_dir, self.id):  # what earlier generations that were killed left
             old = socket_path(runtime_dir, self.id, gen)
             if not listening(old):
                 old.unlink(missing_ok=True)
                 claims_path(old).unlink(missing_ok=True)
+                # A host pool is memory: a tritonserver started by hand and SIGKILLed has nobody else to free it.
+                (SHM_DIR / env.pool_shm_name(runtime_dir, self.id, gen)).unlink(missing_ok=True)
         # Created before the socket exists, so a consumer that reaches the socket finds the table.
         self.claims = ClaimTable(claims_path(sock_path), max_slots, max_samples, create=True)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()

@@ -77,3 +77,8 @@ def stub_shm_prefix(server_pid: int, runtime_dir: Path) -> str:
 def pool_shm_prefix(runtime_dir: Path) -> str:
     """The start of every TensorMQ host pool's shared-memory name of one server."""
     return f"blockflow-tmq-{runtime_dir.name}-"
+
+
+def pool_shm_name(runtime_dir: Path, producer: int, generation: int) -> str:
+    """The shared-memory name of one producer generation's host pool."""
+    return f"{pool_shm_prefix(runtime_dir)}{producer:016x}-{generation:08x}"

@@ -17,10 +17,12 @@ import zmq
 
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.memory import SHM_DIR
 from blockflow.backend.tensormq.producer import PoolExhaustedError, Producer
 from blockflow.backend.tensormq.slots import ALIGN, SlotTable
 from blockflow.backend.tensormq.ticket import TicketError
 from blockflow.backend.tensormq.wire import STATS, endpoint, generations
+from blockflow.core import env
 from blockflow.core.runtime_dir import ensure_tensormq
 
 KEY = b"k" * 32
@@ -245,6 +247,36 @@ def test_full_pool_waits_then_fails_clearly(runtime: Path) -> None:
         assert prod.stats.pool_failures == 1
     finally:
         prod.close()
+
+
+def _pool_then_wait(runtime: str, name: str, conn: mp.connection.Connection) -> None:
+    prod = Producer(name, Path(runtime), CPU, pool_bytes=1 << 20, max_slots=4, lease_s=30, wait_s=1)
+    conn.send(env.pool_shm_name(Path(runtime), prod.id, prod.generation))
+    time.sleep(60)  # SIGKILLed before it closes anything
+
+
+def test_a_restarted_producer_frees_the_host_pool_of_a_killed_one(runtime: Path) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    victim = ctx.Process(target=_pool_then_wait, args=(str(runtime), "blockK/0", child))
+    victim.start()
+    try:
+        killed = SHM_DIR / parent.recv()
+        assert killed.exists()
+    finally:
+        os.kill(victim.pid or 0, signal.SIGKILL)
+        victim.join()
+    assert killed.exists()  # nobody freed it yet
+    other = Producer("blockL/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=30, wait_s=1)
+    assert killed.exists()  # another block's restart leaves it (it cannot tell a slow start from a dead one)
+    again = Producer("blockK/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=30, wait_s=1)
+    try:
+        assert not killed.exists()
+        assert (SHM_DIR / env.pool_shm_name(runtime, again.id, again.generation)).exists()
+    finally:
+        again.close()
+        other.close()
+    assert not (SHM_DIR / env.pool_shm_name(runtime, again.id, again.generation)).exists()
 
 
 def test_restarted_producer_refuses_old_tickets(runtime: Path) -> None:
