@@ -180,7 +180,11 @@ class TritonPythonModel:
                 raise RequestError(f"request has no input {name!r}")
             xs.append(from_dlpack(tensor.to_dlpack()))
         if self.consumer is not None:
+            if self.tracer is not None:
+                self.tracer.lap("read:input")
             views, rel = self.consumer.gather_tensors(xs[0], self.spec.in_shapes, self.stream)
+            if self.tracer is not None:
+                self.tracer.lap("read:gather")
             releases.extend(rel)
             return views
         dtype = torch.float32 if self.spec.takes_image else DTYPES[self.spec.in_dtype]
@@ -287,13 +291,20 @@ class TritonPythonModel:
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
             return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
+        tracer = self.tracer
         reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
+        if tracer is not None:
+            tracer.lap("run:reserve")
         try:
             runner.run_all(xs, outs=reservation.views)
         except BaseException:
             self.producer.abort(reservation)
             raise
+        if tracer is not None:
+            tracer.lap("run:graph")
         tickets = self.producer.commit(reservation, self.stream)
+        if tracer is not None:
+            tracer.lap("run:commit")
         # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
         # A bytearray is writable, so torch takes it without a copy.
         return [torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))]

@@ -8,8 +8,9 @@ JSON lines to ``<dir>/<model>.<instance>.<pid>.jsonl``:
   context, weights, warm-up, TensorMQ pools, monitor);
 - ``{"kind": "execute", "t": [...], "gpu_ms": ..., "n": ...}`` per ``execute`` call: host
   timestamps (``time.perf_counter_ns``, CLOCK_MONOTONIC, so comparable across processes) at
-  entry, inputs read, work queued, and return; and the GPU time between two CUDA events
-  around the block's own kernels (after it waited for its producer).
+  entry, inputs read, work queued, and return; ``laps``, ``[name, t]`` pairs that end named
+  steps inside those phases (``read:gather``, ``run:graph``, ...); and the GPU time between two
+  CUDA events around the block's own kernels (after it waited for its producer).
 
 Unset, nothing is created and each call costs one attribute test. ``blockflow.bench.timeline`` and
 ``blockflow.bench.stub_memory`` read these files. GPU times are collected without stalling the
@@ -68,6 +69,7 @@ class Tracer:
         self._file: IO[str] = (directory / f"{model}.{instance}.{os.getpid()}.jsonl").open("a", buffering=1)
         self._pending: list[tuple[dict[str, Any], Any, Any]] = []
         self._t: list[int] = []
+        self._laps: list[tuple[str, int]] = []
         self._start: Any = None
 
     def memory(self, step: str, **extra: Any) -> None:
@@ -76,11 +78,16 @@ class Tracer:
     # Per execute: begin() ... mark() ... gpu_begin() / gpu_end() ... end(n).
     def begin(self) -> None:
         self._t = [time.perf_counter_ns()]
+        self._laps = []
         self._start = None
         self._collect(block=False)
 
     def mark(self) -> None:
         self._t.append(time.perf_counter_ns())
+
+    def lap(self, name: str) -> None:
+        """The end of step ``name`` (it began at the previous mark or lap)."""
+        self._laps.append((name, time.perf_counter_ns()))
 
     def gpu_begin(self) -> None:
         if self.device.type == "cuda":
@@ -90,6 +97,8 @@ class Tracer:
     def end(self, n: int) -> None:
         self._t.append(time.perf_counter_ns())
         record: dict[str, Any] = {"kind": "execute", "n": n, "t": self._t}
+        if self._laps:
+            record["laps"] = self._laps
         if self._start is not None:
             stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             stop.record()

@@ -98,6 +98,9 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
             add(f"{stage}.execute", t[3] - t[0])
             if "gpu_ms" in h:
                 parts.setdefault(f"{stage}.gpu", []).append(float(h["gpu_ms"]))
+            bounds = sorted([*t, *(lt for _, lt in h.get("laps", []))])
+            for name, lt in h.get("laps", []):  # each lap ends a step that began at the boundary before it
+                add(f"{stage}.{name}", lt - max(b for b in bounds if b < lt))
             if i + 1 < len(stages):
                 add(f"{stage}.hop", hits[i + 1]["t"][0] - t[3])  # type: ignore[index]
         add("last_to_client", recv - hits[-1]["t"][3])  # type: ignore[index]
@@ -112,7 +115,9 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          "after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's return → the next block's entry; *gpu* = CUDA events "
-         "around the block's own kernels.", ""]
+         "around the block's own kernels; *read:X*, *run:X* = steps inside a phase (TensorMQ: *read:input* the "
+         "request's tickets, *read:gather* checked, claimed and waited on; *run:reserve*, *run:graph* the block "
+         "into the slot, *run:commit* the slot's event and the signed tickets).", ""]
     for label, r in res["models"].items():
         m = r["median_ms"]
         L += [f"## {label} (`{r['model']}`): end to end {m.get('end_to_end', float('nan')):.3f} ms "
@@ -120,7 +125,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
               "| part | median ms | p90 ms |", "|---|---|---|"]
         order = ["client_to_first"]
         for s in r["stages"]:
-            order += [f"{s}.read", f"{s}.run", f"{s}.respond", f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
+            laps = [k for k in m if k.startswith(f"{s}.read:")], [k for k in m if k.startswith(f"{s}.run:")]  # in step order
+            order += [f"{s}.read", *laps[0], f"{s}.run", *laps[1], f"{s}.respond", f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
         order += ["last_to_client", "end_to_end"]
         for k in order:
             if k in m:
