@@ -43,12 +43,15 @@ transport: tensormq
 references: [eager]
 """
 # In the namespace: a tmpfs at /tmp as the chart's emptyDir (the Python backend makes its
-# directories under /tmp whatever TMPDIR says), the checkout kept visible where it is (CI may clone
-# it under /tmp), then every mount but the kernel's and /tmp read-only, then serve.
+# directories under /tmp whatever TMPDIR says), what this test runs from kept visible where it is
+# (CI may clone the checkout under /tmp; the GPU machines unpack Triton and packages there), then
+# every mount but the kernel's and /tmp read-only, then serve.
 SETUP = r"""set -e
 mount --bind /tmp "$KEEP"
 mount -t tmpfs -o size=4g,mode=1777 tmpfs /tmp
-case "$ROOTDIR" in /tmp/*) mkdir -p "$ROOTDIR"; mount --bind "$KEEP/${ROOTDIR#/tmp/}" "$ROOTDIR" ;; esac
+for p in $(printf '%s' "$RESTORE" | tr ':' ' '); do
+  mkdir -p "$p"; mount --bind "$KEEP/${p#/tmp/}" "$p"
+done
 awk '{print $2}' /proc/self/mounts | while read -r m; do
   case "$m" in /proc*|/sys*|/dev*|/tmp) ;; *) mount -o remount,bind,ro "$m" 2>/dev/null || true ;; esac
 done
@@ -70,10 +73,16 @@ def test_serve_runs_on_a_read_only_root(tmp_path: Path) -> None:
     keep = Path(tempfile.mkdtemp(prefix="blockflow-ro-", dir="/var/tmp"))  # where /tmp stays reachable, inside only
     http, grpc, metrics, control = free_port(), free_port(), free_port(), free_port()
     token = "read-only-root-test-token-0123456789"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BLOCKFLOW_", "XDG_", "TMP"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BLOCKFLOW_", "XDG_", "TMP")) or k == "BLOCKFLOW_TRITON_HOME"}
+    # The checkout, the Python and Triton (with its libraries beside it) this test runs, where they sit
+    # under /tmp: their top directory there is bound back, read-only like the rest.
+    mine = [ROOT, Path(sys.prefix), *map(Path, filter(None, env.get("PYTHONPATH", "").split(os.pathsep))),
+            Path(env.get("BLOCKFLOW_TRITON_HOME", "/"))]
+    restore = sorted({str(Path(*r.parts[:3])) for r in (m.resolve() for m in mine) if len(r.parts) > 2 and r.parts[1] == "tmp"})
     # HOME on the writable volume, as the chart sets it (caches of torch and CUDA go there).
-    env |= {"KEEP": str(keep), "ROOTDIR": str(ROOT), "PLAN": PLAN, "HOME": "/tmp/home", "BLOCKFLOW_TOKEN": token,
-            "PYTHONDONTWRITEBYTECODE": "1"}
+    env |= {"KEEP": str(keep), "ROOTDIR": str(ROOT), "RESTORE": ":".join(restore), "PLAN": PLAN, "HOME": "/tmp/home",
+            "BLOCKFLOW_TOKEN": token, "PYTHONDONTWRITEBYTECODE": "1"}
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", SETUP, "sh",
                              sys.executable, "-m", "blockflow", "serve", "--plan", "/tmp/plan.yaml", f"--http-port={http}",
