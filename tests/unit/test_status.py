@@ -1,0 +1,26 @@
+"""`blockflow status` rows from two snapshots: block series joined with Triton's on `model` and `gpu_uuid`."""
+
+from __future__ import annotations
+
+from blockflow.control.status import Snapshot, block_rows
+
+
+def _snapshot(at: float, samples: int) -> Snapshot:
+    uuid = "GPU-1df59fe6-481e-cca4-b58c-cd0bdfaa8606"
+    return Snapshot(
+        at=at, ready={"on_gpu": True, "on_cpu": True}, ensembles=set(), instances={"on_gpu": 1, "on_cpu": 1},
+        stats={"on_gpu": {"queue": {"count": samples, "ns": samples * 1000}}, "on_cpu": {}},
+        samples={
+            "blockflow_block_monitor_samples_total": [({"model": "on_gpu", "model_instance": "on_gpu_0", "gpu_uuid": uuid}, 1.0),
+                                                      ({"model": "on_cpu", "model_instance": "on_cpu_0"}, 1.0)],
+            "blockflow_block_rss_bytes": [({"model": "on_gpu", "model_instance": "on_gpu_0", "gpu_uuid": uuid}, 2.0 * 2**20)],
+            # Another GPU's utilisation must not be joined in.
+            "nv_gpu_utilization": [({"gpu_uuid": uuid}, 0.25), ({"gpu_uuid": "GPU-00000000-0000"}, 0.9)],
+        })
+
+
+def test_block_rows_join_the_gpu_by_uuid_and_name_cpu_blocks() -> None:
+    rows = {r["block"]: r for r in block_rows(_snapshot(0.0, 0), _snapshot(2.0, 10))}
+    assert rows["on_gpu"]["device"] == "GPU-1df59fe6" and rows["on_gpu"]["gpu_util"] == 0.25
+    assert rows["on_gpu"]["rss_mib"] == 2.0 and rows["on_gpu"]["rate"] == 5.0 and rows["on_gpu"]["queue_ms"] == 0.001
+    assert rows["on_cpu"]["device"] == "cpu" and rows["on_cpu"]["gpu_util"] is None and rows["on_cpu"]["rss_mib"] is None
