@@ -56,7 +56,7 @@ def gpu_uuid(device: torch.device) -> str:
 
 def nvml_handle(nv: Any, device: torch.device) -> Any:
     """NVML's handle of a torch CUDA device (NVML must be initialised)."""
-    return nvml.handle_by_uuid(nv, str(torch.cuda.get_device_properties(device).uuid))
+    return nvml.handle_by_uuid(nv, gpu_uuid(device))
 
 
 class _Nvml:

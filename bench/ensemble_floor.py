@@ -44,6 +44,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import device_name
 from blockflow.bench.perf_analyzer import perf_analyzer
+from blockflow.bench.suite import model_stats
 from blockflow.triton.process_group import group_members
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -166,16 +167,10 @@ def _check(server: TritonServer, models: list[str]) -> None:
         client.close()
 
 
-def _stats(server: TritonServer, models: list[str]) -> dict[str, dict[str, float]]:
+def _stats(url: str, models: list[str]) -> dict[str, dict[str, float]]:
     """Per-request queue and compute times (µs) of ``models`` since the server started."""
-    out = {}
-    for name, m in server.api().statistics().items():
-        if name not in models:
-            continue
-        s = m.get("inference_stats", {})
-        n = max(int(s.get("success", {}).get("count", 0)), 1)
-        out[name] = {k: int(s.get(k, {}).get("ns", 0)) / n / 1e3 for k in ("queue", "compute_input", "compute_infer", "compute_output")}
-    return out
+    return {name: {k: st[f"{k}_ns"] / max(st["requests"], 1) / 1e3 for k in ("queue", "compute_input", "compute_infer", "compute_output")}
+            for name, st in model_stats(url).items() if name in models}
 
 
 def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[str, Any]:
@@ -199,7 +194,7 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
                     if "error" in r:
                         raise RuntimeError(f"perf_analyzer on {model}: {r.get('message', r)}")
                     runs.setdefault(f"{model}|{cond}", []).append(r["p50_ms"])
-        stats = _stats(server, [f"copy_{_name(b)}_{i}" for b in (True, False) for i in range(max(STEPS))])
+        stats = _stats(server.http_url, [f"copy_{_name(b)}_{i}" for b in (True, False) for i in range(max(STEPS))])
     rows = []
     for batching, cond in itertools.product((True, False), [c for c in conditions if c not in unavailable]):
         b = _name(batching)

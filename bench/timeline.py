@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.harness import rendered
+from blockflow.bench.harness import device_name, rendered
 from blockflow.bench.suite import block_breakdown, delta, model_stats, task_models
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import load_plan
@@ -161,13 +161,7 @@ def main() -> None:
             runs[label]["triton"] = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"], 1)
             print(f"[timeline] {label}: {args.requests} requests", flush=True)
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
-    try:
-        import torch
-
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        device = "?"
-    res: dict[str, Any] = {"device": device, "plan": str(args.plan), "task": task.name, "requests": args.requests, "models": {}}
+    res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests, "models": {}}
     for label, m in models.items():
         stages = m["blocks"] or [m["model"]]
         a = anatomy(runs[label]["times"], stages, traces)

@@ -27,8 +27,9 @@ from blockflow.clients.client import TaskClient
 from blockflow.triton.process_group import group_members
 from blockflow.triton.server import free_port
 
+from ..conftest import ROOT
+
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
 PLAN = """version: 1
 name: read-only-root
 models:
