@@ -61,22 +61,32 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on, outside the kernel's ephemeral range.
 
     Port 0 would give an ephemeral port, the range every outgoing connection takes its local
     port from: between this call and the server's bind, a client connection (a load test opens
-    thousands) can take it, and the server then fails to start.
+    thousands) can take it, and the server then fails to start. No port is returned twice in
+    one process.
     """
     low, high = _ephemeral_range()
     candidates = [p for p in range(10000, 32768) if not low <= p <= high] or list(range(1024, 65536))
     rng = random.Random()
     for port in rng.sample(candidates, min(200, len(candidates))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # A port handed out earlier is not listened on until its server starts: without this
+        # record, two calls for one server (HTTP, then gRPC) can return the same port.
+        with _HANDED_OUT_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if port in _HANDED_OUT:
+                continue
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise ServerError(f"no free port on {host} between 10000 and 32767")
 
