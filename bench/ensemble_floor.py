@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import itertools
 import json
 import os
 import statistics
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,21 +52,61 @@ from blockflow.triton.server import ServerOptions, TritonServer
 
 TICKET = 256
 STEPS = (1, 4)
-COPY_MODEL = '''import triton_python_backend_utils as pb_utils
+COPY_MODEL_TEMPLATE = '''import json
+import os
+import sys
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+{python_work}
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.laps_dir = json.loads(args["model_config"])["parameters"]["LAPS_DIR"]["string_value"]
+        self.name = args["model_name"]
+        self.laps = []
+
     def execute(self, requests):
         # Through DLPack and a new torch tensor, as a block hands its tickets over (a numpy output
         # came out empty between two KIND_GPU instances in an ensemble: python_backend r24.10, H100).
-        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(
-                    "OUT", to_dlpack(from_dlpack(pb_utils.get_input_tensor_by_name(r, "IN").to_dlpack()).clone()))])
-                for r in requests]
+        out = [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(
+                   "OUT", to_dlpack(from_dlpack(pb_utils.get_input_tensor_by_name(r, "IN").to_dlpack()).clone()))])
+               for r in requests]
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        python_work()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        self.laps.append((time.monotonic(), t1 - t0, c1 - c0))
+        return out
+
+    def finalize(self):
+        facts = {"threads": len(os.listdir("/proc/self/task")), "python_threads": threading.active_count(),
+                 "switch_interval_s": sys.getswitchinterval(), "trace": sys.gettrace() is not None,
+                 "affinity": len(os.sched_getaffinity(0)), "nice": os.nice(0), "python": sys.version.split()[0]}
+        with open(os.path.join(self.laps_dir, self.name + ".json"), "w") as f:
+            json.dump({"facts": facts, "laps": self.laps}, f)
 '''
 
 
-def _copy_config(name: str, batching: bool) -> mc.ModelConfig:
+def python_work() -> int:
+    """A fixed piece of pure Python (~10 µs on a warm core): dict, list and attribute work like a
+    block's slot bookkeeping. Timed inside each copy model and in this process, to compare."""
+    table: dict[int, list[int]] = {}
+    total = 0
+    for i in range(64):
+        table.setdefault(i & 7, []).append(i)
+        total += len(table[i & 7]) + i.bit_length()
+    return total
+
+
+def copy_model() -> str:
+    """The copy model's source, with :func:`python_work` inlined (the stub imports nothing of the bench)."""
+    return COPY_MODEL_TEMPLATE.replace("{python_work}", inspect.getsource(python_work))
+
+
+def _copy_config(name: str, batching: bool, laps_dir: Path) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=32)
     cfg.input.add(name="IN", data_type=mc.TYPE_UINT8, dims=[TICKET])
     cfg.output.add(name="OUT", data_type=mc.TYPE_UINT8, dims=[TICKET])
@@ -72,6 +114,7 @@ def _copy_config(name: str, batching: bool) -> mc.ModelConfig:
     if batching:
         cfg.dynamic_batching.max_queue_delay_microseconds = 0
     cfg.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "yes"
+    cfg.parameters["LAPS_DIR"].string_value = str(laps_dir)
     return cfg
 
 
@@ -90,20 +133,20 @@ def _name(batching: bool) -> str:
     return "db" if batching else "nodb"
 
 
-def write_repository(repo: Path) -> list[str]:
+def write_repository(repo: Path, laps_dir: Path) -> list[str]:
     """The copy models (4 per batching setting) and their chains; returns what perf_analyzer measures."""
     measured = []
     for batching in (True, False):
         b = _name(batching)
         copies = [f"copy_{b}_{i}" for i in range(max(STEPS))]
-        configs = [_copy_config(n, batching) for n in copies]
+        configs = [_copy_config(n, batching, laps_dir) for n in copies]
         configs += [_chain_config(f"chain{k}_{b}", copies[:k]) for k in STEPS]
         for cfg in configs:
             d = repo / cfg.name
             (d / "1").mkdir(parents=True)
             (d / "config.pbtxt").write_text(text_format.MessageToString(cfg))
             if cfg.backend == "python":
-                (d / "1" / "model.py").write_text(COPY_MODEL)
+                (d / "1" / "model.py").write_text(copy_model())
         measured += [copies[0]] + [f"chain{k}_{b}" for k in STEPS]
     return measured
 
@@ -173,10 +216,65 @@ def _stats(url: str, models: list[str]) -> dict[str, dict[str, float]]:
             for name, st in model_stats(url).items() if name in models}
 
 
+def local_python_laps(n: int, pause_s: float) -> dict[str, float]:
+    """Median wall and thread-CPU µs of :func:`python_work` in this process, ``pause_s`` asleep between calls."""
+    walls, cpus = [], []
+    for _ in range(n):
+        if pause_s:
+            time.sleep(pause_s)
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        python_work()
+        walls.append(time.perf_counter_ns() - t0)
+        cpus.append(time.thread_time_ns() - c0)
+    return {"wall_us": statistics.median(walls) / 1e3, "cpu_us": statistics.median(cpus) / 1e3, "n": n}
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pgid: int, seconds: float = 2.0) -> dict[str, float]:
+    """CPU share each process of the idle server uses (a stub that spins shows here)."""
+    def sample() -> dict[int, float]:
+        out = {}
+        for pid in group_members(pgid):
+            with contextlib.suppress(OSError):
+                out[pid] = _cpu_seconds(pid)
+        return out
+    before = sample()
+    time.sleep(seconds)
+    after = sample()
+    names = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in after if Path(f"/proc/{pid}/comm").exists()}
+    return {f"{names.get(pid, '?')}[{pid}]": (after[pid] - before[pid]) / seconds for pid in after if pid in before}
+
+
+def python_laps(laps_dir: Path, windows: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    """Median wall and thread-CPU µs of :func:`python_work` in the copy models, per measured window key."""
+    by_key: dict[str, tuple[list[int], list[int]]] = {}
+    facts: dict[str, Any] = {}
+    for f in sorted(laps_dir.glob("*.json")):
+        data = json.loads(f.read_text())
+        facts[f.stem] = data["facts"]
+        for stamp, wall, cpu in data["laps"]:
+            for key, start, end in windows:
+                if start <= stamp <= end:
+                    walls, cpus = by_key.setdefault(key, ([], []))
+                    walls.append(wall)
+                    cpus.append(cpu)
+    out: dict[str, Any] = {k: {"wall_us": statistics.median(w) / 1e3, "cpu_us": statistics.median(c) / 1e3, "n": len(w)}
+                           for k, (w, c) in by_key.items()}
+    out["facts"] = facts
+    return out
+
+
 def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[str, Any]:
     repo = Path(tempfile.mkdtemp(prefix="bench-floor-"))
-    measured = write_repository(repo)
+    laps_dir = repo / "laps"
+    laps_dir.mkdir()
+    measured = write_repository(repo, laps_dir)
     runs: dict[str, list[float]] = {}
+    windows: list[tuple[str, float, float]] = []
     unavailable: set[str] = set()
     all_cpus = os.sched_getaffinity(0)
     with TritonServer(ServerOptions.on_free_ports([repo])) as server:
@@ -184,13 +282,16 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
         _check(server, measured)
         for model in measured:  # warm-up, not recorded: the first requests of a model are slower
             perf_analyzer(server.http_url, model, f"IN:{TICKET}", 1, seconds / 2, concurrency=1)
+        idle = idle_cpu(server.process.pid)
         for _, cond in itertools.product(range(repeats), conditions):
             with condition(cond, server.process.pid, all_cpus) as ok:
                 if not ok:
                     unavailable.add(cond)
                     continue
                 for model in measured:
+                    start = time.monotonic()
                     r = perf_analyzer(server.http_url, model, f"IN:{TICKET}", 1, seconds, concurrency=1)
+                    windows.append((f"{model}|{cond}", start, time.monotonic()))
                     if "error" in r:
                         raise RuntimeError(f"perf_analyzer on {model}: {r.get('message', r)}")
                     runs.setdefault(f"{model}|{cond}", []).append(r["p50_ms"])
@@ -203,9 +304,11 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
         spread = [(max(v) - min(v)) / statistics.median(v) for _, m in models if (v := runs[f"{m}|{cond}"])]
         rows.append({"batching": batching, "condition": cond, **{f"{k}_p50_ms": v for k, v in p.items()},
                      "step_ms": (p["chain4"] - p["chain1"]) / 3, "max_spread": max(spread)})
+    local = {"hot": local_python_laps(2000, 0.0), "paused_1ms": local_python_laps(500, 0.001)}
     result = {"meta": {"device": device_name(), "cpus": len(all_cpus), "seconds": seconds, "repeats": repeats,
                        "conditions": conditions, "unavailable": sorted(unavailable)},
-              "rows": rows, "runs": runs, "stats_us": stats}
+              "rows": rows, "runs": runs, "stats_us": stats,
+              "python_work": {"in_stub": python_laps(laps_dir, windows), "in_process": local}, "idle_cpu": idle}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "report.md").write_text(report(result))
@@ -229,7 +332,31 @@ def report(res: dict[str, Any]) -> str:
               "| model | queue | compute input | compute infer | compute output |", "|---|---|---|---|---|"]
     for name, s in sorted(res["stats_us"].items()):
         lines.append(f"| {name} | {s['queue']:.0f} | {s['compute_input']:.0f} | {s['compute_infer']:.0f} | {s['compute_output']:.0f} |")
+    lines += python_work_report(res)
     return "\n".join(lines) + "\n"
+
+
+def python_work_report(res: dict[str, Any]) -> list[str]:
+    """The pure-Python piece inside the stubs against the same piece in the bench's own process."""
+    work = res.get("python_work")
+    if not work:
+        return []
+    lines = ["", "The same pure-Python piece (`python_work`), timed in each copy model after its response is built, and "
+             "in the bench's own process (back to back, and with 1 ms asleep before each call, as at concurrency 1); "
+             "median µs of wall clock and of the thread's CPU time (wall well above CPU: the thread waited "
+             "for the GIL or a core).", "", "| where | wall µs | CPU µs | calls |", "|---|---|---|---|"]
+    for name, v in work["in_process"].items():
+        lines.append(f"| bench process, {name.replace('_', ' ')} | {v['wall_us']:.1f} | {v['cpu_us']:.1f} | {v['n']} |")
+    for key, v in sorted(work["in_stub"].items()):
+        if key != "facts":
+            lines.append(f"| stub, {key.replace('|', ', ')} | {v['wall_us']:.1f} | {v['cpu_us']:.1f} | {v['n']} |")
+    facts = next(iter(work["in_stub"].get("facts", {}).values()), None)
+    if facts:
+        lines += ["", "A stub's process: " + ", ".join(f"{k} {v}" for k, v in facts.items()) + "."]
+    busy = {k: v for k, v in res.get("idle_cpu", {}).items() if v > 0.01}
+    lines += ["", "CPU used by the idle server's processes over 2 s: "
+              + (", ".join(f"{k} {v:.0%}" for k, v in sorted(busy.items())) if busy else "none above 1% of a core") + "."]
+    return lines
 
 
 def main() -> None:
