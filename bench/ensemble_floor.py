@@ -14,6 +14,10 @@ measured under ``--conditions``, switched in turns on one server:
 - ``free``: the server's threads may run on any CPU;
 - ``cpus=LIST``: every thread of the server and its stubs pinned to LIST (a wake-up on a busy
   or the same CPU needs no inter-processor interrupt, which in a VM also costs a VM exit);
+- ``warm-cpus``: one busy loop per CPU at ``SCHED_IDLE`` priority (any other thread preempts it at
+  once): no core ever idles, so a VM's vCPU never halts and gives its physical core back to the
+  host between requests. Not a setting to deploy (it burns every core); it says how much of the
+  floor is the cost of waking an idle core;
 - ``cpu-latency``: this process holding ``/dev/cpu_dma_latency`` at 0, the kernel's PM QoS
   request that keeps cores out of deep C-states (needs root; no effect without a cpuidle driver).
 
@@ -33,6 +37,8 @@ import json
 import os
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -44,7 +50,7 @@ import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from blockflow.bench.harness import device_name
+from blockflow.bench.harness import commit, device_name
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import model_stats
 from blockflow.triton.process_group import group_members
@@ -168,6 +174,14 @@ def pin(pgid: int, cpus: set[int]) -> None:
                 os.sched_setaffinity(int(tid), cpus)
 
 
+SPINNER = """import os
+os.sched_setaffinity(0, {{{cpu}}})
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+while True:
+    pass
+"""
+
+
 @contextlib.contextmanager
 def condition(name: str, pgid: int, all_cpus: set[int]) -> Iterator[bool]:
     """The server under one condition (see the module's docstring); yields whether it could be set."""
@@ -180,6 +194,14 @@ def condition(name: str, pgid: int, all_cpus: set[int]) -> Iterator[bool]:
             yield True
         finally:
             pin(pgid, all_cpus)
+    elif name == "warm-cpus":
+        spinners = [subprocess.Popen([sys.executable, "-c", SPINNER.format(cpu=cpu)]) for cpu in sorted(all_cpus)]
+        try:
+            yield True
+        finally:
+            for proc in spinners:
+                proc.kill()
+                proc.wait()
     elif name == "cpu-latency":
         try:
             f = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115  # held across the yield
@@ -192,7 +214,7 @@ def condition(name: str, pgid: int, all_cpus: set[int]) -> Iterator[bool]:
         finally:
             f.close()
     else:
-        raise ValueError(f"unknown condition {name!r}: free, cpus=LIST or cpu-latency")
+        raise ValueError(f"unknown condition {name!r}: free, cpus=LIST, warm-cpus or cpu-latency")
 
 
 def _check(server: TritonServer, models: list[str]) -> None:
@@ -270,8 +292,7 @@ def python_laps(laps_dir: Path, windows: list[tuple[str, float, float]]) -> dict
 
 def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[str, Any]:
     repo = Path(tempfile.mkdtemp(prefix="bench-floor-"))
-    laps_dir = repo / "laps"
-    laps_dir.mkdir()
+    laps_dir = Path(tempfile.mkdtemp(prefix="bench-floor-laps-"))  # not in the repository: Triton would take it for a model
     measured = write_repository(repo, laps_dir)
     runs: dict[str, list[float]] = {}
     windows: list[tuple[str, float, float]] = []
@@ -296,6 +317,11 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
                         raise RuntimeError(f"perf_analyzer on {model}: {r.get('message', r)}")
                     runs.setdefault(f"{model}|{cond}", []).append(r["p50_ms"])
         stats = _stats(server.http_url, [f"copy_{_name(b)}_{i}" for b in (True, False) for i in range(max(STEPS))])
+        local = {}
+        for cond in (c for c in conditions if c not in unavailable):
+            with condition(cond, server.process.pid, all_cpus):
+                local[f"hot, {cond}"] = local_python_laps(2000, 0.0)
+                local[f"paused 1 ms, {cond}"] = local_python_laps(500, 0.001)
     rows = []
     for batching, cond in itertools.product((True, False), [c for c in conditions if c not in unavailable]):
         b = _name(batching)
@@ -304,8 +330,7 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
         spread = [(max(v) - min(v)) / statistics.median(v) for _, m in models if (v := runs[f"{m}|{cond}"])]
         rows.append({"batching": batching, "condition": cond, **{f"{k}_p50_ms": v for k, v in p.items()},
                      "step_ms": (p["chain4"] - p["chain1"]) / 3, "max_spread": max(spread)})
-    local = {"hot": local_python_laps(2000, 0.0), "paused_1ms": local_python_laps(500, 0.001)}
-    result = {"meta": {"device": device_name(), "cpus": len(all_cpus), "seconds": seconds, "repeats": repeats,
+    result = {"meta": {"device": device_name(), "commit": commit(), "cpus": len(all_cpus), "seconds": seconds, "repeats": repeats,
                        "conditions": conditions, "unavailable": sorted(unavailable)},
               "rows": rows, "runs": runs, "stats_us": stats,
               "python_work": {"in_stub": python_laps(laps_dir, windows), "in_process": local}, "idle_cpu": idle}
@@ -317,10 +342,11 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
 
 def report(res: dict[str, Any]) -> str:
     meta = res["meta"]
-    lines = [f"# Ensemble-step floor on {meta['device']} ({meta['cpus']} CPUs)", "",
+    lines = [f"# Ensemble-step floor on {meta['device']} ({meta['cpus']} CPUs), commit {meta.get('commit', '?')}", "",
              f"perf_analyzer over HTTP, batch 1, concurrency 1, {meta['seconds']} s windows, median of {meta['repeats']} "
              "runs taken in turns (spread: the largest (max - min) / median of a row's figures). A step copies 256 bytes "
              "in a Python-backend model. Conditions: `free` (no affinity), `cpus=L` (every server thread pinned to L), "
+             "`warm-cpus` (a SCHED_IDLE busy loop on every CPU: no core idles), "
              "`cpu-latency` (/dev/cpu_dma_latency held at 0)."
              + (f" Not available here: {', '.join(meta['unavailable'])}." if meta["unavailable"] else ""),
              "", "| dynamic batcher | condition | model alone p50 | 1-step ensemble p50 | 4-step ensemble p50 | one step | spread |",
@@ -346,7 +372,7 @@ def python_work_report(res: dict[str, Any]) -> list[str]:
              "median µs of wall clock and of the thread's CPU time (wall well above CPU: the thread waited "
              "for the GIL or a core).", "", "| where | wall µs | CPU µs | calls |", "|---|---|---|---|"]
     for name, v in work["in_process"].items():
-        lines.append(f"| bench process, {name.replace('_', ' ')} | {v['wall_us']:.1f} | {v['cpu_us']:.1f} | {v['n']} |")
+        lines.append(f"| bench process, {name} | {v['wall_us']:.1f} | {v['cpu_us']:.1f} | {v['n']} |")
     for key, v in sorted(work["in_stub"].items()):
         if key != "facts":
             lines.append(f"| stub, {key.replace('|', ', ')} | {v['wall_us']:.1f} | {v['cpu_us']:.1f} | {v['n']} |")
@@ -365,7 +391,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--conditions", default="free;cpus=0;cpus=0-1;cpus=0-3",
-                    help="conditions separated by ';': free, cpus=LIST (e.g. cpus=0-1,4), cpu-latency")
+                    help="conditions separated by ';': free, cpus=LIST (e.g. cpus=0-1,4), warm-cpus, cpu-latency")
     args = ap.parse_args()
     print(report(run(args.out, args.seconds, args.repeats, args.conditions.split(";"))))
 
