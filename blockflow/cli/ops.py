@@ -40,9 +40,15 @@ if TYPE_CHECKING:
                    "fails, those already changed go back to their previous plan. One token for all.")
 @click.option("--fleet-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
               help="As --fleet, one control-service URL per line (# starts a comment).")
+@click.option("--soak", type=click.FloatRange(0, 86400), default=0.0, show_default=True, metavar="SECONDS",
+              help="With a fleet: watch each server that took the plan this long before changing the next; if a task or "
+                   "block stops being ready or more than --soak-failures requests fail, the fleet goes back.")
+@click.option("--soak-failures", type=click.IntRange(0), default=0, show_default=True,
+              help="With --soak: failed requests (Triton's count of requests that ran) a server may have in its soak.")
 @JSON
 def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, triton_url: str | None, repository: Path | None,
-          admin_key_file: Path | None, fleet: str | None, fleet_file: Path | None, as_json: bool) -> None:
+          admin_key_file: Path | None, fleet: str | None, fleet_file: Path | None, soak: float, soak_failures: int,
+          as_json: bool) -> None:
     """Make a running server, or a fleet of them, serve PLAN, without stopping it.
 
     New and changed blocks load first, then the ensembles that use them; removed tasks and
@@ -53,6 +59,8 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
     from blockflow.plan import load_plan
 
     p = load_plan(plan)  # a bad plan is refused here, before anything is sent
+    if fleet is None and fleet_file is None and soak:
+        raise click.UsageError("--soak watches the servers of a fleet: give --fleet or --fleet-file")
     if fleet is not None or fleet_file is not None:
         if triton_url is not None:
             raise click.UsageError("--fleet goes through the servers' control services, not --triton-grpc-url")
@@ -60,7 +68,7 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
         if fleet_file is not None:
             urls += [line.split("#", 1)[0] for line in fleet_file.read_text().splitlines()]
         urls = [u.strip() for u in urls if u.strip()]
-        _apply_fleet(plan, urls, _token(token_file), dry_run, as_json)
+        _apply_fleet(plan, urls, _token(token_file), dry_run, as_json, soak, soak_failures)
         return
     if triton_url is not None:
         from blockflow.control.apply import Applier
@@ -133,12 +141,13 @@ def _token(token_file: Path | None) -> str:
     return token
 
 
-def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool, as_json: bool = False) -> None:
+def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool, as_json: bool = False, soak: float = 0.0,
+                 soak_failures: int = 0) -> None:
     from blockflow.control.fleet import apply_fleet, succeeded
     from blockflow.core.errors import ApplyError
 
     outcomes = apply_fleet(plan.read_text(), urls, token, dry_run=dry_run,
-                           log=lambda m: err.print(m, markup=False, highlight=False))
+                           log=lambda m: err.print(m, markup=False, highlight=False), soak_s=soak, soak_failures=soak_failures)
     if as_json:
         emit({"plan": str(plan), "dry_run": dry_run, "applied": succeeded(outcomes) and not dry_run,
               "servers": [{"url": o.url, "state": o.state, "seconds": o.seconds, "changes": list(o.lines), "error": o.error or None}

@@ -180,6 +180,19 @@ class Applier:
                     out.append(Served(m.name, cfg.get("platform") == "ensemble", _digest_of(cfg)))
         return out
 
+    def request_counts(self) -> dict[str, tuple[int, int]]:
+        """Each loaded model's (succeeded, failed) inference requests since it loaded, from Triton.
+
+        A request Triton refuses before it runs (a wrong shape, too large a batch) is in neither count.
+        """
+        with self._failing_as_apply():
+            stats = self.control.statistics()
+        # Over gRPC a count of zero is left out of the JSON (protobuf's default values are).
+        def count(entry: dict[str, Any], kind: str) -> int:
+            return int(entry.get("inference_stats", {}).get(kind, {}).get("count", 0))
+
+        return {name: (count(s, "success"), count(s, "fail")) for name, s in stats.items()}
+
     def diff(self, plan: Plan) -> Diff:
         files = generator.render(plan)
         return self._with_fields(compute_diff(files, self.served()), generator.by_model(files))

@@ -10,7 +10,7 @@ from blockflow.core.errors import ApplyError, PlanError, PlanIssue, Unreachable
 
 
 class ControlClient:
-    """``GET /plan`` and ``POST /plan`` on the control service at ``url``, with its bearer token."""
+    """``GET /plan``, ``POST /plan`` and ``GET /status`` on the control service at ``url``, with its bearer token."""
 
     def __init__(self, url: str, token: str, timeout: float = 1800.0) -> None:
         self.url = url.rstrip("/")
@@ -38,6 +38,10 @@ class ControlClient:
         A plan the server refuses raises :class:`PlanError` naming ``source``; a failed apply, :class:`ApplyError`."""
         return self._call("POST", "/plan", source or f"the plan (refused by {self.url})",
                           params={"dry_run": str(dry_run).lower()}, content=text.encode(), headers={"Content-Type": "application/yaml"})
+
+    def status(self) -> dict[str, Any]:
+        """Each task and block of the server's plan: ready or not; a task's succeeded and failed requests."""
+        return self._call("GET", "/status", self.url)
 
     def progress(self) -> dict[str, Any]:
         """The server's plan change in progress (``running``, ``done`` of ``total``, ``steps``)."""

@@ -8,10 +8,17 @@ The rules, in order:
 2. **One server at a time**, in the order given; the first is the canary. Each applies the plan
    with its own guarantees (loads before unloads; a failed load restores its previous plan), so
    the others keep serving the previous plan meanwhile.
-3. **A failure rolls the fleet back.** The servers already changed get back the plan text they
+3. **A soak, when asked for** (``soak_s``): a server that took the plan is watched that long
+   (``GET /status`` every second) before the next one is changed. It fails the soak if a task or
+   block of the plan stops being ready, if more than ``soak_failures`` requests to its tasks fail
+   in the time (Triton's count of requests that ran and failed; a request Triton refuses before
+   it runs, a wrong shape, is the client's and not counted), or if its control service stops
+   answering. Load is the clients': the soak sends no requests of its own.
+4. **A failure rolls the fleet back.** The servers already changed get back the plan text they
    served before (from step 1), newest first; those not reached were never changed. The fleet
    ends on the previous plan everywhere, or the report says which server could not get it back.
-4. **A report per server**: what happened there, the changes, the seconds, the error.
+   A server that failed its soak is given its previous plan back too.
+5. **A report per server**: what happened there, the changes, the seconds, the error.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockflow.control.client import ControlClient
 from blockflow.core.errors import ApplyError, BlockFlowError
@@ -27,6 +35,7 @@ from blockflow.core.errors import ApplyError, BlockFlowError
 UNCHANGED = "unchanged"  # it already served the plan
 APPLIED = "applied"
 FAILED = "failed"  # its own apply failed (it restored its previous plan itself)
+FAILED_SOAK = "failed soak"  # took the plan, then failed its soak; given its previous plan back
 ROLLED_BACK = "rolled back"  # applied, then given its previous plan back after another server failed
 ROLLBACK_FAILED = "rollback failed"
 NOT_REACHED = "not reached"  # the fleet stopped before this server
@@ -44,7 +53,7 @@ class ServerOutcome:
 
 
 def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = False, timeout: float = 1800.0,
-                log: Callable[[str], None] = lambda _: None) -> list[ServerOutcome]:
+                log: Callable[[str], None] = lambda _: None, soak_s: float = 0.0, soak_failures: int = 0) -> list[ServerOutcome]:
     """Apply the plan ``text`` to the servers at ``urls`` (control-service URLs) by the rules above.
 
     Returns one outcome per server, in order; raises nothing for a server's failure (the outcomes
@@ -78,16 +87,54 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             except BlockFlowError as exc:
                 o.state, o.error, o.seconds = FAILED, str(exc), time.monotonic() - t0
                 log(f"{s.url}: failed: {exc}; rolling back the {i} server(s) already changed")
-                _roll_back(servers[:i], outcomes[:i], previous[:i], log)  # rule 3
+                _roll_back(servers[:i], outcomes[:i], previous[:i], log)  # rule 4
                 for later in outcomes[i + 1:]:
                     later.state = NOT_REACHED
                 return outcomes
             o.state = APPLIED if report["steps"] else UNCHANGED
             o.lines, o.seconds = report["lines"], time.monotonic() - t0
+            if soak_s > 0 and o.state == APPLIED:  # rule 3
+                log(f"{s.url}: soaking for {soak_s:g} s")
+                why = soak(s, soak_s, soak_failures)
+                o.seconds = time.monotonic() - t0
+                if why is not None:
+                    o.state, o.error = FAILED_SOAK, why
+                    log(f"{s.url}: failed its soak: {why}; rolling back the {i + 1} server(s) changed")
+                    _roll_back(servers[:i + 1], outcomes[:i + 1], previous[:i + 1], log)  # rule 4
+                    for later in outcomes[i + 1:]:
+                        later.state = NOT_REACHED
+                    return outcomes
         return outcomes
     finally:
         for s in servers:
             s.close()
+
+
+def soak(server: ControlClient, seconds: float, max_failures: int, every: float = 1.0) -> str | None:
+    """Watch ``server`` for ``seconds`` by rule 3: None if it stayed healthy, else why it did not."""
+    def failures(status: dict[str, Any]) -> dict[str, int]:
+        return {task: int(v.get("failed", 0)) for task, v in status["tasks"].items()}
+
+    deadline = time.monotonic() + seconds
+    try:
+        base = failures(server.status())
+        while True:
+            status = server.status()
+            down = [f"task {t}" for t, v in status["tasks"].items() if not v["ready"]]
+            down += [f"block {b}" for b, v in status["blocks"].items() if not v["ready"]]
+            if down:
+                return f"not ready during the soak: {', '.join(down)}"
+            # A count below its base means the model was loaded again since (its counts start over).
+            failed = {t: n - base.get(t, 0) if n >= base.get(t, 0) else n for t, n in failures(status).items()}
+            if sum(failed.values()) > max_failures:
+                where = ", ".join(f"{t}: {n}" for t, n in sorted(failed.items()) if n)
+                return f"{sum(failed.values())} request(s) failed during the soak ({where}); at most {max_failures} allowed"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(every, left))
+    except BlockFlowError as exc:
+        return f"its control service did not answer during the soak: {exc}"
 
 
 def _roll_back(servers: Sequence[ControlClient], outcomes: Sequence[ServerOutcome], previous: Sequence[str | None],
@@ -95,15 +142,18 @@ def _roll_back(servers: Sequence[ControlClient], outcomes: Sequence[ServerOutcom
     for s, o, text in reversed(list(zip(servers, outcomes, previous, strict=True))):
         if o.state == UNCHANGED:
             continue  # it served this plan before: nothing to undo
+        # A server that failed its soak keeps that state (and its reason) once it is back.
+        why = f"{o.error}; then " if o.state == FAILED_SOAK else ""
         if text is None:
-            o.state, o.error = ROLLBACK_FAILED, "the server kept no previous plan to go back to"
+            o.state, o.error = ROLLBACK_FAILED, why + "the server kept no previous plan to go back to"
             continue
         try:
             s.post(text)
-            o.state = ROLLED_BACK
+            if not why:
+                o.state = ROLLED_BACK
             log(f"{s.url}: back on its previous plan {o.previous_name!r}")
         except BlockFlowError as exc:
-            o.state, o.error = ROLLBACK_FAILED, str(exc)
+            o.state, o.error = ROLLBACK_FAILED, f"{why}could not go back to its previous plan: {exc}"
             log(f"{s.url}: could not go back to its previous plan: {exc}")
 
 

@@ -146,9 +146,12 @@ class Controller:
         out: dict[str, Any] = {"plan": plan.raw.name if plan else None, "tasks": {}, "blocks": {}}
         if plan is None:
             return out
+        counts = self.applier.request_counts()
         for t in plan.tasks.values():
             models = [naming.task_model(t.name, tr, t.transport) for tr in plan.transports_of(t)]
-            out["tasks"][t.name] = {"ready": all(m in served for m in models), "ensembles": models, "path": t.path}
+            ok, failed = (sum(counts.get(m, (0, 0))[k] for m in models) for k in (0, 1))
+            out["tasks"][t.name] = {"ready": all(m in served for m in models), "ensembles": models, "path": t.path,
+                                    "succeeded": ok, "failed": failed}
         for name, instances in sorted(self.expected.items()):  # every Python-backend model of the plan
             out["blocks"][name] = {"ready": name in served, "instances": instances}
         return out

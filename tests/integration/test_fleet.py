@@ -4,10 +4,13 @@ The third server loads models with a 1 s limit (`--load-timeout 1`): an ensemble
 block process does not. So plan B (a new task over the same blocks) goes to all three, and plan C (a new
 block) fails on the third after the first two took it, which must put the whole fleet back on B.
 Clients keep calling a task that every plan serves, on every server, throughout: none may fail.
+Plan D loads and is ready but fails every request: with `--soak`, the canary fails its soak and goes
+back, and the servers after it are never changed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,9 +110,15 @@ def _load(s: Server, stop: threading.Event) -> None:
         client.close()
 
 
-def _apply(plan: str, servers: list[Server], token_file: Path) -> subprocess.CompletedProcess[str]:
+def _apply(plan: str, servers: list[Server], token_file: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "blockflow", "apply", str(PLANS / plan), "--token-file", str(token_file),
-                           "--fleet", ",".join(s.control for s in servers)], capture_output=True, text=True, timeout=900)
+                           "--fleet", ",".join(s.control for s in servers), *extra], capture_output=True, text=True, timeout=900)
+
+
+def _rows(res: subprocess.CompletedProcess[str], servers: list[Server]) -> list[str]:
+    """The result column of each server's row in the fleet table."""
+    rows = {s.control: next(line for line in res.stdout.splitlines() if s.control in line) for s in servers}
+    return [rows[s.control].split("│")[2].strip() for s in servers]
 
 
 def _served(s: Server) -> tuple[str, set[str]]:
@@ -133,8 +142,7 @@ def test_a_fleet_takes_a_plan_and_goes_back_whole_when_one_server_fails(fleet: t
 
         bad = _apply("fleet_c.yaml", servers, token_file)
         assert bad.returncode != 0, bad.stdout
-        rows = {s.control: next(line for line in bad.stdout.splitlines() if s.control in line) for s in servers}
-        assert [rows[s.control].split("│")[2].strip() for s in servers] == ["rolled back", "rolled back", "failed"], bad.stdout
+        assert _rows(bad, servers) == ["rolled back", "rolled back", "failed"], bad.stdout
         assert "the plan was not applied to the fleet" in bad.stderr
         assert [_served(s) for s in servers] == [("fleet-b", {"busy", "also"})] * 3
         time.sleep(1.0)  # requests after the rollback too
@@ -155,3 +163,33 @@ def test_a_server_that_cannot_take_the_plan_leaves_the_fleet_untouched(fleet: tu
                          capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "refused before any change" in res.stdout + res.stderr
     assert [_served(s)[0] for s in servers] == before
+
+
+def test_a_canary_that_fails_its_soak_puts_itself_back_and_stops_the_fleet(fleet: tuple[list[Server], Path]) -> None:
+    servers, token_file = fleet
+    before = [_served(s) for s in servers]
+    for s in servers:
+        s.ok, s.failures = 0, []
+    stop = threading.Event()
+    clients = [threading.Thread(target=_load, args=(s, stop), daemon=True) for s in servers]
+    for c in clients:
+        c.start()
+    try:
+        res = _apply("fleet_d.yaml", servers, token_file, "--soak", "120", "--json")
+        answered = [s.ok for s in servers]
+        time.sleep(1.0)  # requests after the rollback
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(60)
+    assert res.returncode != 0, res.stdout
+    report = json.loads(res.stdout)
+    assert [o["state"] for o in report["servers"]] == ["failed soak", "not reached", "not reached"], res.stdout
+    assert "request(s) failed during the soak (busy: " in report["servers"][0]["error"], report
+    assert report["servers"][0]["seconds"] < 120, "the soak did not stop at the first failures"
+    assert [_served(s) for s in servers] == before
+    # The canary's clients saw its failures, then it answered again; the servers after it never changed.
+    canary, *rest = servers
+    assert canary.failures and canary.ok > answered[0], (canary.ok, answered[0], canary.failures[:3])
+    for s in rest:
+        assert s.ok > 0 and s.failures == [], f"{len(s.failures)} request(s) to {s.control} failed, e.g. {s.failures[:3]}"
