@@ -61,6 +61,8 @@ def test_malformed_command_lines_are_one_line() -> None:
     one_line_error(blockflow("infer", "cls_a"), 2, "give exactly one of --image FILE or --random")
     one_line_error(blockflow("infer", "cls_a", "--random", "--protocol", "udp"), 2, "--protocol")
     one_line_error(blockflow("frobnicate"), 2, "No such command 'frobnicate'")
+    one_line_error(blockflow("apply", "plans/default.yaml", "--soak", "5"), 2, "--soak watches the servers of a fleet")
+    one_line_error(blockflow("apply", "plans/default.yaml", "--fleet", "http://127.0.0.1:1", "--soak", "-1"), 2, "--soak")
 
 
 def test_port_in_use_is_one_line() -> None:
