@@ -83,6 +83,8 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             log(f"{s.url}: applying ({i + 1} of {len(servers)})")
             t0 = time.monotonic()
             try:
+                # Failures count from before the change: those of the switch itself are the plan's too.
+                base = failures(s.status()) if soak_s > 0 else {}
                 report = s.post(text)
             except BlockFlowError as exc:
                 o.state, o.error, o.seconds = FAILED, str(exc), time.monotonic() - t0
@@ -95,7 +97,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             o.lines, o.seconds = report["lines"], time.monotonic() - t0
             if soak_s > 0 and o.state == APPLIED:  # rule 3
                 log(f"{s.url}: soaking for {soak_s:g} s")
-                why = soak(s, soak_s, soak_failures)
+                why = soak(s, soak_s, soak_failures, base)
                 o.seconds = time.monotonic() - t0
                 if why is not None:
                     o.state, o.error = FAILED_SOAK, why
@@ -110,14 +112,16 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             s.close()
 
 
-def soak(server: ControlClient, seconds: float, max_failures: int, every: float = 1.0) -> str | None:
-    """Watch ``server`` for ``seconds`` by rule 3: None if it stayed healthy, else why it did not."""
-    def failures(status: dict[str, Any]) -> dict[str, int]:
-        return {task: int(v.get("failed", 0)) for task, v in status["tasks"].items()}
+def failures(status: dict[str, Any]) -> dict[str, int]:
+    """Failed requests per task, from a control service's ``GET /status``."""
+    return {task: int(v.get("failed", 0)) for task, v in status["tasks"].items()}
 
+
+def soak(server: ControlClient, seconds: float, max_failures: int, base: dict[str, int], every: float = 1.0) -> str | None:
+    """Watch ``server`` for ``seconds`` by rule 3, counting failures from ``base`` (:func:`failures`
+    before the change): None if it stayed healthy, else why it did not."""
     deadline = time.monotonic() + seconds
     try:
-        base = failures(server.status())
         while True:
             status = server.status()
             down = [f"task {t}" for t, v in status["tasks"].items() if not v["ready"]]

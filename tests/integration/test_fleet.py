@@ -135,9 +135,10 @@ def test_a_fleet_takes_a_plan_and_goes_back_whole_when_one_server_fails(fleet: t
     for c in clients:
         c.start()
     try:
-        good = _apply("fleet_b.yaml", servers, token_file)
+        good = _apply("fleet_b.yaml", servers, token_file, "--soak", "2")  # a healthy server passes its soak
         assert good.returncode == 0, good.stdout + good.stderr
         assert "applied to 3 server(s)" in good.stdout
+        assert good.stderr.count("soaking for 2 s") == 3, good.stderr
         assert [_served(s) for s in servers] == [("fleet-b", {"busy", "also"})] * 3
 
         bad = _apply("fleet_c.yaml", servers, token_file)
