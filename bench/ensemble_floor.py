@@ -53,7 +53,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from blockflow.bench.harness import commit, device_name
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import model_stats
-from blockflow.triton.process_group import group_members
+from blockflow.triton.process_group import group_members, stat_fields
 from blockflow.triton.server import ServerOptions, TritonServer
 
 TICKET = 256
@@ -252,7 +252,7 @@ def local_python_laps(n: int, pause_s: float) -> dict[str, float]:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)  # utime and stime are proc(5)'s fields 14 and 15
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

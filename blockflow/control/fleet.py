@@ -89,10 +89,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             except BlockFlowError as exc:
                 o.state, o.error, o.seconds = FAILED, str(exc), time.monotonic() - t0
                 log(f"{s.url}: failed: {exc}; rolling back the {i} server(s) already changed")
-                _roll_back(servers[:i], outcomes[:i], previous[:i], log)  # rule 4
-                for later in outcomes[i + 1:]:
-                    later.state = NOT_REACHED
-                return outcomes
+                return _stop_fleet(i, i, servers, outcomes, previous, log)
             o.state = APPLIED if report["steps"] else UNCHANGED
             o.lines, o.seconds = report["lines"], time.monotonic() - t0
             if soak_s > 0 and o.state == APPLIED:  # rule 3
@@ -102,10 +99,7 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
                 if why is not None:
                     o.state, o.error = FAILED_SOAK, why
                     log(f"{s.url}: failed its soak: {why}; rolling back the {i + 1} server(s) changed")
-                    _roll_back(servers[:i + 1], outcomes[:i + 1], previous[:i + 1], log)  # rule 4
-                    for later in outcomes[i + 1:]:
-                        later.state = NOT_REACHED
-                    return outcomes
+                    return _stop_fleet(i, i + 1, servers, outcomes, previous, log)
         return outcomes
     finally:
         for s in servers:
@@ -139,6 +133,15 @@ def soak(server: ControlClient, seconds: float, max_failures: int, base: dict[st
             time.sleep(min(every, left))
     except BlockFlowError as exc:
         return f"its control service did not answer during the soak: {exc}"
+
+
+def _stop_fleet(failed: int, changed: int, servers: Sequence[ControlClient], outcomes: list[ServerOutcome],
+                previous: Sequence[str | None], log: Callable[[str], None]) -> list[ServerOutcome]:
+    """Rule 4 after server ``failed``: the first ``changed`` servers go back; those after it were not reached."""
+    _roll_back(servers[:changed], outcomes[:changed], previous[:changed], log)
+    for later in outcomes[failed + 1:]:
+        later.state = NOT_REACHED
+    return outcomes
 
 
 def _roll_back(servers: Sequence[ControlClient], outcomes: Sequence[ServerOutcome], previous: Sequence[str | None],

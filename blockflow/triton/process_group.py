@@ -34,17 +34,21 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the parenthesised command: state, ppid, pgrp, ...
+    (``proc(5)`` numbers them from 3). Raises OSError when the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+
+
 def group_members(pgid: int) -> Iterable[int]:
     """Live (not zombie) PIDs still in process group ``pgid``: what stopping must leave empty."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fields = stat_fields(int(entry.name))
         except OSError:
             continue
-        # Fields after the parenthesised command: state, ppid, pgrp, ...
-        fields = stat.rsplit(")", 1)[-1].split()
         if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
             yield int(entry.name)
 
