@@ -28,6 +28,7 @@ import asyncio
 import json
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,9 @@ def _percentiles(ms: np.ndarray) -> dict[str, float]:  # type: ignore[type-arg]
 
 
 def _executes(trace_dir: Path, blocks: list[str], t0_ns: int, t1_ns: int) -> dict[str, dict[str, float]]:
-    """Per block: its execute calls' durations and GPU times within [t0, t1] (ms percentiles)."""
+    """Per block: its execute calls within [t0, t1]: durations and GPU times (ms percentiles), and the
+    median of each phase: reading inputs, queuing the work, building responses, and the gap from one
+    call's return to the same process's next call (Triton's input copies, the stub's round trip)."""
     out: dict[str, dict[str, float]] = {}
     traces = read_traces(trace_dir)
     for b in blocks:
@@ -76,9 +79,18 @@ def _executes(trace_dir: Path, blocks: list[str], t0_ns: int, t1_ns: int) -> dic
             continue
         dur = np.array([(r["t"][3] - r["t"][0]) / 1e6 for r in rows])
         gpu = np.array([float(r["gpu_ms"]) for r in rows if "gpu_ms" in r])
+        by_process: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_process.setdefault(r["process"], []).append(r)
+        gaps = [(nxt["t"][0] - prev["t"][3]) / 1e6 for calls in by_process.values() for prev, nxt in pairwise(calls)]
+
+        def phase(i: int, rows: list[dict[str, Any]] = rows) -> float:
+            return float(np.median([(r["t"][i + 1] - r["t"][i]) / 1e6 for r in rows]))
+
         out[b] = {"executes": float(len(rows)), "mean_batch": float(np.mean([r.get("n", 1) for r in rows])),
                   "execute_p50": float(np.percentile(dur, 50)), "execute_p99": float(np.percentile(dur, 99)),
-                  "execute_max": float(dur.max()),
+                  "execute_max": float(dur.max()), "read_p50": phase(0), "queue_p50": phase(1), "respond_p50": phase(2),
+                  **({"gap_p50": float(np.median(gaps))} if gaps else {}),
                   **({"gpu_p50": float(np.percentile(gpu, 50)), "gpu_p99": float(np.percentile(gpu, 99)), "gpu_max": float(gpu.max())}
                      if gpu.size else {})}
     return out
@@ -143,9 +155,11 @@ def write_report(res: dict[str, Any], out: Path) -> None:
             L.append(f"| {v} | {label} | {q.get('p50', 0):.2f} | {q.get('p90', 0):.2f} | {q.get('p99', 0):.2f} | {q.get('p999', 0):.2f} | "
                      f"{q.get('max', 0):.1f} | {q.get('slow_share', 0):.2%} | {pa.get('p50_ms', float('nan')):.2f} / "
                      f"{pa.get('p99_ms', float('nan')):.2f} | {r['throughput']:.0f} |")
-    L += ["", "## Per block (Triton's mean queue and compute per request; traced execute calls: duration and GPU time, ms)", "",
-          "| variant | model | block | queue | compute | executes | mean batch | execute p50 / p99 / max | GPU p50 / p99 / max |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L += ["", "## Per block (Triton's mean queue and compute per request; traced execute calls: duration, its phases, "
+          "the gap to the same process's next call, and GPU time, ms)", "",
+          "| variant | model | block | queue | compute | executes | mean batch | execute p50 / p99 / max | read / queue / respond p50 "
+          "| gap p50 | GPU p50 / p99 / max |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v, models in res["variants"].items():
         for label, r in models.items():
             ex = r.get("executes", {})
@@ -156,6 +170,8 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                 L.append(f"| {v} | {label} | {b} | {s.get('queue_ms', float('nan')):.2f} | {s.get('compute_ms', float('nan')):.2f} | "
                          f"{e.get('executes', 0):.0f} | {e.get('mean_batch', float('nan')):.2f} | "
                          f"{e.get('execute_p50', float('nan')):.2f} / {e.get('execute_p99', float('nan')):.2f} / {e.get('execute_max', float('nan')):.1f} | "
+                         f"{e.get('read_p50', float('nan')):.2f} / {e.get('queue_p50', float('nan')):.2f} / {e.get('respond_p50', float('nan')):.2f} | "
+                         f"{e.get('gap_p50', float('nan')):.2f} | "
                          f"{e.get('gpu_p50', float('nan')):.2f} / {e.get('gpu_p99', float('nan')):.2f} / {e.get('gpu_max', float('nan')):.1f} |")
     (out / "tail.md").write_text("\n".join(L) + "\n")
     variants = list(res["variants"])

@@ -56,13 +56,13 @@ def _client_times(url: str, model: str, shape: tuple[int, ...], n: int, warmup: 
 
 
 def read_traces(directory: Path) -> dict[str, list[dict[str, Any]]]:
-    """Model name -> its trace records (all instances), in time order."""
+    """Model name -> its trace records (all instances, each with the ``process`` whose file it is in), in time order."""
     out: dict[str, list[dict[str, Any]]] = {}
     for path in directory.glob("*.jsonl"):
         model = path.name.split(".")[0]
         for line in path.read_text().splitlines():
             if line.strip():
-                out.setdefault(model, []).append(json.loads(line))
+                out.setdefault(model, []).append({**json.loads(line), "process": path.name})
     for records in out.values():
         records.sort(key=lambda r: r["t"][0] if isinstance(r["t"], list) else r["t"])
     return out

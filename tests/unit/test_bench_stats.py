@@ -66,6 +66,28 @@ def test_tail_serves_only_the_chosen_models_and_switches_the_monitor_off() -> No
     assert all(b.monitor_period_s == 0 for b in quiet.blocks.values())
 
 
+def test_tail_traced_phases_and_gaps_per_process(tmp_path: Path) -> None:
+    """Each execute's phases (read, queue, respond) and the gap to the same process's next call, not another's."""
+    import json
+
+    from blockflow.bench.tail import _executes
+
+    ms = 1_000_000
+    def execute(start: int, n: int) -> str:  # 1 ms read, 2 ms queue, 0.5 ms respond
+        return json.dumps({"kind": "execute", "n": n, "t": [start, start + ms, start + 3 * ms, start + 3 * ms + ms // 2],
+                           "gpu_ms": 2.0})
+    # Two processes of one block, interleaved in time: each has a 6.5 ms gap between its calls.
+    (tmp_path / "b0.b0_0.1.jsonl").write_text("\n".join(execute(t * ms, 4) for t in (0, 10, 20)) + "\n")
+    (tmp_path / "b0.b0_1.2.jsonl").write_text("\n".join(execute(t * ms, 2) for t in (5, 15)) + "\n")
+    (tmp_path / "b1.b1_0.3.jsonl").write_text(json.dumps({"kind": "memory", "step": "start", "t": 0}) + "\n")
+    out = _executes(tmp_path, ["b0", "b1"], 0, 30 * ms)
+    assert set(out) == {"b0"}
+    b0 = out["b0"]
+    assert (b0["executes"], b0["mean_batch"]) == (5, 3.2)
+    assert (b0["read_p50"], b0["queue_p50"], b0["respond_p50"], b0["gap_p50"]) == (1.0, 2.0, 0.5, 6.5)
+    assert b0["execute_p50"] == 3.5 and b0["gpu_p50"] == 2.0
+
+
 def test_tail_percentiles_count_stalls() -> None:
     import numpy as np
 
