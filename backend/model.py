@@ -151,6 +151,7 @@ class TritonPythonModel:
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
+        self.committed: int | None = None  # the event of the current call's last committed pool slot
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
@@ -204,6 +205,7 @@ class TritonPythonModel:
 
     def _execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
+        self.committed = None
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
         owners: list[int] = []
         releases: list[Any] = []
@@ -256,8 +258,9 @@ class TritonPythonModel:
         finally:
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
-                # at once after the stream's sync, else after an event recorded now.
-                self.consumer.release_after(releases, None if synced else self.stream)
+                # at once after the stream's sync; else after this block's own slot event, recorded at its
+                # commit after that work (one driver call less); else after an event recorded now.
+                self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
@@ -303,6 +306,7 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:graph")
         tickets = self.producer.commit(reservation, self.stream)
+        self.committed = self.producer.done_event(reservation)
         if tracer is not None:
             tracer.lap("run:commit")
         # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.

@@ -30,7 +30,10 @@ Who owns a slot when:
    synchronisation, no CUDA IPC call per request) and read.
 5. The consumer records an event after the work that read the slot; its release
    thread waits for that event, then sends RELEASE — asynchronous, batched per
-   producer: one frame of ``(generation, slot, sequence, sample)`` items.
+   producer: one frame of ``(generation, slot, sequence, sample)`` items. A
+   consumer that is itself a producer (a middle block) uses the event it records
+   at its own commit, which follows that work on the same stream; a consumer
+   that synchronised its stream releases at once.
 6. The producer drops one reference per item; at zero the slot is FREE again
    and its next use gets a new sequence number.
 

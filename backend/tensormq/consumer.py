@@ -218,15 +218,17 @@ class Consumer:
     def _view(r: _Remote, t: tk.Ticket, n: int) -> torch.Tensor:
         return r.segment.view(t.offset, (n, *t.shape), t.dtype)
 
-    def release_after(self, releases: list[Release], stream: int | None) -> None:
+    def release_after(self, releases: list[Release], stream: int | None, after: int | None = None) -> None:
         """Send ``releases`` once the work queued so far on ``stream`` (which read the slots) is done.
 
         ``stream`` None (or a host consumer) sends them as soon as the release thread gets to them.
+        ``after``: an event already recorded on ``stream`` after that work (a middle block's own
+        output slot event, recorded at its commit), waited for instead of recording one more.
         """
         if not releases:
             return
-        event = None
-        if self._ring and stream is not None:
+        event = after
+        if event is None and self._ring and stream is not None:
             event = self._ring[self._next]
             self._next = (self._next + 1) % len(self._ring)
             cuda.event_record(event, stream)

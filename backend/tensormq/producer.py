@@ -192,6 +192,12 @@ class Producer:
         self.stats.tickets += len(out)
         return out
 
+    def done_event(self, r: Reservation) -> int | None:
+        """The event :meth:`commit` recorded for ``r``'s slot (None on the host): it completes once every
+        piece of work queued before the commit on that stream is done. Recorded again only when the
+        slot is reused, after its consumers released it, so waiting on it never ends too early."""
+        return self.events.events[r.slot.index] if self.events.events else None
+
     def usage(self) -> tuple[int, int]:
         """(bytes, slots) in use."""
         with self._cond:

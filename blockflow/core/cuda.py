@@ -101,7 +101,9 @@ def ipc_close_mem(ptr: int) -> None:
 
 
 def event_create_ipc() -> int:
-    return event_create(CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)
+    # Blocking-sync too: a block's release thread waits on its own slot's event (see Consumer.release_after)
+    # and should sleep, not spin a core, meanwhile. Other processes only wait for it on the GPU.
+    return event_create(CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS | CU_EVENT_BLOCKING_SYNC)
 
 
 def event_create(flags: int = CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC) -> int:
