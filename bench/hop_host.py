@@ -142,7 +142,7 @@ def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], ite
             t0 = laps.lap("c.run_into_slot", t0)
             tickets = producer.commit(res, stream)
             t0 = laps.lap("c.commit_and_sign", t0)
-            consumer.release_after(releases, stream)
+            consumer.release_after(releases, stream, producer.done_event(res))  # as a middle block does (backend/model.py)
             laps.lap("c.release_after", t0)
             if profile is not None:
                 profile.disable()
