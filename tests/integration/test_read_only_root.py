@@ -91,11 +91,14 @@ def test_serve_runs_on_a_read_only_root(tmp_path: Path) -> None:
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
+        # Ready is serve's word ("ready in ..." once the control service listens too), not Triton's:
+        # Triton answers ready a moment before serve has started its control service.
+        while b"ready in" not in (tmp_path / "serve.log").read_bytes():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in 600 s"
+            time.sleep(1)
         with TaskClient(f"127.0.0.1:{http}", timeout_s=30) as client:
-            while not client.is_ready():
-                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "not ready in 600 s"
-                time.sleep(1)
+            assert client.is_ready()
             x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
             split, whole = client.infer("ro", x), client.infer("ro__ref", x)
         np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
