@@ -77,19 +77,17 @@ def _executes(trace_dir: Path, blocks: list[str], t0_ns: int, t1_ns: int) -> dic
         rows = [r for r in traces.get(b, []) if r.get("kind") == "execute" and len(r["t"]) == 4 and t0_ns <= r["t"][0] <= t1_ns]
         if not rows:
             continue
-        dur = np.array([(r["t"][3] - r["t"][0]) / 1e6 for r in rows])
+        t = np.array([r["t"] for r in rows], dtype=np.int64)  # entry, inputs read, work queued, return (ns)
+        dur = (t[:, 3] - t[:, 0]) / 1e6
+        read, queue, respond = (float(x) for x in np.median(np.diff(t, axis=1), axis=0) / 1e6)
         gpu = np.array([float(r["gpu_ms"]) for r in rows if "gpu_ms" in r])
         by_process: dict[str, list[dict[str, Any]]] = {}
         for r in rows:
             by_process.setdefault(r["process"], []).append(r)
         gaps = [(nxt["t"][0] - prev["t"][3]) / 1e6 for calls in by_process.values() for prev, nxt in pairwise(calls)]
-
-        def phase(i: int, rows: list[dict[str, Any]] = rows) -> float:
-            return float(np.median([(r["t"][i + 1] - r["t"][i]) / 1e6 for r in rows]))
-
         out[b] = {"executes": float(len(rows)), "mean_batch": float(np.mean([r.get("n", 1) for r in rows])),
                   "execute_p50": float(np.percentile(dur, 50)), "execute_p99": float(np.percentile(dur, 99)),
-                  "execute_max": float(dur.max()), "read_p50": phase(0), "queue_p50": phase(1), "respond_p50": phase(2),
+                  "execute_max": float(dur.max()), "read_p50": read, "queue_p50": queue, "respond_p50": respond,
                   **({"gap_p50": float(np.median(gaps))} if gaps else {}),
                   **({"gpu_p50": float(np.percentile(gpu, 50)), "gpu_p99": float(np.percentile(gpu, 99)), "gpu_max": float(gpu.max())}
                      if gpu.size else {})}
