@@ -152,6 +152,11 @@ class TritonPythonModel:
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
         self.committed: int | None = None  # the event of the current call's last committed pool slot
+        # Images that arrive on a GPU (CUDA shared memory) are copied on a stream of their own,
+        # so waiting for that copy never waits for this block's earlier work (_own_device_inputs).
+        on_gpu = spec.takes_image and self.device.type == "cuda"
+        self.input_stream = torch.cuda.Stream(self.device) if on_gpu else None  # type: ignore[no-untyped-call]
+        self.inputs_owned = torch.cuda.Event() if on_gpu else None  # type: ignore[no-untyped-call]
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
@@ -223,6 +228,11 @@ class TritonPythonModel:
         failed: set[int] = set()  # positions in ``batch``
         synced = False
         try:
+            try:
+                self._own_device_inputs(batch)
+            except Exception as exc:  # a copy that cannot run fails this call's requests, never the stub
+                self._fail(responses, owners, sum(int(xs[0].shape[0]) for xs in batch), exc)
+                return responses
             if self.tracer is not None:
                 self.tracer.mark()  # inputs read
                 self.tracer.gpu_begin()
@@ -264,6 +274,34 @@ class TritonPythonModel:
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
         return responses
+
+    def _own_device_inputs(self, batch: list[list[torch.Tensor]]) -> None:
+        """Replace each input that arrived on a GPU with a copy in this block's memory, and wait for the copies.
+
+        The stub maps a CUDA shared-memory input into this process for its request only, and unmaps
+        it when the request's tensors are freed once ``execute`` returns; a copy still queued then
+        would read unmapped memory. So such inputs are copied on a stream with no other work, and
+        the host waits for those copies alone (a few microseconds), never for the block's own
+        earlier work on its main stream.
+        """
+        if self.input_stream is None or self.inputs_owned is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        copied = False
+        with torch.cuda.stream(self.input_stream):
+            for xs in batch:
+                for j, x in enumerate(xs):
+                    if x.is_cuda:
+                        own = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+                        own.copy_(x, non_blocking=True)
+                        own.record_stream(main)  # the allocator keeps it until the main stream's use is done
+                        xs[j] = own
+                        copied = True
+        if copied:
+            self.inputs_owned.record(self.input_stream)
+            self.inputs_owned.synchronize()
+            if self.tracer is not None:
+                self.tracer.lap("read:own")
 
     def _groups(self, requests: list[Any], owners: list[int]) -> dict[str, list[int]]:
         """Output name -> positions in the batch of the requests that want it.

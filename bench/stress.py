@@ -2,15 +2,18 @@
 
 Starts one server for the plan, computes every request's expected logits from the task's
 monolithic reference (sequentially), then replays all requests concurrently and counts
-mismatches. A diagnostic, not a test: prints one line per configuration.
+mismatches. A diagnostic, not a test: prints one line per configuration. ``--input cuda`` sends
+the concurrent requests' images through CUDA shared memory (one region per worker thread), so
+they reach the first blocks on the GPU; the expected logits still come from host inputs.
 
-    python -m blockflow.bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--server-arg=...]
+    python -m blockflow.bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--input cuda] [--server-arg=...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +33,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--label", default="")
+    ap.add_argument("--input", choices=("host", "cuda"), default="host",
+                    help="where the concurrent requests' images travel: host memory or CUDA shared memory")
     args = ap.parse_args()
     plan = load_plan(args.plan)
     tasks = [t for t in plan.tasks if len(plan.tasks[t].path) > 1]
@@ -43,16 +48,27 @@ def main() -> None:
         with TaskClient(server.http_url) as c:
             expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
 
+        local = threading.local()
+        clients: list[TaskClient] = []
+
         def call(job: tuple[str, np.ndarray]) -> np.ndarray:  # type: ignore[type-arg]
-            with TaskClient(server.http_url) as client:
-                return client.infer(*job)
+            # One client per worker thread: a CUDA region serves one request at a time.
+            if not hasattr(local, "client"):
+                local.client = TaskClient(server.http_url, input_memory=args.input)
+                clients.append(local.client)
+            return local.client.infer(*job)  # type: ignore[no-any-return]
 
         for r in range(args.rounds):
-            with ThreadPoolExecutor(max_workers=args.workers) as pool:
-                results = list(pool.map(call, jobs))
+            try:
+                with ThreadPoolExecutor(max_workers=args.workers) as pool:
+                    results = list(pool.map(call, jobs))
+            finally:
+                for client in clients:
+                    client.close()
+                clients.clear()
             errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected, strict=True)]
             bad = sum(1 for e in errs if not e <= 1e-4)
-            print(f"[stress {args.label}] round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}", flush=True)
+            print(f"[stress {args.label}{' cuda-shm' if args.input == 'cuda' else ''}] round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}", flush=True)
 
 
 if __name__ == "__main__":

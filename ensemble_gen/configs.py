@@ -83,13 +83,19 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.instance_group.append(_instance_group(block))
     if block.dynamic_batching:
         cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
-    # Client images arrive in host memory. With FORCE_CPU_ONLY_INPUT_TENSORS=no the Python backend
-    # (r24.10, GetInputTensor) copies them to the GPU asynchronously through a BackendInputCollector
-    # it never finalizes, so the stub can read a half-copied image under concurrent load (seen on an
-    # H100: NaN logits). Models that take the image therefore get it in host memory and copy it
-    # to their device themselves; GPU activations between blocks stay on the GPU.
-    # TensorMQ tickets are 256 host bytes: they stay in host memory too.
-    force_cpu = spec.transport in ("triton-cpu", "tensormq") or spec.takes_image
+    # Where the Python backend (r24.10, python_be.cc GetInputTensor) leaves each input:
+    # - with FORCE_CPU_ONLY_INPUT_TENSORS=yes, every input reaches the stub in host memory; an
+    #   image a client sent in CUDA shared memory is copied to the host by the server, and the
+    #   block copies it back to its GPU (a host round trip per request);
+    # - with =no, an input in host memory still reaches the stub in host memory, and one in GPU
+    #   memory (a CUDA shared-memory region) is mapped into the stub by its CUDA IPC handle,
+    #   without a copy, for that request only: the block copies it into its own memory and waits
+    #   for that copy before execute returns (backend/model.py, ``_own_device_inputs``).
+    # So a GPU block that takes the image takes it where the client put it. TensorMQ tickets are
+    # 256 host bytes: they stay in host memory; so does everything of a CPU block or a
+    # triton-cpu plan.
+    on_gpu = block.placement != "cpu"
+    force_cpu = spec.transport == "triton-cpu" or not on_gpu or (spec.transport == "tensormq" and not spec.takes_image)
     cfg.parameters[FORCE_CPU_PARAM].string_value = "yes" if force_cpu else "no"
     cfg.parameters[SPEC_PARAMETER].string_value = spec.to_json()
     return cfg

@@ -105,17 +105,20 @@ def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:
     assert cfg["instance_group"][0]["kind"] == "KIND_GPU"
 
 
-def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str) -> None:
+@pytest.mark.parametrize("task", ["g_fp32_eager", "g_fp16"])  # eager, and a CUDA graph's input copy
+def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str, task: str) -> None:
     import tritonclient.http as th
 
     from blockflow.clients.client import TaskClient
 
+    # The first block takes a CUDA-shm image on the GPU (FORCE_CPU_ONLY_INPUT_TENSORS=no), mapped
+    # for the request only: it must copy it before execute returns, and give the host input's answer.
     with TaskClient(gpu_server) as host, TaskClient(gpu_server, input_memory="cuda") as dev:
         for batch in (1, 3, 8, 2):  # the region grows once (1 -> 3 -> 8) and is reused for 2
             x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
-            want = host.infer("g_fp32_eager", x)
-            assert np.array_equal(dev.infer("g_fp32_eager", x), want)
-            assert np.array_equal(dev.infer("g_fp32_eager", torch.from_numpy(x).cuda()), want)  # never via the host
+            want = host.infer(task, x)
+            assert np.array_equal(dev.infer(task, x), want)
+            assert np.array_equal(dev.infer(task, torch.from_numpy(x).cuda()), want)  # never via the host
         regions = th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status()
         assert len(regions) == 1 and regions[0]["byte_size"] == 8 * 3 * 224 * 224 * 4
     assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # unregistered on close

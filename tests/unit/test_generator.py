@@ -71,10 +71,29 @@ def test_compare_variants_get_their_own_blocks() -> None:
     assert "t18_one__triton_cpu" in names and "r18_a__triton_cpu" in names
     force_cpu = {m: parse_pbtxt(files[f"{m}/config.pbtxt"].decode()).parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value
                  for m in ("r18_a", "r18_b", "r18_b__triton_cpu", "t18_one__ref")}
-    # Activations stay on the GPU only between triton-gpu blocks; images always arrive in host memory.
-    assert force_cpu == {"r18_a": "yes", "r18_b": "no", "r18_b__triton_cpu": "yes", "t18_one__ref": "yes"}
+    # Activations stay on the GPU between triton-gpu blocks; a GPU block takes the image where the
+    # client put it (host memory, or a CUDA shared-memory region); a triton-cpu block, in host memory.
+    assert force_cpu == {"r18_a": "no", "r18_b": "no", "r18_b__triton_cpu": "yes", "t18_one__ref": "no"}
     ens = parse_pbtxt(files["t18_one__triton_cpu/config.pbtxt"].decode())
     assert [s.model_name for s in ens.ensemble_scheduling.step] == ["r18_a__triton_cpu", "r18_b__triton_cpu", "r18_c1__triton_cpu"]
+
+
+def test_gpu_blocks_take_the_image_where_the_client_put_it() -> None:
+    import yaml
+
+    from blockflow.plan import parse_plan
+
+    def force_cpu(files: dict[str, bytes], model: str) -> str:
+        return parse_pbtxt(files[f"{model}/config.pbtxt"].decode()).parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value
+
+    raw = yaml.safe_load((ROOT / "plans" / "default.yaml").read_text())
+    files = generator.render(parse_plan(raw))
+    # A TensorMQ plan: the first block and the references take a CUDA shared-memory image on the
+    # GPU, with no copy through the host; tickets are host bytes.
+    assert [force_cpu(files, m) for m in ("r50_s0", "cls_a__ref", "r50_s1", "r50_s3a")] == ["no", "no", "yes", "yes"]
+    raw["defaults"]["placement"] = "cpu"  # a CPU block takes everything in host memory
+    files = generator.render(parse_plan(raw))
+    assert {force_cpu(files, m) for m in ("r50_s0", "cls_a__ref", "r50_s1")} == {"yes"}
 
 
 def test_ensemble_batch_is_min_of_path() -> None:
