@@ -2,11 +2,12 @@
 
 Starts one server for the plan, computes every request's expected logits from the task's
 monolithic reference (sequentially), then replays all requests concurrently and counts
-mismatches. A diagnostic, not a test: prints one line per configuration. ``--input cuda`` sends
-the concurrent requests' images through CUDA shared memory (one region per worker thread), so
-they reach the first blocks on the GPU; the expected logits still come from host inputs.
+mismatches. A diagnostic, not a test: prints one line per round. ``--input cuda`` sends the
+concurrent requests' images through CUDA shared memory (one region per worker thread), so they
+reach the first blocks on the GPU; ``--input host,cuda`` runs the rounds for each on one server.
+The expected logits always come from host inputs.
 
-    python -m blockflow.bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--input cuda] [--server-arg=...]
+    python -m blockflow.bench.stress --plan plans/default.yaml --jobs 120 --workers 16 [--input host,cuda] [--server-arg=...]
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--label", default="")
-    ap.add_argument("--input", choices=("host", "cuda"), default="host",
-                    help="where the concurrent requests' images travel: host memory or CUDA shared memory")
+    ap.add_argument("--input", default="host",
+                    help="where the concurrent requests' images travel: host, cuda (CUDA shared memory), or both: host,cuda")
     args = ap.parse_args()
+    inputs = [m.strip() for m in args.input.split(",") if m.strip()]
+    if not inputs or set(inputs) - {"host", "cuda"}:
+        ap.error(f"--input takes host, cuda or host,cuda; not {args.input!r}")
     plan = load_plan(args.plan)
     tasks = [t for t in plan.tasks if len(plan.tasks[t].path) > 1]
     shape = plan.block_in_shape(plan.blocks[plan.tasks[tasks[0]].path[0]])
@@ -48,28 +52,33 @@ def main() -> None:
         with TaskClient(server.http_url) as c:
             expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
 
-        local = threading.local()
-        clients: list[TaskClient] = []
+        for memory in inputs:
+            for r in range(args.rounds):
+                results = _round(server.http_url, memory, jobs, args.workers)
+                errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected, strict=True)]
+                bad = sum(1 for e in errs if not e <= 1e-4)
+                print(f"[stress {args.label}] {memory} inputs, round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}",
+                      flush=True)
 
-        def call(job: tuple[str, np.ndarray]) -> np.ndarray:  # type: ignore[type-arg]
-            # One client per worker thread: a CUDA region serves one request at a time.
-            if not hasattr(local, "client"):
-                local.client = TaskClient(server.http_url, input_memory=args.input)
-                clients.append(local.client)
-            return local.client.infer(*job)  # type: ignore[no-any-return]
 
-        for r in range(args.rounds):
-            try:
-                with ThreadPoolExecutor(max_workers=args.workers) as pool:
-                    results = list(pool.map(call, jobs))
-            finally:
-                for client in clients:
-                    client.close()
-                clients.clear()
-            errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected, strict=True)]
-            bad = sum(1 for e in errs if not e <= 1e-4)
-            print(f"[stress {args.label}{' cuda-shm' if args.input == 'cuda' else ''}] round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}", flush=True)
+def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: int) -> list[np.ndarray]:  # type: ignore[type-arg]
+    """Every job once, ``workers`` at a time, each worker thread with a client of its own (a CUDA
+    region serves one request at a time); the logits in job order."""
+    local = threading.local()
+    clients: list[TaskClient] = []
 
+    def call(job: tuple[str, np.ndarray]) -> np.ndarray:  # type: ignore[type-arg]
+        if not hasattr(local, "client"):
+            local.client = TaskClient(url, input_memory="cuda" if memory == "cuda" else "host")
+            clients.append(local.client)
+        return local.client.infer(*job)  # type: ignore[no-any-return]
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(call, jobs))
+    finally:
+        for client in clients:
+            client.close()
 
 if __name__ == "__main__":
     main()
