@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -62,23 +62,37 @@ def main() -> None:
 
 
 def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: int) -> list[np.ndarray]:  # type: ignore[type-arg]
-    """Every job once, ``workers`` at a time, each worker thread with a client of its own (a CUDA
-    region serves one request at a time); the logits in job order."""
-    local = threading.local()
-    clients: list[TaskClient] = []
+    """Every job once, by ``workers`` threads; the logits in job order.
 
-    def call(job: tuple[str, np.ndarray]) -> np.ndarray:  # type: ignore[type-arg]
-        if not hasattr(local, "client"):
-            local.client = TaskClient(url, input_memory="cuda" if memory == "cuda" else "host")
-            clients.append(local.client)
-        return local.client.infer(*job)  # type: ignore[no-any-return]
+    Each thread makes, uses and closes a client of its own: a CUDA region serves one request at a
+    time, and tritonclient's HTTP client (gevent) cannot be used or closed from another thread.
+    """
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(jobs)):
+        todo.put(i)
+    results: list[np.ndarray | None] = [None] * len(jobs)  # type: ignore[type-arg]
+    errors: list[BaseException] = []
 
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(call, jobs))
-    finally:
-        for client in clients:
-            client.close()
+    def work() -> None:
+        try:
+            with TaskClient(url, input_memory="cuda" if memory == "cuda" else "host") as client:
+                while True:
+                    try:
+                        i = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    results[i] = client.infer(*jobs[i])
+        except BaseException as exc:  # reported after the round, with the others'
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, name=f"stress-{k}") for k in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {workers} workers failed; the first: {errors[0]!r}") from errors[0]
+    return [r for r in results if r is not None]
 
 if __name__ == "__main__":
     main()
