@@ -36,6 +36,6 @@ RUN python3 -m pip install --no-compile ".[runtime]" \
 USER 1000:1000
 EXPOSE 8000 8001 8002 8003
 HEALTHCHECK --interval=30s --timeout=5s --start-period=15m \
-    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4)"]
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8003/health/ready', timeout=4)"]
 ENTRYPOINT ["blockflow"]
 CMD ["serve", "--host", "0.0.0.0", "--plan", "/opt/blockflow/plans/default.yaml"]

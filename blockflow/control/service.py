@@ -10,6 +10,10 @@ every request. Endpoints:
 ``GET /plan``             the plan being served, and the history kept on disk.
 ``POST /plan/rollback``   apply the plan before the current one (``?steps=N`` goes further back).
 ``GET /status``           tasks and blocks with their readiness on the server.
+``GET /health/ready``     for probes, the one endpoint without a token: 200 while Triton says it is
+                          ready, else 503; it tells nothing more. It answers once both the server
+                          and this service are up (a probe of Triton alone passes before this
+                          service listens).
 
 Plans are kept as numbered files in ``state_dir`` (the last ``keep``).
 """
@@ -140,6 +144,10 @@ class Controller:
 
     # ------------------------------------------------------------------ reading
 
+    def ready(self) -> bool:
+        """Whether Triton answers and says it is ready (its strict readiness: every loaded model is)."""
+        return self.applier.control.ready()
+
     def status(self) -> dict[str, Any]:
         served = {s.name for s in self.applier.served()}
         plan = self.plan
@@ -223,6 +231,11 @@ def create_app(controller: Controller, token: str) -> FastAPI:
     @app.get("/status", dependencies=[Depends(authorized)])
     async def status() -> dict[str, Any]:
         return await run_in_threadpool(controller.status)
+
+    @app.get("/health/ready")
+    def health_ready() -> JSONResponse:  # no token: Kubernetes probes cannot send one; it tells only ready or not
+        ok = controller.ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     return app
 

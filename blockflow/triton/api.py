@@ -95,10 +95,17 @@ class TritonApi:
     # ------------------------------------------------------------------ open
 
     def ready(self, timeout: float = 2.0) -> bool:
-        """Whether the server answers and says it is ready (False while it starts or when it is gone)."""
+        """Whether the server answers and says it is ready (False while it starts or when it is gone).
+
+        Over HTTP when that endpoint was given, else over gRPC.
+        """
+        what = "asking whether the server is ready"
         try:
-            with self._http("asking whether the server is ready", timeout) as client:
-                return bool(client.is_server_ready())
+            if self.http_url:
+                with self._http(what, timeout) as client:
+                    return bool(client.is_server_ready())
+            with self._grpc(what) as gclient:
+                return bool(gclient.is_server_ready(client_timeout=timeout))
         except TritonApiError:
             return False
 

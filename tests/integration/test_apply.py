@@ -169,6 +169,9 @@ def test_client_commands_find_the_server_through_its_endpoints_file(live: Live) 
 
 def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:
     before = httpx.get(f"{live.control}/plan", headers=live.headers).json()
+    # The probe endpoint is the one that needs no token, and it tells ready or not, nothing more.
+    r = httpx.get(f"{live.control}/health/ready")
+    assert r.status_code == 200 and r.json() == {"ready": True}, r.text
     body = PLAN_B.read_bytes()
     for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic abc"}):
         for method, path in (("POST", "/plan"), ("GET", "/plan"), ("GET", "/status"), ("POST", "/plan/rollback")):
@@ -504,6 +507,8 @@ def test_a_killed_tritonserver_is_restarted_with_the_same_plan(live: Live) -> No
             time.sleep(1)
             os.kill(old, signal.SIGKILL)
             assert "does not answer since" in _screen_with(watch, "does not answer since")
+            r = httpx.get(f"{live.control}/health/ready")  # a restart takes ~12 s: the probe sees it down
+            assert r.status_code == 503 and r.json() == {"ready": False}, r.text
             time.sleep(1)
             seconds = _wait_answering(client, TASKS_B, timeout=180)
         _screen_with(watch, "compute ms")  # back by itself once the server answers again

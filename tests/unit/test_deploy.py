@@ -42,8 +42,9 @@ def test_the_chart_serves_the_default_plan_from_its_copy() -> None:
 def test_the_pod_is_ready_with_its_models_and_scraped_on_the_metrics_port() -> None:
     pod = render()["Deployment"]["spec"]["template"]
     container = pod["spec"]["containers"][0]
-    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # Through the control service (it starts after Triton is ready): a ready pod takes `blockflow apply`.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "control"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/health/ready", "port": "control"}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8002"
