@@ -150,7 +150,8 @@ def _apply_fleet(plan: Path, urls: list[str], token: str, dry_run: bool, as_json
                            log=lambda m: err.print(m, markup=False, highlight=False), soak_s=soak, soak_failures=soak_failures)
     if as_json:
         emit({"plan": str(plan), "dry_run": dry_run, "applied": succeeded(outcomes) and not dry_run,
-              "servers": [{"url": o.url, "state": o.state, "seconds": o.seconds, "changes": list(o.lines), "error": o.error or None}
+              "servers": [{"url": o.url, "state": o.state, "seconds": o.seconds, "changes": list(o.lines), "error": o.error or None,
+                           "quiet_tasks": list(o.quiet)}
                           for o in outcomes]})
         if not succeeded(outcomes):
             raise click.exceptions.Exit(ApplyError.exit_code)

@@ -13,7 +13,9 @@ The rules, in order:
    block of the plan stops being ready, if more than ``soak_failures`` requests to its tasks fail
    in the time (Triton's count of requests that ran and failed; a request Triton refuses before
    it runs, a wrong shape, is the client's and not counted), or if its control service stops
-   answering. Load is the clients': the soak sends no requests of its own.
+   answering. Load is the clients': the soak sends no requests of its own, so a task that no
+   request reached during the soak was checked for readiness only; the outcome names such
+   tasks (``quiet``) and the log says so.
 4. **A failure rolls the fleet back.** The servers already changed get back the plan text they
    served before (from step 1), newest first; those not reached were never changed. The fleet
    ends on the previous plan everywhere, or the report says which server could not get it back.
@@ -50,6 +52,7 @@ class ServerOutcome:
     seconds: float = 0.0
     error: str = ""
     previous_name: str | None = None
+    quiet: list[str] = field(default_factory=list)  # tasks no request reached during the soak
 
 
 def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = False, timeout: float = 1800.0,
@@ -83,8 +86,8 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             log(f"{s.url}: applying ({i + 1} of {len(servers)})")
             t0 = time.monotonic()
             try:
-                # Failures count from before the change: those of the switch itself are the plan's too.
-                base = failures(s.status()) if soak_s > 0 else {}
+                # Counts start from before the change: the switch's own failures are the plan's too.
+                base = counts(s.status()) if soak_s > 0 else {}
                 report = s.post(text)
             except BlockFlowError as exc:
                 o.state, o.error, o.seconds = FAILED, str(exc), time.monotonic() - t0
@@ -94,8 +97,11 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             o.lines, o.seconds = report["lines"], time.monotonic() - t0
             if soak_s > 0 and o.state == APPLIED:  # rule 3
                 log(f"{s.url}: soaking for {soak_s:g} s")
-                why = soak(s, soak_s, soak_failures, base)
+                why, o.quiet = soak(s, soak_s, soak_failures, base)
                 o.seconds = time.monotonic() - t0
+                if why is None and o.quiet:
+                    log(f"{s.url}: no request reached task(s) {', '.join(o.quiet)} during the soak: "
+                        "only their readiness was checked")
                 if why is not None:
                     o.state, o.error = FAILED_SOAK, why
                     log(f"{s.url}: failed its soak: {why}; rolling back the {i + 1} server(s) changed")
@@ -106,33 +112,47 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
             s.close()
 
 
-def failures(status: dict[str, Any]) -> dict[str, int]:
-    """Failed requests per task, from a control service's ``GET /status``."""
-    return {task: int(v.get("failed", 0)) for task, v in status["tasks"].items()}
+def counts(status: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(succeeded, failed) requests per task, from a control service's ``GET /status``."""
+    return {task: (int(v.get("succeeded", 0)), int(v.get("failed", 0))) for task, v in status["tasks"].items()}
 
 
-def soak(server: ControlClient, seconds: float, max_failures: int, base: dict[str, int], every: float = 1.0) -> str | None:
-    """Watch ``server`` for ``seconds`` by rule 3, counting failures from ``base`` (:func:`failures`
-    before the change): None if it stayed healthy, else why it did not."""
+def _since(now: dict[str, tuple[int, int]], base: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Each task's counts since ``base``; a count below its base means the model was loaded again
+    since (its counts start over), so it counts whole."""
+    out = {}
+    for task, (ok, failed) in now.items():
+        ok0, failed0 = base.get(task, (0, 0))
+        out[task] = (ok - ok0 if ok >= ok0 else ok, failed - failed0 if failed >= failed0 else failed)
+    return out
+
+
+def soak(server: ControlClient, seconds: float, max_failures: int, base: dict[str, tuple[int, int]],
+         every: float = 1.0) -> tuple[str | None, list[str]]:
+    """Watch ``server`` for ``seconds`` by rule 3, counting requests from ``base`` (:func:`counts`
+    before the change). Returns why it failed (None if it stayed healthy) and the tasks that no
+    request reached in the time."""
     deadline = time.monotonic() + seconds
+    quiet: list[str] = []
     try:
         while True:
             status = server.status()
             down = [f"task {t}" for t, v in status["tasks"].items() if not v["ready"]]
             down += [f"block {b}" for b, v in status["blocks"].items() if not v["ready"]]
             if down:
-                return f"not ready during the soak: {', '.join(down)}"
-            # A count below its base means the model was loaded again since (its counts start over).
-            failed = {t: n - base.get(t, 0) if n >= base.get(t, 0) else n for t, n in failures(status).items()}
+                return f"not ready during the soak: {', '.join(down)}", quiet
+            since = _since(counts(status), base)
+            quiet = sorted(t for t, (ok, failed) in since.items() if ok + failed == 0)
+            failed = {t: n for t, (_, n) in since.items()}
             if sum(failed.values()) > max_failures:
                 where = ", ".join(f"{t}: {n}" for t, n in sorted(failed.items()) if n)
-                return f"{sum(failed.values())} request(s) failed during the soak ({where}); at most {max_failures} allowed"
+                return f"{sum(failed.values())} request(s) failed during the soak ({where}); at most {max_failures} allowed", quiet
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                return None, quiet
             time.sleep(min(every, left))
     except BlockFlowError as exc:
-        return f"its control service did not answer during the soak: {exc}"
+        return f"its control service did not answer during the soak: {exc}", quiet
 
 
 def _stop_fleet(failed: int, changed: int, servers: Sequence[ControlClient], outcomes: list[ServerOutcome],

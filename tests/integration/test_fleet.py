@@ -139,6 +139,8 @@ def test_a_fleet_takes_a_plan_and_goes_back_whole_when_one_server_fails(fleet: t
         assert good.returncode == 0, good.stdout + good.stderr
         assert "applied to 3 server(s)" in good.stdout
         assert good.stderr.count("soaking for 2 s") == 3, good.stderr
+        # The load reaches task busy only: the soak says that task `also` was checked for readiness alone.
+        assert good.stderr.count("no request reached task(s) also during the soak") == 3, good.stderr
         assert [_served(s) for s in servers] == [("fleet-b", {"busy", "also"})] * 3
 
         bad = _apply("fleet_c.yaml", servers, token_file)
