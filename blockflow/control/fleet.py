@@ -99,13 +99,13 @@ def apply_fleet(text: str, urls: Sequence[str], token: str, dry_run: bool = Fals
                 log(f"{s.url}: soaking for {soak_s:g} s")
                 why, o.quiet = soak(s, soak_s, soak_failures, base)
                 o.seconds = time.monotonic() - t0
-                if why is None and o.quiet:
-                    log(f"{s.url}: no request reached task(s) {', '.join(o.quiet)} during the soak: "
-                        "only their readiness was checked")
                 if why is not None:
                     o.state, o.error = FAILED_SOAK, why
                     log(f"{s.url}: failed its soak: {why}; rolling back the {i + 1} server(s) changed")
                     return _stop_fleet(i, i + 1, servers, outcomes, previous, log)
+                if o.quiet:
+                    log(f"{s.url}: no request reached task(s) {', '.join(o.quiet)} during the soak: "
+                        "only their readiness was checked")
         return outcomes
     finally:
         for s in servers:
