@@ -40,8 +40,8 @@ def stat_fields(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
 
 
-def group_members(pgid: int) -> Iterable[int]:
-    """Live (not zombie) PIDs still in process group ``pgid``: what stopping must leave empty."""
+def _group(pgid: int) -> Iterable[tuple[int, list[str]]]:
+    """Each process in group ``pgid``, zombies included, with its :func:`stat_fields`."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -49,8 +49,51 @@ def group_members(pgid: int) -> Iterable[int]:
             fields = stat_fields(int(entry.name))
         except OSError:
             continue
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            yield int(entry.name)
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            yield int(entry.name), fields
+
+
+def _dead(pid: int, fields: list[str]) -> bool:
+    """Whether a process has exited with every thread: a zombie leader whose other threads are
+    still exiting (a stub's CUDA teardown can take seconds) is alive, and cannot be reaped yet."""
+    if fields[0] not in "ZX":
+        return False
+    try:
+        tasks = [t for t in Path(f"/proc/{pid}/task").iterdir() if t.name != str(pid)]
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(")", 1)[-1].split()[0] not in "ZX":
+                return False
+        except OSError:
+            continue  # that thread is gone
+    return True
+
+
+def group_members(pgid: int) -> Iterable[int]:
+    """Live PIDs still in process group ``pgid`` (not zombies with all threads gone): what stopping must leave empty."""
+    return (pid for pid, fields in _group(pgid) if not _dead(pid, fields))
+
+
+def reap_orphans(pgid: int) -> list[int]:
+    """Reap the dead members of group ``pgid`` that were handed to this process; their PIDs.
+
+    A stub whose server died is re-parented to the PID namespace's init. Where that is this
+    process (``blockflow serve`` as a container's PID 1) nobody else would ever reap it, and each
+    server restart would leave one zombie per block instance. Elsewhere they go to the real init
+    and this finds none. The group's leader, ``tritonserver``, is left to the ``Popen`` that
+    started it, so no caller loses its exit status.
+    """
+    me, reaped = os.getpid(), []
+    for pid, fields in list(_group(pgid)):
+        if pid != pgid and int(fields[1]) == me and _dead(pid, fields):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped.append(pid)
+            except ChildProcessError:  # reaped meanwhile (by another thread)
+                pass
+    return reaped
 
 
 def stubs_by_model(pgid: int) -> dict[str, list[int]]:

@@ -48,7 +48,14 @@ from blockflow.triton.install import (
     server_env,
 )
 from blockflow.triton.mps import MpsDaemon
-from blockflow.triton.process_group import die_with_parent, drain_then_terminate, group_members, kill_group, stubs_by_model
+from blockflow.triton.process_group import (
+    die_with_parent,
+    drain_then_terminate,
+    group_members,
+    kill_group,
+    reap_orphans,
+    stubs_by_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +343,7 @@ class TritonServer:
         deadline = time.monotonic() + 30
         while any(True for _ in group_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
+        reap_orphans(proc.pid)  # what is left of them, where this process is the container's init
         self._remove_shm()
         self.process = None
         if self.mps is not None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
-from blockflow.triton.process_group import group_members
+from blockflow.triton.process_group import group_members, stat_fields
 from blockflow.triton.server import ServerOptions, TritonServer
 
 pytestmark = pytest.mark.integration
@@ -101,3 +104,60 @@ def test_serve_refuses_a_plan_for_gpus_this_machine_lacks(tmp_path: Path) -> Non
     plan.write_text((PLAN.parent / "one_block.yaml").read_text().replace("placement: cpu", "placement: [3]"))
     with pytest.raises(PlanError, match="GPU 3"):
         Service(ServeOptions(plan, control_port=0))
+
+
+def _pid_namespace() -> list[str] | None:
+    """A command prefix that runs a command as PID 1 of a new PID namespace, or None where none can be made."""
+    if shutil.which("unshare") is None:
+        return None
+    for prefix in (["unshare", "--pid", "--fork", "--mount-proc"], ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]):
+        if subprocess.run([*prefix, "true"], capture_output=True, check=False).returncode == 0:
+            return prefix
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
+    """`blockflow serve` as PID 1 (a container started without an init): the stubs of a server that
+    died are handed to it, and after the restart none of them is left a zombie; SIGTERM ends it all."""
+    from blockflow.triton.server import free_port
+
+    prefix = _pid_namespace()
+    if prefix is None:  # the machine's kernel or sandbox forbids namespaces; not ours to change
+        pytest.skip("needs PID namespaces (unshare --pid --fork --mount-proc)")
+    log = tmp_path / "serve.log"
+    ports = [str(free_port()) for _ in range(4)]
+    with log.open("wb") as out:
+        ns = subprocess.Popen([*prefix, sys.executable, "-m", "blockflow", "serve", "--plan", str(PLAN.parent / "one_block.yaml"),
+                               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                               "--control-port", ports[3]], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for(text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in log.read_text(errors="replace"):
+            assert ns.poll() is None and time.monotonic() < deadline, f"no {text!r} in the log:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    try:
+        wait_for("Ctrl-C stops the server.", float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
+        (serve,) = _children(ns.pid)  # PID 1 inside; these are the PIDs this process sees
+        (triton,) = [p for p in _children(serve) if stat_fields(p)[0] != "Z"]
+        stubs = [p for p in group_members(triton) if p != triton]
+        assert stubs, "the server started no stub"
+        os.kill(triton, signal.SIGKILL)
+        wait_for("again after", 300)
+        # Each stub of the dead server was re-parented to serve; it reaped them when it stopped that server.
+        zombies = [p for p in _children(serve) if stat_fields(p)[0] == "Z"]
+        threads = {p: sorted(stat_fields(int(t.name))[0] for t in Path(f"/proc/{p}/task").iterdir()) for p in zombies}
+        assert zombies == [], f"zombies left under PID 1: {zombies}, thread states {threads} (the old server's stubs were {stubs})"
+        (new,) = _children(serve)
+        os.kill(serve, signal.SIGTERM)
+        assert ns.wait(60) == 0, log.read_text()[-3000:]
+        assert list(group_members(new)) == []
+    finally:
+        if ns.poll() is None:
+            os.killpg(ns.pid, signal.SIGKILL)
+            ns.wait()
