@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +232,7 @@ class TritonPythonModel:
             try:
                 self._own_device_inputs(batch)
             except Exception as exc:  # a copy that cannot run fails this call's requests, never the stub
-                self._fail(responses, owners, sum(int(xs[0].shape[0]) for xs in batch), exc)
+                self._fail(responses, owners, batch, range(len(batch)), exc)
                 return responses
             if self.tracer is not None:
                 self.tracer.mark()  # inputs read
@@ -248,7 +249,7 @@ class TritonPythonModel:
                             outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)
-                    self._fail(responses, [owners[k] for k in ks], sum(sizes), exc)
+                    self._fail(responses, owners, batch, ks, exc)
             if self.sync_outputs:
                 try:
                     # Triton reads the outputs once execute returns, so their kernels (and copies to
@@ -259,7 +260,7 @@ class TritonPythonModel:
                 except Exception as exc:
                     rest = [k for k in range(len(batch)) if k not in failed]
                     failed.update(rest)
-                    self._fail(responses, [owners[k] for k in rest], sum(int(batch[k][0].shape[0]) for k in rest), exc)
+                    self._fail(responses, owners, batch, rest, exc)
             if self.tracer is not None:
                 self.tracer.mark()  # work done (TensorMQ: queued)
             for k, i in enumerate(owners):
@@ -318,12 +319,16 @@ class TritonPythonModel:
                 groups.setdefault(name, []).append(k)  # Triton refuses outputs the config does not list
         return groups
 
-    def _fail(self, responses: list[Any], owners: list[int], samples: int, exc: Exception) -> None:
+    def _fail(self, responses: list[Any], owners: list[int], batch: list[list[torch.Tensor]], ks: Iterable[int],
+              exc: Exception) -> None:
+        """Fail the requests at positions ``ks`` of ``batch`` (``owners[k]`` in ``responses``) with ``exc``."""
+        positions = list(ks)
+        samples = sum(int(batch[k][0].shape[0]) for k in positions)
         self.logger.log_error(f"blockflow: {self.spec.name}: batch of {samples} failed: {exc!r}")
         # A full pool is load, not a fault: UNAVAILABLE tells a client that retrying later can help.
         code = "UNAVAILABLE" if isinstance(exc, PoolExhaustedError) else "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
-        for i in owners:
-            responses[i] = pb_utils.InferenceResponse(error=_error(f"block {self.spec.name!r} failed: {exc}", code))
+        for k in positions:
+            responses[owners[k]] = pb_utils.InferenceResponse(error=_error(f"block {self.spec.name!r} failed: {exc}", code))
 
     def _run(self, runner: BlockRunner, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets."""
