@@ -34,10 +34,12 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def stat_fields(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the parenthesised command: state, ppid, pgrp, ...
-    (``proc(5)`` numbers them from 3). Raises OSError when the process is gone."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+def stat_fields(pid: int, thread: int | None = None) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` (of one ``thread``: ``/proc/<pid>/task/<thread>/stat``) after the
+    parenthesised command: state, ppid, pgrp, ... (``proc(5)`` numbers them from 3). Raises OSError when
+    the process is gone."""
+    path = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
+    return path.read_text().rsplit(")", 1)[-1].split()
 
 
 def _group(pgid: int) -> Iterable[tuple[int, list[str]]]:
@@ -59,12 +61,12 @@ def _dead(pid: int, fields: list[str]) -> bool:
     if fields[0] not in "ZX":
         return False
     try:
-        tasks = [t for t in Path(f"/proc/{pid}/task").iterdir() if t.name != str(pid)]
+        threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir() if t.name != str(pid)]
     except OSError:
         return True
-    for task in tasks:
+    for thread in threads:
         try:
-            if (task / "stat").read_text().rsplit(")", 1)[-1].split()[0] not in "ZX":
+            if stat_fields(pid, thread)[0] not in "ZX":
                 return False
         except OSError:
             continue  # that thread is gone

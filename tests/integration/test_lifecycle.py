@@ -151,7 +151,7 @@ def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
         wait_for("again after", 300)
         # Each stub of the dead server was re-parented to serve; it reaped them when it stopped that server.
         zombies = [p for p in _children(serve) if stat_fields(p)[0] == "Z"]
-        threads = {p: sorted(stat_fields(int(t.name))[0] for t in Path(f"/proc/{p}/task").iterdir()) for p in zombies}
+        threads = {p: sorted(stat_fields(p, int(t.name))[0] for t in Path(f"/proc/{p}/task").iterdir()) for p in zombies}
         assert zombies == [], f"zombies left under PID 1: {zombies}, thread states {threads} (the old server's stubs were {stubs})"
         (new,) = _children(serve)
         os.kill(serve, signal.SIGTERM)
