@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from blockflow.ensemble_gen import generator
@@ -116,10 +117,6 @@ def _pid_namespace() -> list[str] | None:
     return None
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-
-
 def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
     """`blockflow serve` as PID 1 (a container started without an init): the stubs of a server that
     died are handed to it, and after the restart none of them is left a zombie; SIGTERM ends it all."""
@@ -143,17 +140,17 @@ def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
 
     try:
         wait_for("Ctrl-C stops the server.", float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
-        (serve,) = _children(ns.pid)  # PID 1 inside; these are the PIDs this process sees
-        (triton,) = [p for p in _children(serve) if stat_fields(p)[0] != "Z"]
+        (serve,) = [p.pid for p in psutil.Process(ns.pid).children()]  # PID 1 inside; these are the PIDs this process sees
+        (triton,) = [p.pid for p in psutil.Process(serve).children() if p.status() != psutil.STATUS_ZOMBIE]
         stubs = [p for p in group_members(triton) if p != triton]
         assert stubs, "the server started no stub"
         os.kill(triton, signal.SIGKILL)
         wait_for("again after", 300)
         # Each stub of the dead server was re-parented to serve; it reaped them when it stopped that server.
-        zombies = [p for p in _children(serve) if stat_fields(p)[0] == "Z"]
+        zombies = [p.pid for p in psutil.Process(serve).children() if p.status() == psutil.STATUS_ZOMBIE]
         threads = {p: sorted(stat_fields(p, int(t.name))[0] for t in Path(f"/proc/{p}/task").iterdir()) for p in zombies}
         assert zombies == [], f"zombies left under PID 1: {zombies}, thread states {threads} (the old server's stubs were {stubs})"
-        (new,) = _children(serve)
+        (new,) = [p.pid for p in psutil.Process(serve).children()]
         os.kill(serve, signal.SIGTERM)
         assert ns.wait(60) == 0, log.read_text()[-3000:]
         assert list(group_members(new)) == []
