@@ -144,7 +144,8 @@ class TritonPythonModel:
                 t = spec.tensormq
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
-                                         max_samples=spec.max_batch_size, claim_s=t.claim_window_s)
+                                         max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
+                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0")
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
             if self.tracer is not None:
@@ -274,6 +275,8 @@ class TritonPythonModel:
                 self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
             if self.metrics is not None:
                 self.metrics.publish(self.producer, self.consumer)
+            if self.producer is not None:
+                self.producer.prepare_ahead()  # the next small batch's slot and tickets, while this block waits
         return responses
 
     def _own_device_inputs(self, batch: list[list[torch.Tensor]]) -> None:

@@ -249,6 +249,79 @@ def test_full_pool_waits_then_fails_clearly(runtime: Path) -> None:
         prod.close()
 
 
+def _wait_ready(prod: Producer, want: bool = True) -> None:
+    deadline = time.monotonic() + 5
+    while (prod._ready is not None) != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (prod._ready is not None) == want
+
+
+def test_a_batch_of_one_is_followed_by_a_prepared_reservation_that_reads_exactly(runtime: Path) -> None:
+    """After a call of batch 1, the next batch-1 reservation is made and signed between calls; the
+    call takes it and its tickets read, claim and release like any other. The prepared slot is
+    not in use (stats, usage), and a batch of another size leaves it alone."""
+    from blockflow.backend.tensormq.producer import producer_id
+
+    prod = Producer("blockP/0", runtime, CPU, pool_bytes=1 << 20, max_slots=8, lease_s=30, wait_s=1)
+    consumer = Consumer(runtime, CPU)
+    try:
+        for b in range(4):
+            r = prod.reserve((1, 4, 5), torch.float32)
+            assert (r.tickets is not None) == (b > 0)  # the first call had nothing prepared
+            r.view.copy_(torch.arange(20, dtype=torch.float32).view(1, 4, 5) + 100 * b)
+            tickets = prod.commit(r, 0)
+            prod.prepare_ahead()
+            _wait_ready(prod)
+            stats = _stats(runtime, producer_id("blockP/0"))
+            assert stats["slots_in_use"] == 1 and stats["slots_ready"] == 1 and prod.usage() == (ALIGN, 1)
+            x, releases = consumer.gather(_tickets(tickets), (4, 5), stream=0)
+            assert torch.equal(x, torch.arange(20, dtype=torch.float32).view(1, 4, 5) + 100 * b)
+            with pytest.raises(TicketError, match="already accepted"):  # pre-signed tickets are one-shot too
+                consumer.gather(_tickets(tickets), (4, 5), stream=0)
+            consumer.release_now(releases)
+            consumer.flush()
+            deadline = time.monotonic() + 5
+            while prod.usage()[1] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert prod.usage() == (0, 0)
+        two = prod.reserve((2, 4, 5), torch.float32)
+        assert two.tickets is None and prod._ready is not None  # another shape: made on the spot
+        prod.commit(two, 0)
+        prod.prepare_ahead()  # after a batch of 2: nothing new to prepare, the batch-1 slot stays
+        assert prod.reserve((1, 4, 5), torch.float32).tickets is not None
+        assert prod.stats.allocations == 6 and prod.stats.lease_expiries == 0
+    finally:
+        consumer.close()
+        prod.close()
+
+
+def test_a_prepared_slot_never_makes_a_request_wait_or_an_unload_drain(runtime: Path) -> None:
+    prod = Producer("blockQ/0", runtime, CPU, pool_bytes=4 * ALIGN, max_slots=4, lease_s=30, wait_s=0.3)
+    try:
+        prod.commit(prod.reserve((1, 8), torch.float32), 0)
+        prod.prepare_ahead()
+        _wait_ready(prod)
+        # Three slots are left and the prepared one holds one: a request for all three still gets them at once.
+        start = time.monotonic()
+        prod.reserve((1, 3 * ALIGN // 4), torch.float32)
+        assert time.monotonic() - start < 0.2 and prod._ready is None and prod.stats.pool_waits == 0
+        # A pool at least half full prepares nothing.
+        prod.prepare_ahead()
+        time.sleep(0.2)
+        assert prod._ready is None
+    finally:
+        prod.close()
+    idle = Producer("blockR/0", runtime, CPU, pool_bytes=1 << 16, max_slots=8, lease_s=30, wait_s=1)
+    idle.commit(idle.reserve((1, 8), torch.float32), 0)
+    idle.abort(idle.reserve((2, 8), torch.float32))
+    idle.table.release_all(0, idle.table.live[0].seq)  # the committed batch came back
+    idle.prepare_ahead()
+    _wait_ready(idle)
+    start = time.monotonic()
+    assert idle.drain(5) == 0 and time.monotonic() - start < 1  # the prepared slot is not waited for
+    idle.close(drain_s=5)
+
+
 def _pool_then_wait(runtime: str, name: str, conn: mp.connection.Connection) -> None:
     prod = Producer(name, Path(runtime), CPU, pool_bytes=1 << 20, max_slots=4, lease_s=30, wait_s=1)
     conn.send(env.pool_shm_name(Path(runtime), prod.id, prod.generation))
