@@ -15,7 +15,13 @@ Who owns a slot when:
 
 1. FREE — in the producer's table.
 2. RESERVED — ``Producer.reserve`` took it for one batch; only the producer's
-   execute thread writes it, on its CUDA stream.
+   execute thread writes it, on its CUDA stream. After a call of batch 1 the
+   producer's preparer thread reserves the next batch-1 slot and signs its
+   tickets between calls (PREPARED: no lease, not counted in use, given back
+   at once when a request needs the pool or the producer drains); the next call
+   of that shape takes it and its lease starts then. Its tickets stay inside
+   the producer until the commit, and its claim entry still holds the slot's
+   previous use until then, so none of them can be accepted early.
 3. LENT — ``Producer.commit`` recorded the slot's event on that stream *after*
    the writes, then issued one ticket per sample (the slot counts one reference
    per ticket). The producer never writes a lent slot.
@@ -65,7 +71,8 @@ sent only then.
 Cancel, crash, restart:
 
 - A ticket never consumed (cancelled or timed-out request, dead consumer) is
-  never released; the slot's *lease* (``lease_s`` after reserve) reclaims it.
+  never released; the slot's *lease* (``lease_s`` after reserve, or after a
+  prepared slot was taken) reclaims it.
   A release arriving after that carries an old sequence number and is ignored.
   ``lease_s`` must stay far above a block's latency (default 30 s).
 - A full pool makes ``reserve`` wait at most ``wait_s``, then the request fails
@@ -101,6 +108,8 @@ HELLO      ``HELLO``                                    ``WELCOME`` + JSON: prod
 RELEASE    ``RELEASE``, n × ``<IIII`` items             none (fire and forget)
            (generation, slot, sequence, sample)
 STATS      ``STATS``                                    ``STATS`` + JSON of the producer's counters
+                                                        (``slots_in_use`` and ``bytes_in_use``: lent
+                                                        or reserved; ``slots_ready``: prepared)
 other      anything else                                ``ERROR`` + a short text
 =========  ===========================================  ====================================
 
