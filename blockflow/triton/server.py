@@ -260,8 +260,10 @@ class TritonServer:
             # Its stubs would notice the reaped parent within seconds, but a stub stuck in a CUDA
             # call or a long execute might not: SIGKILL the group, so their GPU memory comes back now.
             kill_group(proc.pid)
+            # The tail goes into serve's own log: a restart starts the server's log afresh, and
+            # what made it exit (an abort's message, a signal's backtrace) is in its last lines.
             log.error("tritonserver (pid %d) exited unexpectedly with code %s; its block processes were killed "
-                      "(log: %s)", proc.pid, code, self.log_path)
+                      "(log: %s); its last lines:\n%s", proc.pid, code, self.log_path, self.log_tail(12))
         self.exited.set()
 
     def log_tail(self, lines: int = 40) -> str:

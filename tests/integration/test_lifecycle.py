@@ -45,7 +45,10 @@ def test_a_crashed_server_leaves_no_block_process(tmp_path: Path, caplog: pytest
         while list(group_members(pgid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert list(group_members(pgid)) == [], "block processes outlived their crashed server"
-        assert any("exited unexpectedly" in r.getMessage() and str(server.log_path) in r.getMessage() for r in caplog.records)
+        (said,) = [r.getMessage() for r in caplog.records if "exited unexpectedly" in r.getMessage()]
+        assert str(server.log_path) in said
+        last = server.log_path.read_text(errors="replace").strip().splitlines()[-1]
+        assert "its last lines:" in said and said.endswith(last)  # the crashed server's own last words
     finally:
         server.stop()
     assert not server.runtime_dir.exists()

@@ -166,3 +166,19 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
     assert opens % per_pair == 0 and 1 <= opens // per_pair <= pairs, (opens, per_pair, pairs)
     assert value("blockflow_tmq_pool_slots_in_use", "r18_b__tensormq") >= 0
     assert any('model_instance="' in ln for ln in lines)
+
+
+def test_calls_of_one_sample_leave_the_next_slot_prepared_and_answer_exactly(served: Served) -> None:
+    """After a call of batch 1, a producer block reserves and signs its next call's slot between
+    calls (on its own thread, inside Triton's stub); the calls that take those slots answer as
+    the reference does, and the prepared slots count as ready, never in use."""
+    runtime = served.server.runtime_dir
+    x = image(1)
+    with TaskClient(served.http) as tc:
+        want = tc.infer("t18_one__ref", x)
+        for _ in range(12):  # one at a time: every block's calls are of batch 1
+            got = tc.infer("t18_one__tensormq", x)
+            assert float(np.abs(got - want).max() / np.abs(want).max()) <= 1e-4
+    stats = wait_until_pools_empty(runtime, LEASE_S + 10)
+    assert all(s["slots_in_use"] == 0 for s in stats), stats
+    assert sum(s["slots_ready"] for s in stats) >= 2, stats  # r18_a and r18_b, the task's two producers
