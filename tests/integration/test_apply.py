@@ -484,6 +484,16 @@ def test_a_killed_block_process_is_reloaded_under_load(live: Live) -> None:
             recovered[block] = _wait_answering(client, tasks, timeout=120)
     print("answering again after (s):", {b: round(s, 1) for b, s in recovered.items()},
           "requests (ok, failed):", {t: (load.ok[t], len(load.failed.get(t, []))) for t in sorted(TASKS_B)})
+    if _tritonserver(live) != server:
+        # tritonserver itself can abort when a stub is SIGKILLed mid-request (Triton 2.51's Python
+        # backend: exit code -6, once in 24 runs on a loaded 2-core machine, after it killed
+        # a stub that runs no TensorMQ producer). Nothing of BlockFlow runs in that process; what
+        # serve owes then is a restart with the same plan, the crash's last lines in its log, and
+        # every task answering again.
+        text = live.log.read_text()
+        assert "exited unexpectedly" in text and "its last lines:" in text and "restarting it with plan 'live-b'" in text, text[-3000:]
+        _wait_answering(client, TASKS_B, timeout=120)
+        return
     for t in TASKS_B:
         assert load.ok[t] > 0
         assert all("not healthy" in m or "unavailable" in m.lower() for m in load.failed.get(t, [])), load.failed[t][:3]
