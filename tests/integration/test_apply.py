@@ -486,7 +486,7 @@ def test_a_killed_block_process_is_reloaded_under_load(live: Live) -> None:
           "requests (ok, failed):", {t: (load.ok[t], len(load.failed.get(t, []))) for t in sorted(TASKS_B)})
     if _tritonserver(live) != server:
         # tritonserver itself can abort when a stub is SIGKILLed mid-request (Triton 2.51's Python
-        # backend: exit code -6, once in 24 runs on a loaded 2-core machine, after it killed
+        # backend: exit code -6, once in 24 runs on a loaded 2-core machine, when the test killed
         # a stub that runs no TensorMQ producer). Nothing of BlockFlow runs in that process; what
         # serve owes then is a restart with the same plan, the crash's last lines in its log, and
         # every task answering again.
