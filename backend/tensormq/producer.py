@@ -37,6 +37,13 @@ from blockflow.core.runtime_dir import read_key
 
 _Key = tuple[int, tuple[tuple[int, ...], ...], torch.dtype]  # a reservation's batch, per-sample shapes and dtype
 
+
+def _batch_bytes(key: _Key) -> int:
+    """Bytes of a batch of ``key``'s records, before the slot table's alignment."""
+    batch, shapes, dtype = key
+    return tk.record_offsets(shapes)[-1] * dtype.itemsize * batch
+
+
 # A batch of at most this many samples is followed by its successor's reservation, prepared ahead.
 PREPARE_MAX_BATCH = 1
 
@@ -161,8 +168,7 @@ class Producer:
         if not 1 <= batch <= self.max_samples:
             raise BlockError(f"batch of {batch} is above {self.name}'s TensorMQ limit of {self.max_samples} samples")
         key = (batch, tuple(tuple(s) for s in shapes), dtype)
-        offsets = tk.record_offsets(shapes)
-        nbytes = offsets[-1] * dtype.itemsize * batch
+        nbytes = _batch_bytes(key)
         deadline = time.monotonic() + self.wait_s
         with self._cond:
             ready = self._take_ready_locked(key)
@@ -268,8 +274,7 @@ class Producer:
             key = self._next_key
             if key is None:
                 continue
-            batch, shapes, dtype = key
-            nbytes = tk.record_offsets(shapes)[-1] * dtype.itemsize * batch
+            nbytes = _batch_bytes(key)
             with self._cond:
                 if self._closing.is_set() or (self._ready is not None and self._ready.key == key):
                     continue
@@ -278,7 +283,7 @@ class Producer:
                 if 2 * (len(self.table.live) + 1) > self.table.max_slots or 2 * (self.table.bytes_in_use + nbytes) > self.table.capacity:
                     continue
                 # No lease while it waits to be taken (an idle block keeps it); it starts when taken.
-                slot = self.table.allocate(nbytes, batch, float("inf"))
+                slot = self.table.allocate(nbytes, key[0], float("inf"))
                 if slot is None:
                     continue
                 r = self._reservation_locked(slot, key)
