@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -24,6 +25,16 @@ from blockflow.core.runtime_dir import read_key
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
 RELEASE_EVENTS = 64
+
+
+def _ticket_bytes(raw: torch.Tensor | np.ndarray[Any, Any]) -> bytes:
+    """The bytes of a batch of tickets, which must be uint8 ``[batch, 256]``."""
+    wrong = (raw.dtype != torch.uint8 or raw.dim() != 2) if isinstance(raw, torch.Tensor) else (raw.dtype != np.uint8 or raw.ndim != 2)
+    if wrong or raw.shape[1] != tk.TICKET_BYTES:
+        raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
+    if isinstance(raw, torch.Tensor):
+        raw = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy()
+    return raw.tobytes()  # row-major whatever the array's strides
 
 
 @dataclass
@@ -145,29 +156,29 @@ class Consumer:
         r.segment.close()
         r.claims.close()
 
-    def gather(self, raw: torch.Tensor, sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
+    def gather(self, raw: torch.Tensor | np.ndarray[Any, Any], sample_shape: tuple[int, ...], stream: int) -> tuple[torch.Tensor, list[Release]]:
         """:meth:`gather_tensors` for a hop of one tensor."""
         views, releases = self.gather_tensors(raw, (sample_shape,), stream)
         return views[0], releases
 
-    def gather_tensors(self, raw: torch.Tensor, shapes: Sequence[tuple[int, ...]], stream: int) -> tuple[list[torch.Tensor], list[Release]]:
-        """Views of the samples that ``raw`` (uint8 ``[n, 256]``) names: one ``[n, *shape]`` tensor per
-        entry of ``shapes`` (several: the tickets name records of those tensors).
+    def gather_tensors(self, raw: torch.Tensor | np.ndarray[Any, Any], shapes: Sequence[tuple[int, ...]],
+                       stream: int) -> tuple[list[torch.Tensor], list[Release]]:
+        """Views of the samples that ``raw`` (uint8 ``[n, 256]``, a tensor or a host array) names: one
+        ``[n, *shape]`` tensor per entry of ``shapes`` (several: the tickets name records of those tensors).
 
         The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event.
         Returns the tensors and the releases to send once the GPU work reading them is done.
         """
         offsets = tk.record_offsets(shapes)
         sample_shape, layout = (tuple(shapes[0]), 0) if len(shapes) == 1 else ((offsets[-1],), tk.layout_id(shapes))
-        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != tk.TICKET_BYTES:
-            raise TicketError(f"tickets must be uint8 [batch, {tk.TICKET_BYTES}]; got {raw.dtype} {list(raw.shape)}")
-        data = (raw if raw.device.type == "cpu" and raw.is_contiguous() else raw.cpu().contiguous()).numpy().tobytes()
+        data = _ticket_bytes(raw)
+        count = int(raw.shape[0])
         parts: list[torch.Tensor] = []
         seen: list[Release] = []  # every ticket this request claimed, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
         run_start: tuple[_Remote, tk.Ticket, int] | None = None
         try:
-            for i in range(raw.shape[0]):
+            for i in range(count):
                 t = tk.decode(data[i * tk.TICKET_BYTES:(i + 1) * tk.TICKET_BYTES], self.key)
                 if self.accepts is not None and t.model not in self.accepts:
                     self.stats.refused_tickets += 1
@@ -207,7 +218,7 @@ class Consumer:
             # What this request claimed is still released, so a bad request leaks no slots.
             self.release_now(seen)
             raise
-        self.stats.tickets += raw.shape[0]
+        self.stats.tickets += count
         batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
         if len(shapes) == 1:
             return [batch], seen

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -178,7 +179,9 @@ def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime
         for b in range(6):
             here.send("batch")
             tickets = here.recv()
-            x, releases = consumer.gather(_tickets(tickets), (4, 5), stream=0)
+            # A block takes tickets as the stub holds them, a NumPy array; a torch tensor works too.
+            raw = _tickets(tickets) if b % 2 else np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(-1, 256)
+            x, releases = consumer.gather(raw, (4, 5), stream=0)
             assert torch.equal(x, torch.arange(60, dtype=torch.float32).view(3, 4, 5) + 100 * b)
             assert len(releases) == 3 and x.data_ptr() == consumer._remotes[(t0 := tk.decode(tickets[0], consumer.key)).producer, t0.generation].segment.tensor.data_ptr() + t0.offset  # a zero-copy view
             consumer.release_now(releases)
@@ -391,6 +394,10 @@ def test_signed_but_out_of_bounds_or_misshaped_tickets_fail_alone(runtime: Path)
             consumer.gather(_tickets([good[0]]), (5, 4), 0)
         with pytest.raises(TicketError, match="uint8"):
             consumer.gather(torch.zeros(1, 255, dtype=torch.uint8), (4, 5), 0)
+        with pytest.raises(TicketError, match="uint8"):
+            consumer.gather(np.zeros((1, 128), dtype=np.uint16), (4, 5), 0)
+        with pytest.raises(TicketError, match="uint8"):
+            consumer.gather(np.zeros(256, dtype=np.uint8), (4, 5), 0)
         consumer.flush()
         time.sleep(0.2)
         # The claimed ticket of the failed request was released; the misshaped one was never
