@@ -130,7 +130,7 @@ def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], ite
             raise RuntimeError("the producer process did not start")
         for i in range(iters + 50):
             here.send("go")
-            # As a block takes them from the stub: a NumPy array (backend/model.py, ``_input``).
+            # As a block reads them: into a NumPy array (backend/model.py, ``_input``).
             raw = np.frombuffer(here.recv(), dtype=np.uint8).reshape(batch, TICKET_BYTES)
             if profile is not None and i >= 50:
                 profile.enable()

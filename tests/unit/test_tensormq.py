@@ -179,7 +179,7 @@ def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime
         for b in range(6):
             here.send("batch")
             tickets = here.recv()
-            # A block takes tickets as the stub holds them, a NumPy array; a torch tensor works too.
+            # A block reads its tickets into a NumPy array (numpy.from_dlpack); a torch tensor works too.
             raw = _tickets(tickets) if b % 2 else np.frombuffer(b"".join(tickets), dtype=np.uint8).reshape(-1, 256)
             x, releases = consumer.gather(raw, (4, 5), stream=0)
             assert torch.equal(x, torch.arange(60, dtype=torch.float32).view(3, 4, 5) + 100 * b)
