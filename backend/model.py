@@ -37,6 +37,7 @@ from blockflow.backend.tensormq.producer import PoolExhaustedError, Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
+from blockflow.core.activity import ActivityStamp
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import (
     ACTIVATION_IN,
@@ -106,6 +107,15 @@ class TritonPythonModel:
         logits_on_gpu = os.environ.get(env.LOGITS_ON_GPU) == "1"
         self.to_host = self.device.type == "cuda" and (spec.transport == "triton-cpu" or (spec.gives_logits and not logits_on_gpu))
         self.logger = pb_utils.Logger
+        # Under --warm-cores-ms: each execute tells the server's CPU pollers that requests are flowing.
+        stamp = os.environ.get(env.ACTIVITY_FILE)
+        self.activity: ActivityStamp | None = None
+        if stamp:
+            try:
+                self.activity = ActivityStamp(Path(stamp), writable=True)
+            except (OSError, ValueError) as exc:  # the pollers then sleep: slower, never wrong
+                self.logger.log_warn(f"blockflow: {args['model_name']}: {env.ACTIVITY_FILE}={stamp} unusable ({exc}); "
+                                     "the server's CPU pollers will not see this block's requests")
         directory = trace_dir()
         self.tracer = Tracer(directory, args["model_name"], args["model_instance_name"], self.device) if directory else None
         if self.tracer is not None:
@@ -209,6 +219,8 @@ class TritonPythonModel:
         return xs
 
     def execute(self, requests: list[Any]) -> list[Any]:
+        if self.activity is not None:
+            self.activity.touch()
         if self.tracer is None:
             return self._execute(requests)
         self.tracer.begin()
@@ -366,6 +378,8 @@ class TritonPythonModel:
         return [torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))]
 
     def finalize(self) -> None:
+        if self.activity is not None:
+            self.activity.close()
         if self.tracer is not None:
             self.tracer.close()
         if self.monitor is not None:

@@ -15,9 +15,9 @@ measured under ``--conditions``, switched in turns on one server:
 - ``cpus=LIST``: every thread of the server and its stubs pinned to LIST (a wake-up on a busy
   or the same CPU needs no inter-processor interrupt, which in a VM also costs a VM exit);
 - ``warm-cpus``: one busy loop per CPU at ``SCHED_IDLE`` priority (any other thread preempts it at
-  once): no core ever idles, so a VM's vCPU never halts and gives its physical core back to the
-  host between requests. Not a setting to deploy (it burns every core); it says how much of the
-  floor is the cost of waking an idle core;
+  once; :mod:`blockflow.triton.warm_cores` without its window): no core ever idles, so a VM's vCPU
+  never halts and gives its physical core back to the host between requests. It says how much of
+  the floor is the cost of waking an idle core;
 - ``cpu-latency``: this process holding ``/dev/cpu_dma_latency`` at 0, the kernel's PM QoS
   request that keeps cores out of deep C-states (needs root; no effect without a cpuidle driver).
 
@@ -37,8 +37,6 @@ import json
 import os
 import statistics
 import struct
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -55,6 +53,7 @@ from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import model_stats
 from blockflow.triton.process_group import group_members, stat_fields
 from blockflow.triton.server import ServerOptions, TritonServer
+from blockflow.triton.warm_cores import WarmCores
 
 TICKET = 256
 STEPS = (1, 4)
@@ -174,14 +173,6 @@ def pin(pgid: int, cpus: set[int]) -> None:
                 os.sched_setaffinity(int(tid), cpus)
 
 
-SPINNER = """import os
-os.sched_setaffinity(0, {{{cpu}}})
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-while True:
-    pass
-"""
-
-
 @contextlib.contextmanager
 def condition(name: str, pgid: int, all_cpus: set[int]) -> Iterator[bool]:
     """The server under one condition (see the module's docstring); yields whether it could be set."""
@@ -195,13 +186,12 @@ def condition(name: str, pgid: int, all_cpus: set[int]) -> Iterator[bool]:
         finally:
             pin(pgid, all_cpus)
     elif name == "warm-cpus":
-        spinners = [subprocess.Popen([sys.executable, "-c", SPINNER.format(cpu=cpu)]) for cpu in sorted(all_cpus)]
+        spinners = WarmCores(None, cpus=all_cpus)
+        spinners.start()
         try:
             yield True
         finally:
-            for proc in spinners:
-                proc.kill()
-                proc.wait()
+            spinners.stop()
     elif name == "cpu-latency":
         try:
             f = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115  # held across the yield

@@ -170,6 +170,7 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
 
 def write_report(res: dict[str, Any], out: Path) -> None:
     meta = res["meta"]
+    warm = f"{meta['warm_cores_ms']:g} ms" if meta.get("warm_cores_ms") else "off"  # blockflow.triton.warm_cores
     L: list[str] = [f"# BlockFlow benchmark — {meta['device']}", "",
                     f"Plan `{meta['plan']}` ({meta['plan_name']}), task `{res['task']}` = {' → '.join(res['path'])}; "
                     f"{meta['date']} on {meta['host']}; GPUs: {', '.join(meta['gpus']) or 'none'}; torch {meta['torch']}"
@@ -177,7 +178,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     f"Commit {meta.get('commit', '?')}; blocks and monolithic references in **{meta.get('precision', 'fp32')}** "
                     f"(references: {meta.get('reference_precision', 'fp32')}); client inputs: **{meta.get('input', 'host')}**"
                     f"{' (perf_analyzer --shared-memory cuda)' if meta.get('input') == 'cuda-shm' else ' memory, in the request'}; "
-                    f"MPS {'on' if meta.get('mps') else 'off'}; each figure the median of {meta.get('repeats', 1)} perf_analyzer "
+                    f"MPS {'on' if meta.get('mps') else 'off'}; warm cores {warm}; each figure the median of {meta.get('repeats', 1)} perf_analyzer "
                     "run(s)" + (" ± half their range" if meta.get("repeats", 1) > 1 else "") + ".", "",
                     "Every row was measured in one server, one after the other (compare within this report only). "
                     "Latencies are perf_analyzer's (HTTP, binary tensors) unless noted.", ""]

@@ -54,6 +54,7 @@ class BenchConfig:
     gpu_layouts: list[int] = field(default_factory=lambda: [2, 4])  # 1 GPU is the main run itself
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
     mps: bool = False  # serve under a private MPS daemon (blockflow.triton.mps)
+    warm_cores_ms: float = 0.0  # keep the CPUs out of idle after each block call (blockflow.triton.warm_cores)
     repeats: int = 3  # perf_analyzer runs per figure: the median is reported, with the runs' spread
     input: str = "host"  # how perf_analyzer sends inputs: "host" (in the request) or "cuda-shm"
     precision: str | None = None  # every block in this precision instead of the plan's
@@ -179,7 +180,7 @@ class Bench:
 
     def _serve(self, plan: Plan) -> TritonServer:
         repo = rendered(plan, "blockflow-bench-")
-        server = TritonServer(ServerOptions.on_free_ports([repo], mps=self.cfg.mps))
+        server = TritonServer(ServerOptions.on_free_ports([repo], mps=self.cfg.mps, warm_cores_ms=self.cfg.warm_cores_ms))
         server.start(900)
         return server
 
@@ -244,7 +245,7 @@ class Bench:
                 # Like with like: the split and its monolithic references in one precision, one input path.
                 "precision": self.plan.task_precision(self.task),
                 "reference_precision": self.plan.task_precision(self.task),
-                "mps": self.cfg.mps, "input": self.cfg.input, "repeats": self.cfg.repeats,
+                "mps": self.cfg.mps, "warm_cores_ms": self.cfg.warm_cores_ms, "input": self.cfg.input, "repeats": self.cfg.repeats,
                 "cuda_graphs": sorted({self.plan.blocks[b].cuda_graphs for b in self.task.path}),
                 "complete": False}
 

@@ -43,6 +43,9 @@ log = logging.getLogger("blockflow.serve")
               help="Where the control service keeps the last plans (default: the runtime dir).")
 @click.option("--mps", is_flag=True, help="Run the block processes under a private NVIDIA MPS daemon, so blocks' "
               "kernels share the GPU concurrently (more throughput under load; see README, Benchmarks).")
+@click.option("--warm-cores-ms", type=click.FloatRange(0), default=0.0, show_default=True, metavar="MS",
+              help="Keep every CPU of the server out of idle for MS after each block call (pollers at SCHED_IDLE "
+                   "priority): lower latency at low load for the CPU time of idle cores; 0 is off. See docs/deploy.md.")
 @click.option("--weights-dir", "weights_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
               help="A directory plans posted to the control service may read weights files from (repeatable; "
                    "default: the served plan's directory).")
@@ -55,7 +58,7 @@ log = logging.getLogger("blockflow.serve")
 @TRITON_HOME
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
-          mps: bool, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...]) -> None:
+          mps: bool, warm_cores_ms: float, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...]) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
@@ -70,8 +73,8 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         raise click.BadParameter(str(exc), param_hint="--tritonserver-arg") from None
     token = _control_token(token_file) if control_port else ""
     service = Service(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
-                                   control_port, token, token_file, state_dir, mps, list(weights_dirs), load_timeout,
-                                   list(tritonserver_args)),
+                                   control_port, token, token_file, state_dir, mps, warm_cores_ms, list(weights_dirs),
+                                   load_timeout, list(tritonserver_args)),
                       say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
         for w in service.plan.warnings():

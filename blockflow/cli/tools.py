@@ -21,6 +21,8 @@ from blockflow.core.shipped import shipped
 @click.option("--sections", default=None, help="Comma-separated subset of: batch, concurrency, rate, clients, gpus (default: all).")
 @click.option("--concurrency", "concurrencies", default=None, help="Comma-separated concurrency levels (default 1,4,16,32).")
 @click.option("--mps", is_flag=True, help="Serve under a private NVIDIA MPS daemon (as `blockflow serve --mps`).")
+@click.option("--warm-cores-ms", type=click.FloatRange(0), default=0.0, show_default=True, metavar="MS",
+              help="Keep the server's CPUs out of idle for MS after each block call (as `blockflow serve --warm-cores-ms`).")
 @click.option("--repeats", type=click.IntRange(1, 20), default=None,
               help="perf_analyzer runs per figure; the report gives their median and spread (default 3; 1 with --quick).")
 @click.option("--input", "input_memory", type=click.Choice(["host", "cuda-shm"]), default="host", show_default=True,
@@ -28,12 +30,13 @@ from blockflow.core.shipped import shipped
 @click.option("--precision", type=click.Choice(["fp32", "tf32", "fp16", "bf16"]), default=None,
               help="Every block, and the monolithic references, in this precision instead of the plan's.")
 def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: str | None, concurrencies: str | None,
-          mps: bool, repeats: int | None, input_memory: str, precision: str | None) -> None:
+          mps: bool, warm_cores_ms: float, repeats: int | None, input_memory: str, precision: str | None) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
     from blockflow.bench.suite import SECTIONS, BenchConfig, run_bench
 
     cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
     cfg.mps = mps
+    cfg.warm_cores_ms = warm_cores_ms
     cfg.input = input_memory
     cfg.precision = precision
     if repeats is not None:

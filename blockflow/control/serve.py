@@ -53,6 +53,7 @@ class ServeOptions:
     token_file: Path | None = None  # where the token is kept; default: <runtime dir>/control.token, written here
     state_dir: Path | None = None  # default: <runtime dir>/plans
     mps: bool = False
+    warm_cores_ms: float = 0.0  # keep the CPUs out of idle this long after each block execute (blockflow.triton.warm_cores)
     weights_dirs: list[Path] = field(default_factory=list)  # default: the plan's directory
     load_timeout: float = 300.0  # one model load during a plan change or a block reload
     tritonserver_args: list[str] = field(default_factory=list)  # passed through (checked: triton.flags.check_extra_args)
@@ -94,7 +95,7 @@ class Service:
         self.files = generator.render(self.plan)
         o = options
         self.server = TritonServer(ServerOptions([self.repository], o.host, o.http_port, o.grpc_port, o.metrics_port,
-                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, extra_args=list(o.tritonserver_args)),
+                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, warm_cores_ms=o.warm_cores_ms, extra_args=list(o.tritonserver_args)),
                                    runtime_dir=self.runtime)
         self.lock = threading.Lock()  # one plan change at a time; the supervisor waits for it
         self.controller: Controller | None = None

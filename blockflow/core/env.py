@@ -19,6 +19,7 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
             <producer id:016x>-<generation:08x>.sock
             <producer id:016x>-<generation:08x>.claims
         stages/              built block parts kept for the next process that needs them (blockflow.backend.stage_cache)
+        activity             the last execute's time, with --warm-cores-ms (blockflow.core.activity)
 
 POSIX shared memory under ``/dev/shm`` carries the runtime directory's name, so one server's
 leftovers are found and removed without touching another's: :func:`stub_shm_prefix` (Triton's
@@ -32,6 +33,7 @@ from pathlib import Path
 # -- set by `blockflow serve` for tritonserver and its stubs
 RUNTIME_DIR = "BLOCKFLOW_RUNTIME_DIR"  # the server's runtime directory (above)
 PYTHONPATH = "BLOCKFLOW_PYTHONPATH"  # roots every generated model.py puts on sys.path (the stub ignores PYTHONPATH)
+ACTIVITY_FILE = "BLOCKFLOW_ACTIVITY_FILE"  # --warm-cores-ms: blocks stamp this file at each execute (blockflow.core.activity)
 # -- set by the operator (or a benchmark)
 TRITON_HOME = "BLOCKFLOW_TRITON_HOME"  # another tritonserver directory of the nvidia-pytriton layout
 TRACE_DIR = "BLOCKFLOW_TRACE_DIR"  # block processes append JSON lines of their life cycle here
@@ -59,6 +61,7 @@ PLANS_DIR = "plans"
 TMQ_KEY_FILE = "tmq.key"
 TMQ_DIR = "tmq"
 STAGE_CACHE_DIR = "stages"
+ACTIVITY_STAMP = "activity"
 
 
 def producer_socket(runtime_dir: Path, producer_id: int, generation: int) -> Path:

@@ -56,6 +56,7 @@ from blockflow.triton.process_group import (
     reap_orphans,
     stubs_by_model,
 )
+from blockflow.triton.warm_cores import WarmCores
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class ServerOptions:
     cuda_pool_mb: int = CUDA_POOL_MB
     # Run the block processes as clients of a private MPS daemon (see blockflow.triton.mps).
     mps: bool = False
+    # Keep the server's CPUs out of idle for this long after each block execute; 0: off
+    # (see blockflow.triton.warm_cores).
+    warm_cores_ms: float = 0.0
     extra_args: Sequence[str] = field(default_factory=list)
     # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
     env: Mapping[str, str] = field(default_factory=dict)
@@ -164,6 +168,7 @@ class TritonServer:
         self.log_path = self.runtime_dir / env.SERVER_LOG
         self.process: subprocess.Popen[bytes] | None = None
         self.mps = MpsDaemon(self.runtime_dir / "mps") if options.mps else None
+        self.warm_cores = WarmCores(self.runtime_dir / env.ACTIVITY_STAMP, options.warm_cores_ms) if options.warm_cores_ms > 0 else None
         # Set by the watchdog once the server process has exited (and been reaped), for any reason.
         self.exited = threading.Event()
         self._stopping = False
@@ -231,16 +236,21 @@ class TritonServer:
         write_private(self.admin_key_file, self.admin_key)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
-        if self.mps is not None:
-            self.mps.start()
-            env.update(self.mps.env)
+        if self.warm_cores is not None:
+            self.warm_cores.start()
+            env.update(self.warm_cores.env)
         logfile = self.log_path.open("wb")
         try:
+            if self.mps is not None:
+                self.mps.start()
+                env.update(self.mps.env)
             self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, start_new_session=True, preexec_fn=die_with_parent)
         except BaseException:
             if self.mps is not None:
                 self.mps.stop()
+            if self.warm_cores is not None:
+                self.warm_cores.stop()
             raise
         finally:
             logfile.close()
@@ -327,6 +337,8 @@ class TritonServer:
         if proc is None:
             if self.mps is not None:
                 self.mps.stop()
+            if self.warm_cores is not None:
+                self.warm_cores.stop()
             return
         self._stopping = True
         if proc.poll() is None:
@@ -350,6 +362,8 @@ class TritonServer:
         self.process = None
         if self.mps is not None:
             self.mps.stop()  # after every client (stub) is gone
+        if self.warm_cores is not None:
+            self.warm_cores.stop()
         if self._own_runtime:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from blockflow.core import env
+from blockflow.core.activity import ActivityStamp
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton.process_group import group_members, stat_fields
@@ -70,7 +72,7 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
     said: list[str] = []
     service = Service(ServeOptions(plan, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                    control_port=free_port(), token=token, state_dir=tmp_path / "plans",
-                                   tritonserver_args=["--log-format=ISO8601"]), say=said.append)
+                                   warm_cores_ms=20, tritonserver_args=["--log-format=ISO8601"]), say=said.append)
     runtime = service.runtime
     try:
         service.start()
@@ -79,8 +81,16 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
             service.server.log_path.read_text()[:300]
         assert service.control is not None and service.token_path is not None
         assert service.token_path.read_text().strip() == token and service.token_path.stat().st_mode & 0o077 == 0
+        # --warm-cores-ms: a poller per CPU, and the block stamps its execute for them.
+        assert service.server.warm_cores is not None
+        pollers = [p.pid for p in service.server.warm_cores.processes]
+        assert len(pollers) == len(os.sched_getaffinity(0))
+        stamp = ActivityStamp(runtime / env.ACTIVITY_STAMP, writable=False)
+        assert stamp.last() == 0
         with TaskClient(service.server.http_url) as client:
             assert client.infer("only", np.zeros((2, 3, 32, 32), np.float32)).shape == (2, 10)
+        assert 0 < time.monotonic_ns() - stamp.last() < 30e9
+        stamp.close()
         r = httpx.get(f"{service.control.url}/status", headers={"Authorization": f"Bearer {token}"}, timeout=30)
         assert r.status_code == 200 and r.json()["plan"] == "one-block", r.text
         stop = threading.Event()
@@ -95,6 +105,7 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
         service.stop()
     assert not runtime.exists()
     assert pgid is not None and list(group_members(pgid)) == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pollers)
 
 
 def test_serve_refuses_a_plan_for_gpus_this_machine_lacks(tmp_path: Path) -> None:
