@@ -4,9 +4,8 @@ Eight bytes in a file (0600) in the server's runtime directory, mapped by every 
 reader: the time of the block's last ``execute`` as ``CLOCK_MONOTONIC`` nanoseconds, which all
 processes of one machine share. Block processes write it (``BLOCKFLOW_ACTIVITY_FILE`` names
 the file); the warm-core pollers of ``blockflow serve --warm-cores-ms`` read it
-(:mod:`blockflow.triton.warm_cores`). An aligned 8-byte store is one instruction on the
-machines this runs on, and a torn read would only make a poller spin a little longer or
-shorter, so the stamp needs no lock.
+(:mod:`blockflow.triton.warm_cores`). The stamp is written and read as one aligned 8-byte word,
+so it needs no lock; a poller still looks twice before it takes a stamp for stale.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import struct
 import time
 from pathlib import Path
 
-_STAMP = struct.Struct("<q")
+_STAMP = struct.Struct("q")
 
 
 class ActivityStamp:
@@ -29,23 +28,32 @@ class ActivityStamp:
             self._map = mmap.mmap(fd, _STAMP.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         finally:
             os.close(fd)
+        # Through a memoryview of native int64: one 8-byte memcpy each way, so one load or store.
+        # Not struct.pack_into: it zero-fills the bytes before it writes them, and pollers read
+        # that zero (a stamp from 1970) many times a second.
+        self._word = memoryview(self._map).cast("q")
 
     @staticmethod
     def create(path: Path) -> None:
-        """A new stamp file that says "never" (0), private to this user."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        """The stamp file, private to this user, saying "never" (0).
+
+        Rewritten in place, never truncated: blocks of a running server may have it mapped, and
+        a mapped page past the end of a file raises SIGBUS in the process that touches it.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.write(fd, _STAMP.pack(0))
+            os.pwrite(fd, _STAMP.pack(0), 0)
         finally:
             os.close(fd)
 
     def touch(self) -> None:
-        """Say "active now" (~1 µs)."""
-        _STAMP.pack_into(self._map, 0, time.monotonic_ns())
+        """Say "active now" (~0.2 µs)."""
+        self._word[0] = time.monotonic_ns()
 
     def last(self) -> int:
         """When the stamp was last touched, ``time.monotonic_ns()``-style (0: never)."""
-        return int(_STAMP.unpack_from(self._map, 0)[0])
+        return int(self._word[0])
 
     def close(self) -> None:
+        self._word.release()
         self._map.close()
