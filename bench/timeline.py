@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.harness import device_name, rendered
+from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.suite import block_breakdown, delta, model_stats, task_models
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.plan import load_plan
@@ -110,9 +110,10 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
 
 
 def write_report(res: dict[str, Any], path: Path) -> None:
+    warm = f"{res['warm_cores_ms']:g} ms" if res.get("warm_cores_ms") else "off"
     L = [f"# Request anatomy — {res['device']}", "",
-         f"Plan `{res['plan']}`, task `{res['task']}`; {res['requests']} sequential batch-1 HTTP requests per model "
-         "after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
+         f"Plan `{res['plan']}`, task `{res['task']}`, commit {res.get('commit', '?')}; warm cores {warm}; "
+         f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's return → the next block's entry; *gpu* = CUDA events "
          "around the block's own kernels; *read:X*, *run:X* = steps inside a phase (TensorMQ: *read:input* the "
@@ -144,6 +145,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warm-cores-ms", type=float, default=0.0,
+                    help="keep the CPUs out of idle this long after each block call (as blockflow serve --warm-cores-ms)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plan = load_plan(args.plan)
@@ -153,7 +156,8 @@ def main() -> None:
     repo = rendered(plan, "bench-timeline-")
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
     runs: dict[str, Any] = {}
-    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)})  # every block process traces its calls
+    # Every block process traces its calls.
+    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)}, warm_cores_ms=args.warm_cores_ms)
     with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)
@@ -161,7 +165,8 @@ def main() -> None:
             runs[label]["triton"] = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"], 1)
             print(f"[timeline] {label}: {args.requests} requests", flush=True)
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
-    res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests, "models": {}}
+    res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests,
+                           "warm_cores_ms": args.warm_cores_ms, "commit": commit(), "models": {}}
     for label, m in models.items():
         stages = m["blocks"] or [m["model"]]
         a = anatomy(runs[label]["times"], stages, traces)
