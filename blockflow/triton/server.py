@@ -239,6 +239,8 @@ class TritonServer:
         if self.warm_cores is not None:
             self.warm_cores.start()
             env.update(self.warm_cores.env)
+            log.info("warm cores: %d pollers at SCHED_IDLE keep CPUs %s out of idle for %g ms after each block call",
+                     len(self.warm_cores.cpus), ",".join(map(str, self.warm_cores.cpus)), o.warm_cores_ms)
         logfile = self.log_path.open("wb")
         try:
             if self.mps is not None:
