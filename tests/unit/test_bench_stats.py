@@ -113,3 +113,30 @@ def test_a_run_cut_short_still_gives_a_report_that_says_so(tmp_path: Path) -> No
     assert "Incomplete run" in report and "Concurrency (Fig 4.11)" in report and "Offered load" not in report
     write_report(full, tmp_path)  # a finished run (and results files from before the flag) says nothing of the kind
     assert "Incomplete run" not in (tmp_path / "report.md").read_text()
+
+
+def test_load_anatomy_reads_phases_per_execution_and_each_block_window() -> None:
+    from blockflow.bench.load_anatomy import block_window, phases_per_execution
+
+    # 4 executions of 2 requests: batch_stats count each execution once in every phase.
+    before = {"executions": 1, "inferences": 1, "queue_ns": 0, **{f"{k}_{u}": 0 for k in ("compute_input", "compute_infer", "compute_output")
+                                                                       for u in ("ns", "n")}}
+    after = {"executions": 5, "inferences": 9, "queue_ns": 8_000_000, "compute_input_ns": 8_000_000, "compute_input_n": 4,
+             "compute_infer_ns": 4_000_000, "compute_infer_n": 4, "compute_output_ns": 400_000, "compute_output_n": 4}
+    p = phases_per_execution(after, before)
+    assert p["samples_per_execution"] == 2.0 and p["queue_ms_per_request"] == 1.0
+    assert (p["compute_input_ms"], p["compute_infer_ms"], p["compute_output_ms"]) == (2.0, 1.0, 0.1)
+
+    ms = 1_000_000
+    # Two processes of one block; calls at 0-2 ms and 5-6 ms in one, 1-2 ms in the other; one call outside the window.
+    calls = [{"kind": "execute", "n": 2, "t": [0, ms // 2, ms, 2 * ms], "laps": [["run:graph", ms]], "process": "a"},
+             {"kind": "execute", "n": 4, "t": [5 * ms, 5 * ms, 5 * ms, 6 * ms], "process": "a", "gpu_ms": 0.5},
+             {"kind": "execute", "n": 3, "t": [ms, ms, ms, 2 * ms], "process": "b"},
+             {"kind": "execute", "n": 9, "t": [20 * ms, 20 * ms, 20 * ms, 21 * ms], "process": "a"},
+             {"kind": "memory", "t": ms}]
+    w = block_window(calls, 0, 10 * ms)
+    assert w["calls_per_s"] == 300.0 and w["samples_per_call"] == 3.0
+    assert abs(w["busy"] - 0.4) < 1e-9  # 4 ms of calls in a 10 ms window
+    assert w["gap_ms"] == 3.0  # within process a only: 2 ms -> 5 ms
+    assert w["run:graph_ms"] == 0.5 and w["execute_ms"] == 1.0 and w["gpu_ms"] == 0.5
+    assert block_window(calls, 30 * ms, 40 * ms) == {}
