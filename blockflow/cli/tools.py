@@ -26,7 +26,8 @@ from blockflow.core.shipped import shipped
 @click.option("--repeats", type=click.IntRange(1, 20), default=None,
               help="perf_analyzer runs per figure; the report gives their median and spread (default 3; 1 with --quick).")
 @click.option("--input", "input_memory", type=click.Choice(["host", "cuda-shm"]), default="host", show_default=True,
-              help="How inputs reach the server: in the request, or CUDA shared memory (perf_analyzer --shared-memory cuda).")
+              help="How inputs reach the server: in the request, or CUDA shared memory (perf_analyzer --shared-memory cuda, "
+                   "which takes the outputs through CUDA shared memory too).")
 @click.option("--precision", type=click.Choice(["fp32", "tf32", "fp16", "bf16"]), default=None,
               help="Every block, and the monolithic references, in this precision instead of the plan's.")
 def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: str | None, concurrencies: str | None,
