@@ -86,7 +86,6 @@ class _Shared:
     input_memory: Literal["host", "cuda"]
     device: int
     _mod: Any
-    _region: Any
 
     def _setup(self, url: str, protocol: Protocol, timeout_s: float, input_memory: str, device: int) -> None:
         if input_memory not in ("host", "cuda"):
@@ -94,15 +93,14 @@ class _Shared:
         self.url, self.protocol, self.timeout_s, self.device = url, protocol, timeout_s, device
         self.input_memory = input_memory  # type: ignore[assignment]
         self._mod = _module(protocol)
-        self._region = None
 
     def _request(self, task: str, images: Any, headers: dict[str, str] | None, request_id: str, priority: int,
-                 timeout_s: float | None, registrar: Any) -> _Request:
-        """The call's arguments: the image input (in the request, or in the CUDA region), the wanted
-        output, and Triton's options: its own timeout in microseconds (and, over gRPC, the
+                 timeout_s: float | None, region: CudaInputRegion | None = None) -> _Request:
+        """The call's arguments: the image input (in the request, or written into ``region``), the
+        wanted output, and Triton's options: its own timeout in microseconds (and, over gRPC, the
         client's deadline), the priority, the request id, the headers."""
-        if self.input_memory == "cuda":
-            inp = self._cuda_input(images, registrar)
+        if region is not None:
+            inp = self._cuda_input(images, region)
         else:
             x = _check_images(images)
             inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
@@ -115,23 +113,18 @@ class _Shared:
             kwargs["client_timeout"] = timeout_s if timeout_s is not None else self.timeout_s
         return _Request((task, [inp]), kwargs)
 
-    def _cuda_input(self, images: Any, registrar: Any) -> Any:
+    @staticmethod
+    def _image_bytes(images: Any) -> int:
         shape = list(images.shape)
         if len(shape) != 4 or shape[1] != 3:
             raise ClientError(f"images must be [batch, 3, H, W]; got shape {shape}")
-        nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
-        if self._region is None or self._region.byte_size < nbytes:
-            self._close_region()
-            self._region = CudaInputRegion(registrar, region_name(), nbytes, self.device)
-        self._region.write(images)
-        inp = self._mod.InferInput(IMAGE, shape, "FP32")
-        inp.set_shared_memory(self._region.name, nbytes)
-        return inp
+        return 4 * int(shape[0]) * int(shape[1]) * int(shape[2]) * int(shape[3])
 
-    def _close_region(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+    def _cuda_input(self, images: Any, region: CudaInputRegion) -> Any:
+        nbytes = region.write(images)
+        inp = self._mod.InferInput(IMAGE, list(images.shape), "FP32")
+        inp.set_shared_memory(region.name, nbytes)
+        return inp
 
     def _timed(self, task: str, result: Any, start: float) -> Timed:
         latency = (time.perf_counter() - start) * 1e3
@@ -175,6 +168,19 @@ class TaskClient(_Shared):
                 self._client = self._mod.InferenceServerClient(url)
         except Exception as exc:
             raise ClientError(f"cannot create a {protocol} client for {url}: {exc}") from exc
+        self._region: CudaInputRegion | None = None  # one call at a time: one region, grown when a batch needs more
+
+    def _region_for(self, images: Any) -> CudaInputRegion:
+        nbytes = self._image_bytes(images)
+        if self._region is None or self._region.byte_size < nbytes:
+            self._close_region()
+            self._region = CudaInputRegion(self._client, region_name(), nbytes, self.device)
+        return self._region
+
+    def _close_region(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
 
     def is_ready(self) -> bool:
         try:
@@ -205,7 +211,8 @@ class TaskClient(_Shared):
 
     def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                     priority: int = 0, timeout_s: float | None = None) -> Timed:
-        req = self._request(task, images, headers, request_id, priority, timeout_s, self._client)
+        region = self._region_for(images) if self.input_memory == "cuda" else None
+        req = self._request(task, images, headers, request_id, priority, timeout_s, region)
         start = time.perf_counter()
         try:
             result = self._client.infer(*req.args, **req.kwargs)
@@ -240,6 +247,10 @@ class AsyncTaskClient(_Shared):
 
             self._client = aio.InferenceServerClient(url)
         self._sync: TaskClient | None = None  # registers CUDA regions (a control call, once per region)
+        # Calls run concurrently, and the server reads a request's region while it serves it: each
+        # call in flight writes a region of its own, taken from these and given back when it ends.
+        self._regions: list[CudaInputRegion] = []
+        self._idle: list[CudaInputRegion] = []
 
     async def is_ready(self) -> bool:
         try:
@@ -267,21 +278,41 @@ class AsyncTaskClient(_Shared):
 
     async def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                           priority: int = 0, timeout_s: float | None = None) -> Timed:
-        registrar = None
-        if self.input_memory == "cuda":
-            if self._sync is None:
-                self._sync = TaskClient(self.url, self.protocol, self.timeout_s)
-            registrar = self._sync._client
-        req = self._request(task, images, headers, request_id, priority, timeout_s, registrar)
-        start = time.perf_counter()
+        region = self._take_region(images) if self.input_memory == "cuda" else None
         try:
-            result = await self._client.infer(*req.args, **req.kwargs)
-        except Exception as exc:
-            raise _failure(exc, f"task {task!r}", self.url) from exc
+            req = self._request(task, images, headers, request_id, priority, timeout_s, region)
+            start = time.perf_counter()
+            try:
+                result = await self._client.infer(*req.args, **req.kwargs)
+            except Exception as exc:
+                raise _failure(exc, f"task {task!r}", self.url) from exc
+        finally:
+            if region is not None:
+                self._idle.append(region)  # the server has answered (or given up): nobody reads it now
         return self._timed(task, result, start)
 
+    def _take_region(self, images: Any) -> CudaInputRegion:
+        """An idle region large enough for ``images``, or a new one: at most as many as calls ever ran at once."""
+        nbytes = self._image_bytes(images)
+        fits = [r for r in self._idle if r.byte_size >= nbytes]
+        if fits:
+            region = min(fits, key=lambda r: r.byte_size)
+            self._idle.remove(region)
+            return region
+        if self._idle:  # only smaller ones: replace one rather than keep it
+            small = self._idle.pop()
+            self._regions.remove(small)
+            small.close()
+        if self._sync is None:
+            self._sync = TaskClient(self.url, self.protocol, self.timeout_s)
+        region = CudaInputRegion(self._sync._client, region_name(), nbytes, self.device)
+        self._regions.append(region)
+        return region
+
     async def close(self) -> None:
-        self._close_region()
+        for region in self._regions:
+            region.close()
+        self._regions, self._idle = [], []
         if self._sync is not None:
             self._sync.close()
             self._sync = None

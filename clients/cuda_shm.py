@@ -5,7 +5,8 @@ exactly it), registered with the server under a name; a request then names the r
 of carrying the tensor. The server must run on the same machine and see the same GPU.
 Lifetime: the client owns the memory; :meth:`CudaInputRegion.close` unregisters the region
 first and frees it after, so the server never holds a handle to freed memory. A region is
-rewritten per request, so one region serves one request at a time (use one per thread).
+rewritten per request and the server reads it while it serves that request, so one region
+serves one request at a time: ``TaskClient`` keeps one, ``AsyncTaskClient`` one per call in flight.
 
     with TaskClient("127.0.0.1:8000", input_memory="cuda") as c:   # numpy or torch CUDA images
         logits = c.infer("cls_a", images)

@@ -122,3 +122,31 @@ def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str, task: str)
         regions = th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status()
         assert len(regions) == 1 and regions[0]["byte_size"] == 8 * 3 * 224 * 224 * 4
     assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # unregistered on close
+
+
+def test_concurrent_async_cuda_inputs_each_get_their_own_answer(gpu_server: str) -> None:
+    """Calls in flight together on one AsyncTaskClient never share a CUDA region: the server reads
+    a request's region while it serves it, so a shared one would hand a request another's images."""
+    import asyncio
+    from typing import Any
+
+    import tritonclient.http as th
+
+    from blockflow.clients.client import AsyncTaskClient, TaskClient
+
+    xs = [np.random.default_rng(100 + i).standard_normal((1 + i % 3, 3, 224, 224), dtype=np.float32) for i in range(16)]
+    with TaskClient(gpu_server) as host:
+        want = [host.infer("g_fp16", x) for x in xs]
+
+    async def rounds() -> tuple[list[list[Any]], int]:
+        async with AsyncTaskClient(gpu_server, input_memory="cuda") as c:
+            got = [list(await asyncio.gather(*(c.infer("g_fp16", x) for x in xs))) for _ in range(3)]
+            return got, len(th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status())
+
+    got, regions = asyncio.run(rounds())
+    for r, answers in enumerate(got):
+        for i, (g, w) in enumerate(zip(answers, want, strict=True)):
+            # Batched with other requests, a request may run at another batch size than alone (fp16 rounding).
+            assert g.shape == w.shape and rel_err(g, w) <= 1e-2, (r, i, rel_err(g, w))
+    assert 1 <= regions <= len(xs)  # one per call in flight, reused by the later rounds
+    assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # all unregistered on close
