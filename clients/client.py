@@ -288,7 +288,9 @@ class AsyncTaskClient(_Shared):
                 raise _failure(exc, f"task {task!r}", self.url) from exc
         finally:
             if region is not None:
-                self._idle.append(region)  # the server has answered (or given up): nobody reads it now
+                # Answered or failed: free for the next call. (After a client-side timeout the server may
+                # still read it for the abandoned request, whose answer nobody takes.)
+                self._idle.append(region)
         return self._timed(task, result, start)
 
     def _take_region(self, images: Any) -> CudaInputRegion:
