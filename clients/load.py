@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -45,6 +46,7 @@ class LoadSpec:
     rate: float | None = None  # open loop when set (requests per second)
     max_requests: int | None = None
     seed: int = 0
+    input_memory: Literal["host", "cuda"] = "host"  # "cuda": images through CUDA shared-memory regions (AsyncTaskClient)
 
 
 async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out: list[Record]) -> None:  # type: ignore[type-arg]
@@ -64,7 +66,7 @@ async def run_load(spec: LoadSpec, progress: Callable[[int], None] | None = None
     limit = spec.max_requests or 10**12
     t0 = time.perf_counter()
     deadline = t0 + spec.duration_s
-    client = AsyncTaskClient(spec.url, spec.protocol)
+    client = AsyncTaskClient(spec.url, spec.protocol, input_memory=spec.input_memory)
     try:
         if spec.rate is None:
             async def worker(i: int) -> None:

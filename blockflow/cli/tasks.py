@@ -71,11 +71,21 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
 @click.option("--out", "csv_path", type=click.Path(path_type=Path), default=None,
               help="CSV of every request (task, batch, send time, latency, outcome).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--input", "input_memory", type=click.Choice(["host", "cuda"]), default="host", show_default=True,
+              help="How images reach the server: in the request, or through CUDA shared-memory regions on GPU 0 of this "
+                   "machine (one per request in flight; the server must run here and see that GPU). Logits come back in "
+                   "the response either way.")
 @JSON
 def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, rate: float | None, batch: int,
-         duration: float, max_requests: int | None, csv_path: Path | None, seed: int, as_json: bool) -> None:
+         duration: float, max_requests: int | None, csv_path: Path | None, seed: int, input_memory: str, as_json: bool) -> None:
     """Closed-loop clients or open-loop Poisson arrivals over tasks; per-request latencies and a summary."""
     import asyncio
+
+    if input_memory == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--input cuda needs a CUDA GPU on this machine, and torch sees none; use --input host")
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -88,7 +98,8 @@ def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, r
         shapes = {t: client.input_shape(t) for t in tasks}
     if len(set(shapes.values())) > 1:
         raise click.UsageError(f"tasks take different input shapes {shapes}; load them in separate runs")
-    spec = LoadSpec(url, tasks, next(iter(shapes.values())), protocol, batch, duration, clients, rate, max_requests, seed)  # type: ignore[arg-type]
+    spec = LoadSpec(url, tasks, next(iter(shapes.values())), protocol, batch, duration, clients, rate, max_requests, seed,  # type: ignore[arg-type]
+                    input_memory)  # type: ignore[arg-type]
     mode = f"open loop, Poisson λ={rate}/s" if rate else f"closed loop, {clients} client(s)"
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed} requests"),
                   TimeElapsedColumn(), console=err, transient=True) as bar:
@@ -99,11 +110,11 @@ def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, r
     if csv_path is not None:
         write_csv(records, csv_path)
     if as_json:
-        emit({"url": url, "protocol": protocol, "mode": "open" if rate else "closed", "clients": None if rate else clients,
+        emit({"url": url, "protocol": protocol, "input": input_memory, "mode": "open" if rate else "closed", "clients": None if rate else clients,
               "rate": rate, "batch": batch, "seconds": elapsed, "requests": len(records), "csv": str(csv_path) if csv_path else None,
               "tasks": summarize(records, elapsed)})
         return
-    table = Table(title=f"{mode}, batch {batch}, {elapsed:.1f} s ({protocol})")
+    table = Table(title=f"{mode}, batch {batch}, {elapsed:.1f} s ({protocol}{', CUDA shared-memory inputs' if input_memory == 'cuda' else ''})")
     for col in ("task", "requests", "errors", "inferences/s", "p50 ms", "p90 ms", "p99 ms", "mean ms"):
         table.add_column(col, justify="right" if col != "task" else "left")
     for name, s in summarize(records, elapsed).items():

@@ -150,3 +150,14 @@ def test_concurrent_async_cuda_inputs_each_get_their_own_answer(gpu_server: str)
             assert g.shape == w.shape and rel_err(g, w) <= 1e-2, (r, i, rel_err(g, w))
     assert 1 <= regions <= len(xs)  # one per call in flight, reused by the later rounds
     assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # all unregistered on close
+
+
+def test_load_through_cuda_regions(gpu_server: str) -> None:
+    """The load generator's closed loop with CUDA shared-memory inputs: every request answered."""
+    import asyncio
+
+    from blockflow.clients.load import LoadSpec, run_load
+
+    spec = LoadSpec(gpu_server, ["g_fp16"], (3, 224, 224), clients=8, duration_s=30.0, max_requests=64, input_memory="cuda")
+    records = asyncio.run(run_load(spec))
+    assert len(records) >= 64 and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]

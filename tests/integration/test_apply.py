@@ -164,7 +164,7 @@ def test_client_commands_find_the_server_through_its_endpoints_file(live: Live) 
     applied = json.loads(run("apply", str(PLAN_A), "--dry-run", "--json").stdout)
     assert applied.keys() == {"plan", "dry_run", "changes", "steps", "seconds"} and applied["dry_run"] is True
     loaded = json.loads(run("load", "--task", task, "--duration", "1", "--json").stdout)
-    assert loaded["tasks"][task]["requests"] > 0 and loaded["tasks"][task]["errors"] == 0
+    assert loaded["input"] == "host" and loaded["tasks"][task]["requests"] > 0 and loaded["tasks"][task]["errors"] == 0
 
 
 def test_refused_requests_change_nothing(live: Live, tmp_path: Path) -> None:

@@ -35,6 +35,15 @@ def test_validate_and_show_default_plan() -> None:
         assert text in res.stdout, text
 
 
+def test_load_with_cuda_inputs_on_a_machine_without_a_gpu_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; tests/gpu loads through CUDA regions")
+    # Refused before any server is asked: nothing listens on port 1.
+    one_line_error(blockflow("load", "--task", "t", "--url", "127.0.0.1:1", "--input", "cuda"), 2, "--input cuda needs a CUDA GPU")
+
+
 def test_validate_reports_every_problem(tmp_path: Path) -> None:
     plan = tmp_path / "p.yaml"
     text = (ROOT / "plans" / "default.yaml").read_text()
