@@ -33,14 +33,11 @@ from typing import Any
 
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import INPUTS, perf_analyzer
-from blockflow.bench.suite import in_precision, task_models
-from blockflow.bench.timeline import read_traces
+from blockflow.bench.suite import PHASES, delta, in_precision, model_stats, task_models
+from blockflow.bench.timeline import read_traces, step_laps
 from blockflow.core.env import TRACE_DIR
 from blockflow.plan import Plan, load_plan, parse_plan
-from blockflow.triton.api import TritonApi
 from blockflow.triton.server import ServerOptions, TritonServer
-
-PHASES = ("compute_input", "compute_infer", "compute_output")
 
 
 def split_and_graph(plan: Plan, precision: str | None) -> Plan:
@@ -51,28 +48,14 @@ def split_and_graph(plan: Plan, precision: str | None) -> Plan:
     return in_precision(reduced, precision) if precision else reduced
 
 
-def triton_phases(url: str) -> dict[str, dict[str, int]]:
-    """Cumulative counters of every loaded model: executions, inferences, queue and each compute phase."""
-    out = {}
-    for name, m in TritonApi(http_url=url, timeout=30).statistics().items():
-        d = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
-             "queue_ns": int(m["inference_stats"]["queue"]["ns"])}
-        # batch_stats count each execution once (inference_stats once per request in it).
-        for k in PHASES:
-            d[f"{k}_ns"] = sum(int(b[k]["ns"]) for b in m.get("batch_stats", []))
-            d[f"{k}_n"] = sum(int(b[k]["count"]) for b in m.get("batch_stats", []))
-        out[name] = d
-    return out
-
-
-def phases_per_execution(after: dict[str, int], before: dict[str, int]) -> dict[str, float]:
-    """Samples per execution, queue ms per request and each compute phase in ms per execution, between two readings."""
-    d = {k: v - before.get(k, 0) for k, v in after.items()}
+def phases_per_execution(d: dict[str, int]) -> dict[str, float]:
+    """Samples per execution, queue ms per request and each compute phase in ms per execution, from a
+    :func:`~blockflow.bench.suite.delta` of :func:`~blockflow.bench.suite.model_stats`."""
     execs, infers = max(1, d["executions"]), max(1, d["inferences"])
     out = {"executions": float(d["executions"]), "samples_per_execution": d["inferences"] / execs,
            "queue_ms_per_request": d["queue_ns"] / infers / 1e6}
     for k in PHASES:
-        out[f"{k}_ms"] = d[f"{k}_ns"] / max(1, d[f"{k}_n"]) / 1e6
+        out[f"{k}_ms"] = d[f"execution_{k}_ns"] / max(1, d[f"execution_{k}_n"]) / 1e6
     return out
 
 
@@ -92,9 +75,8 @@ def block_window(records: list[dict[str, Any]], t0: int, t1: int) -> dict[str, f
         out[f"{name}_ms"] = _median([(r["t"][b] - r["t"][a]) / 1e6 for r in calls])
     laps: dict[str, list[float]] = {}
     for r in calls:
-        bounds = sorted([*r["t"], *(t for _, t in r.get("laps", []))])
-        for name, t in r.get("laps", []):  # each lap ends a step that began at the boundary before it
-            laps.setdefault(name, []).append((t - max(x for x in bounds if x < t)) / 1e6)
+        for name, ns in step_laps(r):
+            laps.setdefault(name, []).append(ns / 1e6)
     out.update({f"{k}_ms": _median(v) for k, v in laps.items()})
     by_process: dict[str, list[dict[str, Any]]] = {}
     for r in calls:
@@ -161,11 +143,11 @@ def main() -> None:
                 stages = m["blocks"] or [m["model"]]
                 # A window first, so every graph, mapping and pool is warm before the measured one.
                 perf_analyzer(server.http_url, m["model"], shape, 1, 1.0, args.concurrency, input_memory=inp, output_bytes=400_000)
-                before, t0 = triton_phases(server.http_url), time.monotonic_ns()
+                before, t0 = model_stats(server.http_url), time.monotonic_ns()
                 pa = perf_analyzer(server.http_url, m["model"], shape, 1, args.seconds, args.concurrency, input_memory=inp,
                                    output_bytes=400_000)
-                t1, after = time.monotonic_ns(), triton_phases(server.http_url)
-                windows[f"{label}, {inp} inputs"] = (t0, t1, pa, {s: phases_per_execution(after[s], before.get(s, {})) for s in stages}, stages)
+                t1, d = time.monotonic_ns(), delta(model_stats(server.http_url), before)
+                windows[f"{label}, {inp} inputs"] = (t0, t1, pa, {s: phases_per_execution(d[s]) for s in stages}, stages)
                 print(f"[load_anatomy] {label}, {inp}: {pa}", flush=True)
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "precision": plan.task_precision(task),

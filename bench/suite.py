@@ -66,6 +66,9 @@ class BenchConfig:
                    clients=[1, 4], client_seconds=2.0, gpu_layouts=[2], repeats=1)
 
 
+PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's: before the backend's model runs, the run, after it
+
+
 def model_stats(url: str) -> dict[str, dict[str, int]]:
     """Cumulative counts and times of every loaded model of the server at ``url`` (HTTP)."""
     out = {}
@@ -75,8 +78,9 @@ def model_stats(url: str) -> dict[str, dict[str, int]]:
                           "requests": int(s["success"]["count"]),
                           **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
                           # Each execution once (inference_stats count a batch once per request in it).
-                          "execution_ns": sum(int(b[k]["ns"]) for b in m.get("batch_stats", [])
-                                              for k in ("compute_input", "compute_infer", "compute_output"))}
+                          "execution_ns": sum(int(b[k]["ns"]) for b in m.get("batch_stats", []) for k in PHASES),
+                          **{f"execution_{k}_{u}": sum(int(b[k][f]) for b in m.get("batch_stats", []))
+                             for k in PHASES for u, f in (("ns", "ns"), ("n", "count"))}}
     return out
 
 

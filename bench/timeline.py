@@ -68,6 +68,13 @@ def read_traces(directory: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def step_laps(record: dict[str, Any]) -> list[tuple[str, int]]:
+    """The named steps inside one traced ``execute``, in ns: each lap ends a step that began at the
+    boundary (phase mark or earlier lap) just before it."""
+    bounds = sorted([*record["t"], *(t for _, t in record.get("laps", []))])
+    return [(name, t - max(b for b in bounds if b < t)) for name, t in record.get("laps", [])]
+
+
 def _match(execs: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, Any] | None:
     hits = [e for e in execs if window[0] <= e["t"][0] <= window[1] and len(e["t"]) == 4]
     return hits[0] if len(hits) == 1 else None
@@ -98,9 +105,8 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
             add(f"{stage}.execute", t[3] - t[0])
             if "gpu_ms" in h:
                 parts.setdefault(f"{stage}.gpu", []).append(float(h["gpu_ms"]))
-            bounds = sorted([*t, *(lt for _, lt in h.get("laps", []))])
-            for name, lt in h.get("laps", []):  # each lap ends a step that began at the boundary before it
-                add(f"{stage}.{name}", lt - max(b for b in bounds if b < lt))
+            for name, ns in step_laps(h):
+                add(f"{stage}.{name}", ns)
             if i + 1 < len(stages):
                 add(f"{stage}.hop", hits[i + 1]["t"][0] - t[3])  # type: ignore[index]
         add("last_to_client", recv - hits[-1]["t"][3])  # type: ignore[index]

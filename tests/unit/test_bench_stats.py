@@ -119,11 +119,10 @@ def test_load_anatomy_reads_phases_per_execution_and_each_block_window() -> None
     from blockflow.bench.load_anatomy import block_window, phases_per_execution
 
     # 4 executions of 2 requests: batch_stats count each execution once in every phase.
-    before = {"executions": 1, "inferences": 1, "queue_ns": 0, **{f"{k}_{u}": 0 for k in ("compute_input", "compute_infer", "compute_output")
-                                                                       for u in ("ns", "n")}}
-    after = {"executions": 5, "inferences": 9, "queue_ns": 8_000_000, "compute_input_ns": 8_000_000, "compute_input_n": 4,
-             "compute_infer_ns": 4_000_000, "compute_infer_n": 4, "compute_output_ns": 400_000, "compute_output_n": 4}
-    p = phases_per_execution(after, before)
+    d = {"executions": 4, "inferences": 8, "queue_ns": 8_000_000, "execution_compute_input_ns": 8_000_000,
+         "execution_compute_input_n": 4, "execution_compute_infer_ns": 4_000_000, "execution_compute_infer_n": 4,
+         "execution_compute_output_ns": 400_000, "execution_compute_output_n": 4}
+    p = phases_per_execution(d)
     assert p["samples_per_execution"] == 2.0 and p["queue_ms_per_request"] == 1.0
     assert (p["compute_input_ms"], p["compute_infer_ms"], p["compute_output_ms"]) == (2.0, 1.0, 0.1)
 
