@@ -30,6 +30,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from blockflow.backend.monitor import BlockMonitor, metric_labels
 from blockflow.backend.runtime import DTYPES, BlockRunner
+from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.metrics import TmqMetrics
@@ -90,6 +91,8 @@ class TritonPythonModel:
         # written on its ready line: live plan changes wait for it.
         t0 = time.monotonic()
         started = max(0.0, time.time() - psutil.Process().create_time())
+        # First: a block whose server dies while it builds or warms up exits too.
+        self.watch = ServerWatch(f"{args['model_name']} instance {args['model_instance_name']}")
         config = json.loads(args["model_config"])
         self.spec = spec = _spec_from_config(config)
         self.device = _device(args)
@@ -156,6 +159,7 @@ class TritonPythonModel:
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
                                          max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
                                          prepare=os.environ.get(env.TMQ_PREPARE) != "0")
+                self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
             if self.tracer is not None:
@@ -378,6 +382,7 @@ class TritonPythonModel:
         return [torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))]
 
     def finalize(self) -> None:
+        self.watch.close()
         if self.activity is not None:
             self.activity.close()
         if self.tracer is not None:

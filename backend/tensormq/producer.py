@@ -395,9 +395,17 @@ class Producer:
         self._stop.set()
         self._thread.join(2)
         self._router.close(0)
-        path = socket_path(self.runtime_dir, self.id, self.generation)
-        path.unlink(missing_ok=True)
+        socket_path(self.runtime_dir, self.id, self.generation).unlink(missing_ok=True)
         self.claims.close()
-        claims_path(path).unlink(missing_ok=True)
         self.events.close()
         self.segment.close()
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Unlink what this producer made in the file system (its socket, claim table and host pool),
+        without touching a lock or an open object: what a process does on its way out."""
+        path = socket_path(self.runtime_dir, self.id, self.generation)
+        path.unlink(missing_ok=True)
+        claims_path(path).unlink(missing_ok=True)
+        if isinstance(self.segment, HostSegment):
+            (SHM_DIR / self.segment.name).unlink(missing_ok=True)

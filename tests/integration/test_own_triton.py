@@ -5,6 +5,7 @@ block processes make their private runtime directory and ticket key beside the r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import tritonclient.http as http
@@ -28,7 +30,7 @@ from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access
 from blockflow.triton.install import STUB, locate
-from blockflow.triton.process_group import group_members
+from blockflow.triton.process_group import group_members, stubs_by_model
 from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
@@ -50,31 +52,28 @@ def container_layout(where: Path) -> Path:
     return home
 
 
-@pytest.fixture(scope="module", params=["pytriton", "container"])
-def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path, Path]]:
-    where = tmp_path_factory.mktemp(f"own-{request.param}")
+def start_by_hand(where: Path, plan: Path, home_args: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``plan``'s repository under ``where``, served by a tritonserver started with the script
+    `blockflow triton-command` writes, as a user's shell would; its process (the script execs
+    tritonserver), HTTP address and runtime base, once it is ready."""
     repo = where / "repo"
-    generator.write(generator.render(load_plan(PLAN)), repo)
+    generator.write(generator.render(load_plan(plan)), repo)
     # A short base, as a user's /run/user/<uid> is: Unix socket paths hold at most 107 bytes.
     runtime_base = Path(tempfile.mkdtemp(prefix="bf-xdg-"))
     # What a user's shell has: none of the variables `blockflow serve` gives its server (an operator's
     # own, such as BLOCKFLOW_TRITON_HOME on the GPU machine, stay).
     shell_env = {k: v for k, v in os.environ.items() if k not in (env.RUNTIME_DIR, env.PYTHONPATH)}
     shell_env["XDG_RUNTIME_DIR"] = str(runtime_base)
-    home_args = ["--triton-home", str(container_layout(where))] if request.param == "container" else []
-    if request.param == "container":  # this one in explicit mode, its repository API behind a key
-        write_private(where / "admin.key", access.new_secret())
-        home_args += ["--admin-key-file", str(where / "admin.key")]
     script = subprocess.run([sys.executable, "-m", "blockflow", "triton-command", str(repo), "--backend-dir", str(where / "be"),
                              *home_args], capture_output=True, text=True, env=shell_env, check=True).stdout
     assert ("--backend-directory=" + str(where / "opt" / "tritonserver" / "backends")) in script if home_args else str(where / "be") in script
     (where / "start.sh").write_text(script)
     port = free_port()
-    log = (where / "tritonserver.log").open("wb")
-    proc = subprocess.Popen(["sh", str(where / "start.sh"), f"--http-port={port}", f"--grpc-port={free_port()}",
-                             f"--metrics-port={free_port()}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
-                             "--metrics-address=127.0.0.1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=shell_env, start_new_session=True)
+    with (where / "tritonserver.log").open("wb") as log:
+        proc = subprocess.Popen(["sh", str(where / "start.sh"), f"--http-port={port}", f"--grpc-port={free_port()}",
+                                 f"--metrics-port={free_port()}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
+                                 "--metrics-address=127.0.0.1"],
+                                stdout=log, stderr=subprocess.STDOUT, env=shell_env, start_new_session=True)
     url = f"127.0.0.1:{port}"
     try:
         client = http.InferenceServerClient(url)
@@ -89,7 +88,23 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
             assert time.monotonic() < deadline, "tritonserver did not become ready"
             time.sleep(0.5)
         client.close()  # an open keep-alive connection holds tritonserver's exit for --exit-timeout-secs
-        yield url, repo, runtime_base, where / "admin.key"
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc, url, runtime_base
+
+
+@pytest.fixture(scope="module", params=["pytriton", "container"])
+def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path, Path]]:
+    where = tmp_path_factory.mktemp(f"own-{request.param}")
+    home_args = ["--triton-home", str(container_layout(where))] if request.param == "container" else []
+    if request.param == "container":  # this one in explicit mode, its repository API behind a key
+        write_private(where / "admin.key", access.new_secret())
+        home_args += ["--admin-key-file", str(where / "admin.key")]
+    proc, url, runtime_base = start_by_hand(where, PLAN, home_args)
+    try:
+        yield url, where / "repo", runtime_base, where / "admin.key"
     finally:
         proc.terminate()  # as a container runtime or systemd stops it: SIGTERM to tritonserver alone
         try:
@@ -97,7 +112,6 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
     deadline = time.monotonic() + 30
     while list(group_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -160,3 +174,38 @@ def test_the_container_layout_is_recognised(tmp_path: Path) -> None:
     assert install.layout == "container" and install.stub() == home / "backends" / "python" / STUB
     assert install.stub_python() == f"{sys.version_info.major}.{sys.version_info.minor}"
     assert install.problems() == []
+
+
+def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_along(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL, and nobody reaps it: python_backend's stubs take a zombie server for alive; each block's
+    server watch (blockflow.backend.server_watch) sees its parent change, removes its files, and exits."""
+    proc, _, runtime_base = start_by_hand(tmp_path, PLAN, [])
+    try:
+        stubs = {pid: psutil.Process(pid).cmdline() for pids in stubs_by_model(proc.pid).values() for pid in pids}
+        assert len(stubs) == 3, stubs  # trunk, head and the unsplit reference
+        regions = [Path("/dev/shm") / argv[2] for argv in stubs.values()]
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_base))
+        pools = list(Path("/dev/shm").glob(env.pool_shm_prefix(default_for(tmp_path / "repo")) + "*"))
+        assert pools and all(r.exists() for r in regions), (pools, regions)  # the trunk's host pool; each stub's region
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not all(_gone(pid) for pid in stubs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE  # still not reaped
+        assert [pid for pid in stubs if not _gone(pid)] == [], "block processes outlived their killed server"
+        assert [p for p in [*pools, *regions] if p.exists()] == []
+        log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+        assert log.count(f"tritonserver (pid {proc.pid}) has exited") == 3
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(runtime_base, ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # under an init that does not reap
+    except psutil.NoSuchProcess:
+        return True

@@ -1,0 +1,90 @@
+"""The block process's server watch, with real processes: a 'server' killed by SIGKILL and left
+unreaped (a zombie, which python_backend's own ``kill(pid, 0)`` check takes for alive)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from blockflow.backend.server_watch import stub_arguments
+
+# The 'block': a watch with one clean-up, then it would sleep for a minute.
+BLOCK = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from blockflow.backend.server_watch import ServerWatch
+    watch = ServerWatch("test block", period_s=0.1)
+    watch.on_gone(lambda: Path(sys.argv[1]).write_text("cleaned"))
+    watch.on_gone(lambda: 1 / 0)  # a failing clean-up does not stop the exit
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+# The 'server': starts the block, says its pid, and waits to be killed.
+SERVER = textwrap.dedent("""
+    import subprocess, sys, time
+    block = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True,
+                             stderr=open(sys.argv[2] + ".log", "w"))
+    assert block.stdout is not None and block.stdout.readline() == "ready\\n"
+    print(block.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # under an init that does not reap
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
+    marker = tmp_path / "cleaned"
+    server = subprocess.Popen([sys.executable, "-c", SERVER, BLOCK, str(marker)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        block = int(server.stdout.readline())
+        assert not _gone(block)
+        os.kill(server.pid, signal.SIGKILL)
+        # Not reaped: the server stays a zombie while the block is watched.
+        deadline = time.monotonic() + 10
+        while not _gone(block) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
+        assert _gone(block), "the block process outlived its killed server"
+        assert marker.read_text() == "cleaned"
+        said = Path(f"{marker}.log").read_text()
+        assert f"test block: tritonserver (pid {server.pid}) has exited" in said
+        assert "clean-up failed: ZeroDivisionError" in said
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_watch_in_a_live_server_stays_quiet(tmp_path: Path) -> None:
+    marker = tmp_path / "cleaned"
+    server = subprocess.Popen([sys.executable, "-c", SERVER, BLOCK, str(marker)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        block = int(server.stdout.readline())
+        time.sleep(0.5)  # five periods
+        assert not _gone(block) and not marker.exists()
+    finally:
+        server.kill()  # its block follows within a period
+        server.wait()
+
+
+def test_the_stub_command_line_gives_the_server_and_the_region() -> None:
+    argv = [b"/opt/tritonserver/backends/python/triton_python_backend_stub", b"/repo/trunk/1/model.py",
+            b"triton_python_backend_shm_region_4f1c", b"8388608", b"33554432", b"4242", b"/opt/tritonserver/backends/python",
+            b"336", b"trunk_0_0", b"/opt/tritonserver/backends/python"]
+    assert stub_arguments(b"\0".join(argv)) == (4242, "triton_python_backend_shm_region_4f1c")
+    assert stub_arguments(b"\0".join([b"/usr/bin/python3", *argv[1:]])) == (None, None)  # not a stub
+    assert stub_arguments(b"\0".join(argv[:5])) == (None, None)
+    assert stub_arguments(b"\0".join([*argv[:2], b"../escape", *argv[3:]])) == (4242, None)  # never a path
