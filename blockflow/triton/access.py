@@ -20,8 +20,8 @@ logging                   **key**     log settings change what the server record
 
 The key is random per server, written 0600 into the server's 0700 runtime directory
 (:data:`ADMIN_KEY_FILE`) and sent as header :data:`ADMIN_HEADER` by the applier, the heal loop
-and the tools that need it (over gRPC as metadata :data:`GRPC_ADMIN_HEADER`). Triton takes it on its command line, so on a host shared with other
-users mount ``/proc`` with ``hidepid=2`` (containers have their own process namespace).
+and the tools that need it (over gRPC as metadata :data:`GRPC_ADMIN_HEADER`). Triton takes it only on
+its command line, which every local user can read in ``/proc``: :mod:`blockflow.triton.argv_key` keeps it off there.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from pathlib import Path
 from blockflow.core import env as blockflow_env
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.nvml import gpu_count
+from blockflow.triton import argv_key
 from blockflow.triton.access import restricted_args as access_args
 from blockflow.triton.flags import CUDA_POOL_MB
 
@@ -184,8 +185,10 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
 
     With ``admin_key_file``, the server starts in explicit model-control mode (``blockflow apply
     --triton-grpc-url`` can change its plan) with its restricted APIs behind the key in that file,
-    read when the script runs; without it, in Triton's default mode, where loads are refused and
-    those APIs are behind a random key nobody has. It listens on loopback unless told otherwise.
+    read when the server starts; without it, in Triton's default mode, where loads are refused and
+    those APIs are behind a random key nobody has. Either key reaches Triton through the argv-key
+    library (:mod:`blockflow.triton.argv_key`), not on its command line, where a C compiler was
+    found. It listens on loopback unless told otherwise.
 
     TensorMQ needs no variable: its block processes share a private runtime directory derived
     from the repository's path (:mod:`blockflow.core.runtime_dir`).
@@ -206,19 +209,29 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
         *(["--model-control-mode=explicit", "--load-model=*"] if admin_key_file is not None else []),
         *extra_args,
     ]
-    # The model-repository, trace and logging APIs are always behind a key: the one in the key file (read by
-    # the shell, so it is not in this script), or, without one, a random key made at each start and given to
-    # nobody (Triton's trace settings can write files wherever the server may).
-    if admin_key_file is not None:
-        read_key = f"key=\"$(cat {shlex.quote(str(admin_key_file.resolve()))})\""
+    # The model-repository, trace and logging APIs are always behind a key: the one in the key file, or,
+    # without one, a random key made at each start and given to nobody (Triton's trace settings can write
+    # files wherever the server may). With the argv-key library, the key is put into tritonserver's
+    # arguments inside the process and never appears in /proc/<pid>/cmdline; without it (no C compiler),
+    # the shell reads it onto the command line.
+    shim = argv_key.shim()
+    if shim is not None:
+        lib = shlex.quote(str(shim))
+        key_lines = [f'[ -r {lib} ] || {{ echo "{shim} is missing: run blockflow triton-command again" >&2; exit 1; }}',
+                     f'export {argv_key.PRELOAD_VAR}="${{LD_PRELOAD:-}}"',
+                     f'export LD_PRELOAD={lib}"${{LD_PRELOAD:+:$LD_PRELOAD}}"']
+        key_lines.append(f"export {argv_key.KEY_FILE_VAR}={shlex.quote(str(admin_key_file.resolve()))}"
+                         if admin_key_file is not None else f"unset {argv_key.KEY_FILE_VAR}")
+        restricted = " " + " ".join(map(shlex.quote, access_args(argv_key.PLACEHOLDER)))
     else:
-        read_key = "key=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\""
-    restricted = " " + " ".join(access_args('"$key"'))
+        key_lines = [f"key=\"$(cat {shlex.quote(str(admin_key_file.resolve()))})\"" if admin_key_file is not None
+                     else "key=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\""]
+        restricted = " " + " ".join(access_args('"$key"'))
     lines = ["#!/bin/sh",
              f"# tritonserver ({install.layout} layout at {install.home}) serving {repository.resolve()};",
              "# written by `blockflow triton-command`. Further tritonserver flags may follow on this script's command line."]
     lines += [f"export {e}" for e in exports]
-    lines.append(read_key)
+    lines += key_lines
     lines.append(" ".join(["exec", shlex.quote(str(install.server)), *map(shlex.quote, args)]) + restricted + ' "$@"')
     return "\n".join(lines) + "\n"
 

@@ -38,7 +38,7 @@ from blockflow.core.errors import (
 )
 from blockflow.core.nvml import gpu_count
 from blockflow.core.runtime_dir import ensure_tensormq, write_private
-from blockflow.triton import access
+from blockflow.triton import access, argv_key
 from blockflow.triton.api import TritonApi
 from blockflow.triton.flags import CUDA_POOL_MB, check_extra_args
 from blockflow.triton.install import (
@@ -214,7 +214,8 @@ class TritonServer:
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             # The user's own --log-verbose (a pass-through argument) replaces this one.
             *([] if any(a.startswith("--log-verbose") for a in o.extra_args) else [f"--log-verbose={o.log_verbose}"]),
-            *access.restricted_args(self.admin_key),
+            # Without the argv-key library (no C compiler), the key itself: readable in /proc by local users.
+            *access.restricted_args(self.admin_key if argv_key.shim() is None else argv_key.PLACEHOLDER),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
             "--metrics-config=summary_latencies=true",
             "--exit-timeout-secs=20",
@@ -236,6 +237,9 @@ class TritonServer:
         write_private(self.admin_key_file, self.admin_key)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
+        shim = argv_key.shim()
+        if shim is not None:
+            env = argv_key.server_env(env, shim, self.admin_key_file)
         if self.warm_cores is not None:
             self.warm_cores.start()
             env.update(self.warm_cores.env)
@@ -261,9 +265,22 @@ class TritonServer:
         threading.Thread(target=self._watch, args=(self.process,), name="tritonserver-watchdog", daemon=True).start()
         try:
             self.wait_ready(timeout)
+            if shim is not None:
+                self._check_key_is_not_the_placeholder()
         except BaseException:
             self.stop()
             raise
+
+    def _check_key_is_not_the_placeholder(self) -> None:
+        """Fail closed: had the library not loaded, Triton's key would be the placeholder, a public string."""
+        try:
+            TritonApi(grpc_url=self.grpc_url, admin_key=argv_key.PLACEHOLDER, timeout=10.0).index()
+        except TritonApiError as exc:
+            if "restricted" in str(exc):
+                return  # refused, as it must be
+            raise ServerError(f"could not check tritonserver's admin key against the placeholder: {exc}") from exc
+        raise ServerError(f"tritonserver took {argv_key.PLACEHOLDER} as its admin key: the library that puts the real key "
+                          f"in its arguments ({argv_key.shim()}, LD_PRELOAD) did not run; it was stopped")
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
         """Reap the server as soon as it exits; if nobody asked it to, end the stubs it leaves."""

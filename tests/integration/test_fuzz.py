@@ -23,6 +23,7 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 
 from blockflow.clients.client import TaskClient
+from blockflow.triton import argv_key
 from blockflow.triton.access import ADMIN_HEADER, grpc_admin_headers
 
 from ..conftest import Served
@@ -225,6 +226,28 @@ def test_the_model_repository_api_needs_the_admin_key(served: Served, tmp_path: 
     index = th.InferenceServerClient(served.http).get_model_repository_index(headers=served.server.admin_headers)
     assert any(m["name"] == "r18_c1__tensormq" for m in index)
     assert g.get_model_repository_index(headers=grpc_admin_headers(served.server.admin_key)).models
+
+
+def test_the_admin_key_is_not_on_tritonservers_command_line(served: Served) -> None:
+    """/proc/<pid>/cmdline is readable by every local user: the key reaches Triton inside the process
+    (blockflow.triton.argv_key), and the placeholder standing in for it opens nothing."""
+    if argv_key.shim() is None:
+        pytest.skip("no C compiler to build the argv-key library")
+    assert served.server.process is not None
+    pid = served.server.process.pid
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert served.server.admin_key.encode() not in cmdline
+    assert cmdline.count(argv_key.PLACEHOLDER.encode()) == 2  # HTTP's and gRPC's restricted APIs
+    host, port = served.http.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v2/repository/index", body=b"{}", headers={ADMIN_HEADER: argv_key.PLACEHOLDER})
+    assert conn.getresponse().status == 403
+    conn.close()
+    with pytest.raises(Exception, match="restricted"):
+        tg.InferenceServerClient(served.grpc).get_model_repository_index(headers=grpc_admin_headers(argv_key.PLACEHOLDER))
+    # The block processes tritonserver started do not carry the library.
+    stubs = [p for pids in served.server.stub_processes().values() for p in pids]
+    assert stubs and not [p for p in stubs if b"argv-key" in Path(f"/proc/{p}/environ").read_bytes()]
 
 
 def _assert_tasks_exact(served: Served) -> None:

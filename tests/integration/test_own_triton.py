@@ -28,7 +28,7 @@ from blockflow.core import env
 from blockflow.core.runtime_dir import default_for, write_private
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
-from blockflow.triton import access
+from blockflow.triton import access, argv_key
 from blockflow.triton.install import STUB, locate
 from blockflow.triton.process_group import group_members, stubs_by_model
 from blockflow.triton.server import free_port
@@ -104,6 +104,11 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         home_args += ["--admin-key-file", str(where / "admin.key")]
     proc, url, runtime_base = start_by_hand(where, PLAN, home_args)
     try:
+        if argv_key.shim() is not None:  # the key reaches tritonserver inside the process, never on its command line
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+            assert cmdline.count(argv_key.PLACEHOLDER.encode()) == 2
+            if home_args:
+                assert access.read_secret(where / "admin.key").encode() not in cmdline
         yield url, where / "repo", runtime_base, where / "admin.key"
     finally:
         proc.terminate()  # as a container runtime or systemd stops it: SIGTERM to tritonserver alone

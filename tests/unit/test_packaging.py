@@ -22,7 +22,8 @@ from blockflow.triton.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["blockflow/data/plans/default.yaml", "blockflow/data/plans/bench_r50.yaml", "blockflow/data/plans/examples/skipnet.yaml",
-           "blockflow/data/calibration/memory_calibration.json", "blockflow/data/grafana/blockflow.json", "blockflow/clients/imagenet_classes.txt"]
+           "blockflow/data/calibration/memory_calibration.json", "blockflow/data/grafana/blockflow.json", "blockflow/clients/imagenet_classes.txt",
+           "blockflow/triton/argv_key.c"]
 
 
 @pytest.fixture(scope="module")
