@@ -73,6 +73,14 @@ def _dead(pid: int, fields: list[str]) -> bool:
     return True
 
 
+def exited(pid: int) -> bool:
+    """Whether ``pid`` has exited with every thread; a zombie nobody has reaped yet has."""
+    try:
+        return _dead(pid, stat_fields(pid))
+    except OSError:
+        return True
+
+
 def group_members(pgid: int) -> Iterable[int]:
     """Live PIDs still in process group ``pgid`` (not zombies with all threads gone): what stopping must leave empty."""
     return (pid for pid, fields in _group(pgid) if not _dead(pid, fields))

@@ -30,7 +30,7 @@ from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access, argv_key
 from blockflow.triton.install import STUB, locate
-from blockflow.triton.process_group import group_members, stubs_by_model
+from blockflow.triton.process_group import exited, group_members, stubs_by_model
 from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
@@ -196,10 +196,10 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         assert all(r.exists() for r in regions) and (bool(pools) or torch.cuda.is_available()), (pools, regions)
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 20
-        while not all(_gone(pid) for pid in stubs) and time.monotonic() < deadline:
+        while not all(exited(pid) for pid in stubs) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE  # still not reaped
-        assert [pid for pid in stubs if not _gone(pid)] == [], "block processes outlived their killed server"
+        assert [pid for pid in stubs if not exited(pid)] == [], "block processes outlived their killed server"
         assert [p for p in [*pools, *regions] if p.exists()] == []
         log = (tmp_path / "tritonserver.log").read_text(errors="replace")
         assert log.count(f"tritonserver (pid {proc.pid}) has exited") == 3
@@ -209,9 +209,3 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         proc.wait()
         shutil.rmtree(runtime_base, ignore_errors=True)
 
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # under an init that does not reap
-    except psutil.NoSuchProcess:
-        return True

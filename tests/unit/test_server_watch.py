@@ -9,11 +9,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
 from blockflow.backend.server_watch import stub_arguments
+from blockflow.triton.process_group import exited
 
 # The 'block': a watch with one clean-up, then it would sleep for a minute.
 BLOCK = textwrap.dedent("""
@@ -37,47 +40,39 @@ SERVER = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # under an init that does not reap
-    except psutil.NoSuchProcess:
-        return True
-
-
-def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
+@contextmanager
+def a_server_and_its_block(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
+    """A 'server' process, its 'block' (watched) pid, and the file the block's clean-up writes."""
     marker = tmp_path / "cleaned"
     server = subprocess.Popen([sys.executable, "-c", SERVER, BLOCK, str(marker)], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
-        block = int(server.stdout.readline())
-        assert not _gone(block)
+        yield server, int(server.stdout.readline()), marker
+    finally:
+        server.kill()  # its block follows within a period
+        server.wait()
+
+
+def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
+    with a_server_and_its_block(tmp_path) as (server, block, marker):
+        assert not exited(block)
         os.kill(server.pid, signal.SIGKILL)
         # Not reaped: the server stays a zombie while the block is watched.
         deadline = time.monotonic() + 10
-        while not _gone(block) and time.monotonic() < deadline:
+        while not exited(block) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
-        assert _gone(block), "the block process outlived its killed server"
+        assert exited(block), "the block process outlived its killed server"
         assert marker.read_text() == "cleaned"
         said = Path(f"{marker}.log").read_text()
         assert f"test block: tritonserver (pid {server.pid}) has exited" in said
         assert "clean-up failed: ZeroDivisionError" in said
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_a_watch_in_a_live_server_stays_quiet(tmp_path: Path) -> None:
-    marker = tmp_path / "cleaned"
-    server = subprocess.Popen([sys.executable, "-c", SERVER, BLOCK, str(marker)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        block = int(server.stdout.readline())
+    with a_server_and_its_block(tmp_path) as (_, block, marker):
         time.sleep(0.5)  # five periods
-        assert not _gone(block) and not marker.exists()
-    finally:
-        server.kill()  # its block follows within a period
-        server.wait()
+        assert not exited(block) and not marker.exists()
 
 
 def test_the_stub_command_line_gives_the_server_and_the_region() -> None:
