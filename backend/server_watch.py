@@ -9,9 +9,10 @@ itself (``blockflow.triton.server``); a server started by hand, or a supervisor 
 first, has nobody to do it.
 
 The kernel gives a process's children a new parent the moment it exits, reaped or not, so a
-change of ``getppid()`` says the server is gone. One daemon thread per block process checks it
-every :data:`PERIOD_S`; when the server is gone it runs the process's clean-ups (files only the
-block knows, such as its TensorMQ pool) and exits.
+change of ``getppid()`` says the server is gone; so does the server pid on the stub's command line
+turning zombie or vanishing, should a launcher ever stand between the two. One daemon thread per
+block process checks both every :data:`PERIOD_S`; when the server is gone it runs the process's
+clean-ups (files only the block knows, such as its TensorMQ pool) and exits.
 """
 
 from __future__ import annotations
@@ -44,15 +45,25 @@ def stub_arguments(cmdline: bytes | None = None) -> tuple[int | None, str | None
     return int(argv[5]), region if region and "/" not in region else None
 
 
+def _exited(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
 class ServerWatch:
     """Exits this process, after its clean-ups, once its server has exited."""
 
     def __init__(self, name: str, period_s: float = PERIOD_S) -> None:
         self.name = name
+        self.parent = os.getppid()
         server, self.region = stub_arguments()
-        # The stub's own record of its server: if that already differs from the parent, the server
-        # exited while this block was starting.
-        self.server = server if server is not None else os.getppid()
+        # The stub's own record of its server. Its parent is the server itself (python_backend execs the
+        # stub from a shell); should a launcher ever stand between them, the parent still tells, and the
+        # recorded server only says whether it was already gone when this block started.
+        self.server = server if server is not None else self.parent
         self.period_s = period_s
         self._cleanups: list[Callable[[], object]] = []
         self._stop = threading.Event()
@@ -64,7 +75,7 @@ class ServerWatch:
         self._cleanups.append(cleanup)
 
     def gone(self) -> bool:
-        return os.getppid() != self.server
+        return os.getppid() != self.parent or (self.server != self.parent and _exited(self.server))
 
     def _run(self) -> None:
         while not self._stop.is_set():

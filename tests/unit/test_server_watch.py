@@ -14,37 +14,47 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+import pytest
 
 from blockflow.backend.server_watch import stub_arguments
 from blockflow.triton.process_group import exited
 
-# The 'block': a watch with one clean-up, then it would sleep for a minute.
+# The 'block': a watch with one clean-up, says its pid, then would sleep for a minute.
 BLOCK = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from blockflow.backend.server_watch import ServerWatch
     watch = ServerWatch("test block", period_s=0.1)
-    watch.on_gone(lambda: Path(sys.argv[1]).write_text("cleaned"))
+    watch.on_gone(lambda: Path(sys.argv[-1]).write_text("cleaned"))
     watch.on_gone(lambda: 1 / 0)  # a failing clean-up does not stop the exit
-    print("ready", flush=True)
+    print(os.getpid(), flush=True)
     time.sleep(60)
 """)
-# The 'server': starts the block, says its pid, and waits to be killed.
+# The 'server': starts the block (directly, or through a launcher process that stays between them,
+# with a stub's command line that names the server), says the block's pid, and waits to be killed.
 SERVER = textwrap.dedent("""
-    import subprocess, sys, time
-    block = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True,
-                             stderr=open(sys.argv[2] + ".log", "w"))
-    assert block.stdout is not None and block.stdout.readline() == "ready\\n"
-    print(block.pid, flush=True)
+    import os, subprocess, sys, time
+    code, marker, launcher = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    log = open(marker + ".log", "w")
+    if launcher:  # argv as python_backend gives a stub: ... SHM_REGION DEFAULT GROWTH PARENT_PID ...
+        stub = ["/opt/x/triton_python_backend_stub", "-c", code, "8388608", "33554432", str(os.getpid()), marker]
+        cmd = [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[2:], executable=sys.argv[1])",
+               sys.executable, *stub]
+    else:
+        cmd = [sys.executable, "-c", code, marker]
+    block = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stderr=log)
+    assert block.stdout is not None
+    print(block.stdout.readline().strip(), flush=True)
     time.sleep(60)
 """)
 
 
 @contextmanager
-def a_server_and_its_block(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
+def a_server_and_its_block(tmp_path: Path, launcher: bool = False) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
     """A 'server' process, its 'block' (watched) pid, and the file the block's clean-up writes."""
     marker = tmp_path / "cleaned"
-    server = subprocess.Popen([sys.executable, "-c", SERVER, BLOCK, str(marker)], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", SERVER, BLOCK, str(marker), "1" if launcher else "0"],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         yield server, int(server.stdout.readline()), marker
@@ -53,8 +63,11 @@ def a_server_and_its_block(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[st
         server.wait()
 
 
-def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie(tmp_path: Path) -> None:
-    with a_server_and_its_block(tmp_path) as (server, block, marker):
+@pytest.mark.parametrize("launcher", [False, True], ids=["server-is-parent", "launcher-between"])
+def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie(tmp_path: Path, launcher: bool) -> None:
+    with a_server_and_its_block(tmp_path, launcher) as (server, block, marker):
+        if launcher:
+            assert psutil.Process(block).ppid() != server.pid
         assert not exited(block)
         os.kill(server.pid, signal.SIGKILL)
         # Not reaped: the server stays a zombie while the block is watched.
