@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -57,8 +58,14 @@ def _private(path: Path) -> bool:
 def shim() -> Path | None:
     """The compiled library (built on first use), or None where no C compiler is found."""
     source = SOURCE.read_bytes()
-    cache = _cache_dir()
-    lib = cache / f"{hashlib.sha256(source).hexdigest()[:16]}.so"
+    try:
+        cache = _cache_dir()
+    except OSError as exc:  # no writable home (a read-only root without /tmp): as without a compiler
+        log.warning("cannot make BlockFlow's cache for the argv-key library (%s): tritonserver gets its admin key on its "
+                    "command line, which other local users can read in /proc", exc)
+        return None
+    # The machine in the name: a cache shared between machines (an NFS home) never offers another's build.
+    lib = cache / f"{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
     if lib.exists():
         if not _private(lib):
             raise EnvironmentProblem(f"{lib} is not private to this user; remove it (BlockFlow builds it again)")
