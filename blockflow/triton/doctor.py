@@ -12,6 +12,7 @@ from pathlib import Path
 from blockflow import __version__
 from blockflow.core import nvml
 from blockflow.core.errors import EnvironmentProblem
+from blockflow.triton import argv_key
 from blockflow.triton.install import locate, perf_analyzer_env
 
 
@@ -103,6 +104,18 @@ def _triton_checks() -> list[Check]:
     return rows
 
 
+def _argv_key_check() -> Check:
+    name = "admin key off the command line"
+    try:
+        lib = argv_key.shim()
+    except EnvironmentProblem as exc:
+        return Check(name, False, str(exc))
+    if lib is None:  # serving works; other local users can read the key in /proc
+        return Check(name, True, "no: no C compiler (cc) to build the argv-key library, so local users can read "
+                     "tritonserver's admin key in /proc; fix: install cc, or mount /proc with hidepid=2")
+    return Check(name, True, f"yes ({lib})")
+
+
 def perf_analyzer_path() -> str | None:
     """perf_analyzer from PATH or from this interpreter's environment (a venv need not be activated)."""
     import os
@@ -117,4 +130,5 @@ def run_checks() -> list[Check]:
     rows.append(_torch_check())
     rows.append(_nvml_check())
     rows += _triton_checks()
+    rows.append(_argv_key_check())
     return rows

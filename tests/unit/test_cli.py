@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -198,3 +199,5 @@ def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None
     assert doc("generate", "tests/plans/one_block.yaml", "-o", str(tmp_path / "repo"), "--check")["up_to_date"] is True
     checks = blockflow("doctor", "--json")
     assert {"ok", "checks"} == json.loads(checks.stdout).keys()
+    (key,) = [c for c in json.loads(checks.stdout)["checks"] if c["check"] == "admin key off the command line"]
+    assert key["ok"] and key["detail"].startswith("yes (" if shutil.which("cc") or shutil.which("gcc") else "no: ")
