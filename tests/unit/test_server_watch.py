@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from blockflow.backend.server_watch import stub_arguments
-from blockflow.triton.process_group import exited
+from blockflow.triton.process_group import exiting
 
 # The 'block': a watch with one clean-up, says its pid, then would sleep for a minute.
 BLOCK = textwrap.dedent("""
@@ -68,14 +68,14 @@ def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie
     with a_server_and_its_block(tmp_path, launcher) as (server, block, marker):
         if launcher:
             assert psutil.Process(block).ppid() != server.pid
-        assert not exited(block)
+        assert not exiting(block)
         os.kill(server.pid, signal.SIGKILL)
         # Not reaped: the server stays a zombie while the block is watched.
         deadline = time.monotonic() + 10
-        while not exited(block) and time.monotonic() < deadline:
+        while not exiting(block) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
-        assert exited(block), "the block process outlived its killed server"
+        assert exiting(block), "the block process outlived its killed server"
         assert marker.read_text() == "cleaned"
         said = Path(f"{marker}.log").read_text()
         assert f"test block: tritonserver (pid {server.pid}) has exited" in said
@@ -85,7 +85,7 @@ def test_a_block_exits_and_cleans_up_when_its_server_is_killed_and_left_a_zombie
 def test_a_watch_in_a_live_server_stays_quiet(tmp_path: Path) -> None:
     with a_server_and_its_block(tmp_path) as (_, block, marker):
         time.sleep(0.5)  # five periods
-        assert not exited(block) and not marker.exists()
+        assert not exiting(block) and not marker.exists()
 
 
 def test_the_stub_command_line_gives_the_server_and_the_region() -> None:
