@@ -34,6 +34,10 @@ from pathlib import Path
 RUNTIME_DIR = "BLOCKFLOW_RUNTIME_DIR"  # the server's runtime directory (above)
 PYTHONPATH = "BLOCKFLOW_PYTHONPATH"  # roots every generated model.py puts on sys.path (the stub ignores PYTHONPATH)
 ACTIVITY_FILE = "BLOCKFLOW_ACTIVITY_FILE"  # --warm-cores-ms: blocks stamp this file at each execute (blockflow.core.activity)
+# -- set for tritonserver alone, read by the argv-key library before its main (blockflow/triton/argv_key.c), which
+#    then removes them, so its block processes never see them
+ADMIN_KEY_FILE_VAR = "BLOCKFLOW_ADMIN_KEY_FILE"  # the file whose key replaces the placeholder in the server's arguments
+ARGV_KEY_PRELOAD = "BLOCKFLOW_ARGV_KEY_PRELOAD"  # the LD_PRELOAD to give back to the server's children
 # -- set by the operator (or a benchmark)
 TRITON_HOME = "BLOCKFLOW_TRITON_HOME"  # another tritonserver directory of the nvidia-pytriton layout
 TRACE_DIR = "BLOCKFLOW_TRACE_DIR"  # block processes append JSON lines of their life cycle here

@@ -25,13 +25,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from blockflow.core import env as blockflow_env
 from blockflow.core.errors import EnvironmentProblem
 
 log = logging.getLogger(__name__)
 
+# These three are spelled again in argv_key.c (a test checks that they agree).
 PLACEHOLDER = "@BLOCKFLOW_ADMIN_KEY@"
-KEY_FILE_VAR = "BLOCKFLOW_ADMIN_KEY_FILE"
-PRELOAD_VAR = "BLOCKFLOW_ARGV_KEY_PRELOAD"
+KEY_FILE_VAR = blockflow_env.ADMIN_KEY_FILE_VAR
+PRELOAD_VAR = blockflow_env.ARGV_KEY_PRELOAD
 SOURCE = Path(__file__).with_name("argv_key.c")
 
 

@@ -80,6 +80,12 @@ def test_a_key_that_cannot_be_read_stops_the_process_before_main(lib: Path, tmp_
     assert "blockflow argv-key:" in res.stderr and "tritonserver does not start" in res.stderr
 
 
+def test_the_library_and_blockflow_spell_the_placeholder_and_variables_alike() -> None:
+    source = argv_key.SOURCE.read_text()
+    for name in (argv_key.PLACEHOLDER, argv_key.KEY_FILE_VAR, argv_key.PRELOAD_VAR):
+        assert f'"{name}"' in source
+
+
 def test_arguments_without_the_placeholder_need_no_key(lib: Path, tmp_path: Path) -> None:
     res = run(lib, tmp_path / "absent.key", "--plain")
     assert res.returncode == 0 and json.loads(res.stdout)["argv"] == ["--plain"]
