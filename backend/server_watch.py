@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from blockflow.core.procfs import exiting
+
 PERIOD_S = 1.0
 EXIT_CODE = 1
 SHM_DIR = Path("/dev/shm")
@@ -43,14 +45,6 @@ def stub_arguments(cmdline: bytes | None = None) -> tuple[int | None, str | None
         return None, None
     region = argv[2].decode(errors="replace")
     return int(argv[5]), region if region and "/" not in region else None
-
-
-def _exited(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
 
 
 class ServerWatch:
@@ -75,7 +69,7 @@ class ServerWatch:
         self._cleanups.append(cleanup)
 
     def gone(self) -> bool:
-        return os.getppid() != self.parent or (self.server != self.parent and _exited(self.server))
+        return os.getppid() != self.parent or (self.server != self.parent and exiting(self.server))
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -51,7 +51,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from blockflow.bench.harness import commit, device_name
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import model_stats
-from blockflow.triton.process_group import group_members, stat_fields
+from blockflow.core.procfs import stat_fields
+from blockflow.triton.process_group import group_members
 from blockflow.triton.server import ServerOptions, TritonServer
 from blockflow.triton.warm_cores import WarmCores
 

@@ -395,11 +395,10 @@ class Producer:
         self._stop.set()
         self._thread.join(2)
         self._router.close(0)
-        socket_path(self.runtime_dir, self.id, self.generation).unlink(missing_ok=True)
+        self.remove_files()  # first the socket, so no consumer finds this producer while it closes
         self.claims.close()
         self.events.close()
         self.segment.close()
-        self.remove_files()
 
     def remove_files(self) -> None:
         """Unlink what this producer made in the file system (its socket, claim table and host pool),

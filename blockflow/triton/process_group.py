@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from blockflow.core.errors import TritonApiError
+from blockflow.core.procfs import stat_fields
 from blockflow.triton.api import TritonApi
 
 
@@ -32,14 +33,6 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def stat_fields(pid: int, thread: int | None = None) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` (of one ``thread``: ``/proc/<pid>/task/<thread>/stat``) after the
-    parenthesised command: state, ppid, pgrp, ... (``proc(5)`` numbers them from 3). Raises OSError when
-    the process is gone."""
-    path = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
-    return path.read_text().rsplit(")", 1)[-1].split()
 
 
 def _group(pgid: int) -> Iterable[tuple[int, list[str]]]:
@@ -71,16 +64,6 @@ def _dead(pid: int, fields: list[str]) -> bool:
         except OSError:
             continue  # that thread is gone
     return True
-
-
-def exiting(pid: int) -> bool:
-    """Whether ``pid`` has called exit: its thread-group leader is a zombie, or it is gone. Its last
-    threads may still be in the GPU driver, which tears down a CUDA context at its own pace (on an
-    H100, right after a GPU test session, over 20 s); :func:`group_members` waits for those too."""
-    try:
-        return stat_fields(pid)[0] in "ZX"
-    except OSError:
-        return True
 
 
 def group_members(pgid: int) -> Iterable[int]:

@@ -20,9 +20,10 @@ import pytest
 
 from blockflow.core import env
 from blockflow.core.activity import ActivityStamp
+from blockflow.core.procfs import stat_fields
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
-from blockflow.triton.process_group import group_members, stat_fields
+from blockflow.triton.process_group import group_members
 from blockflow.triton.server import ServerOptions, TritonServer
 
 pytestmark = pytest.mark.integration

@@ -25,12 +25,13 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from blockflow.core import env
+from blockflow.core.procfs import exiting
 from blockflow.core.runtime_dir import default_for, write_private
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access, argv_key
 from blockflow.triton.install import STUB, locate
-from blockflow.triton.process_group import exiting, group_members, stubs_by_model
+from blockflow.triton.process_group import group_members, stubs_by_model
 from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
@@ -196,7 +197,7 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         assert all(r.exists() for r in regions) and (bool(pools) or torch.cuda.is_available()), (pools, regions)
         os.kill(proc.pid, signal.SIGKILL)
         # Each block must call exit; a GPU block's last threads may then spend longer in the driver
-        # (process_group.exiting), which is the driver's pace, not the watch's.
+        # (procfs.exiting), which is the driver's pace, not the watch's.
         deadline = time.monotonic() + 20
         while not all(exiting(pid) for pid in stubs) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from blockflow.backend.server_watch import stub_arguments
-from blockflow.triton.process_group import exiting
+from blockflow.core.procfs import exiting
 
 # The 'block': a watch with one clean-up, says its pid, then would sleep for a minute.
 BLOCK = textwrap.dedent("""

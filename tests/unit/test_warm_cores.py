@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from blockflow.core.activity import ActivityStamp
-from blockflow.triton.process_group import stat_fields
+from blockflow.core.procfs import stat_fields
 from blockflow.triton.warm_cores import WarmCores, cpu_quota
 
 

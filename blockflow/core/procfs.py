@@ -1,0 +1,24 @@
+"""What ``/proc`` says of a process: read by the server's supervisor (``blockflow.triton.process_group``)
+and by each block process about its server (``blockflow.backend.server_watch``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def stat_fields(pid: int, thread: int | None = None) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` (of one ``thread``: ``/proc/<pid>/task/<thread>/stat``) after the
+    parenthesised command: state, ppid, pgrp, ... (``proc(5)`` numbers them from 3). Raises OSError when
+    the process is gone."""
+    path = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
+    return path.read_text().rsplit(")", 1)[-1].split()
+
+
+def exiting(pid: int) -> bool:
+    """Whether ``pid`` has called exit: its thread-group leader is a zombie, or it is gone. Its last
+    threads may still be in the GPU driver, which tears down a CUDA context at its own pace (on an
+    H100, right after a GPU test session, over 20 s); ``process_group.group_members`` waits for those too."""
+    try:
+        return stat_fields(pid)[0] in "ZX"
+    except OSError:
+        return True
