@@ -5,6 +5,20 @@
 # BLOCKFLOW_TOKEN (docker run -e BLOCKFLOW_TOKEN=...); without it a random one is written to the
 # runtime directory, whose path `blockflow serve` prints.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.01-py3
+
+# The library that keeps the admin key off tritonserver's command line (blockflow/triton/argv_key.c),
+# built in a stage of its own from the same image, so that it links against the C library it runs
+# with while the image keeps no compiler. The ID is the one blockflow.triton.argv_key checks.
+FROM ${TRITON_IMAGE} AS argv-key
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /build
+COPY blockflow/triton/argv_key.c .
+RUN gcc -O2 -shared -fPIC -DARGV_KEY_ID="\"$(sha256sum argv_key.c | cut -c1-16)\"" -o argv_key.so argv_key.c
+
 FROM ${TRITON_IMAGE}
 
 # The image's Python 3.12 is the one its Python-backend stub embeds, so BlockFlow goes into it
@@ -14,6 +28,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     BLOCKFLOW_TRITON_HOME=/opt/tritonserver \
+    BLOCKFLOW_ARGV_KEY_LIB=/opt/blockflow/lib/argv_key.so \
     HOME=/tmp/home \
     MPLCONFIGDIR=/tmp/matplotlib
 
@@ -31,6 +46,7 @@ COPY monitoring/ monitoring/
 # hadolint ignore=DL3013
 RUN python3 -m pip install --no-compile ".[runtime]" \
     && blockflow --version
+COPY --from=argv-key /build/argv_key.so /opt/blockflow/lib/argv_key.so
 
 # The image's unprivileged user, triton-server; runtime directories go under /tmp (or $XDG_RUNTIME_DIR).
 USER 1000:1000

@@ -14,7 +14,10 @@
  * as its key. The constructor then removes its variables and this library from the
  * environment, so the block processes tritonserver starts do not load it.
  *
- * Built once per user by blockflow.triton.argv_key (cc -shared -fPIC).
+ * Built once per user by blockflow.triton.argv_key (cc -shared -fPIC), or ahead of time
+ * (the container image) with the same command and named by BLOCKFLOW_ARGV_KEY_LIB. Either
+ * way ARGV_KEY_ID is the first 16 hex digits of this file's SHA-256, and BlockFlow
+ * preloads only a library that carries the ID of the source it ships.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -27,6 +30,13 @@
 #define KEY_FILE_VAR "BLOCKFLOW_ADMIN_KEY_FILE"
 #define PRELOAD_VAR "BLOCKFLOW_ARGV_KEY_PRELOAD" /* the LD_PRELOAD to give back to children */
 #define MAX_KEY 512
+#ifndef ARGV_KEY_ID
+#define ARGV_KEY_ID "unversioned"
+#endif
+
+/* Read back from the file by blockflow.triton.argv_key: a library built from another source
+ * (an older BlockFlow's) may spell the placeholder or the variables otherwise. */
+__attribute__((used)) static const char build_id[] = "blockflow-argv-key-id:" ARGV_KEY_ID;
 
 static char key[MAX_KEY + 1];
 

@@ -7,9 +7,12 @@ library (``argv_key.c``, beside this module) that swaps the key in inside the pr
 Triton's ``main`` runs; the key travels in a 0600 file whose name is in the server's environment,
 which only its user can read.
 
-The library is compiled once per user into BlockFlow's cache with the system's C compiler. Without
-one, :func:`shim` says so once and returns None, and callers put the key on the command line as
-before (``/proc`` mounted with ``hidepid=2`` then keeps it from other users).
+The library is compiled once per user into BlockFlow's cache with the system's C compiler, or
+ahead of time where there is none (the container image builds it in a stage of its own) and named
+by ``BLOCKFLOW_ARGV_KEY_LIB``. Either way it carries the ID of the ``argv_key.c`` it was built from
+(:func:`build_command`), and only a library built from the source this BlockFlow ships is preloaded.
+Without a library or a compiler, :func:`shim` says so once and returns None, and callers put the key
+on the command line (``/proc`` mounted with ``hidepid=2`` then keeps it from other users).
 """
 
 from __future__ import annotations
@@ -34,7 +37,20 @@ log = logging.getLogger(__name__)
 PLACEHOLDER = "@BLOCKFLOW_ADMIN_KEY@"
 KEY_FILE_VAR = blockflow_env.ADMIN_KEY_FILE_VAR
 PRELOAD_VAR = blockflow_env.ARGV_KEY_PRELOAD
+LIB_VAR = blockflow_env.ARGV_KEY_LIB
 SOURCE = Path(__file__).with_name("argv_key.c")
+ID_MARK = b"blockflow-argv-key-id:"  # argv_key.c's build_id, followed by source_id()
+
+
+def source_id() -> str:
+    """The ID a library built from this BlockFlow's ``argv_key.c`` carries: its SHA-256's first 16 hex digits
+    (``sha256sum argv_key.c | cut -c1-16``)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def build_command(out: Path | str, cc: str = "cc") -> list[str]:
+    """The compiler's command line that builds the library into ``out``, ID included."""
+    return [cc, "-O2", "-shared", "-fPIC", f'-DARGV_KEY_ID="{source_id()}"', "-o", str(out), str(SOURCE)]
 
 
 def _cache_dir() -> Path:
@@ -56,10 +72,49 @@ def _private(path: Path) -> bool:
     return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
+def _unswappable(path: Path) -> str | None:
+    """Why another user could replace ``path`` (resolved) or a directory above it, or None: each must be owned by
+    root or this user, and writable by nobody else unless it is a directory with the sticky bit (``/tmp``)."""
+    for p in (path, *path.parents):
+        st = p.stat()
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{p} belongs to uid {st.st_uid}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (p != path and st.st_mode & stat.S_ISVTX):
+            return f"{p} is writable by other users"
+    return None
+
+
+def _prebuilt(named: str) -> Path:
+    """The library ``BLOCKFLOW_ARGV_KEY_LIB`` names, once it is safe to preload and built from this BlockFlow's source."""
+    try:
+        lib = Path(named).resolve(strict=True)
+    except OSError as exc:
+        raise EnvironmentProblem(f"{LIB_VAR}={named}: {exc.strerror or exc}") from exc
+    rebuild = f"build it with: {' '.join(build_command(lib))}"
+    if not lib.is_file():
+        raise EnvironmentProblem(f"{LIB_VAR}={named} is not a file; {rebuild}")
+    if any(c.isspace() or c == ":" for c in str(lib)):  # LD_PRELOAD splits at both
+        raise EnvironmentProblem(f"{LIB_VAR}={named}: LD_PRELOAD cannot carry a path with a space or a colon")
+    why = _unswappable(lib)
+    if why is not None:
+        raise EnvironmentProblem(f"{LIB_VAR}={named}: {why}; BlockFlow preloads into tritonserver only a library "
+                                 "that no other user can replace")
+    data = lib.read_bytes()
+    at = data.find(ID_MARK)
+    found = data[at + len(ID_MARK):].split(b"\0", 1)[0][:64].decode("ascii", "replace") if at >= 0 else None
+    if found != source_id():
+        raise EnvironmentProblem(f"{LIB_VAR}={named} was built from another argv_key.c (ID {found or 'none'}) than this "
+                                 f"BlockFlow's ({source_id()}); {rebuild}")
+    return lib
+
+
 @functools.cache
 def shim() -> Path | None:
-    """The compiled library (built on first use), or None where no C compiler is found."""
-    source = SOURCE.read_bytes()
+    """The library to preload: ``BLOCKFLOW_ARGV_KEY_LIB``'s, else BlockFlow's build in this user's cache (made on
+    first use), else None where no C compiler is found."""
+    named = os.environ.get(LIB_VAR)
+    if named:
+        return _prebuilt(named)
     try:
         cache = _cache_dir()
     except OSError as exc:  # no writable home (a read-only root without /tmp): as without a compiler
@@ -67,7 +122,7 @@ def shim() -> Path | None:
                     "command line, which other local users can read in /proc", exc)
         return None
     # The machine in the name: a cache shared between machines (an NFS home) never offers another's build.
-    lib = cache / f"{hashlib.sha256(source).hexdigest()[:16]}-{platform.machine()}.so"
+    lib = cache / f"{source_id()}-{platform.machine()}.so"
     if lib.exists():
         if not _private(lib):
             raise EnvironmentProblem(f"{lib} is not private to this user; remove it (BlockFlow builds it again)")
@@ -79,12 +134,13 @@ def shim() -> Path | None:
     cc = next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
     if cc is None:
         log.warning("no C compiler (cc, gcc or $CC) to build %s: tritonserver gets its admin key on its command "
-                    "line, which other local users can read in /proc; install one, or mount /proc with hidepid=2", SOURCE.name)
+                    "line, which other local users can read in /proc; install one, name a library built ahead of "
+                    "time in %s, or mount /proc with hidepid=2", SOURCE.name, LIB_VAR)
         return None
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
-        res = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
+        res = subprocess.run(build_command(tmp, cc), capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise EnvironmentProblem(f"{cc} could not build {SOURCE}: {(res.stderr or res.stdout).strip()[-2000:]}")
         os.chmod(tmp, 0o700)

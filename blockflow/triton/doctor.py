@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -64,8 +65,6 @@ def _nvml_check() -> Check:
 
 
 def _missing_libs(binary: Path, env_libs: Path) -> list[str]:
-    import os
-
     if not shutil.which("ldd"):
         return []
     env = dict(os.environ, LD_LIBRARY_PATH=str(env_libs))
@@ -112,14 +111,13 @@ def _argv_key_check() -> Check:
         return Check(name, False, str(exc))
     if lib is None:  # serving works; other local users can read the key in /proc
         return Check(name, True, "no: no C compiler (cc) to build the argv-key library, so local users can read "
-                     "tritonserver's admin key in /proc; fix: install cc, or mount /proc with hidepid=2")
-    return Check(name, True, f"yes ({lib})")
+                     f"tritonserver's admin key in /proc; fix: install cc, name a library built ahead of time in "
+                     f"{argv_key.LIB_VAR}, or mount /proc with hidepid=2")
+    return Check(name, True, f"yes ({lib}{', from ' + argv_key.LIB_VAR if os.environ.get(argv_key.LIB_VAR) else ''})")
 
 
 def perf_analyzer_path() -> str | None:
     """perf_analyzer from PATH or from this interpreter's environment (a venv need not be activated)."""
-    import os
-
     return shutil.which("perf_analyzer", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton import argv_key
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -123,3 +124,58 @@ def test_without_a_compiler_the_key_stays_on_the_command_line_and_says_so(tmp_pa
         assert "other local users can read in /proc" in caplog.text
     finally:
         argv_key.shim.cache_clear()
+
+
+def dockerfile_build_line() -> str:
+    """The shell command the image's argv-key stage builds the library with."""
+    text = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    lines = [line.removeprefix("RUN ") for line in text.splitlines() if line.startswith("RUN ") and "argv_key.so" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture
+def prebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The library built ahead of time as the image builds it (its RUN line, in bash), named by BLOCKFLOW_ARGV_KEY_LIB."""
+    if shutil.which("gcc") is None:
+        pytest.skip("the image's stage builds with gcc")
+    build = tmp_path / "build"
+    build.mkdir()
+    shutil.copy(argv_key.SOURCE, build / "argv_key.c")
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", dockerfile_build_line()], cwd=build, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    monkeypatch.setenv(argv_key.LIB_VAR, str(build / "argv_key.so"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))  # nothing is built or read there
+    argv_key.shim.cache_clear()
+    yield build / "argv_key.so"
+    argv_key.shim.cache_clear()
+
+
+def test_a_library_built_as_the_image_builds_it_is_preloaded(prebuilt: Path, tmp_path: Path) -> None:
+    lib = argv_key.shim()
+    assert lib == prebuilt.resolve() and not (tmp_path / "no-cache").exists()
+    key_file = tmp_path / "admin.key"
+    key_file.write_text("image-key\n")
+    res = run(lib, key_file, f"--k={argv_key.PLACEHOLDER}")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["argv"] == ["--k=image-key"]
+
+
+def test_a_named_library_built_from_another_source_is_refused(prebuilt: Path) -> None:
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(prebuilt), str(argv_key.SOURCE)], check=True, timeout=120)
+    with pytest.raises(EnvironmentProblem, match=r"another argv_key.c \(ID unversioned\).*build it with: cc .*-DARGV_KEY_ID="):
+        argv_key.shim()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_a_named_library_other_users_could_replace_is_refused(prebuilt: Path, what: str) -> None:
+    (prebuilt if what == "file" else prebuilt.parent).chmod(0o777)
+    with pytest.raises(EnvironmentProblem, match="writable by other users"):
+        argv_key.shim()
+
+
+def test_a_named_library_that_is_missing_is_refused(prebuilt: Path) -> None:
+    prebuilt.unlink()
+    with pytest.raises(EnvironmentProblem, match=f"{argv_key.LIB_VAR}=.*No such file"):
+        argv_key.shim()
