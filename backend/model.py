@@ -34,7 +34,8 @@ from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.metrics import TmqMetrics
-from blockflow.backend.tensormq.producer import PoolExhaustedError, Producer
+from blockflow.backend.tensormq.producer import Producer
+from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir

@@ -76,7 +76,7 @@ Cancel, crash, restart:
   A release arriving after that carries an old sequence number and is ignored.
   ``lease_s`` must stay far above a block's latency (default 30 s).
 - A full pool makes ``reserve`` wait at most ``wait_s``, then the request fails
-  with :class:`~blockflow.backend.tensormq.producer.PoolExhaustedError`.
+  with :class:`~blockflow.backend.tensormq.reservation.PoolExhaustedError`.
 - A restarted producer keeps its id (derived from its model instance name) but
   draws a new *generation*, a new segment and a new socket. A ticket whose
   generation has no listening socket is refused at once ("stale ticket"); a

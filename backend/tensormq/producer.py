@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,15 @@ import zmq
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.memory import SHM_DIR, CudaSegment, EventRing, HostSegment, Segment
+from blockflow.backend.tensormq.reservation import (
+    PREPARE_MAX_BATCH,
+    Key,
+    PoolExhaustedError,
+    Reservation,
+    Stats,
+    batch_bytes,
+    producer_id,
+)
 from blockflow.backend.tensormq.slots import Slot, SlotTable
 from blockflow.backend.tensormq.wire import (
     ERROR,
@@ -34,57 +41,6 @@ from blockflow.backend.tensormq.wire import (
 from blockflow.core import env
 from blockflow.core.errors import BlockError
 from blockflow.core.runtime_dir import read_key
-
-_Key = tuple[int, tuple[tuple[int, ...], ...], torch.dtype]  # a reservation's batch, per-sample shapes and dtype
-
-
-def _batch_bytes(key: _Key) -> int:
-    """Bytes of a batch of ``key``'s records, before the slot table's alignment."""
-    batch, shapes, dtype = key
-    return tk.record_offsets(shapes)[-1] * dtype.itemsize * batch
-
-
-# A batch of at most this many samples is followed by its successor's reservation, prepared ahead.
-PREPARE_MAX_BATCH = 1
-
-
-class PoolExhaustedError(BlockError):
-    """The producer's pool stayed full for the whole bounded wait; the request fails."""
-
-
-def producer_id(name: str) -> int:
-    """Stable 64-bit id of a model instance (it survives restarts; the generation does not)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
-@dataclass
-class Stats:
-    allocations: int = 0
-    tickets: int = 0
-    releases: int = 0
-    stale_releases: int = 0
-    lease_expiries: int = 0
-    expired_tickets: int = 0
-    pool_waits: int = 0
-    pool_failures: int = 0
-    hellos: int = 0
-    unclaimed_tickets: int = 0  # samples reclaimed because no consumer claimed them in time
-
-
-@dataclass
-class Reservation:
-    slot: Slot
-    views: list[torch.Tensor]  # one [batch, *shape] view in the pool per tensor
-    sample_shape: tuple[int, ...]  # what each ticket describes (a record: all its elements)
-    sample_bytes: int
-    layout: int = 0  # ticket.layout_id of a record's tensors; 0 for one tensor
-    key: _Key | None = None  # (batch, shapes, dtype): what a prepared reservation can be taken for
-    tickets: list[bytes] | None = None  # signed ahead, for a reservation prepared between calls
-
-    @property
-    def view(self) -> torch.Tensor:
-        """The view of a one-tensor reservation."""
-        return self.views[0]
 
 
 class Producer:
@@ -148,7 +104,7 @@ class Producer:
         # shape: at batch 1 that keeps reserving and signing (~0.1-0.2 ms of host time inside a
         # stub, bench.timeline) off a request's path. Its slot counts as ready, not in use.
         self._ready: Reservation | None = None
-        self._next_key: _Key | None = None  # what the preparer should reserve next
+        self._next_key: Key | None = None  # what the preparer should reserve next
         self._wake = threading.Event()
         self._closing = threading.Event()  # stops the preparer (before the drain, which needs the server thread)
         self._preparer: threading.Thread | None = None
@@ -168,7 +124,7 @@ class Producer:
         if not 1 <= batch <= self.max_samples:
             raise BlockError(f"batch of {batch} is above {self.name}'s TensorMQ limit of {self.max_samples} samples")
         key = (batch, tuple(tuple(s) for s in shapes), dtype)
-        nbytes = _batch_bytes(key)
+        nbytes = batch_bytes(key)
         deadline = time.monotonic() + self.wait_s
         with self._cond:
             ready = self._take_ready_locked(key)
@@ -194,7 +150,7 @@ class Producer:
             # Views are built under the lock: the preparer thread builds them too, from the same cache.
             return self._reservation_locked(slot, key)
 
-    def _reservation_locked(self, slot: Slot, key: _Key) -> Reservation:
+    def _reservation_locked(self, slot: Slot, key: Key) -> Reservation:
         batch, shapes, dtype = key
         offsets = tk.record_offsets(shapes)
         sample_shape = shapes[0] if len(shapes) == 1 else (offsets[-1],)
@@ -246,7 +202,7 @@ class Producer:
         if self._next_key is not None and (ready is None or ready.key != self._next_key):
             self._wake.set()
 
-    def _take_ready_locked(self, key: _Key) -> Reservation | None:
+    def _take_ready_locked(self, key: Key) -> Reservation | None:
         r = self._ready
         if r is None or r.key != key:
             return None
@@ -274,7 +230,7 @@ class Producer:
             key = self._next_key
             if key is None:
                 continue
-            nbytes = _batch_bytes(key)
+            nbytes = batch_bytes(key)
             with self._cond:
                 if self._closing.is_set() or (self._ready is not None and self._ready.key == key):
                     continue

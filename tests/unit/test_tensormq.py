@@ -19,7 +19,8 @@ import zmq
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.memory import SHM_DIR
-from blockflow.backend.tensormq.producer import PoolExhaustedError, Producer
+from blockflow.backend.tensormq.producer import Producer
+from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.slots import ALIGN, SlotTable
 from blockflow.backend.tensormq.ticket import TicketError
 from blockflow.backend.tensormq.wire import STATS, endpoint, generations
@@ -187,7 +188,7 @@ def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime
             consumer.release_now(releases)
         consumer.flush()
         assert consumer.stats.handle_opens == 1 and consumer.stats.hellos == 1  # once per segment, not per request
-        from blockflow.backend.tensormq.producer import producer_id
+        from blockflow.backend.tensormq.reservation import producer_id
 
         deadline = time.monotonic() + 5
         while _stats(runtime, producer_id("blockA/0"))["slots_in_use"] and time.monotonic() < deadline:
@@ -209,7 +210,7 @@ def _consume_and_die(runtime: str, conn: mp.connection.Connection) -> None:
 
 
 def test_killed_consumer_slots_come_back_within_the_lease(runtime: Path) -> None:
-    from blockflow.backend.tensormq.producer import producer_id
+    from blockflow.backend.tensormq.reservation import producer_id
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -263,7 +264,7 @@ def test_a_batch_of_one_is_followed_by_a_prepared_reservation_that_reads_exactly
     """After a call of batch 1, the next batch-1 reservation is made and signed between calls; the
     call takes it and its tickets read, claim and release like any other. The prepared slot is
     not in use (stats, usage), and a batch of another size leaves it alone."""
-    from blockflow.backend.tensormq.producer import producer_id
+    from blockflow.backend.tensormq.reservation import producer_id
 
     prod = Producer("blockP/0", runtime, CPU, pool_bytes=1 << 20, max_slots=8, lease_s=30, wait_s=1)
     consumer = Consumer(runtime, CPU)
