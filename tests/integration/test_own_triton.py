@@ -25,7 +25,7 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from blockflow.core import env
-from blockflow.core.procfs import exiting
+from blockflow.core.procfs import exiting, stat_fields
 from blockflow.core.runtime_dir import default_for, write_private
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
@@ -51,6 +51,24 @@ def container_layout(where: Path) -> Path:
     for f in (wheel.python_backend / "libtriton_python.so", wheel.python_backend / "triton_python_backend_utils.py", wheel.stub()):
         (python / f.name).symlink_to(f)
     return home
+
+
+def where_threads_are(pid: int) -> str:
+    """Each thread of ``pid``: its state, where it sleeps (wchan) and, where this user may read it, its
+    kernel stack: what a test that waits for a process to exit says when it does not."""
+    rows = [f"pid {pid}:"]
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda t: int(t.name)):
+        try:
+            comm, state = (task / "comm").read_text().strip(), stat_fields(pid, int(task.name))[0]
+            wchan = (task / "wchan").read_text().strip()
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            stack = " < ".join(line.split(" ", 1)[-1] for line in (task / "stack").read_text().splitlines()[:6])
+        except OSError:
+            stack = "(kernel stack not readable)"
+        rows.append(f"  {task.name} {comm!r} {state} wchan={wchan} {stack}")
+    return "\n".join(rows)
 
 
 def start_by_hand(where: Path, plan: Path, home_args: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
@@ -202,9 +220,11 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         while not all(exiting(pid) for pid in stubs) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE  # still not reaped
-        assert [pid for pid in stubs if not exiting(pid)] == [], "block processes outlived their killed server"
-        assert [p for p in [*pools, *regions] if p.exists()] == []
         log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+        assert [pid for pid in stubs if not exiting(pid)] == [], (
+            "block processes outlived their killed server:\n" + "\n".join(where_threads_are(pid) for pid in stubs if not exiting(pid))
+            + "\nthe blocks' lines of the server log:\n" + "\n".join(line for line in log.splitlines() if "blockflow" in line)[-3000:])
+        assert [p for p in [*pools, *regions] if p.exists()] == []
         assert log.count(f"tritonserver (pid {proc.pid}) has exited") == 3
     finally:
         with contextlib.suppress(ProcessLookupError):
