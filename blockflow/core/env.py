@@ -41,6 +41,7 @@ ARGV_KEY_PRELOAD = "BLOCKFLOW_ARGV_KEY_PRELOAD"  # the LD_PRELOAD to give back t
 # -- set by the operator (or a benchmark)
 TRITON_HOME = "BLOCKFLOW_TRITON_HOME"  # another tritonserver directory of the nvidia-pytriton layout
 ARGV_KEY_LIB = "BLOCKFLOW_ARGV_KEY_LIB"  # the argv-key library built ahead of time (no C compiler needed; the image's)
+ALLOW_KEY_ON_COMMAND_LINE = "BLOCKFLOW_ALLOW_KEY_ON_COMMAND_LINE"  # "1": without that library, the key goes on argv
 TRACE_DIR = "BLOCKFLOW_TRACE_DIR"  # block processes append JSON lines of their life cycle here
 DISABLE_CUDA_GRAPHS = "BLOCKFLOW_DISABLE_CUDA_GRAPHS"  # "1": run GPU blocks eagerly whatever the plan says
 KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cache after warm-up (memory runs)

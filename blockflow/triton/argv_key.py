@@ -11,8 +11,9 @@ The library is compiled once per user into BlockFlow's cache with the system's C
 ahead of time where there is none (the container image builds it in a stage of its own) and named
 by ``BLOCKFLOW_ARGV_KEY_LIB``. Either way it carries the ID of the ``argv_key.c`` it was built from
 (:func:`build_command`), and only a library built from the source this BlockFlow ships is preloaded.
-Without a library or a compiler, :func:`shim` says so once and returns None, and callers put the key
-on the command line (``/proc`` mounted with ``hidepid=2`` then keeps it from other users).
+Without one, :func:`library` lets the key go on the command line only where ``/proc`` hides other
+users' processes (``hidepid``) or the operator says so (``BLOCKFLOW_ALLOW_KEY_ON_COMMAND_LINE=1``),
+and refuses otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PLACEHOLDER = "@BLOCKFLOW_ADMIN_KEY@"
 KEY_FILE_VAR = blockflow_env.ADMIN_KEY_FILE_VAR
 PRELOAD_VAR = blockflow_env.ARGV_KEY_PRELOAD
 LIB_VAR = blockflow_env.ARGV_KEY_LIB
+ALLOW_VAR = blockflow_env.ALLOW_KEY_ON_COMMAND_LINE
 SOURCE = Path(__file__).with_name("argv_key.c")
 ID_MARK = b"blockflow-argv-key-id:"  # argv_key.c's build_id, followed by source_id()
 
@@ -109,18 +111,17 @@ def _prebuilt(named: str) -> Path:
 
 
 @functools.cache
-def shim() -> Path | None:
+def find() -> Path | str:
     """The library to preload: ``BLOCKFLOW_ARGV_KEY_LIB``'s, else BlockFlow's build in this user's cache (made on
-    first use), else None where no C compiler is found."""
+    first use); or, where there is none, why (no C compiler, no cache). Raises EnvironmentProblem for a library
+    that is there but may not be preloaded."""
     named = os.environ.get(LIB_VAR)
     if named:
         return _prebuilt(named)
     try:
         cache = _cache_dir()
     except OSError as exc:  # no writable home (a read-only root without /tmp): as without a compiler
-        log.warning("cannot make BlockFlow's cache for the argv-key library (%s): tritonserver gets its admin key on its "
-                    "command line, which other local users can read in /proc", exc)
-        return None
+        return f"BlockFlow cannot make its cache for the argv-key library ({exc})"
     # The machine in the name: a cache shared between machines (an NFS home) never offers another's build.
     lib = cache / f"{source_id()}-{platform.machine()}.so"
     if lib.exists():
@@ -128,15 +129,10 @@ def shim() -> Path | None:
             raise EnvironmentProblem(f"{lib} is not private to this user; remove it (BlockFlow builds it again)")
         return lib
     if any(c.isspace() or c == ":" for c in str(lib)):  # LD_PRELOAD splits at both
-        log.warning("BlockFlow's cache path %s holds a space or a colon, which LD_PRELOAD cannot carry: tritonserver gets "
-                    "its admin key on its command line, which other local users can read in /proc", cache)
-        return None
+        return f"BlockFlow's cache path {cache} holds a space or a colon, which LD_PRELOAD cannot carry"
     cc = next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
     if cc is None:
-        log.warning("no C compiler (cc, gcc or $CC) to build %s: tritonserver gets its admin key on its command "
-                    "line, which other local users can read in /proc; install one, name a library built ahead of "
-                    "time in %s, or mount /proc with hidepid=2", SOURCE.name, LIB_VAR)
-        return None
+        return f"no C compiler (cc, gcc or $CC) to build {SOURCE.name}"
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
@@ -148,6 +144,46 @@ def shim() -> Path | None:
     finally:
         Path(tmp).unlink(missing_ok=True)
     return lib
+
+
+def hides_other_users(mountinfo: str) -> bool:
+    """Whether ``/proc``, as this mount table (``/proc/self/mountinfo``) has it, hides other users' processes:
+    any ``hidepid`` but 0 (``off``) keeps their command lines from everyone but their owner and root."""
+    for line in mountinfo.splitlines():
+        mount, _, source = line.partition(" - ")
+        fields, fs = mount.split(), source.split()
+        if len(fields) > 4 and fields[4] == "/proc" and len(fs) > 2 and fs[0] == "proc":
+            hidepid = next((o.split("=", 1)[1] for o in fs[2].split(",") if o.startswith("hidepid=")), "0")
+            return hidepid not in ("0", "off")
+    return False
+
+
+@functools.cache
+def library() -> Path | None:
+    """The library to preload into tritonserver, or None where its admin key may go on its command line:
+    ``/proc`` hides other users' processes, or the operator accepts it (``BLOCKFLOW_ALLOW_KEY_ON_COMMAND_LINE=1``).
+    Otherwise the key would be readable by every local user, who could then load code into the server:
+    EnvironmentProblem, with the fixes."""
+    found = find()
+    if isinstance(found, Path):
+        return found
+    if os.environ.get(ALLOW_VAR) == "1":
+        log.warning("%s: tritonserver gets its admin key on its command line, which other local users can read in "
+                    "/proc (%s=1)", found, ALLOW_VAR)
+        return None
+    try:
+        hidden = hides_other_users(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        hidden = False
+    if hidden:
+        log.info("%s: tritonserver gets its admin key on its command line, which /proc (hidepid) shows to this user "
+                 "and root only", found)
+        return None
+    raise EnvironmentProblem(
+        f"{found}, so tritonserver's admin key would be on its command line, which every local user can read in "
+        "/proc/<pid>/cmdline (and with it load code into the server); fix: install a C compiler (cc), or name a "
+        f"library built ahead of time in {LIB_VAR} (docs/deploy.md), or mount /proc with hidepid=2; on a machine "
+        f"no other user can reach, {ALLOW_VAR}=1 accepts it")
 
 
 def server_env(env: dict[str, str], lib: Path, key_file: Path | None) -> dict[str, str]:

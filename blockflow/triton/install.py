@@ -187,8 +187,8 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
     --triton-grpc-url`` can change its plan) with its restricted APIs behind the key in that file,
     read when the server starts; without it, in Triton's default mode, where loads are refused and
     those APIs are behind a random key nobody has. Either key reaches Triton through the argv-key
-    library (:mod:`blockflow.triton.argv_key`), not on its command line, where a C compiler was
-    found. It listens on loopback unless told otherwise.
+    library (:mod:`blockflow.triton.argv_key`), not on its command line (see :func:`argv_key.library`
+    for where it may go there). It listens on loopback unless told otherwise.
 
     TensorMQ needs no variable: its block processes share a private runtime directory derived
     from the repository's path (:mod:`blockflow.core.runtime_dir`).
@@ -212,9 +212,9 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
     # The model-repository, trace and logging APIs are always behind a key: the one in the key file, or,
     # without one, a random key made at each start and given to nobody (Triton's trace settings can write
     # files wherever the server may). With the argv-key library, the key is put into tritonserver's
-    # arguments inside the process and never appears in /proc/<pid>/cmdline; without it (no C compiler),
-    # the shell reads it onto the command line.
-    shim = argv_key.shim()
+    # arguments inside the process and never appears in /proc/<pid>/cmdline; without it (only where /proc
+    # hides other users' processes, or the operator accepts it), the shell reads it onto the command line.
+    shim = argv_key.library()
     if shim is not None:
         lib = shlex.quote(str(shim))
         key_lines = [f'[ -r {lib} ] || {{ echo "{shim} is missing: run blockflow triton-command again" >&2; exit 1; }}',

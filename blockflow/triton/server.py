@@ -214,8 +214,8 @@ class TritonServer:
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             # The user's own --log-verbose (a pass-through argument) replaces this one.
             *([] if any(a.startswith("--log-verbose") for a in o.extra_args) else [f"--log-verbose={o.log_verbose}"]),
-            # Without the argv-key library (no C compiler), the key itself: readable in /proc by local users.
-            *access.restricted_args(self.admin_key if argv_key.shim() is None else argv_key.PLACEHOLDER),
+            # Without the argv-key library, the key itself: only where /proc hides it, or the operator accepts it.
+            *access.restricted_args(self.admin_key if argv_key.library() is None else argv_key.PLACEHOLDER),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
             "--metrics-config=summary_latencies=true",
             "--exit-timeout-secs=20",
@@ -237,7 +237,7 @@ class TritonServer:
         write_private(self.admin_key_file, self.admin_key)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
-        shim = argv_key.shim()
+        shim = argv_key.library()
         if shim is not None:
             env = argv_key.server_env(env, shim, self.admin_key_file)
         if self.warm_cores is not None:
@@ -280,7 +280,7 @@ class TritonServer:
                 return  # refused, as it must be
             raise ServerError(f"could not check tritonserver's admin key against the placeholder: {exc}") from exc
         raise ServerError(f"tritonserver took {argv_key.PLACEHOLDER} as its admin key: the library that puts the real key "
-                          f"in its arguments ({argv_key.shim()}, LD_PRELOAD) did not run; it was stopped")
+                          f"in its arguments ({argv_key.library()}, LD_PRELOAD) did not run; it was stopped")
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
         """Reap the server as soon as it exits; if nobody asked it to, end the stubs it leaves."""

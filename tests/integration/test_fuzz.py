@@ -231,8 +231,8 @@ def test_the_model_repository_api_needs_the_admin_key(served: Served, tmp_path: 
 def test_the_admin_key_is_not_on_tritonservers_command_line(served: Served) -> None:
     """/proc/<pid>/cmdline is readable by every local user: the key reaches Triton inside the process
     (blockflow.triton.argv_key), and the placeholder standing in for it opens nothing."""
-    if argv_key.shim() is None:
-        pytest.skip("no C compiler to build the argv-key library")
+    if argv_key.library() is None:
+        pytest.skip(f"no argv-key library ({argv_key.find()}), and /proc's hidepid or the operator lets the key go on the command line")
     assert served.server.process is not None
     pid = served.server.process.pid
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -123,7 +123,7 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         home_args += ["--admin-key-file", str(where / "admin.key")]
     proc, url, runtime_base = start_by_hand(where, PLAN, home_args)
     try:
-        if argv_key.shim() is not None:  # the key reaches tritonserver inside the process, never on its command line
+        if argv_key.library() is not None:  # the key reaches tritonserver inside the process, never on its command line
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
             assert cmdline.count(argv_key.PLACEHOLDER.encode()) == 2
             if home_args:

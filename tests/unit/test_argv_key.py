@@ -29,11 +29,17 @@ SHOW = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
 @pytest.fixture
 def lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    argv_key.shim.cache_clear()
-    built = argv_key.shim()
+    clear()
+    built = argv_key.library()
     assert built is not None and built.parent == tmp_path / "cache" / "blockflow" / "argv-key"
     yield built
-    argv_key.shim.cache_clear()
+    clear()
+
+
+def clear() -> None:
+    """Forget the library found (both lookups are cached for the process's life)."""
+    argv_key.find.cache_clear()
+    argv_key.library.cache_clear()
 
 
 def run(lib: Path, key_file: Path | None, *args: str, base: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -94,36 +100,67 @@ def test_arguments_without_the_placeholder_need_no_key(lib: Path, tmp_path: Path
 
 def test_a_library_another_user_could_replace_is_refused(lib: Path) -> None:
     lib.chmod(0o777)
-    argv_key.shim.cache_clear()
-    with pytest.raises(Exception, match="not private"):
-        argv_key.shim()
+    clear()
+    with pytest.raises(EnvironmentProblem, match="not private"):
+        argv_key.library()
 
 
 def test_the_cache_is_made_private_whatever_the_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (tmp_path / "cache" / "blockflow").mkdir(parents=True, mode=0o777)
     (tmp_path / "cache" / "blockflow").chmod(0o777)
-    argv_key.shim.cache_clear()
+    clear()
     try:
-        assert argv_key.shim() is not None
+        assert argv_key.library() is not None
     finally:
-        argv_key.shim.cache_clear()
+        clear()
     for d in (tmp_path / "cache" / "blockflow", tmp_path / "cache" / "blockflow" / "argv-key"):
         assert d.stat().st_mode & 0o777 == 0o700
 
 
-def test_without_a_compiler_the_key_stays_on_the_command_line_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                           caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
     monkeypatch.delenv("CC", raising=False)
-    argv_key.shim.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert argv_key.shim() is None
-        assert "other local users can read in /proc" in caplog.text
-    finally:
-        argv_key.shim.cache_clear()
+    monkeypatch.delenv(argv_key.ALLOW_VAR, raising=False)
+    monkeypatch.setattr(argv_key, "hides_other_users", lambda mountinfo: False)  # this machine's /proc may hide them
+    clear()
+    yield
+    clear()
+
+
+def test_without_a_library_the_key_is_refused_the_command_line(no_compiler: None) -> None:
+    with pytest.raises(EnvironmentProblem, match=r"no C compiler .* every local user can read .*fix: install a C compiler"
+                       rf".*{argv_key.LIB_VAR}.*hidepid=2.*{argv_key.ALLOW_VAR}=1 accepts it"):
+        argv_key.library()
+
+
+def test_the_operator_may_accept_the_key_on_the_command_line(no_compiler: None, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(argv_key.ALLOW_VAR, "1")
+    with caplog.at_level(logging.WARNING):
+        assert argv_key.library() is None
+    assert "other local users can read in /proc" in caplog.text
+
+
+# /proc/self/mountinfo lines: the fields before " - " end with the mount point's options, after it the
+# file system, its source and the superblock's options (where hidepid is).
+MOUNT = "25 30 0:23 / /proc rw,nosuid,nodev,noexec,relatime shared:12 - proc proc rw{}\n"
+OTHER = "26 25 0:24 / /sys rw,nosuid shared:7 - sysfs sysfs rw\n"
+
+
+@pytest.mark.parametrize(("options", "hidden"), [("", False), (",hidepid=0", False), (",hidepid=off", False),
+                                                  (",hidepid=2", True), (",hidepid=invisible", True),
+                                                  (",hidepid=1", True), (",hidepid=ptraceable,subset=pid", True)])
+def test_proc_hides_other_users_only_with_hidepid(options: str, hidden: bool) -> None:
+    assert argv_key.hides_other_users(OTHER + MOUNT.format(options)) is hidden
+
+
+def test_where_proc_hides_other_users_the_key_may_go_on_the_command_line(no_compiler: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(argv_key, "hides_other_users", lambda mountinfo: "/proc" in mountinfo)  # the real mount table
+    assert argv_key.library() is None
 
 
 def dockerfile_build_line() -> str:
@@ -147,13 +184,13 @@ def prebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     assert res.returncode == 0, res.stderr
     monkeypatch.setenv(argv_key.LIB_VAR, str(build / "argv_key.so"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))  # nothing is built or read there
-    argv_key.shim.cache_clear()
+    clear()
     yield build / "argv_key.so"
-    argv_key.shim.cache_clear()
+    clear()
 
 
 def test_a_library_built_as_the_image_builds_it_is_preloaded(prebuilt: Path, tmp_path: Path) -> None:
-    lib = argv_key.shim()
+    lib = argv_key.library()
     assert lib == prebuilt.resolve() and not (tmp_path / "no-cache").exists()
     key_file = tmp_path / "admin.key"
     key_file.write_text("image-key\n")
@@ -165,17 +202,17 @@ def test_a_library_built_as_the_image_builds_it_is_preloaded(prebuilt: Path, tmp
 def test_a_named_library_built_from_another_source_is_refused(prebuilt: Path) -> None:
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(prebuilt), str(argv_key.SOURCE)], check=True, timeout=120)
     with pytest.raises(EnvironmentProblem, match=r"another argv_key.c \(ID unversioned\).*build it with: cc .*-DARGV_KEY_ID="):
-        argv_key.shim()
+        argv_key.library()
 
 
 @pytest.mark.parametrize("what", ["file", "directory"])
 def test_a_named_library_other_users_could_replace_is_refused(prebuilt: Path, what: str) -> None:
     (prebuilt if what == "file" else prebuilt.parent).chmod(0o777)
     with pytest.raises(EnvironmentProblem, match="writable by other users"):
-        argv_key.shim()
+        argv_key.library()
 
 
 def test_a_named_library_that_is_missing_is_refused(prebuilt: Path) -> None:
     prebuilt.unlink()
     with pytest.raises(EnvironmentProblem, match=f"{argv_key.LIB_VAR}=.*No such file"):
-        argv_key.shim()
+        argv_key.library()

@@ -200,4 +200,7 @@ def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None
     checks = blockflow("doctor", "--json")
     assert {"ok", "checks"} == json.loads(checks.stdout).keys()
     (key,) = [c for c in json.loads(checks.stdout)["checks"] if c["check"] == "admin key off the command line"]
-    assert key["ok"] and key["detail"].startswith("yes (" if shutil.which("cc") or shutil.which("gcc") else "no: ")
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert key["ok"] and key["detail"].startswith("yes (")
+    else:  # refused, unless /proc hides other users' processes or the operator accepts it
+        assert key["detail"].startswith("no: ") if key["ok"] else "every local user can read" in key["detail"]
