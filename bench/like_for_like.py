@@ -1,0 +1,151 @@
+"""The split against the unsplit model, like for like, in one command: ``blockflow bench`` once per row
+(precision and client input path, one server each, references in the row's precision), then one table
+of every row with the targets of the split's cost checked against it.
+
+    python -m blockflow.bench.like_for_like --plan plans/bench_r50.yaml --out DIR
+
+Each row lands in ``DIR/<row>/`` (``results.json``, ``report.md``); ``DIR/like_for_like.md`` is the
+table. A row whose complete ``results.json`` is already there is not measured again, so a run cut
+short (a machine's time limit) goes on where it stopped; ``--summary`` only writes the table.
+Figures: the median of ``--repeats`` perf_analyzer runs ± half their range, batch 1, p50 at
+concurrency 1 and throughput at concurrency 32; hop = (split − mono) / hops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blockflow.bench.report import split_rows
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # its directory under --out
+    label: str  # its first cell
+    precision: str
+    input: str  # blockflow bench --input
+
+
+ROWS = (Row("fp16_host", "fp16, host memory", "fp16", "host"),
+        Row("fp16_cudashm", "fp16, CUDA shared memory", "fp16", "cuda-shm"),
+        Row("tf32_host", "tf32, host memory", "tf32", "host"),
+        Row("fp32_host", "fp32, host memory", "fp32", "host"))
+SPLIT, MONO, OTHERS = "tensormq", "monolithic-graph", ("triton-gpu", "triton-cpu")
+# The targets of the split's cost (issue 20): a hop at c1; split/mono p50 at c1 (at most) and
+# throughput at c32 (at least), by client input path.
+HOP_MS = 0.22
+C1_RATIO = {"host": 1.3, "cuda-shm": 1.35}
+C32_RATIO = {"host": 1.3, "cuda-shm": 1.0}
+HEADER = ["| precision, client input | monolithic CUDA graph | 4-block `tensormq` | split/mono p50, c32 | hop | `triton-gpu` | `triton-cpu` |",
+          "|---|---|---|---|---|---|---|"]
+
+
+def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float, mps: bool) -> list[str]:
+    return [sys.executable, "-m", "blockflow", "bench", "--plan", str(plan), "--precision", row.precision,
+            *(["--input", row.input] if row.input != "host" else []), "--sections", "concurrency", "--concurrency", "1,32",
+            "--seconds", f"{seconds:g}", "--repeats", str(repeats), *(["--mps"] if mps else []), "--out", str(out / row.name)]
+
+
+def _results(out: Path, row: Row) -> dict[str, Any] | None:
+    """A row's results, if its run finished."""
+    try:
+        res: dict[str, Any] = json.loads((out / row.name / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return res if res.get("meta", {}).get("complete", False) else None
+
+
+def _pm(r: dict[str, Any], key: str) -> str:
+    spread = r.get("spread", {}).get(key)
+    return f" ±{spread * 50:.0f}%" if spread is not None and len(r.get("runs", [])) > 1 else ""
+
+
+def _c1_c32(conc: dict[str, Any], model: str, throughput_spread: bool = True) -> str:
+    c1, c32 = conc[model]["1"], conc[model]["32"]
+    return (f"{c1['p50_ms']:.2f} ms{_pm(c1, 'p50_ms')} ({c32['throughput']:.0f}/s"
+            f"{_pm(c32, 'throughput') if throughput_spread else ''})")
+
+
+def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    """The row's line of the table, and its split/mono c1 ratio, c32 ratio and hop."""
+    conc = res["concurrency"]
+    c1 = {m: conc[m]["1"]["p50_ms"] for m in (SPLIT, MONO)}
+    c32 = {m: conc[m]["32"]["throughput"] for m in (SPLIT, MONO)}
+    hops = max(1, len(res.get("path", [])) - 1)
+    figures = {"c1_ratio": c1[SPLIT] / c1[MONO], "c32_ratio": c32[SPLIT] / c32[MONO], "hop_ms": (c1[SPLIT] - c1[MONO]) / hops}
+    cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT),
+             f"{figures['c1_ratio']:.2f}×, {figures['c32_ratio']:.2f}×", f"{figures['hop_ms']:.2f} ms",
+             *(_c1_c32(conc, m, throughput_spread=False) if m in conc else "—" for m in OTHERS)]
+    return "| " + " | ".join(cells) + " |", figures
+
+
+def _verdict(value: float, target: float, at_most: bool, unit: str = "×") -> str:
+    met = value <= target if at_most else value >= target
+    return f"{value:.2f}{unit} ({'meets' if met else 'misses'} {'≤' if at_most else '≥'} {target:g}{unit})"
+
+
+def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
+    """``like_for_like.md``: what was measured, the table and each row against the targets."""
+    done = [(row, res) for row in rows if (res := _results(out, row)) is not None]
+    lines = ["# Like for like: the split against the unsplit model", ""]
+    if not done:
+        return "\n".join([*lines, "No row has finished yet.", ""])
+    metas = [res["meta"] for _, res in done]
+    commits = sorted({m.get("commit", "?") for m in metas})
+    lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
+              f"commit {', '.join(commits)}; {metas[0]['date']} to {metas[-1]['date']}; MPS {'on' if metas[0].get('mps') else 'off'}; "
+              f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "
+              "range, batch 1: p50 at concurrency 1 (throughput at 32). Compare within a row: these machines drift by up to 40%.",
+              "", *HEADER]
+    checks = []
+    for row, res in done:
+        line, f = table_row(row, res)
+        lines.append(line)
+        checks.append(f"- {row.label}: hop {_verdict(f['hop_ms'], HOP_MS, True, ' ms')}; split/mono c1 "
+                      f"{_verdict(f['c1_ratio'], C1_RATIO[row.input], True)}; c32 {_verdict(f['c32_ratio'], C32_RATIO[row.input], False)}")
+    missing = [row.name for row in rows if row not in {r for r, _ in done}]
+    lines += ["", "Against the targets:", "", *checks, ""]
+    if missing:
+        lines += [f"Not measured yet: {', '.join(missing)} (run the same command again).", ""]
+    # blockflow bench's own split table, for the rows' pipeline sections (another window at c1).
+    lines += ["Each row's `report.md` has the rest (Triton's per-block statistics, GPU utilisation, energy); its split "
+              "table also gives the pipeline section's c1 figures: " + "; ".join(
+                  f"{row.name} {r['p50_ratio']:.2f}×" for row, res in done for r in split_rows(res) if r["transport"] == SPLIT) + ".", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default=",".join(r.name for r in ROWS), help="which rows, comma-separated (default: all)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
+    ap.add_argument("--mps", action="store_true", help="each row's server under MPS (blockflow bench --mps)")
+    ap.add_argument("--summary", action="store_true", help="only write like_for_like.md from the rows already measured")
+    args = ap.parse_args()
+    by_name = {r.name: r for r in ROWS}
+    unknown = [n for n in args.rows.split(",") if n not in by_name]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; rows: {', '.join(by_name)}")
+    rows = tuple(by_name[n] for n in args.rows.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        if args.summary or _results(args.out, row) is not None:
+            continue
+        cmd = bench_command(row, args.plan, args.out, args.repeats, args.seconds, args.mps)
+        print(f"[like-for-like] {row.name}: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, check=True)
+        (args.out / "like_for_like.md").write_text(summary(args.out, rows))  # after each row: a cut-short run keeps it
+    (args.out / "like_for_like.md").write_text(summary(args.out, rows))
+    print((args.out / "like_for_like.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

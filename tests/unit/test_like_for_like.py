@@ -1,0 +1,47 @@
+"""The like-for-like table, from the committed H100 results of README's table."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from blockflow.bench import like_for_like as lfl
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "h100" / "like_for_like-2026-11-25-bbab3a1"
+
+
+def test_the_table_is_readmes_from_the_same_results() -> None:
+    md = lfl.summary(RESULTS)
+    rows = [line for line in md.splitlines() if line.startswith("| ") and "×" in line]
+    readme = (ROOT / "README.md").read_text()
+    assert len(rows) == 4 and lfl.HEADER[0] in readme
+    for row in rows:
+        assert row in readme, row
+    assert "commit bbab3a1" in md and "Not measured yet" not in md
+
+
+def test_each_row_is_checked_against_the_targets() -> None:
+    checks = {line.split(":")[0][2:]: line for line in lfl.summary(RESULTS).splitlines() if line.startswith("- ")}
+    assert set(checks) == {r.label for r in lfl.ROWS}
+    assert "split/mono c1 1.29× (meets ≤ 1.3×)" in checks["fp32, host memory"]
+    assert "hop 0.44 ms (misses ≤ 0.22 ms)" in checks["fp16, CUDA shared memory"]
+    assert "c32 0.42× (misses ≥ 1×)" in checks["fp16, CUDA shared memory"]
+
+
+def test_a_row_cut_short_is_measured_again(tmp_path: Path) -> None:
+    for row in lfl.ROWS[:2]:
+        shutil.copytree(RESULTS / row.name, tmp_path / row.name)
+    res = json.loads((tmp_path / "fp16_cudashm" / "results.json").read_text())
+    res["meta"]["complete"] = False
+    (tmp_path / "fp16_cudashm" / "results.json").write_text(json.dumps(res))
+    md = lfl.summary(tmp_path)
+    assert md.count("| fp16, ") == 1 and "Not measured yet: fp16_cudashm, tf32_host, fp32_host" in md
+
+
+def test_each_row_runs_blockflow_bench_at_its_precision_and_input() -> None:
+    cmd = lfl.bench_command(lfl.ROWS[1], Path("plans/bench_r50.yaml"), Path("out"), 3, 1.0, mps=False)
+    assert cmd[1:] == ["-m", "blockflow", "bench", "--plan", "plans/bench_r50.yaml", "--precision", "fp16", "--input", "cuda-shm",
+                       "--sections", "concurrency", "--concurrency", "1,32", "--seconds", "1", "--repeats", "3",
+                       "--out", "out/fp16_cudashm"]
