@@ -87,7 +87,8 @@ def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float]]:
 
 def _verdict(value: float, target: float, at_most: bool, unit: str = "×") -> str:
     met = value <= target if at_most else value >= target
-    return f"{value:.2f}{unit} ({'meets' if met else 'misses'} {'≤' if at_most else '≥'} {target:g}{unit})"
+    # Three decimals: 1.301 misses 1.3, which two would show as 1.30.
+    return f"{value:.3f}{unit} ({'meets' if met else 'misses'} {'≤' if at_most else '≥'} {target:g}{unit})"
 
 
 def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
@@ -99,7 +100,7 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
     metas = [res["meta"] for _, res in done]
     commits = sorted({m.get("commit", "?") for m in metas})
     lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
-              f"commit {', '.join(commits)}; {metas[0]['date']} to {metas[-1]['date']}; MPS {'on' if metas[0].get('mps') else 'off'}; "
+              f"commit {', '.join(commits)}; rows started {metas[0]['date']} to {metas[-1]['date']}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "
               "range, batch 1: p50 at concurrency 1 (throughput at 32). Compare within a row: these machines drift by up to 40%.",
               "", *HEADER]

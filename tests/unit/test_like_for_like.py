@@ -6,28 +6,32 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from blockflow.bench import like_for_like as lfl
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "h100" / "like_for_like-2026-11-25-bbab3a1"
 
 
-def test_the_table_is_readmes_from_the_same_results() -> None:
-    md = lfl.summary(RESULTS)
+@pytest.mark.parametrize("results", [RESULTS, RESULTS.with_name("like_for_like-2026-11-26-1554e1b")], ids=lambda p: p.name)
+def test_readmes_tables_are_the_summaries_of_the_committed_results(results: Path) -> None:
+    md = lfl.summary(results)
     rows = [line for line in md.splitlines() if line.startswith("| ") and "×" in line]
     readme = (ROOT / "README.md").read_text()
     assert len(rows) == 4 and lfl.HEADER[0] in readme
     for row in rows:
         assert row in readme, row
-    assert "commit bbab3a1" in md and "Not measured yet" not in md
+    assert f"commit {results.name.rsplit('-', 1)[1]}" in md and "Not measured yet" not in md
+    assert (results / "like_for_like.md").read_text() == md  # as committed
 
 
 def test_each_row_is_checked_against_the_targets() -> None:
     checks = {line.split(":")[0][2:]: line for line in lfl.summary(RESULTS).splitlines() if line.startswith("- ")}
     assert set(checks) == {r.label for r in lfl.ROWS}
-    assert "split/mono c1 1.29× (meets ≤ 1.3×)" in checks["fp32, host memory"]
-    assert "hop 0.44 ms (misses ≤ 0.22 ms)" in checks["fp16, CUDA shared memory"]
-    assert "c32 0.42× (misses ≥ 1×)" in checks["fp16, CUDA shared memory"]
+    assert "split/mono c1 1.292× (meets ≤ 1.3×)" in checks["fp32, host memory"]
+    assert "hop 0.437 ms (misses ≤ 0.22 ms)" in checks["fp16, CUDA shared memory"]
+    assert "c32 0.419× (misses ≥ 1×)" in checks["fp16, CUDA shared memory"]
 
 
 def test_a_row_cut_short_is_measured_again(tmp_path: Path) -> None:
