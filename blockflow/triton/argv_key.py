@@ -148,14 +148,16 @@ def find() -> Path | str:
 
 def hides_other_users(mountinfo: str) -> bool:
     """Whether ``/proc``, as this mount table (``/proc/self/mountinfo``) has it, hides other users' processes:
-    any ``hidepid`` but 0 (``off``) keeps their command lines from everyone but their owner and root."""
+    any ``hidepid`` but 0 (``off``) keeps their command lines from everyone but their owner and root. Of several
+    mounts on ``/proc``, the last is the one processes see."""
+    hidden = False
     for line in mountinfo.splitlines():
         mount, _, source = line.partition(" - ")
         fields, fs = mount.split(), source.split()
         if len(fields) > 4 and fields[4] == "/proc" and len(fs) > 2 and fs[0] == "proc":
             hidepid = next((o.split("=", 1)[1] for o in fs[2].split(",") if o.startswith("hidepid=")), "0")
-            return hidepid not in ("0", "off")
-    return False
+            hidden = hidepid not in ("0", "off")
+    return hidden
 
 
 @functools.cache

@@ -157,6 +157,11 @@ def test_proc_hides_other_users_only_with_hidepid(options: str, hidden: bool) ->
     assert argv_key.hides_other_users(OTHER + MOUNT.format(options)) is hidden
 
 
+def test_of_two_proc_mounts_the_last_counts() -> None:
+    assert argv_key.hides_other_users(MOUNT.format("") + OTHER + MOUNT.format(",hidepid=2"))
+    assert not argv_key.hides_other_users(MOUNT.format(",hidepid=2") + MOUNT.format(""))
+
+
 def test_where_proc_hides_other_users_the_key_may_go_on_the_command_line(no_compiler: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(argv_key, "hides_other_users", lambda mountinfo: "/proc" in mountinfo)  # the real mount table
