@@ -66,22 +66,32 @@ def _pm(r: dict[str, Any], key: str) -> str:
     return f" ±{spread * 50:.0f}%" if spread is not None and len(r.get("runs", [])) > 1 else ""
 
 
+def _ok(conc: dict[str, Any], model: str) -> bool:
+    """Whether ``model`` has both figures (a model that failed in a run has an ``error`` instead)."""
+    return all(c in conc.get(model, {}) and "error" not in conc[model][c] for c in ("1", "32"))
+
+
 def _c1_c32(conc: dict[str, Any], model: str, throughput_spread: bool = True) -> str:
+    if not _ok(conc, model):
+        return "failed" if model in conc else "—"
     c1, c32 = conc[model]["1"], conc[model]["32"]
     return (f"{c1['p50_ms']:.2f} ms{_pm(c1, 'p50_ms')} ({c32['throughput']:.0f}/s"
             f"{_pm(c32, 'throughput') if throughput_spread else ''})")
 
 
-def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float]]:
-    """The row's line of the table, and its split/mono c1 ratio, c32 ratio and hop."""
+def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | None]:
+    """The row's line of the table, and its split/mono c1 ratio, c32 ratio and hop (None where either failed)."""
     conc = res["concurrency"]
+    if not (_ok(conc, SPLIT) and _ok(conc, MONO)):
+        cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT), "—", "—", *(_c1_c32(conc, m, False) for m in OTHERS)]
+        return "| " + " | ".join(cells) + " |", None
     c1 = {m: conc[m]["1"]["p50_ms"] for m in (SPLIT, MONO)}
     c32 = {m: conc[m]["32"]["throughput"] for m in (SPLIT, MONO)}
     hops = max(1, len(res.get("path", [])) - 1)
     figures = {"c1_ratio": c1[SPLIT] / c1[MONO], "c32_ratio": c32[SPLIT] / c32[MONO], "hop_ms": (c1[SPLIT] - c1[MONO]) / hops}
     cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT),
              f"{figures['c1_ratio']:.2f}×, {figures['c32_ratio']:.2f}×", f"{figures['hop_ms']:.2f} ms",
-             *(_c1_c32(conc, m, throughput_spread=False) if m in conc else "—" for m in OTHERS)]
+             *(_c1_c32(conc, m, throughput_spread=False) for m in OTHERS)]
     return "| " + " | ".join(cells) + " |", figures
 
 
@@ -108,6 +118,9 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
     for row, res in done:
         line, f = table_row(row, res)
         lines.append(line)
+        if f is None:
+            checks.append(f"- {row.label}: not compared, the split or the unsplit model failed (its report.md says why)")
+            continue
         checks.append(f"- {row.label}: hop {_verdict(f['hop_ms'], HOP_MS, True, ' ms')}; split/mono c1 "
                       f"{_verdict(f['c1_ratio'], C1_RATIO[row.input], True)}; c32 {_verdict(f['c32_ratio'], C32_RATIO[row.input], False)}")
     missing = [row.name for row in rows if row not in {r for r, _ in done}]

@@ -49,3 +49,13 @@ def test_each_row_runs_blockflow_bench_at_its_precision_and_input() -> None:
     assert cmd[1:] == ["-m", "blockflow", "bench", "--plan", "plans/bench_r50.yaml", "--precision", "fp16", "--input", "cuda-shm",
                        "--sections", "concurrency", "--concurrency", "1,32", "--seconds", "1", "--repeats", "3",
                        "--out", "out/fp16_cudashm"]
+
+
+def test_a_model_that_failed_leaves_its_row_uncompared(tmp_path: Path) -> None:
+    shutil.copytree(RESULTS / "fp32_host", tmp_path / "fp32_host")
+    res = json.loads((tmp_path / "fp32_host" / "results.json").read_text())
+    res["concurrency"]["tensormq"]["32"] = {"error": "perf_analyzer failed"}
+    (tmp_path / "fp32_host" / "results.json").write_text(json.dumps(res))
+    md = lfl.summary(tmp_path, lfl.ROWS[3:])
+    assert "| fp32, host memory | 3.65 ms ±1% (969/s ±4%) | failed | — | — |" in md
+    assert "- fp32, host memory: not compared" in md
