@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.report import split_rows
+from blockflow.bench.report import split_rows, spread_text
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,6 @@ def _results(out: Path, row: Row) -> dict[str, Any] | None:
     return res if res.get("meta", {}).get("complete", False) else None
 
 
-def _pm(r: dict[str, Any], key: str) -> str:
-    spread = r.get("spread", {}).get(key)
-    return f" ±{spread * 50:.0f}%" if spread is not None and len(r.get("runs", [])) > 1 else ""
-
-
 def _ok(conc: dict[str, Any], model: str) -> bool:
     """Whether ``model`` has both figures (a model that failed in a run has an ``error`` instead)."""
     return all(c in conc.get(model, {}) and "error" not in conc[model][c] for c in ("1", "32"))
@@ -75,8 +70,8 @@ def _c1_c32(conc: dict[str, Any], model: str, throughput_spread: bool = True) ->
     if not _ok(conc, model):
         return "failed" if model in conc else "—"
     c1, c32 = conc[model]["1"], conc[model]["32"]
-    return (f"{c1['p50_ms']:.2f} ms{_pm(c1, 'p50_ms')} ({c32['throughput']:.0f}/s"
-            f"{_pm(c32, 'throughput') if throughput_spread else ''})")
+    return (f"{c1['p50_ms']:.2f} ms{spread_text(c1, 'p50_ms')} ({c32['throughput']:.0f}/s"
+            f"{spread_text(c32, 'throughput') if throughput_spread else ''})")
 
 
 def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | None]:

@@ -24,12 +24,17 @@ def _f(v: Any, fmt: str = ".2f") -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 
+def spread_text(r: dict[str, Any], key: str) -> str:
+    """" ±N%": half the range of a figure's repeated runs, as a share of it; "" after a single run."""
+    spread = r.get("spread", {}).get(key)
+    return f" ±{spread * 50:.0f}%" if spread is not None and len(r.get("runs", [])) > 1 else ""
+
+
 def _cell(r: dict[str, Any], key: str, fmt: str = ".2f") -> str:
     """A figure, with ± half the range of its repeated runs when there were several."""
     if "error" in r:
         return "failed"
-    spread = r.get("spread", {}).get(key)
-    return _f(r.get(key), fmt) + (f" ±{spread * 50:.0f}%" if spread is not None and len(r.get("runs", [])) > 1 else "")
+    return _f(r.get(key), fmt) + spread_text(r, key)
 
 
 def split_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
