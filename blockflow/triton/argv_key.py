@@ -44,6 +44,7 @@ SOURCE = Path(__file__).with_name("argv_key.c")
 ID_MARK = b"blockflow-argv-key-id:"  # argv_key.c's build_id, followed by source_id()
 
 
+@functools.cache
 def source_id() -> str:
     """The ID a library built from this BlockFlow's ``argv_key.c`` carries: its SHA-256's first 16 hex digits
     (``sha256sum argv_key.c | cut -c1-16``)."""
@@ -66,6 +67,11 @@ def _cache_dir() -> Path:
         if not _private(d):
             raise EnvironmentProblem(f"{d} is not private to this user; BlockFlow will not preload a library from it")
     return base / "argv-key"
+
+
+def _preloadable(path: Path) -> bool:
+    """Whether LD_PRELOAD can carry ``path``: it splits at spaces and colons."""
+    return not any(c.isspace() or c == ":" for c in str(path))
 
 
 def _private(path: Path) -> bool:
@@ -95,7 +101,7 @@ def _prebuilt(named: str) -> Path:
     rebuild = f"build it with: {' '.join(build_command(lib))}"
     if not lib.is_file():
         raise EnvironmentProblem(f"{LIB_VAR}={named} is not a file; {rebuild}")
-    if any(c.isspace() or c == ":" for c in str(lib)):  # LD_PRELOAD splits at both
+    if not _preloadable(lib):
         raise EnvironmentProblem(f"{LIB_VAR}={named}: LD_PRELOAD cannot carry a path with a space or a colon")
     why = _unswappable(lib)
     if why is not None:
@@ -128,7 +134,7 @@ def find() -> Path | str:
         if not _private(lib):
             raise EnvironmentProblem(f"{lib} is not private to this user; remove it (BlockFlow builds it again)")
         return lib
-    if any(c.isspace() or c == ":" for c in str(lib)):  # LD_PRELOAD splits at both
+    if not _preloadable(lib):
         return f"BlockFlow's cache path {cache} holds a space or a colon, which LD_PRELOAD cannot carry"
     cc = next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
     if cc is None:
