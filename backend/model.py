@@ -28,6 +28,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
+from blockflow.backend import instance_args
 from blockflow.backend.monitor import BlockMonitor, metric_labels
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
@@ -40,37 +41,18 @@ from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.activity import ActivityStamp
-from blockflow.core.errors import BlockError, RequestError
+from blockflow.core.errors import RequestError
 from blockflow.core.spec import (
     ACTIVATION_IN,
     ACTIVATION_OUT,
     IMAGE,
     LOGITS,
-    SPEC_PARAMETER,
     TICKET_BYTES,
-    ModelSpec,
     activation_names,
 )
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
 DRAIN_S = 10.0
-
-
-def _spec_from_config(config: dict[str, Any]) -> ModelSpec:
-    try:
-        raw = config["parameters"][SPEC_PARAMETER]["string_value"]
-        return ModelSpec.model_validate(json.loads(raw))
-    except (KeyError, ValueError) as exc:
-        raise BlockError(f"model {config.get('name')!r} has no valid {SPEC_PARAMETER!r} parameter "
-                         f"(regenerate the repository with `blockflow generate`): {exc}") from exc
-
-
-def _device(args: dict[str, str]) -> torch.device:
-    if args.get("model_instance_kind") == "GPU":
-        if not torch.cuda.is_available():
-            raise BlockError("Triton placed this instance on a GPU but torch sees no CUDA device")
-        return torch.device("cuda", int(args["model_instance_device_id"]))
-    return torch.device("cpu")
 
 
 def _error(message: str, code: str) -> Any:
@@ -95,8 +77,8 @@ class TritonPythonModel:
         # First: a block whose server dies while it builds or warms up exits too.
         self.watch = ServerWatch(f"{args['model_name']} instance {args['model_instance_name']}")
         config = json.loads(args["model_config"])
-        self.spec = spec = _spec_from_config(config)
-        self.device = _device(args)
+        self.spec = spec = instance_args.spec_from_config(config)
+        self.device = instance_args.device(args)
         # Triton tensor names: a TensorMQ hop is one ticket per sample whatever it carries; other
         # hops have one tensor per value that crosses the cut.
         tmq = spec.transport == "tensormq"
