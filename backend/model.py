@@ -287,11 +287,12 @@ class TritonPythonModel:
     def _own_device_inputs(self, batch: list[list[torch.Tensor]]) -> None:
         """Replace each input that arrived on a GPU with a copy in this block's memory, and wait for the copies.
 
-        The stub maps a CUDA shared-memory input into this process for its request only, and unmaps
-        it when the request's tensors are freed once ``execute`` returns; a copy still queued then
-        would read unmapped memory. So such inputs are copied on a stream with no other work, and
-        the host waits for those copies alone (a few microseconds), never for the block's own
-        earlier work on its main stream.
+        The server hands a GPU input over in a buffer of the CUDA pool it shares with this process
+        (or, when that pool is full, of its own, mapped here by CUDA IPC) and takes the buffer back
+        once ``execute`` returns; a copy still queued then would read another request's data or
+        unmapped memory. So such inputs are copied on a stream with no other work, and the host
+        waits for those copies alone (a few microseconds), never for the block's own earlier work
+        on its main stream.
         """
         if self.input_stream is None or self.inputs_owned is None:
             return

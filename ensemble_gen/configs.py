@@ -88,10 +88,11 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     #   image a client sent in CUDA shared memory is copied to the host by the server, and the
     #   block copies it back to its GPU (a host round trip per request);
     # - with =no, an input in host memory still reaches the stub in host memory, and one in GPU
-    #   memory (a CUDA shared-memory region) is mapped into the stub by its CUDA IPC handle,
-    #   without a copy, for that request only: the block copies it into its own memory and waits
-    #   for that copy before execute returns (backend/model.py, ``_own_device_inputs``).
-    # So a GPU block that takes the image takes it where the client put it. TensorMQ tickets are
+    #   memory (a CUDA shared-memory region) is copied by the server, GPU to GPU, into the CUDA pool
+    #   it shares with the stub, per request (docs/triton-notes.md): the block copies it into its
+    #   own memory and waits for that copy before execute returns (backend/model.py,
+    #   ``_own_device_inputs``), when the server takes the pool's buffer back.
+    # So a GPU block that takes the image takes it on the GPU, never through the host. TensorMQ tickets are
     # 256 host bytes: they stay in host memory; so does everything of a CPU block or a
     # triton-cpu plan.
     on_gpu = block.placement != "cpu"
