@@ -15,8 +15,10 @@ backend mishandles numpy 2 arrays, and DLPack keeps GPU tensors on the GPU.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -76,6 +78,9 @@ class TritonPythonModel:
         started = max(0.0, time.time() - psutil.Process().create_time())
         # First: a block whose server dies while it builds or warms up exits too.
         self.watch = ServerWatch(f"{args['model_name']} instance {args['model_instance_name']}")
+        # `kill -USR2 <block pid>`: every thread's Python stack to the stub's stderr (the server's log),
+        # written by the signal handler without the GIL, so it also shows a block whose threads hang.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
         config = json.loads(args["model_config"])
         self.spec = spec = instance_args.spec_from_config(config)
         self.device = instance_args.device(args)

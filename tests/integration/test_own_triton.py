@@ -220,10 +220,15 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         while not all(exiting(pid) for pid in stubs) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE  # still not reaped
+        left = [pid for pid in stubs if not exiting(pid)]
+        threads = "\n".join(where_threads_are(pid) for pid in left)
+        for pid in left:  # and where their Python threads are, in the log (backend/model.py registers it)
+            os.kill(pid, signal.SIGUSR2)
+        time.sleep(2 if left else 0)
         log = (tmp_path / "tritonserver.log").read_text(errors="replace")
-        assert [pid for pid in stubs if not exiting(pid)] == [], (
-            "block processes outlived their killed server:\n" + "\n".join(where_threads_are(pid) for pid in stubs if not exiting(pid))
-            + "\nthe blocks' lines of the server log:\n" + "\n".join(line for line in log.splitlines() if "blockflow" in line)[-3000:])
+        assert left == [], ("block processes outlived their killed server:\n" + threads + "\nthe blocks' lines of the server log "
+                            "and their Python stacks:\n" + "\n".join(line for line in log.splitlines()
+                                                                     if "blockflow" in line or line.startswith(("Thread 0x", "Current thread", "  File")))[-8000:])
         assert [p for p in [*pools, *regions] if p.exists()] == []
         assert log.count(f"tritonserver (pid {proc.pid}) has exited") == 3
     finally:

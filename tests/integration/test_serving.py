@@ -310,3 +310,28 @@ def test_a_crashed_block_fails_alone_and_is_reloaded(served: Served) -> None:
         got, want = c.infer("t34", x), c.infer("t34__ref", x)
     assert rel_err(got, want) <= TOL
     assert server.process is not None and server.process.poll() is None
+
+
+def test_sigusr2_writes_a_block_process_stacks_to_the_server_log(served: Served) -> None:
+    """`kill -USR2 <block pid>`: every thread's Python stack in the server's log; the block keeps serving."""
+    import os
+    import signal
+    import time
+
+    server = served.server
+    pid = server.stub_processes()["r50_s0"][0]
+    before = server.log_path.stat().st_size
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 10
+    dump = ""
+    while "server_watch.py" not in dump and time.monotonic() < deadline:
+        time.sleep(0.1)
+        with server.log_path.open("rb") as log:
+            log.seek(before)
+            dump = log.read().decode(errors="replace")
+    # faulthandler's format: one "Thread 0x..." block per thread, the one it interrupted first; the
+    # server watch waits in its loop.
+    assert "Thread 0x" in dump and 'File "' in dump and "server_watch.py" in dump, dump[-2000:]
+    assert pid in server.stub_processes()["r50_s0"]
+    with TaskClient(served.http) as c:
+        assert c.infer("cls_a", images(1, (3, 224, 224), seed=1)).shape == (1, 1000)
