@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import torch
 
+from blockflow.backend.gauges import Gauge
 from blockflow.core import nvml
 
 GAUGES = {
@@ -88,7 +89,8 @@ class BlockMonitor:
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
         self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in gauges.items()}
         self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()})
-        self._metrics = {n: f.Metric(labels=labels) for n, f in self._families.items()}
+        self._gauges = {n: Gauge(self._families[n].Metric(labels=labels)) for n in gauges}
+        self._counters = {n: self._families[n].Metric(labels=labels) for n in COUNTERS}
         self.device = device
         self.period_s = period_s
         self._extra = extra  # e.g. the TensorMQ pool gauges, refreshed on the same tick
@@ -125,11 +127,11 @@ class BlockMonitor:
                 except Exception:
                     pass  # a transient NVML error loses one sample, not the block
         for name, value in values.items():
-            self._metrics[name].set(value)
+            self._gauges[name].set(value)
         if cpu > self._sent_cpu:
-            self._metrics["blockflow_block_cpu_seconds_total"].increment(cpu - self._sent_cpu)
+            self._counters["blockflow_block_cpu_seconds_total"].increment(cpu - self._sent_cpu)
             self._sent_cpu = cpu
-        self._metrics["blockflow_block_monitor_samples_total"].increment(1)
+        self._counters["blockflow_block_monitor_samples_total"].increment(1)
         if self._extra is not None:
             self._extra()
         return values

@@ -13,6 +13,10 @@ change of ``getppid()`` says the server is gone; so does the server pid on the s
 turning zombie or vanishing, should a launcher ever stand between the two. One daemon thread per
 block process checks both every :data:`PERIOD_S`; when the server is gone it runs the process's
 clean-ups (files only the block knows, such as its TensorMQ pool) and exits.
+
+The thread needs the GIL, so no thread of a block may wait for the server while holding it:
+python_backend's ``Metric.set`` did, and a server killed during one left its block for good
+(``blockflow.backend.gauges``; docs/triton-notes.md).
 """
 
 from __future__ import annotations

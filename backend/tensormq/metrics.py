@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+from blockflow.backend.gauges import Gauge
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.producer import Producer
 
@@ -37,7 +38,7 @@ class TmqMetrics:
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
         self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
         self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()})
-        self._gauges = {n: self._families[n].Metric(labels=labels) for n in GAUGES}
+        self._gauges = {n: Gauge(self._families[n].Metric(labels=labels)) for n in GAUGES}
         self._counters = {n: self._families[n].Metric(labels=labels) for n in COUNTERS}
         self._sent = dict.fromkeys(COUNTERS, 0)
         self._period = period_s

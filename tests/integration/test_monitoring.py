@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,6 +110,10 @@ def test_every_block_instance_reports_labelled_metrics(served: Served) -> None:
             assert lab["model_instance"].startswith(lab["model"]) and lab.get("gpu_uuid", "GPU-").startswith("GPU-")
             assert value >= 0
     assert _value(m, "blockflow_block_rss_bytes", "r50_s0") > 100 * 2**20  # torch and a ResNet stage
+    # Gauges move by increments (backend/gauges.py): each still reads its last sample, not a running sum.
+    rss = sum(psutil.Process(pid).memory_info().rss for pid in served.server.stub_processes()["r50_s0"])
+    assert 0.8 * rss < _value(m, "blockflow_block_rss_bytes", "r50_s0") < 1.25 * rss
+    assert all(value <= (os.cpu_count() or 1) for _, value in m["blockflow_block_cpu_utilization_ratio"])
     # The TensorMQ pool gauges carry the same labels.
     text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
     pool = [ln for ln in text.splitlines() if ln.startswith('blockflow_tmq_pool_slots_in_use{')]
