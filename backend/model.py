@@ -165,12 +165,9 @@ class TritonPythonModel:
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
         if (self.producer or self.consumer) and hasattr(pb_utils, "MetricFamily"):
-            self.metrics = TmqMetrics(pb_utils, labels)
-            self.metrics.publish(self.producer, self.consumer, force=True)
+            self.metrics = TmqMetrics(pb_utils, labels, self.producer, self.consumer)  # on a thread of its own
         if spec.monitor_period_s > 0 and hasattr(pb_utils, "MetricFamily"):
-            metrics = self.metrics
-            refresh = (lambda: metrics.publish(self.producer, self.consumer, force=True)) if metrics is not None else None
-            self.monitor = BlockMonitor(pb_utils, labels, self.device, spec.monitor_period_s, extra=refresh)
+            self.monitor = BlockMonitor(pb_utils, labels, self.device, spec.monitor_period_s)
             if self.tracer is not None:
                 self.tracer.memory("monitor")
         self.logger.log_info(
@@ -283,8 +280,6 @@ class TritonPythonModel:
                 # at once after the stream's sync; else after this block's own slot event, recorded at its
                 # commit after that work (one driver call less); else after an event recorded now.
                 self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
-            if self.metrics is not None:
-                self.metrics.publish(self.producer, self.consumer)
             if self.producer is not None:
                 self.producer.prepare_ahead()  # the next small batch's slot and tickets, while this block waits
         return responses
@@ -378,6 +373,8 @@ class TritonPythonModel:
             self.tracer.close()
         if self.monitor is not None:
             self.monitor.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.consumer is not None:
             self.consumer.close()  # sends the releases still queued
         if self.producer is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -82,8 +81,7 @@ class _Nvml:
 class BlockMonitor:
     """Samples one block instance every ``period_s`` and publishes the values as metrics."""
 
-    def __init__(self, pb_utils: Any, labels: dict[str, str], device: torch.device, period_s: float,
-                 extra: Callable[[], None] | None = None) -> None:
+    def __init__(self, pb_utils: Any, labels: dict[str, str], device: torch.device, period_s: float) -> None:
         fam = pb_utils.MetricFamily
         gauges = GAUGES | (GPU_GAUGES if device.type == "cuda" else {})
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
@@ -93,7 +91,6 @@ class BlockMonitor:
         self._counters = {n: self._families[n].Metric(labels=labels) for n in COUNTERS}
         self.device = device
         self.period_s = period_s
-        self._extra = extra  # e.g. the TensorMQ pool gauges, refreshed on the same tick
         self._proc = psutil.Process()
         self._cpu_last = self._cpu_seconds()
         self._sent_cpu = 0.0
@@ -132,8 +129,6 @@ class BlockMonitor:
             self._counters["blockflow_block_cpu_seconds_total"].increment(cpu - self._sent_cpu)
             self._sent_cpu = cpu
         self._counters["blockflow_block_monitor_samples_total"].increment(1)
-        if self._extra is not None:
-            self._extra()
         return values
 
     def _run(self) -> None:

@@ -1,20 +1,20 @@
 """TensorMQ counters on Triton's metrics endpoint, through the Python backend's custom metrics.
 
-Each metric update is a round trip to the server process, so values are
-published at most every ``period_s`` from the execute thread (they are at most
-that old), never per request.
+Each metric update is a round trip to the server process, so values are published
+from a thread of their own every ``period_s`` (they are at most that old), never
+from the execute thread.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from blockflow.backend.gauges import Gauge
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.producer import Producer
 
+PERIOD_S = 1.0
 GAUGES = {
     "blockflow_tmq_pool_bytes_in_use": "Bytes of the block instance's TensorMQ pool lent to consumers",
     "blockflow_tmq_pool_slots_in_use": "Slots of the block instance's TensorMQ pool lent to consumers",
@@ -33,7 +33,10 @@ COUNTERS = {
 
 
 class TmqMetrics:
-    def __init__(self, pb_utils: Any, labels: dict[str, str], period_s: float = 0.5) -> None:
+    """The TensorMQ series of one block instance, published every ``period_s`` on a daemon thread."""
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str], producer: Producer | None, consumer: Consumer | None,
+                 period_s: float = PERIOD_S) -> None:
         fam = pb_utils.MetricFamily
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
         self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
@@ -41,17 +44,27 @@ class TmqMetrics:
         self._gauges = {n: Gauge(self._families[n].Metric(labels=labels)) for n in GAUGES}
         self._counters = {n: self._families[n].Metric(labels=labels) for n in COUNTERS}
         self._sent = dict.fromkeys(COUNTERS, 0)
-        self._period = period_s
-        self._last = 0.0
-        self._lock = threading.Lock()  # the execute thread and the block monitor both publish
+        self.producer, self.consumer = producer, consumer
+        self._lock = threading.Lock()  # the first publish runs on the initializing thread, the rest on the thread
+        self._stop = threading.Event()
+        self.publish()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), name="blockflow-tmq-metrics", daemon=True)
+        self._thread.start()
 
-    def publish(self, producer: Producer | None, consumer: Consumer | None, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self._period:
-            return
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                self.publish()
+            except Exception:
+                pass  # a failed update loses one refresh, never the block
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+    def publish(self) -> None:
         with self._lock:
-            self._last = now
-            self._publish(producer, consumer)
+            self._publish(self.producer, self.consumer)
 
     def _publish(self, producer: Producer | None, consumer: Consumer | None) -> None:
         values: dict[str, int] = {}

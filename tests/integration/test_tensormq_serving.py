@@ -142,16 +142,24 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
     import urllib.request
 
     with TaskClient(served.http) as tc:
-        for _ in range(9):
+        for _ in range(10):
             tc.infer("t18_one__tensormq", image(2))
-        time.sleep(0.6)  # metrics are published at most every 0.5 s, from execute
-        tc.infer("t18_one__tensormq", image(2))
-    text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
-    lines = [ln for ln in text.splitlines() if ln.startswith("blockflow_tmq_")]
+    lines: list[str] = []
+
     def value(name: str, model: str) -> float:
         hits = [float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{") and f'model="{model}"' in ln]
         assert hits, f"{name} for {model} missing from the metrics endpoint"
         return sum(hits)
+
+    # Published every second from a thread of each block, never from execute.
+    deadline = time.monotonic() + 10
+    while True:
+        text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
+        lines = [ln for ln in text.splitlines() if ln.startswith("blockflow_tmq_")]
+        if (value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
+                and value("blockflow_tmq_tickets_consumed_total", "r18_b__tensormq") >= 10) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
     assert value("blockflow_tmq_tickets_consumed_total", "r18_b__tensormq") >= 10
     import torch
