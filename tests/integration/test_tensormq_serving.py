@@ -151,12 +151,14 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
         assert hits, f"{name} for {model} missing from the metrics endpoint"
         return sum(hits)
 
-    # Published every second from a thread of each block, never from execute.
+    # Published every second from a thread of each block, never from execute: wait for a refresh.
     deadline = time.monotonic() + 10
     while True:
         text = urllib.request.urlopen(served.server.metrics_url, timeout=10).read().decode()
         lines = [ln for ln in text.splitlines() if ln.startswith("blockflow_tmq_")]
-        if (value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
+        issued = [ln for ln in lines if ln.startswith("blockflow_tmq_tickets_issued_total{") and 'model="r18_a__tensormq"' in ln]
+        consumed = [ln for ln in lines if ln.startswith("blockflow_tmq_tickets_consumed_total{") and 'model="r18_b__tensormq"' in ln]
+        if (issued and consumed and value("blockflow_tmq_tickets_issued_total", "r18_a__tensormq") >= 10
                 and value("blockflow_tmq_tickets_consumed_total", "r18_b__tensormq") >= 10) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
