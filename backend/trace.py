@@ -13,16 +13,20 @@ JSON lines to ``<dir>/<model>.<instance>.<pid>.jsonl``:
   CUDA events around the block's own kernels (after it waited for its producer).
 
 Unset, nothing is created and each call costs one attribute test. ``blockflow.bench.timeline`` and
-``blockflow.bench.stub_memory`` read these files. GPU times are collected without stalling the
-execute thread: an event pair is read once ``query()`` says it completed, at a later call or
-at ``close()``.
+``blockflow.bench.stub_memory`` read these files. What a traced ``execute`` does beyond the untraced
+one is kept small, as it is part of what the trace measures: timestamps, laps and two CUDA event
+records (events from a free list, not created per call). Reading the events and writing the lines
+happen on a thread of its own every ``FLUSH_S`` seconds, one record at a time with the GIL given
+up between them, and at ``close()``; so an ``execute`` line lands up to that long after the call.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +36,7 @@ from blockflow.backend.monitor import nvml_handle
 from blockflow.core import env, nvml
 
 ENV = env.TRACE_DIR
+FLUSH_S = 0.2  # how often the writer thread reads finished calls' events and writes their lines
 
 
 def trace_dir() -> Path | None:
@@ -67,20 +72,25 @@ class Tracer:
         directory.mkdir(parents=True, exist_ok=True)
         self.device = device
         self._file: IO[str] = (directory / f"{model}.{instance}.{os.getpid()}.jsonl").open("a", buffering=1)
-        self._pending: list[tuple[dict[str, Any], Any, Any]] = []
+        # Records of finished calls, with their event pair (or None), for the writer thread. deque's
+        # append and popleft are atomic, so the execute thread takes no lock.
+        self._pending: deque[tuple[dict[str, Any], tuple[Any, Any] | None]] = deque()
+        self._free: list[tuple[Any, Any]] = []  # event pairs whose times were read
         self._t: list[int] = []
         self._laps: list[tuple[str, int]] = []
-        self._start: Any = None
+        self._events: tuple[Any, Any] | None = None
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="bf-trace", daemon=True)
+        self._writer.start()
 
     def memory(self, step: str, **extra: Any) -> None:
         self._write({"kind": "memory", "step": step, "t": time.perf_counter_ns(), **process_gpu_mib(self.device), **extra})
 
-    # Per execute: begin() ... mark() ... gpu_begin() / gpu_end() ... end(n).
+    # Per execute: begin(), then mark(), lap() and gpu_begin() as the call goes, then end(n).
     def begin(self) -> None:
         self._t = [time.perf_counter_ns()]
         self._laps = []
-        self._start = None
-        self._collect(block=False)
+        self._events = None
 
     def mark(self) -> None:
         self._t.append(time.perf_counter_ns())
@@ -91,34 +101,46 @@ class Tracer:
 
     def gpu_begin(self) -> None:
         if self.device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            self._start.record()
+            pair = self._free.pop() if self._free else (torch.cuda.Event(enable_timing=True),  # type: ignore[no-untyped-call]
+                                                        torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+            pair[0].record()
+            self._events = pair
 
     def end(self, n: int) -> None:
         self._t.append(time.perf_counter_ns())
         record: dict[str, Any] = {"kind": "execute", "n": n, "t": self._t}
         if self._laps:
             record["laps"] = self._laps
-        if self._start is not None:
-            stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            stop.record()
-            self._pending.append((record, self._start, stop))
-        else:
-            self._write(record)
+        if self._events is not None:
+            self._events[1].record()
+        self._pending.append((record, self._events))
 
     def _collect(self, block: bool) -> None:
+        """Write the pending records whose events completed (all of them if ``block``), oldest first."""
         while self._pending:
-            record, start, stop = self._pending[0]
-            if not block and not stop.query():
-                return
-            stop.synchronize()
-            record["gpu_ms"] = start.elapsed_time(stop)
+            record, pair = self._pending[0]
+            if pair is not None:
+                if not block and not pair[1].query():
+                    return
+                pair[1].synchronize()
+                record["gpu_ms"] = pair[0].elapsed_time(pair[1])
+                self._free.append(pair)
             self._write(record)
-            self._pending.pop(0)
+            self._pending.popleft()
+            if not block:
+                time.sleep(0)  # gives the GIL to a block whose request arrived meanwhile
+
+    def _write_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while not self._stop.wait(FLUSH_S):
+            self._collect(block=False)
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        self._stop.set()
+        self._writer.join(5)
         self._collect(block=True)
         self._file.close()

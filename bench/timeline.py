@@ -50,7 +50,7 @@ def _client_times(url: str, model: str, shape: tuple[int, ...], n: int, warmup: 
         t1 = time.perf_counter_ns()
         if i >= warmup:
             times.append((t0, t1))
-        time.sleep(0.002)  # let every block's trace line land before the next request
+        time.sleep(0.002)  # a pause between requests, as every figure of this bench has had
     client.close()
     return times
 

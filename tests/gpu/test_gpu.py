@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,3 +163,26 @@ def test_load_through_cuda_regions(gpu_server: str) -> None:
     spec = LoadSpec(gpu_server, ["g_fp16"], (3, 224, 224), clients=8, duration_s=30.0, max_requests=64, input_memory="cuda")
     records = asyncio.run(run_load(spec))
     assert len(records) >= 64 and all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
+
+
+def test_traced_calls_carry_their_gpu_time(tmp_path: Path) -> None:
+    """The tracer's event pairs are reused once read, and each line has the GPU time of its own work."""
+    from blockflow.backend.trace import Tracer
+
+    tracer = Tracer(tmp_path, "m", "m_0", torch.device("cuda", 0))
+    x = torch.randn(2048, 2048, device="cuda")
+    for i in range(40):
+        tracer.begin()
+        tracer.gpu_begin()
+        for _ in range(1 + 10 * (i % 2)):  # odd calls queue 11x the work
+            x = torch.tanh(x @ x)
+        tracer.end(1)
+        if i == 19:
+            torch.cuda.synchronize()
+            time.sleep(0.5)  # the writer thread reads the first 20 and frees their events
+    tracer.close()
+    (path,) = tmp_path.glob("m.m_0.*.jsonl")
+    gpu = [json.loads(line)["gpu_ms"] for line in path.read_text().splitlines()]
+    assert len(gpu) == 40
+    assert min(gpu[1::2]) > 3 * max(gpu[2::2])  # not another call's events
+    assert len(tracer._free) <= 21  # the last 20 calls reused the first 20 calls' pairs
