@@ -79,6 +79,10 @@ class Tracer:
         self._t: list[int] = []
         self._laps: list[tuple[str, int]] = []
         self._events: tuple[Any, Any] | None = None
+        # The block's stream (torch's current one, fixed for the instance's life), fetched at the first
+        # call (not here: the first memory line comes before CUDA starts). An event's record() without
+        # it asks torch for the current stream, several Python and torch calls per event.
+        self._stream: Any = None
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="bf-trace", daemon=True)
         self._writer.start()
@@ -103,7 +107,9 @@ class Tracer:
         if self.device.type == "cuda":
             pair = self._free.pop() if self._free else (torch.cuda.Event(enable_timing=True),  # type: ignore[no-untyped-call]
                                                         torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
-            pair[0].record()
+            if self._stream is None:
+                self._stream = torch.cuda.current_stream(self.device)
+            pair[0].record(self._stream)
             self._events = pair
 
     def end(self, n: int) -> None:
@@ -112,7 +118,7 @@ class Tracer:
         if self._laps:
             record["laps"] = self._laps
         if self._events is not None:
-            self._events[1].record()
+            self._events[1].record(self._stream)
         self._pending.append((record, self._events))
 
     def _collect(self, block: bool) -> None:
