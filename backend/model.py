@@ -63,6 +63,15 @@ def _error(message: str, code: str) -> Any:
     return pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
 
 
+def _ticket_tensor(tickets: list[bytes]) -> torch.Tensor:
+    """A batch's tickets as the uint8 ``[n, 256]`` tensor a block returns.
+
+    Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
+    A bytearray is writable, so torch takes it without a copy.
+    """
+    return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
+
+
 def _split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
     return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
@@ -146,7 +155,7 @@ class TritonPythonModel:
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
                                          max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
-                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0")
+                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=_ticket_tensor)
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
@@ -361,9 +370,8 @@ class TritonPythonModel:
         self.committed = self.producer.done_event(reservation)
         if tracer is not None:
             tracer.lap("run:commit")
-        # Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
-        # A bytearray is writable, so torch takes it without a copy.
-        return [torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))]
+        # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
+        return [reservation.packed if reservation.packed is not None else _ticket_tensor(tickets)]
 
     def finalize(self) -> None:
         self.watch.close()

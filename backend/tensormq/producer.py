@@ -6,7 +6,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,11 @@ class Producer:
 
     def __init__(self, name: str, runtime_dir: Path, device: torch.device, pool_bytes: int, max_slots: int,
                  lease_s: float, wait_s: float, model: str = "", max_samples: int = 64, claim_s: float | None = None,
-                 prepare: bool = True) -> None:
+                 prepare: bool = True, pack: Callable[[list[bytes]], Any] | None = None) -> None:
         self.name = name
+        # What the block hands on for a list of tickets (a tensor for Triton): for a prepared
+        # reservation, the preparer makes it too, so that a call of batch 1 only takes it.
+        self.pack = pack
         self.runtime_dir = runtime_dir
         self.key = read_key(runtime_dir)
         self.id = producer_id(name)
@@ -244,6 +247,8 @@ class Producer:
                     continue
                 r = self._reservation_locked(slot, key)
             r.tickets = self._sign(r)
+            if self.pack is not None:
+                r.packed = self.pack(r.tickets)
             with self._cond:
                 if self._closing.is_set() or self._ready is not None:
                     self.table.release_all(slot.index, slot.seq)

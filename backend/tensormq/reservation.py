@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class Reservation:
     layout: int = 0  # ticket.layout_id of a record's tensors; 0 for one tensor
     key: Key | None = None  # (batch, shapes, dtype): what a prepared reservation can be taken for
     tickets: list[bytes] | None = None  # signed ahead, for a reservation prepared between calls
+    packed: Any = None  # those tickets in the block's own form (the producer's ``pack``), made ahead with them
 
     @property
     def view(self) -> torch.Tensor:

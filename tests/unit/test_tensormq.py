@@ -263,10 +263,12 @@ def _wait_ready(prod: Producer, want: bool = True) -> None:
 def test_a_batch_of_one_is_followed_by_a_prepared_reservation_that_reads_exactly(runtime: Path) -> None:
     """After a call of batch 1, the next batch-1 reservation is made and signed between calls; the
     call takes it and its tickets read, claim and release like any other. The prepared slot is
-    not in use (stats, usage), and a batch of another size leaves it alone."""
+    not in use (stats, usage), and a batch of another size leaves it alone. Its tickets come packed
+    as the block packs them (``pack``), by the preparer too."""
     from blockflow.backend.tensormq.reservation import producer_id
 
-    prod = Producer("blockP/0", runtime, CPU, pool_bytes=1 << 20, max_slots=8, lease_s=30, wait_s=1)
+    prod = Producer("blockP/0", runtime, CPU, pool_bytes=1 << 20, max_slots=8, lease_s=30, wait_s=1,
+                    pack=lambda tickets: ("packed", tuple(tickets)))
     consumer = Consumer(runtime, CPU)
     try:
         for b in range(4):
@@ -274,6 +276,7 @@ def test_a_batch_of_one_is_followed_by_a_prepared_reservation_that_reads_exactly
             assert (r.tickets is not None) == (b > 0)  # the first call had nothing prepared
             r.view.copy_(torch.arange(20, dtype=torch.float32).view(1, 4, 5) + 100 * b)
             tickets = prod.commit(r, 0)
+            assert r.packed == (("packed", tuple(tickets)) if b > 0 else None)
             prod.prepare_ahead()
             _wait_ready(prod)
             stats = _stats(runtime, producer_id("blockP/0"))
