@@ -137,9 +137,13 @@ class Tracer:
                 time.sleep(0)  # gives the GIL to a block whose request arrived meanwhile
 
     def _write_loop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        on_device = self.device.type != "cuda"
         while not self._stop.wait(FLUSH_S):
+            if not on_device and self._pending:
+                # Only once a call was traced: the block's CUDA context exists by then, and setting the
+                # device earlier would make one before the first memory line (stub_memory reads it).
+                torch.cuda.set_device(self.device)
+                on_device = True
             self._collect(block=False)
 
     def _write(self, record: dict[str, Any]) -> None:
