@@ -203,7 +203,8 @@ class TritonPythonModel:
             tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
             if self.tracer is not None:
                 self.tracer.lap("read:input")
-            views, rel = self.consumer.gather_tensors(tickets, self.spec.in_shapes, self.stream)
+            views, rel = self.consumer.gather_tensors(tickets, self.spec.in_shapes, self.stream,
+                                                      None if self.tracer is None else self.tracer.lap)
             if self.tracer is not None:
                 self.tracer.lap("read:gather")
             releases.extend(rel)
@@ -360,13 +361,13 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:reserve")
         try:
-            runner.run_all(xs, outs=reservation.views)
+            runner.run_all(xs, outs=reservation.views, lap=None if tracer is None else tracer.lap)
         except BaseException:
             self.producer.abort(reservation)
             raise
         if tracer is not None:
             tracer.lap("run:graph")
-        tickets = self.producer.commit(reservation, self.stream)
+        tickets = self.producer.commit(reservation, self.stream, None if tracer is None else tracer.lap)
         self.committed = self.producer.done_event(reservation)
         if tracer is not None:
             tracer.lap("run:commit")

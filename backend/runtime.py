@@ -9,7 +9,7 @@ inputs and outputs at its edges are always fp32 in standard layout.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,13 +268,15 @@ class BlockRunner:
         out: list[torch.Tensor] = self.module(*ins)
         return out
 
-    def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
+                lap: Callable[[str], None] | None = None) -> list[torch.Tensor]:
         """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device, any float dtype.
 
         Returns one ``[B, *shape]`` tensor per output on this device, row-major, in the hop's dtype
         (``spec.out_dtype``: fp32 for logits, the block's fp16/bf16 for a hop); or, when
         ``outs`` is given (e.g. views of a TensorMQ pool slot), writes the results there in their
-        dtype and returns them.
+        dtype and returns them. ``lap`` (a block's tracer): called at the end of the usual TensorMQ
+        hop's steps (checks, input copies, replay).
         """
         if len(xs) != len(self.in_shapes):
             raise RequestError(f"{len(xs)} input tensor(s) given; this block takes {len(self.in_shapes)}")
@@ -288,9 +290,15 @@ class BlockRunner:
             # grad-mode context (its Python costs ~10-20 us a call on a host that woke for the
             # request, bench.hop_host): a replay and driver memcpys record nothing for autograd.
             if g is not None and all(map(_memcpy_ok, g.static_ins, xs)) and all(map(_memcpy_ok, outs, g.static_outs)):
+                if lap is not None:
+                    lap("run:checks")
                 for static, x in zip(g.static_ins, xs, strict=True):
                     cuda.memcpy_async(static.data_ptr(), x.data_ptr(), static.nbytes, self._stream)
+                if lap is not None:
+                    lap("run:copy_in")
                 g.graph.replay()
+                if lap is not None:
+                    lap("run:replay")
                 for out, result in zip(outs, g.static_outs, strict=True):
                     cuda.memcpy_async(out.data_ptr(), result.data_ptr(), out.nbytes, self._stream)
                 return list(outs)

@@ -9,8 +9,9 @@ JSON lines to ``<dir>/<model>.<instance>.<pid>.jsonl``:
 - ``{"kind": "execute", "t": [...], "gpu_ms": ..., "n": ...}`` per ``execute`` call: host
   timestamps (``time.perf_counter_ns``, CLOCK_MONOTONIC, so comparable across processes) at
   entry, inputs read, work queued, and return; ``laps``, ``[name, t]`` pairs that end named
-  steps inside those phases (``read:gather``, ``run:graph``, ...); and the GPU time between two
-  CUDA events around the block's own kernels (after it waited for its producer).
+  steps inside those phases (``read:decode``, ``run:replay``, ...: ``blockflow.bench.timeline``'s
+  report names them); and the GPU time between two CUDA events around the block's own kernels
+  (after it waited for its producer).
 
 Unset, nothing is created and each call costs one attribute test. ``blockflow.bench.timeline`` and
 ``blockflow.bench.stub_memory`` read these files. What a traced ``execute`` does beyond the untraced

@@ -122,9 +122,13 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's return → the next block's entry; *gpu* = CUDA events "
-         "around the block's own kernels; *read:X*, *run:X* = steps inside a phase (TensorMQ: *read:input* the "
-         "request's tickets, *read:gather* checked, claimed and waited on; *run:reserve*, *run:graph* the block "
-         "into the slot, *run:commit* the slot's event and the signed tickets).", ""]
+         "around the block's own kernels; *read:X*, *run:X* = steps inside a phase, each from the step before "
+         "(TensorMQ: *read:input* the request's tickets; for the first ticket *read:decode* its MAC and fields, "
+         "*read:claim* checked and claimed, *read:wait* the stream made to wait on its slot; *read:gather* the "
+         "views; *run:reserve* the pool slot; on the usual hop *run:checks*, *run:copy_in*, *run:replay*; "
+         "*run:graph* the rest of the block into the slot; *run:event* the slot's event; *run:commit* its "
+         "claim entry and tickets). Traced calls carry their laps and two CUDA event records; "
+         "traces before commit e80d901 also carried the tracer's own reading and writing, ~0.1 ms a call.", ""]
     for label, r in res["models"].items():
         m = r["median_ms"]
         L += [f"## {label} (`{r['model']}`): end to end {m.get('end_to_end', float('nan')):.3f} ms "

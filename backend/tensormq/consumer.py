@@ -6,7 +6,7 @@ import json
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,12 +162,14 @@ class Consumer:
         return views[0], releases
 
     def gather_tensors(self, raw: torch.Tensor | np.ndarray[Any, Any], shapes: Sequence[tuple[int, ...]],
-                       stream: int) -> tuple[list[torch.Tensor], list[Release]]:
+                       stream: int, lap: Callable[[str], None] | None = None) -> tuple[list[torch.Tensor], list[Release]]:
         """Views of the samples that ``raw`` (uint8 ``[n, 256]``, a tensor or a host array) names: one
         ``[n, *shape]`` tensor per entry of ``shapes`` (several: the tickets name records of those tensors).
 
         The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event.
         Returns the tensors and the releases to send once the GPU work reading them is done.
+        ``lap`` (a block's tracer): called at the end of the steps of the first ticket (decoded, claimed,
+        waited for).
         """
         offsets = tk.record_offsets(shapes)
         sample_shape, layout = (tuple(shapes[0]), 0) if len(shapes) == 1 else ((offsets[-1],), tk.layout_id(shapes))
@@ -180,6 +182,8 @@ class Consumer:
         try:
             for i in range(count):
                 t = tk.decode(data[i * tk.TICKET_BYTES:(i + 1) * tk.TICKET_BYTES], self.key)
+                if lap is not None and i == 0:
+                    lap("read:decode")
                 if self.accepts is not None and t.model not in self.accepts:
                     self.stats.refused_tickets += 1
                     raise TicketError("redirected ticket: it was issued by a block that does not feed this one "
@@ -200,9 +204,13 @@ class Consumer:
                     self.stats.refused_tickets += 1
                     raise TicketError(why)
                 seen.append((t.producer, t.generation, t.slot, t.seq, t.sample))
+                if lap is not None and i == 0:
+                    lap("read:claim")
                 if (t.producer, t.generation, t.slot) not in waited:
                     r.events.wait(t.slot, stream)
                     waited.add((t.producer, t.generation, t.slot))
+                    if lap is not None and i == 0:
+                        lap("read:wait")
                 # Consecutive samples of one slot become one zero-copy view.
                 if run_start is not None:
                     r0, t0, n = run_start

@@ -170,13 +170,16 @@ class Producer:
             self.table.release_all(r.slot.index, r.slot.seq)
             self._cond.notify_all()
 
-    def commit(self, r: Reservation, stream: int) -> list[bytes]:
+    def commit(self, r: Reservation, stream: int, lap: Callable[[str], None] | None = None) -> list[bytes]:
         """Record the slot's event after the writes queued on ``stream``; one ticket per sample.
 
         The slot's claim entry is opened before any ticket of this use exists, so each ticket
-        can be accepted exactly once, until ``claim_s`` from now.
+        can be accepted exactly once, until ``claim_s`` from now. ``lap`` (a block's tracer): called
+        once the event is recorded.
         """
         self.events.record(r.slot.index, stream)
+        if lap is not None:
+            lap("run:event")
         with self._cond:
             r.slot.claim_deadline = time.monotonic() + self.claim_s
             self.claims.open_slot(r.slot.index, r.slot.seq, r.slot.claim_deadline)

@@ -523,3 +523,19 @@ def test_a_hop_of_several_tensors_crosses_as_one_record_per_sample(runtime: Path
     finally:
         consumer.close()
         prod.close()
+
+
+def test_a_traced_hop_names_its_steps(runtime: Path) -> None:
+    """The tracer's laps inside commit and gather (bench.timeline's finer steps), in the order they ran."""
+    prod = Producer("blockL/0", runtime, CPU, pool_bytes=1 << 20, max_slots=4, lease_s=30, wait_s=1, prepare=False)
+    consumer = Consumer(runtime, CPU)
+    laps: list[str] = []
+    try:
+        r = prod.reserve((2, 8), torch.float32)
+        tickets = prod.commit(r, 0, laps.append)
+        _, releases = consumer.gather_tensors(_tickets(tickets), [(8,)], 0, laps.append)
+        consumer.release_now(releases)
+        assert laps == ["run:event", "read:decode", "read:claim", "read:wait"]  # the first ticket's steps only
+    finally:
+        consumer.close()
+        prod.close()
