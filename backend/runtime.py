@@ -30,6 +30,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """Powers of two up to ``max_batch_size``, and ``max_batch_size`` itself."""
     out, b = [], 1
@@ -137,6 +140,20 @@ class _Graph:
     static_outs: list[torch.Tensor]
 
 
+class _PlainHop:
+    """A TensorMQ hop checked once: its input and output tensors (the same pool views come back
+    request after request), its graph, and the plain copies' addresses. Checking a hop costs ~20
+    torch calls, ~16-18 us a call on an H100 host that woke for the request
+    (bench/results/h100/hot_path_laps-2026-11-26-b4b1fcd/); finding it again costs a dict lookup."""
+
+    __slots__ = ("x", "out", "graph", "copies_in", "copies_out")
+
+    def __init__(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], g: _Graph) -> None:
+        self.x, self.out, self.graph = xs[0], outs[0], g.graph
+        self.copies_in = [(s.data_ptr(), x.data_ptr(), s.nbytes) for s, x in zip(g.static_ins, xs, strict=True)]
+        self.copies_out = [(o.data_ptr(), r.data_ptr(), o.nbytes) for o, r in zip(outs, g.static_outs, strict=True)]
+
+
 class _Chain(nn.Module):
     """Parts run one after another; a part that gives several tensors hands them all to the next."""
 
@@ -188,6 +205,9 @@ class BlockRunner:
         self.buckets = batch_buckets(spec.max_batch_size)
         self.use_graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"
         self._graphs: dict[int, _Graph] = {}
+        # Hops of one input and one output already checked, by the ids of their tensors (held, so
+        # an id cannot be reused while its entry lives).
+        self._plain: dict[tuple[int, int], _PlainHop] = {}
         self._stream = int(torch.cuda.current_stream(device).cuda_stream) if self.is_cuda else 0
 
     def _zeros(self, batch: int) -> list[torch.Tensor]:
@@ -278,6 +298,11 @@ class BlockRunner:
         dtype and returns them. ``lap`` (a block's tracer): called at the end of the usual TensorMQ
         hop's steps (checks, input copies, replay).
         """
+        if outs is not None and len(xs) == 1 and len(outs) == 1:
+            hit = self._plain.get((id(xs[0]), id(outs[0])))
+            if hit is not None and hit.x is xs[0] and hit.out is outs[0]:
+                self._replay(hit, lap)
+                return list(outs)
         if len(xs) != len(self.in_shapes):
             raise RequestError(f"{len(xs)} input tensor(s) given; this block takes {len(self.in_shapes)}")
         batch = int(xs[0].shape[0])
@@ -290,20 +315,29 @@ class BlockRunner:
             # grad-mode context (its Python costs ~10-20 us a call on a host that woke for the
             # request, bench.hop_host): a replay and driver memcpys record nothing for autograd.
             if g is not None and all(map(_memcpy_ok, g.static_ins, xs)) and all(map(_memcpy_ok, outs, g.static_outs)):
-                if lap is not None:
-                    lap("run:checks")
-                for static, x in zip(g.static_ins, xs, strict=True):
-                    cuda.memcpy_async(static.data_ptr(), x.data_ptr(), static.nbytes, self._stream)
-                if lap is not None:
-                    lap("run:copy_in")
-                g.graph.replay()
-                if lap is not None:
-                    lap("run:replay")
-                for out, result in zip(outs, g.static_outs, strict=True):
-                    cuda.memcpy_async(out.data_ptr(), result.data_ptr(), out.nbytes, self._stream)
+                hop = _PlainHop(xs, outs, g)
+                if len(xs) == 1 and len(outs) == 1:
+                    if len(self._plain) >= PLAIN_HOPS:
+                        self._plain.clear()
+                    self._plain[(id(xs[0]), id(outs[0]))] = hop
+                self._replay(hop, lap)
                 return list(outs)
         with torch.inference_mode():
             return self._run_all(batch, xs, outs)
+
+    def _replay(self, hop: _PlainHop, lap: Callable[[str], None] | None) -> None:
+        """Copy in, replay, copy out: the usual TensorMQ hop, with no torch call but the replay."""
+        if lap is not None:
+            lap("run:checks")
+        for dst, src, nbytes in hop.copies_in:
+            cuda.memcpy_async(dst, src, nbytes, self._stream)
+        if lap is not None:
+            lap("run:copy_in")
+        hop.graph.replay()
+        if lap is not None:
+            lap("run:replay")
+        for dst, src, nbytes in hop.copies_out:
+            cuda.memcpy_async(dst, src, nbytes, self._stream)
 
     def _run_all(self, batch: int, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         results: list[torch.Tensor] | None = None

@@ -66,6 +66,25 @@ def test_graph_replay_does_not_alias_outputs() -> None:
     assert torch.equal(y1, snapshot)  # a later replay must not overwrite an earlier result
 
 
+def test_a_checked_hop_reads_new_data_from_the_same_views() -> None:
+    """The runner keeps a hop it checked once (the same pool views come back); each replay still reads
+    what the input view holds now and writes the output view, as an unchecked run does."""
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    spec = block_spec(plan, plan.blocks["r50_s3a"], "tensormq")
+    r = BlockRunner(spec, torch.device("cuda", 0))
+    r.warmup()
+    pool_in = torch.empty(4, 1024, 14, 14, device="cuda", dtype=r.in_dtype)
+    pool_out = torch.empty(4, *spec.out_shapes[0], device="cuda", dtype=r.out_dtype)
+    x, out = pool_in[1:2], pool_out[2:3]  # views, as a consumer's and a producer's pool give them
+    for i in range(3):
+        x.copy_(torch.randn(1, 1024, 14, 14, device="cuda"))
+        out.fill_(float("nan"))
+        r.run_all([x], outs=[out])
+        want = r.run_all([x.clone()])[0]  # no outs: the checked path is not taken
+        assert torch.equal(out, want), i
+    assert len(r._plain) == 1  # checked once, found twice
+
+
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from blockflow.ensemble_gen import generator

@@ -391,7 +391,7 @@ def test_signed_but_out_of_bounds_or_misshaped_tickets_fail_alone(runtime: Path)
         r = prod.reserve((2, 4, 5), torch.float32)
         good = prod.commit(r, 0)
         t = tk.decode(good[0], key)
-        beyond = tk.encode(tk.Ticket(**{**t.__dict__, "offset": (1 << 16) - 40}), key)
+        beyond = tk.encode(t._replace(offset=(1 << 16) - 40), key)
         with pytest.raises(TicketError, match="outside producer"):
             consumer.gather(_tickets([good[1], beyond]), (4, 5), 0)
         with pytest.raises(TicketError, match="this block takes"):
