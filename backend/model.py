@@ -118,6 +118,8 @@ class TritonPythonModel:
                                      "the server's CPU pollers will not see this block's requests")
         directory = trace_dir()
         self.tracer = Tracer(directory, args["model_name"], args["model_instance_name"], self.device) if directory else None
+        # Handed to the consumer, the runner and the producer, which time the hop's finer steps with it.
+        self.lap = self.tracer.lap if self.tracer is not None else None
         if self.tracer is not None:
             self.tracer.memory("start", cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"))
             if self.device.type == "cuda":
@@ -203,8 +205,7 @@ class TritonPythonModel:
             tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
             if self.tracer is not None:
                 self.tracer.lap("read:input")
-            views, rel = self.consumer.gather_tensors(tickets, self.spec.in_shapes, self.stream,
-                                                      None if self.tracer is None else self.tracer.lap)
+            views, rel = self.consumer.gather_tensors(tickets, self.spec.in_shapes, self.stream, self.lap)
             if self.tracer is not None:
                 self.tracer.lap("read:gather")
             releases.extend(rel)
@@ -361,13 +362,13 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:reserve")
         try:
-            runner.run_all(xs, outs=reservation.views, lap=None if tracer is None else tracer.lap)
+            runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)
             raise
         if tracer is not None:
             tracer.lap("run:graph")
-        tickets = self.producer.commit(reservation, self.stream, None if tracer is None else tracer.lap)
+        tickets = self.producer.commit(reservation, self.stream, self.lap)
         self.committed = self.producer.done_event(reservation)
         if tracer is not None:
             tracer.lap("run:commit")
