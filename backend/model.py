@@ -32,49 +32,22 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from blockflow.backend import instance_args
 from blockflow.backend.monitor import BlockMonitor, metric_labels
+from blockflow.backend.replies import EarlyReply, error, failure_code, split, ticket_tensor
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.metrics import TmqMetrics
 from blockflow.backend.tensormq.producer import Producer
-from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.activity import ActivityStamp
 from blockflow.core.errors import RequestError
-from blockflow.core.spec import (
-    ACTIVATION_IN,
-    ACTIVATION_OUT,
-    IMAGE,
-    LOGITS,
-    TICKET_BYTES,
-    activation_names,
-)
+from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, activation_names
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
 DRAIN_S = 10.0
-
-
-def _error(message: str, code: str) -> Any:
-    """A Triton error with status ``code`` (a ``TritonError`` constant; older backends know none)."""
-    value = getattr(pb_utils.TritonError, code, None)
-    return pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
-
-
-def _ticket_tensor(tickets: list[bytes]) -> torch.Tensor:
-    """A batch's tickets as the uint8 ``[n, 256]`` tensor a block returns.
-
-    Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
-    A bytearray is writable, so torch takes it without a copy.
-    """
-    return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
-
-
-def _split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
-    return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
 
 
 class TritonPythonModel:
@@ -157,7 +130,7 @@ class TritonPythonModel:
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
                                          max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
-                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=_ticket_tensor)
+                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=ticket_tensor)
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
@@ -166,6 +139,8 @@ class TritonPythonModel:
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
+        # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
+        self.early = self.producer is not None and not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied on a stream of their own,
         # so waiting for that copy never waits for this block's earlier work (_own_device_inputs).
@@ -241,11 +216,12 @@ class TritonPythonModel:
             except RequestError as exc:  # the caller's fault: HTTP 400 / gRPC INVALID_ARGUMENT, not a server error
                 # ...except a ticket whose block stopped before it was read: UNAVAILABLE, a retry can help.
                 code = "UNAVAILABLE" if isinstance(exc, ProducerGoneError) else "INVALID_ARG"
-                responses[i] = pb_utils.InferenceResponse(error=_error(str(exc), code))
+                responses[i] = pb_utils.InferenceResponse(error=error(str(exc), code))
         if not batch:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
         failed: set[int] = set()  # positions in ``batch``
+        early = EarlyReply(requests[0], self.out_name) if self.early and len(requests) == 1 and owners else None
         synced = False
         try:
             try:
@@ -261,10 +237,12 @@ class TritonPythonModel:
                 try:
                     joined = batch[ks[0]] if len(ks) == 1 else [torch.cat([batch[k][j].to(self.device) for k in ks])
                                                                  for j in range(len(batch[ks[0]]))]
-                    results = self._run(self.runners[name], joined)
+                    results = self._run(self.runners[name], joined, early)
+                    if early is not None and early.sent:
+                        continue  # answered with its tickets already
                     names = [name] if len(results) == 1 else self.out_names
                     for out_name, result in zip(names, results, strict=True):
-                        for k, rows in zip(ks, _split(result, sizes), strict=True):
+                        for k, rows in zip(ks, split(result, sizes), strict=True):
                             outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)
@@ -282,6 +260,9 @@ class TritonPythonModel:
                     self._fail(responses, owners, batch, rest, exc)
             if self.tracer is not None:
                 self.tracer.mark()  # work done (TensorMQ: queued)
+            if early is not None and early.sent:
+                responses[0] = None  # answered already (even if its batch then failed): one response per request
+                return responses
             for k, i in enumerate(owners):
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
@@ -345,13 +326,14 @@ class TritonPythonModel:
         positions = list(ks)
         samples = sum(int(batch[k][0].shape[0]) for k in positions)
         self.logger.log_error(f"blockflow: {self.spec.name}: batch of {samples} failed: {exc!r}")
-        # A full pool is load, not a fault: UNAVAILABLE tells a client that retrying later can help.
-        code = "UNAVAILABLE" if isinstance(exc, PoolExhaustedError) else "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
         for k in positions:
-            responses[owners[k]] = pb_utils.InferenceResponse(error=_error(f"block {self.spec.name!r} failed: {exc}", code))
+            responses[owners[k]] = pb_utils.InferenceResponse(error=error(f"block {self.spec.name!r} failed: {exc}", failure_code(exc)))
 
-    def _run(self, runner: BlockRunner, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets."""
+    def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None) -> list[torch.Tensor]:
+        """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets.
+
+        ``early``: sends the tickets as the call's response before the GPU work is queued (a
+        failure after that marks them failed: their consumer refuses them)."""
         if self.producer is None:
             outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
@@ -362,6 +344,11 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:reserve")
         try:
+            if early is not None:
+                tickets = self.producer.issue(reservation)
+                early(reservation.packed if reservation.packed is not None else ticket_tensor(tickets))
+                if tracer is not None:
+                    tracer.lap("run:reply")
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)
@@ -373,7 +360,7 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:commit")
         # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
-        return [reservation.packed if reservation.packed is not None else _ticket_tensor(tickets)]
+        return [reservation.packed if reservation.packed is not None else ticket_tensor(tickets)]
 
     def finalize(self) -> None:
         self.watch.close()

@@ -23,8 +23,14 @@ Who owns a slot when:
    the producer until the commit, and its claim entry still holds the slot's
    previous use until then, so none of them can be accepted early.
 3. LENT — ``Producer.commit`` recorded the slot's event on that stream *after*
-   the writes, then issued one ticket per sample (the slot counts one reference
-   per ticket). The producer never writes a lent slot.
+   the writes, then opened the slot's claim entry for this use; there is one
+   ticket per sample (the slot counts one reference per ticket). The producer
+   never writes a lent slot. A block may hand the tickets on *before* the
+   commit (``Producer.issue``: a call of one request answers with them before
+   queuing its GPU work, ``backend/replies.py``); until the commit, its
+   consumer finds the claim entry on an earlier use and waits for it (at most
+   ``COMMIT_WAIT_S``). If the writes fail, ``Producer.abort`` marks the use
+   failed and its tickets are refused.
 4. CLAIMED — ``Consumer.gather`` verifies each ticket (MAC, layout, the hop:
    the ticket's model id must be one of the blocks that feed this one; the
    fields other than slot, seq, sample and offset are checked once per distinct
@@ -63,8 +69,9 @@ views and never writes them: the pool is the producer's (read-only on the
 CPU), so a stage that would change an input in place copies it first
 (``blockflow.core.arch.stage_module``).
 
-What orders what: the event is recorded before the ticket exists, so a consumer
-that holds the ticket waits on that record. A slot is rewritten (and its event
+What orders what: the event is recorded before the claim entry opens, and a
+ticket is accepted only once its entry is open, so a consumer that accepted a
+ticket waits on that record (a ticket handed on early waits for the entry). A slot is rewritten (and its event
 re-recorded) only after every reader's GPU work completed, because releases are
 sent only then.
 

@@ -14,8 +14,14 @@ in the server's 0700 runtime directory, mode 0600), mapped by the producer and i
 consumers. Layout, little-endian, per slot ``i`` at ``HEADER + i * stride``::
 
     offset  size  field
-    0       8     claim deadline (f64, CLOCK_MONOTONIC seconds; shared by every process of the host)
+    0       8     claim deadline (f64, CLOCK_MONOTONIC seconds; shared by every process of the host;
+                  FAILED (-1): the producer issued that use's tickets but could not write its data)
     8       8*W   W words: bits 63..32 the slot's sequence number, bits 31..0 claimed samples 32w..32w+31
+
+A producer may hand a batch's tickets on before it commits the batch (``Producer.issue``), so a
+ticket can reach its consumer while the entry still holds an earlier use of the slot: a ticket
+whose sequence number is *ahead* of the entry's is PENDING (the consumer waits for the commit),
+one that is behind it is stale.
 
 Every read-modify-write of an entry holds a POSIX record lock on that entry's bytes
 (``fcntl.lockf``), which excludes the other processes; inside the producer process the
@@ -39,6 +45,8 @@ VERSION = 1
 _DEADLINE = struct.Struct("<d")
 _WORD = struct.Struct("<Q")
 SAMPLES_PER_WORD = 32
+FAILED = -1.0  # a claim deadline no clock reaches: the use's tickets were issued, its data never written
+PENDING = "pending"  # claim(): the ticket's use is not committed yet; ask again
 
 
 def claims_path(socket_path: Path) -> Path:
@@ -92,6 +100,10 @@ class ClaimTable:
         finally:
             self._unlock(slot)
 
+    def fail_slot(self, slot: int, seq: int) -> None:
+        """Use ``seq`` of ``slot`` will never be committed: its tickets (already handed on) are refused."""
+        self.open_slot(slot, seq, FAILED)
+
     def claimed(self, slot: int, seq: int) -> set[int] | None:
         """Samples of use ``seq`` of ``slot`` that were claimed; None if the entry holds another use."""
         start = self._lock(slot)
@@ -110,7 +122,8 @@ class ClaimTable:
     # ------------------------------------------------------------------ consumer
 
     def claim(self, slot: int, seq: int, sample: int, now: float | None = None) -> str | None:
-        """Claim one sample; None when accepted, else why it is refused."""
+        """Claim one sample; None when accepted, :data:`PENDING` while its use is not committed yet,
+        else why it is refused."""
         if not 0 <= slot < self.max_slots or not 0 <= sample < self.max_samples:
             return f"slot {slot} / sample {sample} is outside the producer's claim table"
         now = time.monotonic() if now is None else now
@@ -118,12 +131,16 @@ class ClaimTable:
         try:
             where = start + 8 + 8 * (sample // SAMPLES_PER_WORD)
             word = _WORD.unpack_from(self._map, where)[0]
-            if word >> 32 != seq & 0xFFFFFFFF:
-                return "replayed or stale ticket: its pool slot has been reused since it was issued"
+            ahead = (seq - (word >> 32)) & 0xFFFFFFFF
+            if ahead:  # sequence numbers wrap: half the circle is ahead, the other half behind
+                return PENDING if ahead < 1 << 31 else "replayed or stale ticket: its pool slot has been reused since it was issued"
             bit = 1 << (sample % SAMPLES_PER_WORD)
             if word & bit:
                 return "replayed ticket: it was already accepted once"
-            if now > _DEADLINE.unpack_from(self._map, start)[0]:
+            deadline = _DEADLINE.unpack_from(self._map, start)[0]
+            if deadline == FAILED:
+                return "failed batch: the block that issued this ticket could not produce its data (its log says why)"
+            if now > deadline:
                 return "expired ticket: it was not used within its claim window"
             _WORD.pack_into(self._map, where, word | bit)
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 import zmq
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.claims import ClaimTable, claims_path
+from blockflow.backend.tensormq.claims import PENDING, ClaimTable, claims_path
 from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
@@ -25,6 +26,10 @@ from blockflow.core.runtime_dir import read_key
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
 RELEASE_EVENTS = 64
+# How long a ticket handed on before its batch was committed (Producer.issue) waits for that commit.
+# A commit follows its tickets by the time the producer takes to queue its GPU work: microseconds,
+# milliseconds under load; a producer that stopped is noticed sooner (its socket goes).
+COMMIT_WAIT_S = 5.0
 
 
 def _ticket_bytes(raw: torch.Tensor | np.ndarray[Any, Any]) -> bytes:
@@ -54,6 +59,7 @@ class ConsumerStats:
     tickets: int = 0
     bad_tickets: int = 0
     refused_tickets: int = 0  # authentic, but replayed, redirected, stale or expired
+    commit_waits: int = 0  # tickets that arrived before their batch's commit and waited for it
     releases_sent: int = 0
 
 
@@ -66,8 +72,9 @@ class Consumer:
     """
 
     def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0,
-                 accepts_from: Iterable[str] | None = None) -> None:
+                 accepts_from: Iterable[str] | None = None, commit_wait_s: float = COMMIT_WAIT_S) -> None:
         self.runtime_dir = runtime_dir
+        self.commit_wait_s = commit_wait_s
         # The blocks that feed this one (Triton model names); None accepts any producer (tests).
         self.accepts = None if accepts_from is None else {tk.model_id(m): m for m in accepts_from}
         self.key = read_key(runtime_dir)
@@ -200,6 +207,8 @@ class Consumer:
                 # is refused before anything is read. Only claimed tickets are ever released, so a
                 # refused copy cannot free a slot that its rightful reader still uses.
                 why = r.claims.claim(t.slot, t.seq, t.sample)
+                if why is PENDING:
+                    why = self._await_commit(r, t)
                 if why is not None:
                     self.stats.refused_tickets += 1
                     raise TicketError(why)
@@ -232,6 +241,32 @@ class Consumer:
             return [batch], seen
         n = int(batch.shape[0])
         return [batch[:, a:b].view(n, *s) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)], seen
+
+    def _await_commit(self, r: _Remote, t: tk.Ticket) -> str | None:
+        """Claim ``t`` once its producer committed the batch it was issued for; why not, if it never does.
+
+        Polls the claim entry: first back to back (the commit is usually microseconds away), then
+        with sleeps that grow to 1 ms, checking now and then that the producer still listens.
+        """
+        self.stats.commit_waits += 1
+        start = time.monotonic()
+        pause, checked = 0.0, start
+        while True:
+            now = time.monotonic()
+            why = r.claims.claim(t.slot, t.seq, t.sample, now)
+            if why is not PENDING:
+                return why
+            if now - start > self.commit_wait_s:
+                return (f"uncommitted ticket: producer {t.producer:016x} issued it but did not commit its batch "
+                        f"within {self.commit_wait_s:g} s")
+            if now - checked > 0.1:
+                checked = now
+                if not listening(socket_path(self.runtime_dir, t.producer, t.generation)):
+                    raise ProducerGoneError(f"producer {t.producer:016x} generation {t.generation:08x} stopped "
+                                            "before it committed the batch of this ticket")
+            if now - start > 200e-6:
+                pause = min(1e-3, max(20e-6, 2 * pause))
+            time.sleep(pause)
 
     @staticmethod
     def _view(r: _Remote, t: tk.Ticket, n: int) -> torch.Tensor:

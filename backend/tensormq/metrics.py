@@ -29,6 +29,8 @@ COUNTERS = {
     "blockflow_tmq_bad_tickets_total": "Requests refused for a malformed, forged or stale ticket",
     "blockflow_tmq_refused_tickets_total": "Authentic tickets refused as replayed, redirected, reused or expired",
     "blockflow_tmq_unclaimed_tickets_total": "Samples reclaimed because no consumer claimed their ticket in time",
+    "blockflow_tmq_early_tickets_total": "Tickets this instance handed on before committing their batch (calls of one request)",
+    "blockflow_tmq_commit_waits_total": "Tickets that reached this instance before their batch's commit and waited for it",
 }
 
 
@@ -76,12 +78,14 @@ class TmqMetrics:
             values.update({"blockflow_tmq_tickets_issued_total": s.tickets, "blockflow_tmq_releases_total": s.releases,
                            "blockflow_tmq_lease_expiries_total": s.lease_expiries,
                            "blockflow_tmq_pool_full_failures_total": s.pool_failures,
-                           "blockflow_tmq_unclaimed_tickets_total": s.unclaimed_tickets})
+                           "blockflow_tmq_unclaimed_tickets_total": s.unclaimed_tickets,
+                           "blockflow_tmq_early_tickets_total": s.early_tickets})
         if consumer is not None:
             c = consumer.stats
             values.update({"blockflow_tmq_handle_opens_total": c.handle_opens, "blockflow_tmq_tickets_consumed_total": c.tickets,
                            "blockflow_tmq_bad_tickets_total": c.bad_tickets,
-                           "blockflow_tmq_refused_tickets_total": c.refused_tickets})
+                           "blockflow_tmq_refused_tickets_total": c.refused_tickets,
+                           "blockflow_tmq_commit_waits_total": c.commit_waits})
         for name, value in values.items():
             delta = value - self._sent[name]
             if delta > 0:

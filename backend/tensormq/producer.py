@@ -166,15 +166,34 @@ class Producer:
         return Reservation(slot, views, sample_shape, sample_bytes, tk.layout_id(shapes), key=key)
 
     def abort(self, r: Reservation) -> None:
+        """Give ``r``'s slot back uncommitted; tickets already issued for it are refused from now on."""
         with self._cond:
+            if r.issued:
+                self.claims.fail_slot(r.slot.index, r.slot.seq)
             self.table.release_all(r.slot.index, r.slot.seq)
             self._cond.notify_all()
+
+    def issue(self, r: Reservation) -> list[bytes]:
+        """``r``'s tickets, to hand on *before* :meth:`commit` (signed now unless prepared).
+
+        A consumer that gets one early finds the slot's claim entry still on an earlier use and
+        waits (bounded) for the commit to open it; the commit records the slot's event first, so
+        the consumer's stream still waits on this use's writes. If the writes fail, :meth:`abort`
+        marks the use failed and its tickets are refused. Lets a block answer its request while its
+        GPU work is being queued, so the next block's step overlaps that host work.
+        """
+        if r.tickets is None:
+            r.tickets = self._sign(r)
+        r.issued = True
+        self.stats.early_tickets += len(r.tickets)
+        return r.tickets
 
     def commit(self, r: Reservation, stream: int, lap: Callable[[str], None] | None = None) -> list[bytes]:
         """Record the slot's event after the writes queued on ``stream``; one ticket per sample.
 
-        The slot's claim entry is opened before any ticket of this use exists, so each ticket
-        can be accepted exactly once, until ``claim_s`` from now. ``lap`` (a block's tracer): called
+        The slot's claim entry is opened after the event is recorded and before a ticket of this
+        use can be accepted, so each ticket is accepted exactly once, until ``claim_s`` from now,
+        by a consumer whose stream then waits on these writes. ``lap`` (a block's tracer): called
         once the event is recorded.
         """
         self.events.record(r.slot.index, stream)

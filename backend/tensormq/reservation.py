@@ -47,6 +47,7 @@ class Stats:
     pool_failures: int = 0
     hellos: int = 0
     unclaimed_tickets: int = 0  # samples reclaimed because no consumer claimed them in time
+    early_tickets: int = 0  # tickets handed on before their batch's commit (Producer.issue)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Reservation:
     key: Key | None = None  # (batch, shapes, dtype): what a prepared reservation can be taken for
     tickets: list[bytes] | None = None  # signed ahead, for a reservation prepared between calls
     packed: Any = None  # those tickets in the block's own form (the producer's ``pack``), made ahead with them
+    issued: bool = False  # its tickets left the producer before the commit (Producer.issue)
 
     @property
     def view(self) -> torch.Tensor:

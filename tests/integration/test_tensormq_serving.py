@@ -181,8 +181,11 @@ def test_pool_counters_on_the_metrics_endpoint(served: Served) -> None:
 def test_calls_of_one_sample_leave_the_next_slot_prepared_and_answer_exactly(served: Served) -> None:
     """After a call of batch 1, a producer block reserves and signs its next call's slot between
     calls (on its own thread, inside Triton's stub); the calls that take those slots answer as
-    the reference does, and the prepared slots count as ready, never in use."""
+    the reference does, and the prepared slots count as ready, never in use. A call of one request
+    answers with its tickets before it queues its work (through the stub's response sender), and
+    the next block still reads the committed data."""
     runtime = served.server.runtime_dir
+    early = sum(s["early_tickets"] for s in pool_stats(runtime))
     x = image(1)
     with TaskClient(served.http) as tc:
         want = tc.infer("t18_one__ref", x)
@@ -192,3 +195,4 @@ def test_calls_of_one_sample_leave_the_next_slot_prepared_and_answer_exactly(ser
     stats = wait_until_pools_empty(runtime, LEASE_S + 10)
     assert all(s["slots_in_use"] == 0 for s in stats), stats
     assert sum(s["slots_ready"] for s in stats) >= 2, stats  # r18_a and r18_b, the task's two producers
+    assert sum(s["early_tickets"] for s in stats) - early >= 24, stats  # both producers, every call

@@ -22,7 +22,7 @@ from blockflow.backend.tensormq.memory import SHM_DIR
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.slots import ALIGN, SlotTable
-from blockflow.backend.tensormq.ticket import TicketError
+from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import STATS, endpoint, generations
 from blockflow.core import env
 from blockflow.core.runtime_dir import ensure_tensormq
@@ -539,3 +539,71 @@ def test_a_traced_hop_names_its_steps(runtime: Path) -> None:
     finally:
         consumer.close()
         prod.close()
+
+
+def test_a_ticket_handed_on_before_its_commit_waits_for_it_and_reads_the_committed_data(runtime: Path) -> None:
+    """Producer.issue: tickets leave before the batch is written and committed. The consumer that
+    gets one waits for the commit (then reads exactly what was written); if the producer gives the
+    batch up instead, every issued ticket is refused with a clear error, as is one whose commit
+    never comes or whose producer stops."""
+    import threading
+
+    prod = Producer("blockE/0", runtime, CPU, pool_bytes=1 << 20, max_slots=4, lease_s=30, wait_s=1, prepare=False)
+    consumer = Consumer(runtime, CPU, commit_wait_s=0.5)
+    try:
+        r = prod.reserve((2, 4, 5), torch.float32)
+        early = prod.issue(r)
+        expected = torch.arange(40, dtype=torch.float32).view(2, 4, 5)
+
+        def write_and_commit() -> None:
+            time.sleep(0.05)  # the consumer is waiting by now
+            r.view.copy_(expected)
+            assert prod.commit(r, 0) == early  # the same tickets
+        writer = threading.Thread(target=write_and_commit)
+        writer.start()
+        x, releases = consumer.gather(_tickets(early), (4, 5), 0)
+        writer.join()
+        assert torch.equal(x, expected) and consumer.stats.commit_waits == 1
+        consumer.release_now(releases)
+        with pytest.raises(TicketError, match="replayed ticket"):  # one-shot as ever
+            consumer.gather(_tickets(early[:1]), (4, 5), 0)
+
+        failed = prod.reserve((1, 4, 5), torch.float32)
+        lost = prod.issue(failed)
+        prod.abort(failed)  # e.g. its graph replay raised after the tickets left
+        with pytest.raises(TicketError, match="failed batch: the block that issued this ticket could not produce its data"):
+            consumer.gather(_tickets(lost), (4, 5), 0)
+
+        stuck = prod.reserve((1, 4, 5), torch.float32)
+        start = time.monotonic()
+        with pytest.raises(TicketError, match="uncommitted ticket: producer .* did not commit its batch within 0.5 s"):
+            consumer.gather(_tickets(prod.issue(stuck)), (4, 5), 0)
+        assert 0.5 <= time.monotonic() - start < 3
+        orphan = prod.issue(prod.reserve((1, 4, 5), torch.float32))
+    finally:
+        prod.close()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ProducerGoneError, match="stopped before it committed the batch of this ticket"):
+            consumer.gather(_tickets(orphan), (4, 5), 0)
+        assert time.monotonic() - start < 0.5  # noticed by its socket, before the commit wait ends
+    finally:
+        consumer.close()
+
+
+def test_a_claim_table_tells_a_pending_use_from_a_stale_or_failed_one(tmp_path: Path) -> None:
+    from blockflow.backend.tensormq.claims import PENDING, ClaimTable
+
+    table = ClaimTable(tmp_path / "t.claims", 2, 8, create=True)
+    try:
+        assert table.claim(0, 1, 0) is PENDING  # nothing committed yet: the first use is ahead
+        table.open_slot(0, 7, time.monotonic() + 60)
+        assert table.claim(0, 8, 0) is PENDING and table.claim(0, 9, 0) is PENDING
+        assert table.claim(0, 6, 0) is not None and "stale" in str(table.claim(0, 6, 0))
+        assert table.claim(0, 7, 3) is None and "replayed ticket" in str(table.claim(0, 7, 3))
+        table.open_slot(1, 0xFFFFFFFF, time.monotonic() + 60)  # sequence numbers wrap
+        assert table.claim(1, 0, 0) is PENDING and "stale" in str(table.claim(1, 0xFFFFFFFE, 0))
+        table.fail_slot(0, 8)
+        assert "failed batch" in str(table.claim(0, 8, 0)) and "stale" in str(table.claim(0, 7, 0))
+    finally:
+        table.close()

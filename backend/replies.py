@@ -1,0 +1,69 @@
+"""What a block answers: Triton errors, tickets as a tensor, a batch's rows per request, and a
+TensorMQ request's response sent before the block queues its GPU work.
+
+Inside a stub only (it needs ``triton_python_backend_utils``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
+
+from blockflow.backend.tensormq.reservation import PoolExhaustedError
+from blockflow.core.errors import RequestError
+from blockflow.core.spec import TICKET_BYTES
+
+
+def error(message: str, code: str) -> Any:
+    """A Triton error with status ``code`` (a ``TritonError`` constant; older backends know none)."""
+    value = getattr(pb_utils.TritonError, code, None)
+    return pb_utils.TritonError(message) if value is None else pb_utils.TritonError(message, value)
+
+
+def failure_code(exc: BaseException) -> str:
+    """The status of a request that ``exc`` failed: a full pool is load, not a fault (UNAVAILABLE: a
+    retry later can help); a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
+    return "UNAVAILABLE" if isinstance(exc, PoolExhaustedError) else "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
+
+
+def ticket_tensor(tickets: list[bytes]) -> torch.Tensor:
+    """A batch's tickets as the uint8 ``[n, 256]`` tensor a block returns.
+
+    Through torch's DLPack capsule: the Python backend (r24.10) fails on numpy's own capsules.
+    A bytearray is writable, so torch takes it without a copy.
+    """
+    return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
+
+
+def split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
+    return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
+
+
+class EarlyReply:
+    """The response of a call's one request, sent through its response sender as soon as its tickets exist.
+
+    The ensemble then schedules the next block while this one queues its GPU work (copies, graph
+    replay, the slot's event): the next block's step overlaps that host work. The next block waits
+    for the commit (``blockflow.backend.tensormq``). Python-backend models that are not decoupled
+    may send their one response this way (r24.10: ``ResponseSender::Send``); ``execute`` then
+    returns None for that request. One round trip to the server per response, so a call of
+    several requests returns its responses together instead.
+    """
+
+    __slots__ = ("name", "request", "sent")
+
+    def __init__(self, request: Any, name: str) -> None:
+        self.request, self.name = request, name
+        self.sent = False
+
+    def __call__(self, tickets: torch.Tensor) -> None:
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(self.name, to_dlpack(tickets))])
+        # Set first: the request has its one response once the send began, even if it raises
+        # after the server took it; a second one is refused.
+        self.sent = True
+        self.request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
