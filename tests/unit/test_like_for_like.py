@@ -59,3 +59,21 @@ def test_a_model_that_failed_leaves_its_row_uncompared(tmp_path: Path) -> None:
     md = lfl.summary(tmp_path, lfl.ROWS[3:])
     assert "| fp32, host memory | 3.65 ms ±1% (969/s ±4%) | failed | — | — |" in md
     assert "- fp32, host memory: not compared" in md
+
+
+def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path: Path) -> None:
+    from blockflow.bench import turns
+
+    row = lfl.ROWS[0]
+    base = json.loads((RESULTS / row.name / "results.json").read_text())
+    for name, split_ms in zip(turns.turn_names(["0", "1", "0", "1"]), [4.0, 3.5, 4.2, None], strict=True):
+        if split_ms is None:
+            continue  # the last turn never finished
+        res = json.loads(json.dumps(base))
+        res["concurrency"]["tensormq"]["1"]["p50_ms"] = split_ms
+        (tmp_path / name / row.name).mkdir(parents=True)
+        (tmp_path / name / row.name / "results.json").write_text(json.dumps(res))
+    md = turns.summary(tmp_path, "X", ["0", "1", "0", "1"], row)
+    assert "| 4 | X=1: not finished |" in md and md.count("| X=") == 4
+    assert "- turn 2 (X=1): 3.50 ms, -0.60 ms" in md and "- turn 3 (X=0): 4.20 ms, +0.70 ms" in md
+    assert "- X=1: median -0.60 ms over 1 turns, lower in 1" in md

@@ -1,0 +1,96 @@
+"""One setting off and on in turns, like for like: ``blockflow bench`` once per turn, a fresh server
+each, with an environment variable set to the turn's value, then one table of every turn.
+
+    python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
+
+These machines drift by up to 40% between leases and by several percent within one, so a setting is
+judged by turns on one machine, each against its neighbouring turns of the other value; a single
+before/after pair proves nothing. Each turn lands in ``DIR/<n>_<value>/<row>/`` (``results.json``,
+``report.md``); ``DIR/turns.md`` is the table, with each turn's split c1 p50 against the mean of its
+neighbours of another value. A turn whose complete ``results.json`` is already there is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, _results, bench_command, table_row
+
+
+def turn_names(values: list[str]) -> list[str]:
+    return [f"{i}_{v}" for i, v in enumerate(values, 1)]
+
+
+def summary(out: Path, env: str, values: list[str], row: Row) -> str:
+    """``turns.md``: the table of the turns that finished and each turn against its neighbours."""
+    names = turn_names(values)
+    done: dict[str, dict[str, Any]] = {n: res for n in names if (res := _results(out / n, row)) is not None}
+    lines = [f"# `{env}` in turns: {row.label}", ""]
+    if not done:
+        return "\n".join([*lines, "No turn has finished yet.", ""])
+    metas = [res["meta"] for res in done.values()]
+    lines += [f"Plan `{metas[0]['plan']}`, task `{next(iter(done.values()))['task']}`; {metas[0]['device']}; commit "
+              f"{', '.join(sorted({m.get('commit', '?') for m in metas}))}; turns started {metas[0]['date']} to {metas[-1]['date']}; "
+              f"a fresh server per turn; median of {metas[0].get('repeats', 1)} runs ± half their range, batch 1.", "",
+              "| turn | " + HEADER[0].lstrip("| "), "|---" + HEADER[1]]
+    c1: dict[str, float] = {}
+    for name in names:
+        if name not in done:
+            lines.append(f"| {name.split('_', 1)[0]} | {env}={name.split('_', 1)[1]}: not finished |")
+            continue
+        line, _ = table_row(Row(row.name, f"{env}={name.split('_', 1)[1]}", row.precision, row.input), done[name])
+        lines.append(f"| {name.split('_', 1)[0]} {line}")
+        conc = done[name]["concurrency"]
+        if "p50_ms" in conc.get(SPLIT, {}).get("1", {}):
+            c1[name] = conc[SPLIT]["1"]["p50_ms"]
+    lines += ["", f"The split's c1 p50 in each turn against the mean of its neighbouring turns of another value (`{MONO}` moves too):", ""]
+    deltas: dict[str, list[float]] = {}
+    for i, name in enumerate(names):
+        value = values[i]
+        near = [c1[names[j]] for j in (i - 1, i + 1) if 0 <= j < len(names) and values[j] != value and names[j] in c1]
+        if name in c1 and near:
+            d = c1[name] - statistics.mean(near)
+            deltas.setdefault(value, []).append(d)
+            lines.append(f"- turn {i + 1} ({env}={value}): {c1[name]:.2f} ms, {d:+.2f} ms")
+    for value, ds in deltas.items():
+        lines.append(f"- {env}={value}: median {statistics.median(ds):+.2f} ms over {len(ds)} turns, lower in {sum(d < 0 for d in ds)}")
+    return "\n".join([*lines, ""])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", required=True, help="the environment variable the turns set (the server and its blocks inherit it)")
+    ap.add_argument("--values", required=True, help="its value in each turn, comma-separated, e.g. 0,1,0,1")
+    ap.add_argument("--row", default="fp16_host", help=f"precision and client input: {', '.join(r.name for r in ROWS)}")
+    ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
+    ap.add_argument("--turn-s", type=float, default=600, help="a turn's time limit; one past it is left unfinished")
+    args = ap.parse_args()
+    rows = {r.name: r for r in ROWS}
+    if args.row not in rows:
+        ap.error(f"unknown row {args.row!r}; rows: {', '.join(rows)}")
+    row, values = rows[args.row], args.values.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, value in zip(turn_names(values), values, strict=True):
+        if _results(args.out / name, row) is not None:
+            continue
+        cmd = bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False)
+        print(f"[turns] {name}: {args.env}={value} {' '.join(cmd[1:])}", flush=True)
+        try:
+            subprocess.run(cmd, env={**os.environ, args.env: value}, timeout=args.turn_s, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"[turns] {name}: past its {args.turn_s:g} s limit", flush=True)
+        (args.out / "turns.md").write_text(summary(args.out, args.env, values, row))
+    (args.out / "turns.md").write_text(summary(args.out, args.env, values, row))
+    print((args.out / "turns.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
