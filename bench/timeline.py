@@ -9,8 +9,9 @@ block's ``execute`` timestamps (CLOCK_MONOTONIC is shared by all processes). Med
 
 - client → first block: HTTP, Triton's ensemble scheduler, the first block's queue;
 - in each block: reading inputs, queuing (or running) the work, building responses;
-- block → next block: from one ``execute``'s return to the next one's entry (Triton's
-  ensemble step, the Python backend's messages, the dynamic batcher's queue);
+- block → next block: from one ``execute``'s answer (its return, or the response it sent before
+  queuing its work) to the next one's entry (Triton's ensemble step, the Python backend's
+  messages, the dynamic batcher's queue);
 - last block → client: the response path;
 - each block's GPU time (CUDA events around its own kernels).
 
@@ -75,6 +76,12 @@ def step_laps(record: dict[str, Any]) -> list[tuple[str, int]]:
     return [(name, t - max(b for b in bounds if b < t)) for name, t in record.get("laps", [])]
 
 
+def answered(record: dict[str, Any]) -> int:
+    """When a traced ``execute`` answered its request: its *run:reply* lap (a block that answered with its
+    tickets before queuing its work), else its return."""
+    return next((t for name, t in record.get("laps", []) if name == "run:reply"), record["t"][3])
+
+
 def _match(execs: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, Any] | None:
     hits = [e for e in execs if window[0] <= e["t"][0] <= window[1] and len(e["t"]) == 4]
     return hits[0] if len(hits) == 1 else None
@@ -108,7 +115,7 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
             for name, ns in step_laps(h):
                 add(f"{stage}.{name}", ns)
             if i + 1 < len(stages):
-                add(f"{stage}.hop", hits[i + 1]["t"][0] - t[3])  # type: ignore[index]
+                add(f"{stage}.hop", hits[i + 1]["t"][0] - answered(h))  # type: ignore[index]
         add("last_to_client", recv - hits[-1]["t"][3])  # type: ignore[index]
     return {"requests": len(times), "matched": matched,
             "median_ms": {k: statistics.median(v) for k, v in parts.items()},
@@ -121,11 +128,13 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          f"Plan `{res['plan']}`, task `{res['task']}`, commit {res.get('commit', '?')}; warm cores {warm}; "
          f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
-         "*respond* = responses built; *hop* = that block's return → the next block's entry; *gpu* = CUDA events "
+         "*respond* = responses built; *hop* = that block's answer (its return, or *run:reply*) → the next block's "
+         "entry; *gpu* = CUDA events "
          "around the block's own kernels; *read:X*, *run:X* = steps inside a phase, each from the step before "
          "(TensorMQ: *read:input* the request's tickets; for the first ticket *read:decode* its MAC and fields, "
          "*read:claim* checked and claimed, *read:wait* the stream made to wait on its slot; *read:gather* the "
-         "views; *run:reserve* the pool slot; on the usual hop *run:checks*, *run:copy_in*, *run:replay*; "
+         "views; *run:reserve* the pool slot; *run:reply* the response sent with the tickets before the work is "
+         "queued (a call of one request); on the usual hop *run:checks*, *run:copy_in*, *run:replay*; "
          "*run:graph* the rest of the block into the slot; *run:event* the slot's event; *run:commit* its "
          "claim entry and tickets). Traced calls carry their laps and two CUDA event records; "
          "traces before commit e80d901 also carried the tracer's own reading and writing, ~0.1 ms a call.", ""]
