@@ -79,7 +79,7 @@ def step_laps(record: dict[str, Any]) -> list[tuple[str, int]]:
 def answered(record: dict[str, Any]) -> int:
     """When a traced ``execute`` answered its request: its *run:reply* lap (a block that answered with its
     tickets before queuing its work), else its return."""
-    return next((t for name, t in record.get("laps", []) if name == "run:reply"), record["t"][3])
+    return int(next((t for name, t in record.get("laps", []) if name == "run:reply"), record["t"][3]))
 
 
 def _match(execs: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, Any] | None:
