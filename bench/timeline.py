@@ -128,13 +128,13 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          f"Plan `{res['plan']}`, task `{res['task']}`, commit {res.get('commit', '?')}; warm cores {warm}; "
          f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
-         "*respond* = responses built; *hop* = that block's answer (its return, or *run:reply*) → the next block's "
+         "*respond* = responses built; *hop* = that block's answer (its return, or the end of *run:reply*) → the next block's "
          "entry; *gpu* = CUDA events "
          "around the block's own kernels; *read:X*, *run:X* = steps inside a phase, each from the step before "
          "(TensorMQ: *read:input* the request's tickets; for the first ticket *read:decode* its MAC and fields, "
          "*read:claim* checked and claimed, *read:wait* the stream made to wait on its slot; *read:gather* the "
          "views; *run:reserve* the pool slot; *run:reply* the response sent with the tickets before the work is "
-         "queued (a call of one request); on the usual hop *run:checks*, *run:copy_in*, *run:replay*; "
+         "queued (a call of one request), until the server has passed it on: one round trip; on the usual hop *run:checks*, *run:copy_in*, *run:replay*; "
          "*run:graph* the rest of the block into the slot; *run:event* the slot's event; *run:commit* its "
          "claim entry and tickets). Traced calls carry their laps and two CUDA event records; "
          "traces before commit e80d901 also carried the tracer's own reading and writing, ~0.1 ms a call.", ""]
