@@ -30,7 +30,8 @@ Who owns a slot when:
    queuing its GPU work, ``backend/replies.py``); until the commit, its
    consumer finds the claim entry on an earlier use and waits for it (at most
    ``COMMIT_WAIT_S``). If the writes fail, ``Producer.abort`` marks the use
-   failed and its tickets are refused.
+   failed and its tickets are refused; a failed, never committed or orphaned
+   batch fails the consumer's request as UNAVAILABLE (``ProducerGoneError``).
 4. CLAIMED — ``Consumer.gather`` verifies each ticket (MAC, layout, the hop:
    the ticket's model id must be one of the blocks that feed this one; the
    fields other than slot, seq, sample and offset are checked once per distinct

@@ -47,6 +47,7 @@ _WORD = struct.Struct("<Q")
 SAMPLES_PER_WORD = 32
 FAILED = -1.0  # a claim deadline no clock reaches: the use's tickets were issued, its data never written
 PENDING = "pending"  # claim(): the ticket's use is not committed yet; ask again
+FAILED_BATCH = "failed batch: the block that issued this ticket could not produce its data (its log says why)"
 
 
 def claims_path(socket_path: Path) -> Path:
@@ -139,7 +140,7 @@ class ClaimTable:
                 return "replayed ticket: it was already accepted once"
             deadline = _DEADLINE.unpack_from(self._map, start)[0]
             if deadline == FAILED:
-                return "failed batch: the block that issued this ticket could not produce its data (its log says why)"
+                return FAILED_BATCH
             if now > deadline:
                 return "expired ticket: it was not used within its claim window"
             _WORD.pack_into(self._map, where, word | bit)

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.claims import PENDING, ClaimTable, claims_path
+from blockflow.backend.tensormq.claims import FAILED_BATCH, PENDING, ClaimTable, claims_path
 from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
@@ -211,7 +211,8 @@ class Consumer:
                     why = self._await_commit(r, t)
                 if why is not None:
                     self.stats.refused_tickets += 1
-                    raise TicketError(why)
+                    # A batch its producer could not write is the producer's failure, not the caller's.
+                    raise (ProducerGoneError if why is FAILED_BATCH else TicketError)(why)
                 seen.append((t.producer, t.generation, t.slot, t.seq, t.sample))
                 if lap is not None and i == 0:
                     lap("read:claim")
@@ -243,7 +244,8 @@ class Consumer:
         return [batch[:, a:b].view(n, *s) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)], seen
 
     def _await_commit(self, r: _Remote, t: tk.Ticket) -> str | None:
-        """Claim ``t`` once its producer committed the batch it was issued for; why not, if it never does.
+        """Claim ``t`` once its producer committed the batch it was issued for; why not, if that use
+        is refused; ProducerGoneError if the commit never comes or the producer stops.
 
         Polls the claim entry: first back to back (the commit is usually microseconds away), then
         with sleeps that grow to 1 ms, checking now and then that the producer still listens.
@@ -257,8 +259,9 @@ class Consumer:
             if why is not PENDING:
                 return why
             if now - start > self.commit_wait_s:
-                return (f"uncommitted ticket: producer {t.producer:016x} issued it but did not commit its batch "
-                        f"within {self.commit_wait_s:g} s")
+                self.stats.refused_tickets += 1
+                raise ProducerGoneError(f"uncommitted ticket: producer {t.producer:016x} issued it but did not commit its batch "
+                                        f"within {self.commit_wait_s:g} s")
             if now - checked > 0.1:
                 checked = now
                 if not listening(socket_path(self.runtime_dir, t.producer, t.generation)):

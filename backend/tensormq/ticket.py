@@ -77,7 +77,8 @@ class TicketError(RequestError):
 
 
 class ProducerGoneError(TicketError):
-    """The block that issued a ticket stopped (a crash, a reload) before it was read: a retry can help."""
+    """The block that issued a ticket stopped (a crash, a reload) or could not produce its batch before
+    the ticket was read: the producer's failure, not the caller's; a retry can help (UNAVAILABLE)."""
 
 
 class Ticket(NamedTuple):
