@@ -39,7 +39,6 @@ from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.metrics import TmqMetrics
 from blockflow.backend.tensormq.producer import Producer
-from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.activity import ActivityStamp
@@ -213,10 +212,8 @@ class TritonPythonModel:
             try:
                 batch.append(self._input(request, releases))
                 owners.append(i)
-            except RequestError as exc:  # the caller's fault: HTTP 400 / gRPC INVALID_ARGUMENT, not a server error
-                # ...except a ticket whose block stopped before it was read: UNAVAILABLE, a retry can help.
-                code = "UNAVAILABLE" if isinstance(exc, ProducerGoneError) else "INVALID_ARG"
-                responses[i] = pb_utils.InferenceResponse(error=error(str(exc), code))
+            except RequestError as exc:  # fails this request alone: the caller's fault (HTTP 400), or its ticket's producer's
+                responses[i] = pb_utils.InferenceResponse(error=error(str(exc), failure_code(exc)))
         if not batch:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors

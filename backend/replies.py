@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from blockflow.backend.tensormq.reservation import PoolExhaustedError
+from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.core.errors import RequestError
 from blockflow.core.spec import TICKET_BYTES
 
@@ -25,9 +26,12 @@ def error(message: str, code: str) -> Any:
 
 
 def failure_code(exc: BaseException) -> str:
-    """The status of a request that ``exc`` failed: a full pool is load, not a fault (UNAVAILABLE: a
-    retry later can help); a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
-    return "UNAVAILABLE" if isinstance(exc, PoolExhaustedError) else "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
+    """The status of a request that ``exc`` failed: a full pool is load, and a ticket whose producer
+    stopped or failed is the producer's fault, not a bad request (UNAVAILABLE: a retry later can
+    help); a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
+    if isinstance(exc, (PoolExhaustedError, ProducerGoneError)):
+        return "UNAVAILABLE"
+    return "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
 
 
 def ticket_tensor(tickets: list[bytes]) -> torch.Tensor:
