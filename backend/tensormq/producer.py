@@ -182,10 +182,15 @@ class Producer:
         marks the use failed and its tickets are refused. Lets a block answer its request while its
         GPU work is being queued, so the next block's step overlaps that host work.
         """
+        tickets = self._signed(r)
+        r.issued = True
+        self.stats.early_tickets += len(tickets)
+        return tickets
+
+    def _signed(self, r: Reservation) -> list[bytes]:
+        """``r``'s tickets: signed ahead (a prepared or issued reservation) or now."""
         if r.tickets is None:
             r.tickets = self._sign(r)
-        r.issued = True
-        self.stats.early_tickets += len(r.tickets)
         return r.tickets
 
     def commit(self, r: Reservation, stream: int, lap: Callable[[str], None] | None = None) -> list[bytes]:
@@ -202,7 +207,7 @@ class Producer:
         with self._cond:
             r.slot.claim_deadline = time.monotonic() + self.claim_s
             self.claims.open_slot(r.slot.index, r.slot.seq, r.slot.claim_deadline)
-        out = r.tickets if r.tickets is not None else self._sign(r)
+        out = self._signed(r)
         self.stats.tickets += len(out)
         small = self._preparer is not None and len(out) <= PREPARE_MAX_BATCH
         self._next_key = r.key if small else None
