@@ -52,7 +52,7 @@ def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float,
             "--seconds", f"{seconds:g}", "--repeats", str(repeats), *(["--mps"] if mps else []), "--out", str(out / row.name)]
 
 
-def _results(out: Path, row: Row) -> dict[str, Any] | None:
+def finished(out: Path, row: Row) -> dict[str, Any] | None:
     """A row's results, if its run finished."""
     try:
         res: dict[str, Any] = json.loads((out / row.name / "results.json").read_text())
@@ -98,7 +98,7 @@ def _verdict(value: float, target: float, at_most: bool, unit: str = "×") -> st
 
 def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
     """``like_for_like.md``: what was measured, the table and each row against the targets."""
-    done = [(row, res) for row in rows if (res := _results(out, row)) is not None]
+    done = [(row, res) for row in rows if (res := finished(out, row)) is not None]
     lines = ["# Like for like: the split against the unsplit model", ""]
     if not done:
         return "\n".join([*lines, "No row has finished yet.", ""])
@@ -146,7 +146,7 @@ def main() -> None:
     rows = tuple(by_name[n] for n in args.rows.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     for row in rows:
-        if args.summary or _results(args.out, row) is not None:
+        if args.summary or finished(args.out, row) is not None:
             continue
         cmd = bench_command(row, args.plan, args.out, args.repeats, args.seconds, args.mps)
         print(f"[like-for-like] {row.name}: {' '.join(cmd[1:])}", flush=True)

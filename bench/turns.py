@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, _results, bench_command, table_row
+from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, table_row
 
 
 def turn_names(values: list[str]) -> list[str]:
@@ -29,7 +29,7 @@ def turn_names(values: list[str]) -> list[str]:
 def summary(out: Path, env: str, values: list[str], row: Row) -> str:
     """``turns.md``: the table of the turns that finished and each turn against its neighbours."""
     names = turn_names(values)
-    done: dict[str, dict[str, Any]] = {n: res for n in names if (res := _results(out / n, row)) is not None}
+    done: dict[str, dict[str, Any]] = {n: res for n in names if (res := finished(out / n, row)) is not None}
     lines = [f"# `{env}` in turns: {row.label}", ""]
     if not done:
         return "\n".join([*lines, "No turn has finished yet.", ""])
@@ -39,12 +39,12 @@ def summary(out: Path, env: str, values: list[str], row: Row) -> str:
               f"a fresh server per turn; median of {metas[0].get('repeats', 1)} runs ± half their range, batch 1.", "",
               "| turn | " + HEADER[0].lstrip("| "), "|---" + HEADER[1]]
     c1: dict[str, float] = {}
-    for name in names:
+    for turn, (name, value) in enumerate(zip(names, values, strict=True), 1):
         if name not in done:
-            lines.append(f"| {name.split('_', 1)[0]} | {env}={name.split('_', 1)[1]}: not finished |")
+            lines.append(f"| {turn} | {env}={value}: not finished |")
             continue
-        line, _ = table_row(Row(row.name, f"{env}={name.split('_', 1)[1]}", row.precision, row.input), done[name])
-        lines.append(f"| {name.split('_', 1)[0]} {line}")
+        line, _ = table_row(Row(row.name, f"{env}={value}", row.precision, row.input), done[name])
+        lines.append(f"| {turn} {line}")
         conc = done[name]["concurrency"]
         if "p50_ms" in conc.get(SPLIT, {}).get("1", {}):
             c1[name] = conc[SPLIT]["1"]["p50_ms"]
@@ -79,7 +79,7 @@ def main() -> None:
     row, values = rows[args.row], args.values.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     for name, value in zip(turn_names(values), values, strict=True):
-        if _results(args.out / name, row) is not None:
+        if finished(args.out / name, row) is not None:
             continue
         cmd = bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False)
         print(f"[turns] {name}: {args.env}={value} {' '.join(cmd[1:])}", flush=True)
