@@ -194,7 +194,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         if self.activity is not None:
-            self.activity.touch()
+            self.activity.touch(len(requests))
         if self.tracer is None:
             return self._execute(requests)
         self.tracer.begin()

@@ -1,7 +1,9 @@
 """One setting off and on in turns, like for like: ``blockflow bench`` once per turn, a fresh server
-each, with an environment variable set to the turn's value, then one table of every turn.
+each, with an environment variable or one of its options set to the turn's value, then one table of
+every turn.
 
     python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
+    python -m blockflow.bench.turns --option --warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
 
 These machines drift by up to 40% between leases and by several percent within one, so a setting is
 judged by turns on one machine, each against its neighbouring turns of the other value; a single
@@ -64,7 +66,9 @@ def summary(out: Path, env: str, values: list[str], row: Row) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--env", required=True, help="the environment variable the turns set (the server and its blocks inherit it)")
+    setting = ap.add_mutually_exclusive_group(required=True)
+    setting.add_argument("--env", help="the environment variable the turns set (the server and its blocks inherit it)")
+    setting.add_argument("--option", help="the option of `blockflow bench` the turns set, e.g. --warm-cores-ms")
     ap.add_argument("--values", required=True, help="its value in each turn, comma-separated, e.g. 0,1,0,1")
     ap.add_argument("--row", default="fp16_host", help=f"precision and client input: {', '.join(r.name for r in ROWS)}")
     ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
@@ -77,18 +81,26 @@ def main() -> None:
     if args.row not in rows:
         ap.error(f"unknown row {args.row!r}; rows: {', '.join(rows)}")
     row, values = rows[args.row], args.values.split(",")
+    if args.option is not None and not args.option.startswith("--"):
+        ap.error(f"--option takes the option as `blockflow bench` spells it, e.g. --warm-cores-ms, not {args.option!r}")
+    setting = args.env or args.option
     args.out.mkdir(parents=True, exist_ok=True)
     for name, value in zip(turn_names(values), values, strict=True):
         if finished(args.out / name, row) is not None:
             continue
         cmd = bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False)
-        print(f"[turns] {name}: {args.env}={value} {' '.join(cmd[1:])}", flush=True)
+        environ = dict(os.environ)
+        if args.env:
+            environ[args.env] = value
+        else:
+            cmd += [args.option, value]
+        print(f"[turns] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
         try:
-            subprocess.run(cmd, env={**os.environ, args.env: value}, timeout=args.turn_s, check=False)
+            subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False)
         except subprocess.TimeoutExpired:
             print(f"[turns] {name}: past its {args.turn_s:g} s limit", flush=True)
-        (args.out / "turns.md").write_text(summary(args.out, args.env, values, row))
-    (args.out / "turns.md").write_text(summary(args.out, args.env, values, row))
+        (args.out / "turns.md").write_text(summary(args.out, setting, values, row))
+    (args.out / "turns.md").write_text(summary(args.out, setting, values, row))
     print((args.out / "turns.md").read_text())
 
 

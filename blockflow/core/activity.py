@@ -1,11 +1,13 @@
 """A server's last-activity stamp: when a block last started an ``execute``.
 
-Eight bytes in a file (0600) in the server's runtime directory, mapped by every writer and
-reader: the time of the block's last ``execute`` as ``CLOCK_MONOTONIC`` nanoseconds, which all
-processes of one machine share. Block processes write it (``BLOCKFLOW_ACTIVITY_FILE`` names
-the file); the warm-core pollers of ``blockflow serve --warm-cores-ms`` read it
-(:mod:`blockflow.triton.warm_cores`). The stamp is written and read as one aligned 8-byte word,
-so it needs no lock; a poller still looks twice before it takes a stamp for stale.
+Sixteen bytes in a file (0600) in the server's runtime directory, mapped by every writer and
+reader: two times as ``CLOCK_MONOTONIC`` nanoseconds, which all processes of one machine share.
+The first is the last ``execute`` of a call that held one request, the second the last of a call
+that held several (the scheduler found requests waiting: the server is no longer latency-bound).
+Block processes write them (``BLOCKFLOW_ACTIVITY_FILE`` names the file); the warm-core pollers
+of ``blockflow serve --warm-cores-ms`` read them (:mod:`blockflow.triton.warm_cores`). Each is
+written and read as one aligned 8-byte word, so they need no lock; a poller still looks twice
+before it takes a stamp for stale.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import struct
 import time
 from pathlib import Path
 
-_STAMP = struct.Struct("q")
+_STAMP = struct.Struct("qq")
 
 
 class ActivityStamp:
@@ -35,24 +37,28 @@ class ActivityStamp:
 
     @staticmethod
     def create(path: Path) -> None:
-        """The stamp file, private to this user, saying "never" (0).
+        """The stamp file, private to this user, saying "never" (0) twice.
 
         Rewritten in place, never truncated: blocks of a running server may have it mapped, and
         a mapped page past the end of a file raises SIGBUS in the process that touches it.
         """
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.pwrite(fd, _STAMP.pack(0), 0)
+            os.pwrite(fd, _STAMP.pack(0, 0), 0)
         finally:
             os.close(fd)
 
-    def touch(self) -> None:
-        """Say "active now" (~0.2 µs)."""
-        self._word[0] = time.monotonic_ns()
+    def touch(self, requests: int = 1) -> None:
+        """Say "a call of ``requests`` requests started now" (~0.2 µs)."""
+        self._word[0 if requests <= 1 else 1] = time.monotonic_ns()
 
     def last(self) -> int:
-        """When the stamp was last touched, ``time.monotonic_ns()``-style (0: never)."""
+        """When a call of one request last started, ``time.monotonic_ns()``-style (0: never)."""
         return int(self._word[0])
+
+    def last_batched(self) -> int:
+        """When a call of several requests last started (0: never)."""
+        return int(self._word[1])
 
     def close(self) -> None:
         self._word.release()

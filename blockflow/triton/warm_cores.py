@@ -8,9 +8,14 @@ against 0.19 ms with none (bench/results/h100/ensemble_floor_warm-2026-11-24-941
 
 This does in user space what guest halt polling (``cpuidle_haltpoll``) or ``idle=poll`` do in
 the kernel: one poller process per CPU the server may use, pinned to it at ``SCHED_IDLE``
-priority, busy-loops while a block has started an ``execute`` within the last ``window_ms``
-(the server's activity stamp, :mod:`blockflow.core.activity`), and otherwise sleeps, checking
-the stamp every :data:`IDLE_POLL_S`. A ``SCHED_IDLE`` thread gives way to any other thread at
+priority, busy-loops while a block has started an ``execute`` of one request within the last
+``window_ms`` and none of several requests (the server's activity stamp,
+:mod:`blockflow.core.activity`), and otherwise sleeps, checking the stamp every
+:data:`IDLE_POLL_S`. A call of several requests means requests wait in a queue: the server is
+bound by its throughput, not by wake-ups, and its threads keep the CPUs busy themselves. There
+pollers that spun after every call gained nothing and cost throughput (2-19% at concurrency 32,
+``bench/results/h100/warm_cores_ab-2026-11-26-b42c2d1/``), so they stand down until calls hold one
+request again. A ``SCHED_IDLE`` thread gives way to any other thread at
 once, so it takes no CPU time from the server; what it changes is that a core running it never
 halts. The price is CPU time: while requests come closer together than the window, every CPU
 of the server is busy (shown as 100% in ``top``); after the window it costs ~0.5% of a core per
@@ -88,7 +93,7 @@ class WarmCores:
     """One poller process per CPU in ``cpus`` (default: the CPUs this process may run on).
 
     ``stamp``: the activity stamp the pollers follow, spinning for ``window_ms`` after each
-    touch; ``None`` spins all the time (a measurement, :mod:`blockflow.bench.ensemble_floor`).
+    call of one request unless a call of several came within it; ``None`` spins all the time (a measurement, :mod:`blockflow.bench.ensemble_floor`).
     """
 
     def __init__(self, stamp: Path | None, window_ms: float = 0.0, cpus: Iterable[int] | None = None) -> None:
@@ -161,12 +166,18 @@ def spin(cpu: int, parent: int, stamp: Path | None, window_ms: float) -> None:
             for _ in range(1_000_000):
                 pass
         return
-    last = ActivityStamp(stamp, writable=False).last
+    activity = ActivityStamp(stamp, writable=False)
+    last, last_batched = activity.last, activity.last_batched
     window = int(window_ms * 1e6)
+
+    def latency_bound() -> bool:
+        now = clock()
+        return now - last() < window and now - last_batched() >= window
+
     while os.getppid() == parent:
-        while clock() - last() < window:
+        while latency_bound():
             pass
-        if clock() - last() >= window:  # twice: one odd read does not send the core to sleep
+        if not latency_bound():  # twice: one odd read does not send the core to sleep
             time.sleep(IDLE_POLL_S)
 
 

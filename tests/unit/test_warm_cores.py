@@ -43,10 +43,18 @@ def test_pollers_spin_only_inside_the_window(tmp_path: Path) -> None:
             time.sleep(0.05)
         busy = cpu_seconds(pids) - before
         assert ActivityStamp(stamp, writable=False).last() > 0
+        before = cpu_seconds(pids)
+        for i in range(10):  # under load: calls of one request among calls of several
+            writer.touch(requests=1 if i % 2 else 4)
+            time.sleep(0.05)
+        batched = cpu_seconds(pids) - before
+        assert ActivityStamp(stamp, writable=False).last_batched() > 0
         # Outside the window a poller wakes 100 times a second for microseconds; inside it, it
-        # takes every idle moment of its CPU (at SCHED_IDLE: what the rest of the machine leaves).
+        # takes every idle moment of its CPU (at SCHED_IDLE: what the rest of the machine leaves);
+        # while calls batch, it stands down.
         assert idle <= 0.03, idle
         assert busy >= 0.3 * len(pids) * 0.5, busy
+        assert batched <= 0.03, batched
     finally:
         warm.stop()
     assert warm.processes == []
