@@ -3,7 +3,7 @@ each, with an environment variable or one of its options set to the turn's value
 every turn.
 
     python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
-    python -m blockflow.bench.turns --option --warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
+    python -m blockflow.bench.turns --option=--warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
 
 These machines drift by up to 40% between leases and by several percent within one, so a setting is
 judged by turns on one machine, each against its neighbouring turns of the other value; a single
@@ -68,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     setting = ap.add_mutually_exclusive_group(required=True)
     setting.add_argument("--env", help="the environment variable the turns set (the server and its blocks inherit it)")
-    setting.add_argument("--option", help="the option of `blockflow bench` the turns set, e.g. --warm-cores-ms")
+    setting.add_argument("--option", help="the option of `blockflow bench` the turns set, e.g. --option=--warm-cores-ms (with =, as it starts with --)")
     ap.add_argument("--values", required=True, help="its value in each turn, comma-separated, e.g. 0,1,0,1")
     ap.add_argument("--row", default="fp16_host", help=f"precision and client input: {', '.join(r.name for r in ROWS)}")
     ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
