@@ -31,8 +31,9 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from blockflow.backend import instance_args
+from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.monitor import BlockMonitor, metric_labels
-from blockflow.backend.replies import EarlyReply, error, failure_code, split, ticket_tensor
+from blockflow.backend.replies import EarlyReply, error, failed_response, failure_code, split, ticket_tensor
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.stage_cache import StageCache
@@ -42,7 +43,7 @@ from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.activity import ActivityStamp
-from blockflow.core.errors import RequestError
+from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, activation_names
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
@@ -140,12 +141,11 @@ class TritonPythonModel:
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
         # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
         self.early = self.producer is not None and not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
+        # ... and does so before it reads that request's input (EarlyReply.answer_first).
+        self.answer_first = self.early and os.environ.get(env.TMQ_ANSWER_FIRST) != "0"
         self.committed: int | None = None  # the event of the current call's last committed pool slot
-        # Images that arrive on a GPU (CUDA shared memory) are copied on a stream of their own,
-        # so waiting for that copy never waits for this block's earlier work (_own_device_inputs).
-        on_gpu = spec.takes_image and self.device.type == "cuda"
-        self.input_stream = torch.cuda.Stream(self.device) if on_gpu else None  # type: ignore[no-untyped-call]
-        self.inputs_owned = torch.cuda.Event() if on_gpu else None  # type: ignore[no-untyped-call]
+        # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
+        self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
@@ -203,6 +203,27 @@ class TritonPythonModel:
         return responses
 
     def _execute(self, requests: list[Any]) -> list[Any]:
+        early = EarlyReply(requests[0], self.out_name) if self.early and len(requests) == 1 else None
+        if early is not None and self.answer_first and self.producer is not None:
+            try:
+                early.answer_first(self.producer, self.in_names[0], self.spec.out_shapes, self.runner.out_dtype)
+            except Exception as exc:  # nothing read yet: the request fails alone, with its own error
+                self.logger.log_error(f"blockflow: {self.spec.name}: answering first failed: {exc!r}")
+                return [None if early.sent else failed_response(exc, self.spec.name)]
+            if self.tracer is not None:
+                self.tracer.lap("run:reply")
+        try:
+            responses = self._call(requests, early)
+        finally:
+            if early is not None and self.producer is not None:
+                early.abandon(self.producer)  # answered first, and the call failed before its run took the slot
+        if early is not None and early.sent:  # answered already (even if its batch then failed): one response per request
+            if responses[0] is not None and responses[0].has_error():
+                self.logger.log_error(f"blockflow: {self.spec.name}: after its answer: {responses[0].error().message()}")
+            return [None]
+        return responses
+
+    def _call(self, requests: list[Any], early: EarlyReply | None) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         self.committed = None
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
@@ -218,11 +239,11 @@ class TritonPythonModel:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
         failed: set[int] = set()  # positions in ``batch``
-        early = EarlyReply(requests[0], self.out_name) if self.early and len(requests) == 1 and owners else None
         synced = False
         try:
             try:
-                self._own_device_inputs(batch)
+                if self.device_inputs is not None and self.device_inputs.own(batch) and self.tracer is not None:
+                    self.tracer.lap("read:own")
             except Exception as exc:  # a copy that cannot run fails this call's requests, never the stub
                 self._fail(responses, owners, batch, range(len(batch)), exc)
                 return responses
@@ -258,8 +279,7 @@ class TritonPythonModel:
             if self.tracer is not None:
                 self.tracer.mark()  # work done (TensorMQ: queued)
             if early is not None and early.sent:
-                responses[0] = None  # answered already (even if its batch then failed): one response per request
-                return responses
+                return responses  # answered already
             for k, i in enumerate(owners):
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
@@ -272,35 +292,6 @@ class TritonPythonModel:
             if self.producer is not None:
                 self.producer.prepare_ahead()  # the next small batch's slot and tickets, while this block waits
         return responses
-
-    def _own_device_inputs(self, batch: list[list[torch.Tensor]]) -> None:
-        """Replace each input that arrived on a GPU with a copy in this block's memory, and wait for the copies.
-
-        The server hands a GPU input over in a buffer of the CUDA pool it shares with this process
-        (or, when that pool is full, of its own, mapped here by CUDA IPC) and takes the buffer back
-        once ``execute`` returns; a copy still queued then would read another request's data or
-        unmapped memory. So such inputs are copied on a stream with no other work, and the host
-        waits for those copies alone (a few microseconds), never for the block's own earlier work
-        on its main stream.
-        """
-        if self.input_stream is None or self.inputs_owned is None:
-            return
-        main = torch.cuda.current_stream(self.device)
-        copied = False
-        with torch.cuda.stream(self.input_stream):
-            for xs in batch:
-                for j, x in enumerate(xs):
-                    if x.is_cuda:
-                        own = torch.empty(x.shape, dtype=x.dtype, device=self.device)
-                        own.copy_(x, non_blocking=True)
-                        own.record_stream(main)  # the allocator keeps it until the main stream's use is done
-                        xs[j] = own
-                        copied = True
-        if copied:
-            self.inputs_owned.record(self.input_stream)
-            self.inputs_owned.synchronize()
-            if self.tracer is not None:
-                self.tracer.lap("read:own")
 
     def _groups(self, requests: list[Any], owners: list[int]) -> dict[str, list[int]]:
         """Output name -> positions in the batch of the requests that want it.
@@ -324,28 +315,35 @@ class TritonPythonModel:
         samples = sum(int(batch[k][0].shape[0]) for k in positions)
         self.logger.log_error(f"blockflow: {self.spec.name}: batch of {samples} failed: {exc!r}")
         for k in positions:
-            responses[owners[k]] = pb_utils.InferenceResponse(error=error(f"block {self.spec.name!r} failed: {exc}", failure_code(exc)))
+            responses[owners[k]] = failed_response(exc, self.spec.name)
 
     def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets.
 
-        ``early``: sends the tickets as the call's response before the GPU work is queued (a
-        failure after that marks them failed: their consumer refuses them)."""
+        ``early``: sends the tickets as the call's response before the GPU work is queued, unless
+        it answered first and holds the reservation already (a failure after that marks them
+        failed: their consumer refuses them)."""
         if self.producer is None:
             outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
             return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
         tracer = self.tracer
-        reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
-        if tracer is not None:
-            tracer.lap("run:reserve")
+        reservation = early.take() if early is not None else None
+        if reservation is None:
+            reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
+            if tracer is not None:
+                tracer.lap("run:reserve")
+        else:
+            early = None  # answered already
         try:
             if early is not None:
                 tickets = self.producer.issue(reservation)
                 early(reservation.packed if reservation.packed is not None else ticket_tensor(tickets))
                 if tracer is not None:
                     tracer.lap("run:reply")
+            elif reservation.views[0].shape[0] != xs[0].shape[0]:
+                raise BlockError(f"answered with {reservation.views[0].shape[0]} rows for a batch of {xs[0].shape[0]}")
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)
