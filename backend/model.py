@@ -43,7 +43,7 @@ from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.activity import ActivityStamp
-from blockflow.core.errors import BlockError, RequestError
+from blockflow.core.errors import RequestError
 from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, activation_names
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
@@ -141,8 +141,6 @@ class TritonPythonModel:
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
         # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
         self.early = self.producer is not None and not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
-        # ... and does so before it reads that request's input (EarlyReply.answer_first).
-        self.answer_first = self.early and os.environ.get(env.TMQ_ANSWER_FIRST) != "0"
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
@@ -203,27 +201,6 @@ class TritonPythonModel:
         return responses
 
     def _execute(self, requests: list[Any]) -> list[Any]:
-        early = EarlyReply(requests[0], self.out_name) if self.early and len(requests) == 1 else None
-        if early is not None and self.answer_first and self.producer is not None:
-            try:
-                early.answer_first(self.producer, self.in_names[0], self.spec.out_shapes, self.runner.out_dtype)
-            except Exception as exc:  # nothing read yet: the request fails alone, with its own error
-                self.logger.log_error(f"blockflow: {self.spec.name}: answering first failed: {exc!r}")
-                return [None if early.sent else failed_response(exc, self.spec.name)]
-            if self.tracer is not None:
-                self.tracer.lap("run:reply")
-        try:
-            responses = self._call(requests, early)
-        finally:
-            if early is not None and self.producer is not None:
-                early.abandon(self.producer)  # answered first, and the call failed before its run took the slot
-        if early is not None and early.sent:  # answered already (even if its batch then failed): one response per request
-            if responses[0] is not None and responses[0].has_error():
-                self.logger.log_error(f"blockflow: {self.spec.name}: after its answer: {responses[0].error().message()}")
-            return [None]
-        return responses
-
-    def _call(self, requests: list[Any], early: EarlyReply | None) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         self.committed = None
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
@@ -239,6 +216,7 @@ class TritonPythonModel:
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
         failed: set[int] = set()  # positions in ``batch``
+        early = EarlyReply(requests[0], self.out_name) if self.early and len(requests) == 1 and owners else None
         synced = False
         try:
             try:
@@ -279,7 +257,8 @@ class TritonPythonModel:
             if self.tracer is not None:
                 self.tracer.mark()  # work done (TensorMQ: queued)
             if early is not None and early.sent:
-                return responses  # answered already
+                responses[0] = None  # answered already (even if its batch then failed): one response per request
+                return responses
             for k, i in enumerate(owners):
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
@@ -320,30 +299,23 @@ class TritonPythonModel:
     def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets.
 
-        ``early``: sends the tickets as the call's response before the GPU work is queued, unless
-        it answered first and holds the reservation already (a failure after that marks them
-        failed: their consumer refuses them)."""
+        ``early``: sends the tickets as the call's response before the GPU work is queued (a
+        failure after that marks them failed: their consumer refuses them)."""
         if self.producer is None:
             outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
             return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
         # TensorMQ: write straight into a pool slot, record its event, hand out tickets. No host sync.
         tracer = self.tracer
-        reservation = early.take() if early is not None else None
-        if reservation is None:
-            reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
-            if tracer is not None:
-                tracer.lap("run:reserve")
-        else:
-            early = None  # answered already
+        reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
+        if tracer is not None:
+            tracer.lap("run:reserve")
         try:
             if early is not None:
                 tickets = self.producer.issue(reservation)
                 early(reservation.packed if reservation.packed is not None else ticket_tensor(tickets))
                 if tracer is not None:
                     tracer.lap("run:reply")
-            elif reservation.views[0].shape[0] != xs[0].shape[0]:
-                raise BlockError(f"answered with {reservation.views[0].shape[0]} rows for a batch of {xs[0].shape[0]}")
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)

@@ -6,7 +6,6 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -14,8 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
-from blockflow.backend.tensormq.producer import Producer
-from blockflow.backend.tensormq.reservation import PoolExhaustedError, Reservation
+from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.core.errors import RequestError
 from blockflow.core.spec import TICKET_BYTES
@@ -66,45 +64,11 @@ class EarlyReply:
     several requests returns its responses together instead.
     """
 
-    __slots__ = ("name", "request", "reservation", "sent")
+    __slots__ = ("name", "request", "sent")
 
     def __init__(self, request: Any, name: str) -> None:
         self.request, self.name = request, name
         self.sent = False
-        self.reservation: Reservation | None = None  # taken by answer_first, until the block's run takes it over
-
-    def answer_first(self, producer: Producer, in_name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> None:
-        """Answer before the input is read: reserve the output's slot for the request's rows, issue
-        its tickets and send them (kept in :attr:`reservation`).
-
-        The rows come from the input's shape, which Triton checked against the model's config; the
-        slot is the one prepared between calls when the call is of batch 1. Reading and claiming the
-        input, the GPU work and the commit then overlap the ensemble's step to the next block (whose
-        claim waits for the commit). A failure after the answer aborts the reservation: its
-        consumer refuses the tickets, and the request fails there (``ProducerGoneError``).
-        """
-        tensor = pb_utils.get_input_tensor_by_name(self.request, in_name)
-        if tensor is None:
-            raise RequestError(f"request has no input {in_name!r}")
-        reservation = producer.reserve_tensors(int(tensor.shape()[0]), shapes, dtype)
-        try:
-            tickets = producer.issue(reservation)
-            self(reservation.packed if reservation.packed is not None else ticket_tensor(tickets))
-        except BaseException:
-            producer.abort(reservation)
-            raise
-        self.reservation = reservation
-
-    def take(self) -> Reservation | None:
-        """The reservation :meth:`answer_first` made, handed over once (to the block's run)."""
-        reservation, self.reservation = self.reservation, None
-        return reservation
-
-    def abandon(self, producer: Producer) -> None:
-        """Abort a reservation the block's run never took (the call failed before it)."""
-        reservation = self.take()
-        if reservation is not None:
-            producer.abort(reservation)
 
     def __call__(self, tickets: torch.Tensor) -> None:
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(self.name, to_dlpack(tickets))])
