@@ -83,14 +83,17 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
             log.info("hint: %s", service.hint())
         stop = _install_stop_handlers()
         log.info("starting tritonserver with %d models from %s (log: %s)", service.model_count, plan, service.server.log_path)
-        service.start()
+        written: list[Path] = []
+
+        def publish(svc: Service) -> None:  # before the control service answers: a caller it answered finds the file
+            try:
+                written.append(_write_endpoints(svc, plan))
+            except (EnvironmentProblem, OSError) as exc:  # the server runs; clients then need flags or variables
+                log.warning("endpoints file not written: %s", exc)
+
+        service.start(ready=publish)
         log.info("ready in %.1f s", service.seconds_to_ready)
-        try:
-            written: Path | None = _write_endpoints(service, plan)
-        except (EnvironmentProblem, OSError) as exc:  # the server runs; clients then need flags or variables
-            log.warning("endpoints file not written: %s", exc)
-            written = None
-        _print_endpoints(service, written)
+        _print_endpoints(service, written[0] if written else None)
         service.run(stop)
         log.info("stopping")
     finally:

@@ -111,8 +111,12 @@ class Service:
         """Advice on how this plan would serve better here (today: MPS), or ''."""
         return "" if self.options.mps else mps_hint(self.files, self.gpus)
 
-    def start(self) -> None:
-        """Write the repository, start the server with every model loaded, then the control service."""
+    def start(self, ready: Callable[[Service], None] | None = None) -> None:
+        """Write the repository, start the server with every model loaded, then the control service.
+
+        ``ready`` runs once the server serves and before the control service answers (``serve``
+        writes its endpoints file there): a caller that got an answer from ``/status`` finds it.
+        """
         o = self.options
         t0 = time.monotonic()
         generator.write(self.files, self.repository)
@@ -124,10 +128,13 @@ class Service:
         self.controller.adopt(o.plan.read_text(encoding="utf-8"), self.plan)
         if o.control_port:
             self.control = ControlServer(create_app(self.controller, o.token), o.host, o.control_port)
-            self.control.start()
             self.token_path = o.token_file or self.runtime / env.CONTROL_TOKEN_FILE
             if o.token_file is None:
                 write_private(self.token_path, o.token)
+        if ready is not None:
+            ready(self)
+        if self.control is not None:
+            self.control.start()
         self.seconds_to_ready = time.monotonic() - t0
 
     def run(self, stop: threading.Event) -> None:

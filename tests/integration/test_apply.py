@@ -74,8 +74,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             if proc.poll() is not None:
                 pytest.fail(f"blockflow serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}", pytrace=False)
             try:
-                # serve writes its endpoints file just after the control service is up: wait for both.
-                if httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5).status_code == 200 and endpoints_file.exists():
+                if httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5).status_code == 200:
+                    # serve writes its endpoints file before its control service answers.
+                    assert endpoints_file.exists(), "the control service answered before the endpoints file was written"
                     break
             except httpx.HTTPError:
                 pass
