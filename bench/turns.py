@@ -28,6 +28,16 @@ def turn_names(values: list[str]) -> list[str]:
     return [f"{i}_{v}" for i, v in enumerate(values, 1)]
 
 
+def turn_call(cmd: list[str], env: str | None, option: str | None, value: str) -> tuple[list[str], dict[str, str]]:
+    """A turn's ``blockflow bench`` command and environment: ``env`` set to ``value``, or ``option value`` added."""
+    environ = dict(os.environ)
+    if env:
+        environ[env] = value
+        return cmd, environ
+    assert option is not None, "a turn sets an environment variable or an option"
+    return [*cmd, option, value], environ
+
+
 def summary(out: Path, env: str, values: list[str], row: Row) -> str:
     """``turns.md``: the table of the turns that finished and each turn against its neighbours."""
     names = turn_names(values)
@@ -88,12 +98,8 @@ def main() -> None:
     for name, value in zip(turn_names(values), values, strict=True):
         if finished(args.out / name, row) is not None:
             continue
-        cmd = bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False)
-        environ = dict(os.environ)
-        if args.env:
-            environ[args.env] = value
-        else:
-            cmd += [args.option, value]
+        cmd, environ = turn_call(bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False),
+                                 args.env, args.option, value)
         print(f"[turns] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
         try:
             subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False)

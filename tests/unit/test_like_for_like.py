@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,18 @@ def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path
     assert "| 4 | X=1: not finished |" in md and md.count("| X=") == 4
     assert "- turn 2 (X=1): 3.50 ms, -0.60 ms" in md and "- turn 3 (X=0): 4.20 ms, +0.70 ms" in md
     assert "- X=1: median -0.60 ms over 1 turns, lower in 1" in md
+
+
+def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> None:
+    from blockflow.bench import turns
+
+    cmd = lfl.bench_command(lfl.ROWS[0], Path("plan.yaml"), tmp_path, 3, 1.0, mps=False)
+    by_env, environ = turns.turn_call(cmd, "BLOCKFLOW_TMQ_EARLY", None, "0")
+    assert by_env == cmd and environ["BLOCKFLOW_TMQ_EARLY"] == "0"
+    by_option, environ = turns.turn_call(cmd, None, "--warm-cores-ms", "50")
+    assert by_option == [*cmd, "--warm-cores-ms", "50"] and "--warm-cores-ms" not in cmd
+    # An option is spelled as `blockflow bench` takes it; a bare word is refused before any turn runs.
+    run = subprocess.run([sys.executable, "-m", "blockflow.bench.turns", "--option=warm-cores-ms", "--values", "0,50",
+                          "--out", str(tmp_path / "t")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--option takes the option as `blockflow bench` spells it" in run.stderr, run.stderr
+    assert not (tmp_path / "t").exists()
