@@ -33,7 +33,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 from blockflow.backend import instance_args
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.monitor import BlockMonitor, metric_labels
-from blockflow.backend.replies import EarlyReply, error, failed_response, failure_code, split, ticket_tensor
+from blockflow.backend.replies import EarlyReply, Packed, error, failed_response, failure_code, packer, split, ticket_tensor
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.stage_cache import StageCache
@@ -127,10 +127,12 @@ class TritonPythonModel:
             runtime_dir.ensure_tensormq(runtime)
             if not spec.gives_logits:
                 t = spec.tensormq
+                # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
+                early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
                                          max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
-                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=ticket_tensor)
+                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=packer(self.out_name if early else None))
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
@@ -139,7 +141,6 @@ class TritonPythonModel:
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
-        # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
         self.early = self.producer is not None and not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
@@ -310,10 +311,11 @@ class TritonPythonModel:
         reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
         if tracer is not None:
             tracer.lap("run:reserve")
+        packed: Packed | None = reservation.packed
         try:
             if early is not None:
                 tickets = self.producer.issue(reservation)
-                early(reservation.packed if reservation.packed is not None else ticket_tensor(tickets))
+                early(*(packed if packed is not None else (ticket_tensor(tickets), None)))
                 if tracer is not None:
                     tracer.lap("run:reply")
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
@@ -327,7 +329,7 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:commit")
         # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
-        return [reservation.packed if reservation.packed is not None else ticket_tensor(tickets)]
+        return [packed.tensor if packed is not None else ticket_tensor(tickets)]
 
     def finalize(self) -> None:
         self.watch.close()

@@ -6,7 +6,8 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,6 +49,30 @@ def ticket_tensor(tickets: list[bytes]) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(bytearray(b"".join(tickets)), dtype=np.uint8).reshape(len(tickets), TICKET_BYTES))
 
 
+class Packed(NamedTuple):
+    """A prepared slot's tickets as the block hands them on, made by the producer's preparer
+    thread between calls (``Producer(pack=...)``), so that a call of batch 1 only takes them."""
+
+    tensor: torch.Tensor
+    response: Any  # the response carrying them, for a block that answers early; else None
+
+
+def ticket_response(name: str, tickets: torch.Tensor) -> Any:
+    """The response that hands ``tickets`` on as output ``name``."""
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(name, to_dlpack(tickets))])
+
+
+def packer(answer_as: str | None) -> Callable[[list[bytes]], Packed]:
+    """The preparer's ``pack``: the tickets' tensor and, where ``answer_as`` names the output of a
+    block that answers early, their response too (~20 µs off the request's path)."""
+
+    def pack(tickets: list[bytes]) -> Packed:
+        tensor = ticket_tensor(tickets)
+        return Packed(tensor, ticket_response(answer_as, tensor) if answer_as is not None else None)
+
+    return pack
+
+
 def split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
     return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
@@ -70,8 +95,10 @@ class EarlyReply:
         self.request, self.name = request, name
         self.sent = False
 
-    def __call__(self, tickets: torch.Tensor) -> None:
-        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(self.name, to_dlpack(tickets))])
+    def __call__(self, tickets: torch.Tensor, response: Any = None) -> None:
+        """Send ``tickets``, in ``response`` where it was built ahead (:func:`packer`)."""
+        if response is None:
+            response = ticket_response(self.name, tickets)
         # Set first: the request has its one response once the send began, even if it raises
         # after the server took it; a second one is refused.
         self.sent = True
