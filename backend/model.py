@@ -121,18 +121,18 @@ class TritonPythonModel:
             self.tracer.memory("warmup")
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
+        answers_early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
         if spec.transport == "tensormq" and spec.tensormq is not None:
             # BLOCKFLOW_RUNTIME_DIR under `blockflow serve`; beside the repository under a tritonserver started by hand.
             runtime = runtime_dir.locate(Path(args["model_repository"]).parent)
             runtime_dir.ensure_tensormq(runtime)
             if not spec.gives_logits:
                 t = spec.tensormq
-                # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
-                early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
                 self.producer = Producer(f"{args['model_name']}/{args['model_instance_name']}", runtime, self.device,
                                          t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=args["model_name"],
                                          max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
-                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=packer(self.out_name if early else None))
+                                         prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=packer(self.out_name if answers_early else None))
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
@@ -141,7 +141,7 @@ class TritonPythonModel:
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
-        self.early = self.producer is not None and not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
+        self.early = self.producer is not None and answers_early
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
