@@ -311,11 +311,14 @@ class TritonPythonModel:
         reservation = self.producer.reserve_tensors(int(xs[0].shape[0]), self.spec.out_shapes, runner.out_dtype)
         if tracer is not None:
             tracer.lap("run:reserve")
+        # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
         packed: Packed | None = reservation.packed
+        handed = packed.tensor if packed is not None else None  # the tickets as the block hands them on
         try:
             if early is not None:
-                tickets = self.producer.issue(reservation)
-                early(*(packed if packed is not None else (ticket_tensor(tickets), None)))
+                tickets = self.producer.issue(reservation)  # marks them handed on early, also when packed
+                handed = ticket_tensor(tickets) if handed is None else handed
+                early(handed, packed.response if packed is not None else None)
                 if tracer is not None:
                     tracer.lap("run:reply")
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
@@ -328,8 +331,7 @@ class TritonPythonModel:
         self.committed = self.producer.done_event(reservation)
         if tracer is not None:
             tracer.lap("run:commit")
-        # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
-        return [packed.tensor if packed is not None else ticket_tensor(tickets)]
+        return [handed if handed is not None else ticket_tensor(tickets)]
 
     def finalize(self) -> None:
         self.watch.close()
