@@ -38,11 +38,12 @@ def turn_call(cmd: list[str], env: str | None, option: str | None, value: str) -
     return [*cmd, option, value], environ
 
 
-def summary(out: Path, env: str, values: list[str], row: Row) -> str:
-    """``turns.md``: the table of the turns that finished and each turn against its neighbours."""
+def summary(out: Path, setting: str, values: list[str], row: Row) -> str:
+    """``turns.md``: the table of the turns that finished and each turn against its neighbours
+    (``setting``: the environment variable or option the turns set)."""
     names = turn_names(values)
     done: dict[str, dict[str, Any]] = {n: res for n in names if (res := finished(out / n, row)) is not None}
-    lines = [f"# `{env}` in turns: {row.label}", ""]
+    lines = [f"# `{setting}` in turns: {row.label}", ""]
     if not done:
         return "\n".join([*lines, "No turn has finished yet.", ""])
     metas = [res["meta"] for res in done.values()]
@@ -53,9 +54,9 @@ def summary(out: Path, env: str, values: list[str], row: Row) -> str:
     c1: dict[str, float] = {}
     for turn, (name, value) in enumerate(zip(names, values, strict=True), 1):
         if name not in done:
-            lines.append(f"| {turn} | {env}={value}: not finished |")
+            lines.append(f"| {turn} | {setting}={value}: not finished |")
             continue
-        line, _ = table_row(Row(row.name, f"{env}={value}", row.precision, row.input), done[name])
+        line, _ = table_row(Row(row.name, f"{setting}={value}", row.precision, row.input), done[name])
         lines.append(f"| {turn} {line}")
         conc = done[name]["concurrency"]
         if "p50_ms" in conc.get(SPLIT, {}).get("1", {}):
@@ -68,9 +69,9 @@ def summary(out: Path, env: str, values: list[str], row: Row) -> str:
         if name in c1 and near:
             d = c1[name] - statistics.mean(near)
             deltas.setdefault(value, []).append(d)
-            lines.append(f"- turn {i + 1} ({env}={value}): {c1[name]:.2f} ms, {d:+.2f} ms")
+            lines.append(f"- turn {i + 1} ({setting}={value}): {c1[name]:.2f} ms, {d:+.2f} ms")
     for value, ds in deltas.items():
-        lines.append(f"- {env}={value}: median {statistics.median(ds):+.2f} ms over {len(ds)} turns, lower in {sum(d < 0 for d in ds)}")
+        lines.append(f"- {setting}={value}: median {statistics.median(ds):+.2f} ms over {len(ds)} turns, lower in {sum(d < 0 for d in ds)}")
     return "\n".join([*lines, ""])
 
 
