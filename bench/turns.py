@@ -4,6 +4,7 @@ every turn.
 
     python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
     python -m blockflow.bench.turns --option=--warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
+    python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_OVERLAP --values 0,1,0,1 --also="--warm-cores-ms 50" --plan PLAN --out DIR
 
 These machines drift by up to 40% between leases and by several percent within one, so a setting is
 judged by turns on one machine, each against its neighbouring turns of the other value; a single
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 from pathlib import Path
@@ -38,9 +40,9 @@ def turn_call(cmd: list[str], env: str | None, option: str | None, value: str) -
     return [*cmd, option, value], environ
 
 
-def summary(out: Path, setting: str, values: list[str], row: Row) -> str:
+def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str] | None = None) -> str:
     """``turns.md``: the table of the turns that finished and each turn against its neighbours
-    (``setting``: the environment variable or option the turns set)."""
+    (``setting``: the environment variable or option the turns set; ``also``: arguments every turn's bench had)."""
     names = turn_names(values)
     done: dict[str, dict[str, Any]] = {n: res for n in names if (res := finished(out / n, row)) is not None}
     lines = [f"# `{setting}` in turns: {row.label}", ""]
@@ -49,7 +51,8 @@ def summary(out: Path, setting: str, values: list[str], row: Row) -> str:
     metas = [res["meta"] for res in done.values()]
     lines += [f"Plan `{metas[0]['plan']}`, task `{next(iter(done.values()))['task']}`; {metas[0]['device']}; commit "
               f"{', '.join(sorted({m.get('commit', '?') for m in metas}))}; turns started {metas[0]['date']} to {metas[-1]['date']}; "
-              f"a fresh server per turn; median of {metas[0].get('repeats', 1)} runs ± half their range, batch 1.", "",
+              f"a fresh server per turn{f' (every one with `{shlex.join(also)}`)' if also else ''}; "
+              f"median of {metas[0].get('repeats', 1)} runs ± half their range, batch 1.", "",
               "| turn | " + HEADER[0].lstrip("| "), "|---" + HEADER[1]]
     c1: dict[str, float] = {}
     for turn, (name, value) in enumerate(zip(names, values, strict=True), 1):
@@ -86,6 +89,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
+    ap.add_argument("--also", default="", help='arguments added to every turn\'s `blockflow bench`, e.g. --also="--warm-cores-ms 50"')
     ap.add_argument("--turn-s", type=float, default=600, help="a turn's time limit; one past it is left unfinished")
     args = ap.parse_args()
     rows = {r.name: r for r in ROWS}
@@ -95,19 +99,20 @@ def main() -> None:
     if args.option is not None and not args.option.startswith("--"):
         ap.error(f"--option takes the option as `blockflow bench` spells it, e.g. --warm-cores-ms, not {args.option!r}")
     setting = args.env or args.option
+    also = shlex.split(args.also)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, value in zip(turn_names(values), values, strict=True):
         if finished(args.out / name, row) is not None:
             continue
-        cmd, environ = turn_call(bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False),
-                                 args.env, args.option, value)
+        bench = [*bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False), *also]
+        cmd, environ = turn_call(bench, args.env, args.option, value)
         print(f"[turns] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
         try:
             subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False)
         except subprocess.TimeoutExpired:
             print(f"[turns] {name}: past its {args.turn_s:g} s limit", flush=True)
-        (args.out / "turns.md").write_text(summary(args.out, setting, values, row))
-    (args.out / "turns.md").write_text(summary(args.out, setting, values, row))
+        (args.out / "turns.md").write_text(summary(args.out, setting, values, row, also))
+    (args.out / "turns.md").write_text(summary(args.out, setting, values, row, also))
     print((args.out / "turns.md").read_text())
 
 

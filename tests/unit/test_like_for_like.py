@@ -80,6 +80,10 @@ def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path
     assert "| 4 | X=1: not finished |" in md and md.count("| X=") == 4
     assert "- turn 2 (X=1): 3.50 ms, -0.60 ms" in md and "- turn 3 (X=0): 4.20 ms, +0.70 ms" in md
     assert "- X=1: median -0.60 ms over 1 turns, lower in 1" in md
+    # Arguments every turn's bench had (--also) are named above the table.
+    assert "every one with" not in md
+    assert "a fresh server per turn (every one with `--warm-cores-ms 50`)" in turns.summary(tmp_path, "X", ["0", "1", "0", "1"], row,
+                                                                                           ["--warm-cores-ms", "50"])
 
 
 def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> None:
