@@ -36,7 +36,6 @@ from blockflow.backend.monitor import BlockMonitor, metric_labels
 from blockflow.backend.replies import EarlyReply, Packed, error, failed_response, failure_code, packer, split, ticket_tensor
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
-from blockflow.backend.side_thread import SideThread
 from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.metrics import TmqMetrics
@@ -143,9 +142,6 @@ class TritonPythonModel:
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
         self.early = self.producer is not None and answers_early
-        # An early reply's send holds this thread for its round trip: the GPU work queues meanwhile on a second one.
-        self.side = SideThread(f"blockflow-side-{args['model_instance_name']}", self.device) \
-            if self.early and os.environ.get(env.TMQ_OVERLAP) != "0" else None
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
@@ -304,8 +300,8 @@ class TritonPythonModel:
     def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets.
 
-        ``early``: sends the tickets as the call's response before the GPU work is queued, or while
-        the side thread queues it (a failure after that marks them failed: their consumer refuses them)."""
+        ``early``: sends the tickets as the call's response before the GPU work is queued (a
+        failure after that marks them failed: their consumer refuses them)."""
         if self.producer is None:
             outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
@@ -318,23 +314,14 @@ class TritonPythonModel:
         # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
         packed: Packed | None = reservation.packed
         handed = packed.tensor if packed is not None else None  # the tickets as the block hands them on
-        side = self.side if early is not None else None
         try:
             if early is not None:
                 tickets = self.producer.issue(reservation)  # marks them handed on early, also when packed
                 handed = ticket_tensor(tickets) if handed is None else handed
-                if side is not None:  # copies and graph queue there while the send waits (no laps: one thread laps)
-                    views = reservation.views
-                    side.start(lambda: runner.run_all(xs, outs=views))
-                try:
-                    early(handed, packed.response if packed is not None else None)
-                    if tracer is not None:
-                        tracer.lap("run:reply")
-                finally:
-                    if side is not None:
-                        side.wait()  # whatever the send did: the slot is committed or aborted only after the work
-            if side is None:
-                runner.run_all(xs, outs=reservation.views, lap=self.lap)
+                early(handed, packed.response if packed is not None else None)
+                if tracer is not None:
+                    tracer.lap("run:reply")
+            runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)
             raise
@@ -350,8 +337,6 @@ class TritonPythonModel:
         self.watch.close()
         if self.activity is not None:
             self.activity.close()
-        if self.side is not None:
-            self.side.close()
         if self.tracer is not None:
             self.tracer.close()
         if self.monitor is not None:
