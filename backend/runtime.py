@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from blockflow.backend.host_staging import HostStaging
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch, cuda, env, stage_files
 from blockflow.core.errors import BlockError, RequestError
@@ -210,8 +209,6 @@ class BlockRunner:
         # an id cannot be reused while its entry lives).
         self._plain: dict[tuple[int, int], _PlainHop] = {}
         self._stream = int(torch.cuda.current_stream(device).cuda_stream) if self.is_cuda else 0
-        # Host inputs (a first block's images, triton-cpu hops) reach the GPU through pinned buffers.
-        self._staging = HostStaging() if self.is_cuda and os.environ.get(env.HOST_STAGING) != "0" else None
 
     def _zeros(self, batch: int) -> list[torch.Tensor]:
         return [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
@@ -263,12 +260,9 @@ class BlockRunner:
         return _Graph(graph, static_ins, static_outs)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed,
-        through a pinned buffer from the host."""
+        """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed."""
         if _memcpy_ok(dst, src):
             cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
-        elif self._staging is not None and self._staging.copy(dst, src, self._stream):
-            pass
         else:
             dst.copy_(src, non_blocking=True)
 

@@ -46,7 +46,6 @@ TRACE_DIR = "BLOCKFLOW_TRACE_DIR"  # block processes append JSON lines of their 
 DISABLE_CUDA_GRAPHS = "BLOCKFLOW_DISABLE_CUDA_GRAPHS"  # "1": run GPU blocks eagerly whatever the plan says
 KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cache after warm-up (memory runs)
 TMQ_PREPARE = "BLOCKFLOW_TMQ_PREPARE"  # "0": TensorMQ producers reserve and sign every batch on the request's path
-HOST_STAGING = "BLOCKFLOW_HOST_STAGING"  # "0": GPU blocks copy host inputs straight from Triton's (pageable) buffers (backend/host_staging.py)
 TMQ_EARLY = "BLOCKFLOW_TMQ_EARLY"  # "0": a TensorMQ block answers only after queuing its GPU work (backend/replies.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`

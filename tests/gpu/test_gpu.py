@@ -85,41 +85,6 @@ def test_a_checked_hop_reads_new_data_from_the_same_views() -> None:
     assert len(r._plain) == 1  # checked once, found twice
 
 
-def test_host_staging_reads_each_input_once_and_never_overwrites_a_queued_copy() -> None:
-    """A host input is read when the copy is queued (the caller may reuse it at once), and the pinned
-    buffer is not rewritten while the DMA out of it waits behind earlier work on the stream."""
-    from blockflow.backend.host_staging import HostStaging
-
-    staging = HostStaging()
-    stream = torch.cuda.current_stream()
-    dst = torch.empty(1, 3, 224, 224, device="cuda")
-    wanted, snaps = [], []
-    for _ in range(8):
-        src = torch.randn(1, 3, 224, 224)  # pageable, as Triton's buffers are
-        wanted.append(src.clone())
-        torch.cuda._sleep(2_000_000)  # type: ignore[no-untyped-call]  # keeps the DMA queued behind ~1 ms of work
-        assert staging.copy(dst, src, int(stream.cuda_stream))
-        src.fill_(float("nan"))  # the caller's buffer is free once copy() returns
-        snaps.append(dst.clone())  # on the same stream: what the DMA wrote
-    torch.cuda.synchronize()
-    for i, (snap, want) in enumerate(zip(snaps, wanted, strict=True)):
-        assert torch.equal(snap.cpu(), want), i
-    assert not staging.copy(dst, torch.randn(1, 3, 224, 224, dtype=torch.float16), int(stream.cuda_stream))  # a conversion
-    staging.close()
-
-
-def test_a_first_block_gives_the_same_outputs_from_host_and_gpu_images() -> None:
-    plan = load_plan(ROOT / "plans" / "default.yaml")
-    spec = block_spec(plan, plan.blocks[plan.tasks["cls_a"].path[0]], "tensormq")
-    r = BlockRunner(spec, torch.device("cuda", 0))
-    r.warmup()
-    for _ in range(3):
-        x = torch.randn(1, *spec.in_shapes[0])
-        from_host = r.run_all([x])[0].clone()
-        assert torch.equal(from_host, r.run_all([x.cuda()])[0])
-    assert r._staging is not None and len(r._staging._buffers) == 1  # the batch-1 graph's input
-
-
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from blockflow.ensemble_gen import generator
