@@ -295,8 +295,8 @@ class BlockRunner:
         Returns one ``[B, *shape]`` tensor per output on this device, row-major, in the hop's dtype
         (``spec.out_dtype``: fp32 for logits, the block's fp16/bf16 for a hop); or, when
         ``outs`` is given (e.g. views of a TensorMQ pool slot), writes the results there in their
-        dtype and returns them. ``lap`` (a block's tracer): called at the end of the usual TensorMQ
-        hop's steps (checks, input copies, replay).
+        dtype and returns them. ``lap`` (a block's tracer): called at the end of a CUDA graph's steps
+        (checks, input copies, replay), on the usual TensorMQ hop and where inputs come from the host.
         """
         if outs is not None and len(xs) == 1 and len(outs) == 1:
             hit = self._plain.get((id(xs[0]), id(outs[0])))
@@ -323,7 +323,7 @@ class BlockRunner:
                 self._replay(hop, lap)
                 return list(outs)
         with torch.inference_mode():
-            return self._run_all(batch, xs, outs)
+            return self._run_all(batch, xs, outs, lap)
 
     def _replay(self, hop: _PlainHop, lap: Callable[[str], None] | None) -> None:
         """Copy in, replay, copy out: the usual TensorMQ hop, with no torch call but the replay."""
@@ -339,15 +339,22 @@ class BlockRunner:
         for dst, src, nbytes in hop.copies_out:
             cuda.memcpy_async(dst, src, nbytes, self._stream)
 
-    def _run_all(self, batch: int, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _run_all(self, batch: int, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None,
+                 lap: Callable[[str], None] | None = None) -> list[torch.Tensor]:
         results: list[torch.Tensor] | None = None
         if self.use_graphs:
             g = self._graphs.get(bucket_for(batch, self.buckets))
             if g is not None:
                 full = batch == g.static_ins[0].shape[0]  # the usual case at batch 1: no slicing calls
+                if lap is not None:
+                    lap("run:checks")
                 for static, x in zip(g.static_ins, xs, strict=True):
                     self._copy(static if full else static[:batch], x)
+                if lap is not None:
+                    lap("run:copy_in")  # a first block's host image: from Triton's pageable buffer
                 g.graph.replay()
+                if lap is not None:
+                    lap("run:replay")
                 results = g.static_outs if full else [y[:batch] for y in g.static_outs]
                 if outs is not None:
                     for out, result in zip(outs, results, strict=True):
