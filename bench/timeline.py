@@ -1,6 +1,6 @@
 """Where one request's time goes, block by block: host timestamps and GPU times, one request at a time.
 
-    python -m blockflow.bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300]
+    python -m blockflow.bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300] [--precision fp16]
 
 Starts one server with ``BLOCKFLOW_TRACE_DIR`` set (see backend/trace.py), sends sequential
 batch-1 requests to every model of the plan's first task (the monolithic references and each
@@ -26,11 +26,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from blockflow.bench.harness import commit, device_name, rendered
-from blockflow.bench.suite import block_breakdown, delta, model_stats, task_models
+from blockflow.bench.suite import block_breakdown, delta, in_precision, model_stats, task_models
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
+from blockflow.core.spec import Precision
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -122,10 +123,19 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
             "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in parts.items()}}
 
 
+def step_order(stages: list[str], medians: dict[str, float]) -> list[str]:
+    """The parts of ``medians`` in a request's order: each block's phases with their steps, the hop after it."""
+    order = ["client_to_first"]
+    for s in stages:
+        laps = [k for k in medians if k.startswith(f"{s}.read:")], [k for k in medians if k.startswith(f"{s}.run:")]  # in step order
+        order += [f"{s}.read", *laps[0], f"{s}.run", *laps[1], f"{s}.respond", f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
+    return [k for k in [*order, "last_to_client", "end_to_end"] if k in medians]
+
+
 def write_report(res: dict[str, Any], path: Path) -> None:
     warm = f"{res['warm_cores_ms']:g} ms" if res.get("warm_cores_ms") else "off"
     L = [f"# Request anatomy — {res['device']}", "",
-         f"Plan `{res['plan']}`, task `{res['task']}`, commit {res.get('commit', '?')}; warm cores {warm}; "
+         f"Plan `{res['plan']}`, task `{res['task']}`, {res.get('precision', 'precision not recorded')}, commit {res.get('commit', '?')}; warm cores {warm}; "
          f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's answer (its return, or the end of *run:reply*) → the next block's "
@@ -144,12 +154,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
         L += [f"## {label} (`{r['model']}`): end to end {m.get('end_to_end', float('nan')):.3f} ms "
               f"({r['matched']}/{r['requests']} requests matched)", "",
               "| part | median ms | p90 ms |", "|---|---|---|"]
-        order = ["client_to_first"]
-        for s in r["stages"]:
-            laps = [k for k in m if k.startswith(f"{s}.read:")], [k for k in m if k.startswith(f"{s}.run:")]  # in step order
-            order += [f"{s}.read", *laps[0], f"{s}.run", *laps[1], f"{s}.respond", f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
-        order += ["last_to_client", "end_to_end"]
-        for k in order:
+        for k in step_order(r["stages"], m):
             if k in m:
                 L.append(f"| {k} | {m[k]:.3f} | {r['p90_ms'][k]:.3f} |")
         if r.get("triton"):
@@ -167,9 +172,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--warm-cores-ms", type=float, default=0.0,
                     help="keep the CPUs out of idle this long after each block call (as blockflow serve --warm-cores-ms)")
+    ap.add_argument("--precision", choices=get_args(Precision), help="every block in this precision instead of the plan's")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plan = load_plan(args.plan)
+    if args.precision is not None:
+        plan = in_precision(plan, args.precision)
     task = next(iter(plan.tasks.values()))
     shape = plan.block_in_shape(plan.blocks[task.path[0]])
     models = task_models(plan, task.name)
@@ -186,6 +194,7 @@ def main() -> None:
             print(f"[timeline] {label}: {args.requests} requests", flush=True)
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests,
+                           "precision": plan.task_precision(task),
                            "warm_cores_ms": args.warm_cores_ms, "commit": commit(), "models": {}}
     for label, m in models.items():
         stages = m["blocks"] or [m["model"]]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from blockflow.bench.timeline import anatomy
+import json
+import shutil
+from pathlib import Path
+
+from blockflow.bench import traced_turns
+from blockflow.bench.timeline import anatomy, step_order, write_report
 
 
 def _exec(t: list[int], laps: list[tuple[str, int]] | None = None) -> dict[str, object]:
@@ -21,3 +26,31 @@ def test_a_hop_starts_where_the_block_answered() -> None:
     assert m["a.hop"] == 0.1  # 150 us (reply) -> 250 us (b's entry)
     assert m["b.hop"] == 0.19  # no early answer: b's return -> c's entry
     assert m["a.run:reply"] == 0.03 and m["a.execute"] == 0.21 and m["last_to_client"] == 0.09
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "side_thread_ab-2026-11-27-f716af3" / "timeline"
+
+
+def test_the_report_lists_each_block_s_steps_in_request_order(tmp_path: Path) -> None:
+    res = json.loads((RESULTS / "1_0" / "timeline.json").read_text())
+    write_report(res, tmp_path / "timeline.md")
+    rows = [ln.split(" | ")[0][2:] for ln in (tmp_path / "timeline.md").read_text().splitlines() if ln.startswith("| b1.")]
+    assert rows[:7] == ["b1.read", "b1.read:input", "b1.read:decode", "b1.read:claim", "b1.read:wait", "b1.read:gather", "b1.run"]
+    assert rows[-4:] == ["b1.respond", "b1.execute", "b1.gpu", "b1.hop"]
+    assert step_order(["b0"], {"end_to_end": 1.0, "b0.read": 0.1, "b0.run:reply": 0.1, "b0.run": 0.2}) == \
+        ["b0.read", "b0.run", "b0.run:reply", "end_to_end"]
+
+
+def test_traced_turns_put_each_turn_s_steps_side_by_side(tmp_path: Path) -> None:
+    for name in ("1_0", "2_1"):  # two turns of this setting that finished; the third never did
+        (tmp_path / name).mkdir()
+        shutil.copy(RESULTS / name / "timeline.json", tmp_path / name / "timeline.json")
+    md = traced_turns.summary(tmp_path, "X", ["0", "1", "0"], ["--warm-cores-ms", "50"])
+    assert "a fresh server per turn (every one with `--warm-cores-ms 50`)" in md
+    assert "| turn | monolithic-graph end to end | tensormq end to end | tensormq − monolithic-graph |" in md
+    assert "| 1 X=0 | 2.077 ms | 3.486 ms | 1.409 ms |" in md
+    assert "| 3 X=0 | not finished |" in md
+    assert "| step | 1 X=0 | 2 X=1 |" in md
+    assert "| b1.read:claim | 153 | 28 |" in md  # the step that setting moved
+    assert md.index("| b0.run:reply |") < md.index("| b0.hop |") < md.index("| b1.read |")
+    assert "No turn has finished yet." in traced_turns.summary(tmp_path / "none", "X", ["0"])
