@@ -48,7 +48,9 @@ def summary(out: Path, setting: str, values: list[str], also: list[str] | None =
               f"{first['requests']} sequential batch-1 requests per model, a fresh server per turn"
               f"{f' (every one with `{shlex.join(also)}`)' if also else ''}; medians.", ""]
     labels = list(first["models"])
-    split = next((label for label in labels if len(first["models"][label]["stages"]) > 1), None)
+    # The split whose steps are shown: TensorMQ's where the plan compares transports.
+    splits = [label for label in labels if len(first["models"][label]["stages"]) > 1]
+    split = "tensormq" if "tensormq" in splits else next(iter(splits), None)
     base = next((label for label in labels if label != split), None)  # the first reference, for split − reference
     cols = [f"{label} end to end" for label in labels] + ([f"{split} − {base}"] if split and base else [])
     lines += ["| turn | " + " | ".join(cols) + " |", "|---" * (1 + len(cols)) + "|"]
@@ -64,13 +66,16 @@ def summary(out: Path, setting: str, values: list[str], also: list[str] | None =
             cells.append(a - b if a is not None and b is not None else None)
         lines.append(f"| {turn} {setting}={value} | " + " | ".join(_ms(c) for c in cells) + " |")
     if split is not None:
-        steps = step_order(first["models"][split]["stages"], first["models"][split]["median_ms"])
+        seen: dict[str, float] = {}  # every turn's steps (a setting may add some), in the order they first appear
+        for res in done.values():
+            seen |= {k: v for k, v in res["models"].get(split, {}).get("median_ms", {}).items() if k not in seen}
+        steps = step_order(first["models"][split]["stages"], seen)
         lines += ["", f"Steps of `{split}` ({first['models'][split]['model']}), median µs (see `timeline.md` for what each is):", "",
                   "| step | " + " | ".join(f"{i} {setting}={v}" for i, (n, v) in enumerate(zip(names, values, strict=True), 1)
                                              if n in done) + " |",
                   "|---" * (1 + len(done)) + "|"]
         for step in steps:
-            cells = [done[n]["models"][split]["median_ms"].get(step) for n in names if n in done]
+            cells = [done[n]["models"].get(split, {}).get("median_ms", {}).get(step) for n in names if n in done]
             lines.append(f"| {step} | " + " | ".join("—" if c is None else f"{c * 1e3:.0f}" for c in cells) + " |")
     return "\n".join([*lines, ""])
 

@@ -52,5 +52,6 @@ def test_traced_turns_put_each_turn_s_steps_side_by_side(tmp_path: Path) -> None
     assert "| 3 X=0 | not finished |" in md
     assert "| step | 1 X=0 | 2 X=1 |" in md
     assert "| b1.read:claim | 153 | 28 |" in md  # the step that setting moved
+    assert "| b1.run:checks | 4 | — |" in md  # a step one turn lacks
     assert md.index("| b0.run:reply |") < md.index("| b0.hop |") < md.index("| b1.read |")
     assert "No turn has finished yet." in traced_turns.summary(tmp_path / "none", "X", ["0"])
