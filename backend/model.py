@@ -269,8 +269,12 @@ class TritonPythonModel:
                 # at once after the stream's sync; else after this block's own slot event, recorded at its
                 # commit after that work (one driver call less); else after an event recorded now.
                 self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
+                if self.tracer is not None:
+                    self.tracer.lap("respond:release")
             if self.producer is not None:
                 self.producer.prepare_ahead()  # the next small batch's slot and tickets, while this block waits
+                if self.tracer is not None:
+                    self.tracer.lap("respond:prepare")
         return responses
 
     def _groups(self, requests: list[Any], owners: list[int]) -> dict[str, list[int]]:

@@ -127,8 +127,8 @@ def step_order(stages: list[str], medians: dict[str, float]) -> list[str]:
     """The parts of ``medians`` in a request's order: each block's phases with their steps, the hop after it."""
     order = ["client_to_first"]
     for s in stages:
-        laps = [k for k in medians if k.startswith(f"{s}.read:")], [k for k in medians if k.startswith(f"{s}.run:")]  # in step order
-        order += [f"{s}.read", *laps[0], f"{s}.run", *laps[1], f"{s}.respond", f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
+        read, run, respond = ([k for k in medians if k.startswith(f"{s}.{phase}:")] for phase in ("read", "run", "respond"))  # in step order
+        order += [f"{s}.read", *read, f"{s}.run", *run, f"{s}.respond", *respond, f"{s}.execute", f"{s}.gpu", f"{s}.hop"]
     return [k for k in [*order, "last_to_client", "end_to_end"] if k in medians]
 
 
@@ -147,7 +147,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          "queued (a call of one request), until the server has passed it on: one round trip; in a CUDA graph's run *run:checks*, "
          "*run:copy_in* (for a first block with host inputs, the image from Triton's pageable buffer), *run:replay*; "
          "*run:graph* the rest of the block into the slot; *run:event* the slot's event; *run:commit* its "
-         "claim entry and tickets). Traced calls carry their laps and two CUDA event records; "
+         "claim entry and tickets; *respond:release* the releases of the slots it read handed to its release "
+         "thread, *respond:prepare* its preparer thread woken). Traced calls carry their laps and two CUDA event records; "
          "traces before commit e80d901 also carried the tracer's own reading and writing, ~0.1 ms a call.", ""]
     for label, r in res["models"].items():
         m = r["median_ms"]
