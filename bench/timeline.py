@@ -156,8 +156,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
               f"({r['matched']}/{r['requests']} requests matched)", "",
               "| part | median ms | p90 ms |", "|---|---|---|"]
         for k in step_order(r["stages"], m):
-            if k in m:
-                L.append(f"| {k} | {m[k]:.3f} | {r['p90_ms'][k]:.3f} |")
+            L.append(f"| {k} | {m[k]:.3f} | {r['p90_ms'][k]:.3f} |")
         if r.get("triton"):
             L += ["", "Triton's statistics over the same requests (per request): "
                   + ", ".join(f"{b['block']} queue {b['queue_ms']:.3f} / compute {b['compute_ms']:.3f}" for b in r["triton"])]

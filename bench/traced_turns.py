@@ -15,16 +15,14 @@ holds both tables. A turn whose ``timeline.json`` is already there is not run ag
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from blockflow.bench.timeline import step_order
-from blockflow.bench.turns import turn_call, turn_names
+from blockflow.bench.turns import run_turns, setting_parser, turn_names
 
 
 def _finished(turn: Path) -> dict[str, Any] | None:
@@ -85,37 +83,16 @@ def _ms(v: float | None) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    setting = ap.add_mutually_exclusive_group(required=True)
-    setting.add_argument("--env", help="the environment variable the turns set (the server and its blocks inherit it)")
-    setting.add_argument("--option", help="the option of `python -m blockflow.bench.timeline` the turns set, e.g. --option=--warm-cores-ms")
-    ap.add_argument("--values", required=True, help="its value in each turn, comma-separated, e.g. 0,1,0,1")
-    ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
+    ap = setting_parser(__doc__, "`python -m blockflow.bench.timeline`", turn_s=120)
     ap.add_argument("--precision", help="every block in this precision instead of the plan's")
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--also", default="", help='arguments added to every turn\'s timeline, e.g. --also="--warm-cores-ms 50"')
-    ap.add_argument("--turn-s", type=float, default=120, help="a turn's time limit; one past it is left unfinished")
     args = ap.parse_args()
-    if args.option is not None and not args.option.startswith("--"):
-        ap.error(f"--option takes the option as the timeline spells it, e.g. --warm-cores-ms, not {args.option!r}")
-    setting = args.env or args.option
-    values, also = args.values.split(","), shlex.split(args.also)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, value in zip(turn_names(values), values, strict=True):
-        if _finished(args.out / name) is not None:
-            continue
-        timeline = [sys.executable, "-m", "blockflow.bench.timeline", "--plan", str(args.plan), "--out", str(args.out / name),
-                    "--requests", str(args.requests), *(["--precision", args.precision] if args.precision else []), *also]
-        cmd, environ = turn_call(timeline, args.env, args.option, value)
-        print(f"[traced_turns] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
-        try:
-            subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False, stdout=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            print(f"[traced_turns] {name}: past its {args.turn_s:g} s limit", flush=True)
-        (args.out / "traced_turns.md").write_text(summary(args.out, setting, values, also))
-    (args.out / "traced_turns.md").write_text(summary(args.out, setting, values, also))
-    print((args.out / "traced_turns.md").read_text())
+    run_turns(ap, args, "`python -m blockflow.bench.timeline`",
+              lambda turn: [sys.executable, "-m", "blockflow.bench.timeline", "--plan", str(args.plan), "--out", str(turn),
+                            "--requests", str(args.requests), *(["--precision", args.precision] if args.precision else [])],
+              lambda turn: _finished(turn) is not None,
+              lambda setting, values, also: summary(args.out, setting, values, also), "traced_turns.md",
+              quiet=True)  # each timeline prints its whole report
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import shlex
 import statistics
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,42 +79,60 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
     return "\n".join([*lines, ""])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def setting_parser(doc: str | None, tool: str, turn_s: float) -> argparse.ArgumentParser:
+    """The arguments every kind of turns takes: the setting (``--env`` or ``--option`` of ``tool``),
+    its ``--values``, ``--plan``, ``--out``, ``--also`` and ``--turn-s``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     setting = ap.add_mutually_exclusive_group(required=True)
     setting.add_argument("--env", help="the environment variable the turns set (the server and its blocks inherit it)")
-    setting.add_argument("--option", help="the option of `blockflow bench` the turns set, e.g. --option=--warm-cores-ms (with =, as it starts with --)")
+    setting.add_argument("--option", help=f"the option of {tool} the turns set, e.g. --option=--warm-cores-ms (with =, as it starts with --)")
     ap.add_argument("--values", required=True, help="its value in each turn, comma-separated, e.g. 0,1,0,1")
-    ap.add_argument("--row", default="fp16_host", help=f"precision and client input: {', '.join(r.name for r in ROWS)}")
     ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--also", default="", help=f'arguments added to every turn\'s {tool}, e.g. --also="--warm-cores-ms 50"')
+    ap.add_argument("--turn-s", type=float, default=turn_s, help="a turn's time limit; one past it is left unfinished")
+    return ap
+
+
+def run_turns(ap: argparse.ArgumentParser, args: argparse.Namespace, tool: str, command: Callable[[Path], list[str]],
+              done: Callable[[Path], bool], summary_md: Callable[[str, list[str], list[str]], str], report: str,
+              quiet: bool = False) -> None:
+    """Each turn not ``done`` yet: ``command(turn_dir)`` plus ``--also``, with the setting set to the turn's
+    value (its output dropped if ``quiet``); ``out/report`` (``summary_md(setting, values, also)``)
+    rewritten after each turn, then printed."""
+    if args.option is not None and not args.option.startswith("--"):
+        ap.error(f"--option takes the option as {tool} spells it, e.g. --warm-cores-ms, not {args.option!r}")
+    setting, values, also = args.env or args.option, args.values.split(","), shlex.split(args.also)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = Path(report).stem
+    for name, value in zip(turn_names(values), values, strict=True):
+        if done(args.out / name):
+            continue
+        cmd, environ = turn_call([*command(args.out / name), *also], args.env, args.option, value)
+        print(f"[{tag}] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
+        try:
+            subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False, stdout=subprocess.DEVNULL if quiet else None)
+        except subprocess.TimeoutExpired:
+            print(f"[{tag}] {name}: past its {args.turn_s:g} s limit", flush=True)
+        (args.out / report).write_text(summary_md(setting, values, also))
+    (args.out / report).write_text(summary_md(setting, values, also))
+    print((args.out / report).read_text())
+
+
+def main() -> None:
+    ap = setting_parser(__doc__, "`blockflow bench`", turn_s=600)
+    ap.add_argument("--row", default="fp16_host", help=f"precision and client input: {', '.join(r.name for r in ROWS)}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
-    ap.add_argument("--also", default="", help='arguments added to every turn\'s `blockflow bench`, e.g. --also="--warm-cores-ms 50"')
-    ap.add_argument("--turn-s", type=float, default=600, help="a turn's time limit; one past it is left unfinished")
     args = ap.parse_args()
     rows = {r.name: r for r in ROWS}
     if args.row not in rows:
         ap.error(f"unknown row {args.row!r}; rows: {', '.join(rows)}")
-    row, values = rows[args.row], args.values.split(",")
-    if args.option is not None and not args.option.startswith("--"):
-        ap.error(f"--option takes the option as `blockflow bench` spells it, e.g. --warm-cores-ms, not {args.option!r}")
-    setting = args.env or args.option
-    also = shlex.split(args.also)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, value in zip(turn_names(values), values, strict=True):
-        if finished(args.out / name, row) is not None:
-            continue
-        bench = [*bench_command(row, args.plan, args.out / name, args.repeats, args.seconds, mps=False), *also]
-        cmd, environ = turn_call(bench, args.env, args.option, value)
-        print(f"[turns] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
-        try:
-            subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False)
-        except subprocess.TimeoutExpired:
-            print(f"[turns] {name}: past its {args.turn_s:g} s limit", flush=True)
-        (args.out / "turns.md").write_text(summary(args.out, setting, values, row, also))
-    (args.out / "turns.md").write_text(summary(args.out, setting, values, row, also))
-    print((args.out / "turns.md").read_text())
+    row = rows[args.row]
+    run_turns(ap, args, "`blockflow bench`",
+              lambda turn: bench_command(row, args.plan, turn, args.repeats, args.seconds, mps=False),
+              lambda turn: finished(turn, row) is not None,
+              lambda setting, values, also: summary(args.out, setting, values, row, also), "turns.md")
 
 
 if __name__ == "__main__":
