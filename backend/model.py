@@ -135,8 +135,7 @@ class TritonPythonModel:
                                          prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=packer(self.out_name if answers_early else None))
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
-                self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from,
-                                         host_wait=os.environ.get(env.TMQ_HOST_WAIT) == "1")
+                self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
             if self.tracer is not None:
                 self.tracer.memory("tensormq")
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
@@ -233,8 +232,6 @@ class TritonPythonModel:
             for name, ks in self._groups(requests, owners).items():
                 sizes = [int(batch[k][0].shape[0]) for k in ks]
                 try:
-                    if len(ks) > 1:
-                        self._settle()  # the join reads the producers' slots
                     joined = batch[ks[0]] if len(ks) == 1 else [torch.cat([batch[k][j].to(self.device) for k in ks])
                                                                  for j in range(len(batch[ks[0]]))]
                     results = self._run(self.runners[name], joined, early)
@@ -310,7 +307,6 @@ class TritonPythonModel:
         ``early``: sends the tickets as the call's response before the GPU work is queued (a
         failure after that marks them failed: their consumer refuses them)."""
         if self.producer is None:
-            self._settle()
             outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
             return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
@@ -329,7 +325,6 @@ class TritonPythonModel:
                 early(handed, packed.response if packed is not None else None)
                 if tracer is not None:
                     tracer.lap("run:reply")
-            self._settle()
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)
@@ -341,13 +336,6 @@ class TritonPythonModel:
         if tracer is not None:
             tracer.lap("run:commit")
         return [handed if handed is not None else ticket_tensor(tickets)]
-
-    def _settle(self) -> None:
-        """Before GPU work reads the producers' slots: where the consumer waits on the host, wait now."""
-        if self.consumer is not None and self.consumer.host_wait:
-            self.consumer.settle()
-            if self.tracer is not None:
-                self.tracer.lap("run:settle")
 
     def finalize(self) -> None:
         self.watch.close()

@@ -72,14 +72,8 @@ class Consumer:
     """
 
     def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0,
-                 accepts_from: Iterable[str] | None = None, commit_wait_s: float = COMMIT_WAIT_S,
-                 host_wait: bool = False) -> None:
+                 accepts_from: Iterable[str] | None = None, commit_wait_s: float = COMMIT_WAIT_S) -> None:
         self.runtime_dir = runtime_dir
-        # Wait for a producer's slot event on the host (:meth:`settle`) rather than make the GPU stream
-        # wait on it: without MPS the GPU time-slices between processes, and a stream held by another
-        # process's event may hold its slice while the work it waits for cannot run.
-        self.host_wait = host_wait
-        self._unsettled: list[int] = []  # producers' slot events gathered views wait for (host_wait)
         self.commit_wait_s = commit_wait_s
         # The blocks that feed this one (Triton model names); None accepts any producer (tests).
         self.accepts = None if accepts_from is None else {tk.model_id(m): m for m in accepts_from}
@@ -191,7 +185,6 @@ class Consumer:
         parts: list[torch.Tensor] = []
         seen: list[Release] = []  # every ticket this request claimed, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
-        unsettled: list[int] = []
         run_start: tuple[_Remote, tk.Ticket, int] | None = None
         try:
             for i in range(count):
@@ -224,10 +217,7 @@ class Consumer:
                 if lap is not None and i == 0:
                     lap("read:claim")
                 if (t.producer, t.generation, t.slot) not in waited:
-                    if not self.host_wait:
-                        r.events.wait(t.slot, stream)
-                    elif r.events.events:
-                        unsettled.append(r.events.events[t.slot])
+                    r.events.wait(t.slot, stream)
                     waited.add((t.producer, t.generation, t.slot))
                     if lap is not None and i == 0:
                         lap("read:wait")
@@ -247,18 +237,11 @@ class Consumer:
             self.release_now(seen)
             raise
         self.stats.tickets += count
-        self._unsettled.extend(unsettled)
         batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
         if len(shapes) == 1:
             return [batch], seen
         n = int(batch.shape[0])
         return [batch[:, a:b].view(n, *s) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)], seen
-
-    def settle(self) -> None:
-        """With ``host_wait``: block until the producers' writes that the views gathered since the
-        last call name are done (call it before queuing GPU work that reads them); else nothing."""
-        while self._unsettled:
-            cuda.event_synchronize(self._unsettled.pop())
 
     def _await_commit(self, r: _Remote, t: tk.Ticket) -> str | None:
         """Claim ``t`` once its producer committed the batch it was issued for; why not, if that use
