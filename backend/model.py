@@ -43,7 +43,7 @@ from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.trace import Tracer, trace_dir
 from blockflow.core import env, runtime_dir
 from blockflow.core.activity import ActivityStamp
-from blockflow.core.errors import RequestError
+from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, activation_names
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
@@ -145,6 +145,7 @@ class TritonPythonModel:
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
+        self.takes_host_images = spec.takes_image and self.device.type == "cuda"  # see BlockRunner.settle_inputs
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
@@ -264,6 +265,8 @@ class TritonPythonModel:
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
+            if self.takes_host_images:
+                self._settle_inputs()
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
                 # at once after the stream's sync; else after this block's own slot event, recorded at its
@@ -276,6 +279,16 @@ class TritonPythonModel:
                 if self.tracer is not None:
                     self.tracer.lap("respond:prepare")
         return responses
+
+    def _settle_inputs(self) -> None:
+        """Before ``execute`` returns, what reads the requests' host inputs must be done (Triton frees them)."""
+        for runner in self.runners.values():
+            try:
+                runner.settle_inputs()
+            except BlockError as exc:  # the GPU failed: the call's outcome is decided already
+                self.logger.log_error(f"blockflow: {self.spec.name}: waiting for the input copies failed: {exc!r}")
+        if self.tracer is not None:
+            self.tracer.lap("respond:settle")
 
     def _groups(self, requests: list[Any], owners: list[int]) -> dict[str, list[int]]:
         """Output name -> positions in the batch of the requests that want it.

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from blockflow.backend.host_pins import HostPins
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch, cuda, env, stage_files
 from blockflow.core.errors import BlockError, RequestError
@@ -209,6 +210,13 @@ class BlockRunner:
         # an id cannot be reused while its entry lives).
         self._plain: dict[tuple[int, int], _PlainHop] = {}
         self._stream = int(torch.cuda.current_stream(device).cuda_stream) if self.is_cuda else 0
+        # A first block's host image: copied by DMA from the backend's shared memory once that is
+        # page-locked (blockflow.backend.host_pins), then waited for before the call returns.
+        pin = self.is_cuda and spec.takes_image and os.environ.get(env.PIN_HOST_INPUTS) != "0"
+        self._pins = HostPins() if pin else None
+        self._copied = cuda.event_create() if self._pins is not None else 0  # after the last DMA queued
+        self._dma = False  # a DMA out of host inputs was queued (and _copied recorded after it)
+        self._host_inputs = False  # torch's copies read page-locked host inputs: wait for the stream
 
     def _zeros(self, batch: int) -> list[torch.Tensor]:
         return [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
@@ -263,6 +271,11 @@ class BlockRunner:
         """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed."""
         if _memcpy_ok(dst, src):
             cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
+        elif (self._pins is not None and not src.is_cuda and src.dtype == dst.dtype and src.shape == dst.shape
+              and src.is_contiguous() and dst.is_contiguous() and self._pins.pinned(src.data_ptr(), src.nbytes)):
+            cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
+            cuda.event_record(self._copied, self._stream)
+            self._dma = True
         else:
             dst.copy_(src, non_blocking=True)
 
@@ -298,6 +311,8 @@ class BlockRunner:
         dtype and returns them. ``lap`` (a block's tracer): called at the end of a CUDA graph's steps
         (checks, input copies, replay), on the usual TensorMQ hop and where inputs come from the host.
         """
+        if self._pins is not None and not xs[0].is_cuda and self._pins.any_pinned:
+            self._host_inputs = True
         if outs is not None and len(xs) == 1 and len(outs) == 1:
             hit = self._plain.get((id(xs[0]), id(outs[0])))
             if hit is not None and hit.x is xs[0] and hit.out is outs[0]:
@@ -368,6 +383,17 @@ class BlockRunner:
             return list(outs)
         # Fresh tensors: a graph's output buffers are overwritten by its next replay.
         return [r.to(dtype=self.out_dtype, memory_format=torch.contiguous_format, copy=True) for r in results]
+
+    def settle_inputs(self) -> None:
+        """Wait until what this call queued has read its host inputs, where that may still be under
+        way (a DMA out of page-locked memory): Triton frees them once ``execute`` returns. Only the
+        DMA is waited for, not the block's GPU work after it, on the usual path."""
+        if not (self._dma or self._host_inputs):
+            return
+        if not self._dma:  # torch's own copies (eager runs): after everything queued so far
+            cuda.event_record(self._copied, self._stream)
+        self._host_inputs = self._dma = False
+        cuda.event_synchronize(self._copied)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`run_all` for a block that takes and gives one tensor."""

@@ -145,10 +145,10 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          "*read:claim* checked and claimed, *read:wait* the stream made to wait on its slot; *read:gather* the "
          "views; *run:reserve* the pool slot; *run:reply* the response sent with the tickets before the work is "
          "queued (a call of one request), until the server has passed it on: one round trip; in a CUDA graph's run *run:checks*, "
-         "*run:copy_in* (for a first block with host inputs, the image from Triton's pageable buffer), *run:replay*; "
+         "*run:copy_in* (for a first block with host inputs, the image out of Triton's shared memory: queued as a DMA once that is page-locked), *run:replay*; "
          "*run:graph* the rest of the block into the slot; *run:event* the slot's event; *run:commit* its "
          "claim entry and tickets; *respond:release* the releases of the slots it read handed to its release "
-         "thread, *respond:prepare* its preparer thread woken). Traced calls carry their laps and two CUDA event records; "
+         "thread, *respond:prepare* its preparer thread woken, *respond:settle* a first block's wait for its image's DMA). Traced calls carry their laps and two CUDA event records; "
          "traces before commit e80d901 also carried the tracer's own reading and writing, ~0.1 ms a call.", ""]
     for label, r in res["models"].items():
         m = r["median_ms"]

@@ -57,6 +57,8 @@ def _lib() -> Any:
         "cuEventSynchronize": [vp],
         "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
         "cuMemcpyAsync": [u64, u64, ctypes.c_size_t, vp],
+        "cuMemHostRegister_v2": [vp, ctypes.c_size_t, ctypes.c_uint],
+        "cuMemHostUnregister": [vp],
         "cuGetErrorName": [ctypes.c_int, P(ctypes.c_char_p)],
     }
     for name, args in signatures.items():
@@ -147,6 +149,16 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     addressing tells the driver which is which). A few microseconds of host time where
     ``Tensor.copy_`` takes tens: it is on every request's path."""
     _check(_lib().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def mem_host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for the current context: copies from it to
+    the GPU become DMA, asynchronous to the host (no staging copy by the driver)."""
+    _check(_lib().cuMemHostRegister_v2(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 0), "cuMemHostRegister")
+
+
+def mem_host_unregister(ptr: int) -> None:
+    _check(_lib().cuMemHostUnregister(ctypes.c_void_p(ptr)), "cuMemHostUnregister")
 
 
 class DeviceBytes:

@@ -85,6 +85,39 @@ def test_a_checked_hop_reads_new_data_from_the_same_views() -> None:
     assert len(r._plain) == 1  # checked once, found twice
 
 
+def test_a_host_image_in_shared_memory_is_copied_by_dma_and_waited_for() -> None:
+    """A first block's image in /dev/shm (where Triton's Python backend puts it) is page-locked on
+    first sight and copied by DMA; ``settle_inputs`` waits for that copy even when it is queued
+    behind other GPU work, so memory overwritten after it (Triton's next request) is never read."""
+    from multiprocessing import shared_memory
+
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    spec = block_spec(plan, plan.blocks["r50_s0"], "tensormq")
+    r = BlockRunner(spec, torch.device("cuda", 0))
+    r.warmup()
+    seg = shared_memory.SharedMemory(create=True, size=8 << 20)
+    try:
+        x = torch.from_numpy(np.ndarray((1, 3, 224, 224), dtype=np.float32, buffer=seg.buf))
+        out = torch.empty(1, *spec.out_shapes[0], device="cuda", dtype=r.out_dtype)
+        for i in range(3):
+            x.copy_(torch.randn(1, 3, 224, 224))
+            want = r.run_all([x.cuda()])[0]
+            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copy
+            r.run_all([x], outs=[out])
+            assert r._dma, i  # page-locked: a DMA, not the driver's staged copy
+            r.settle_inputs()
+            x.fill_(float("nan"))  # what Triton's next request would write there
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), i
+        assert r._pins is not None and r._pins.any_pinned
+    finally:
+        del x
+        if r._pins is not None:
+            r._pins.close()
+        seg.close()
+        seg.unlink()
+
+
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from blockflow.ensemble_gen import generator

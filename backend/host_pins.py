@@ -1,0 +1,92 @@
+"""Page-locking the shared memory that Triton's Python backend hands a block its host inputs in.
+
+The backend copies each request's host tensors into a shared-memory region (``/dev/shm``) that
+the stub maps; a first block copies the image from there to the GPU. From pageable memory the
+driver first copies it into a staging buffer of its own, on the host, on the request's path (a
+ResNet image at fp32, 600 kB: ~0.18 ms of the first block's host time on an H100 machine,
+``bench.timeline``'s *run:copy_in*). Once the mapping is registered with the driver, the same
+copy is a DMA that the host only queues.
+
+A registered source makes the copy asynchronous, so the block must wait for it before its
+``execute`` returns: the backend frees a request's input memory once the call is over
+(:meth:`blockflow.backend.runtime.BlockRunner.settle_inputs`).
+
+The backend never unmaps a region while its stub lives (it grows by mapping the region again,
+whole, and keeps the old mapping), so a registered range stays valid for the process's life.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from pathlib import Path
+
+from blockflow.core import cuda
+from blockflow.core.errors import BlockError
+
+SHM_PREFIX = "/dev/shm/"
+log = logging.getLogger(__name__)
+
+
+def _mapping_of(ptr: int, maps: Path = Path("/proc/self/maps")) -> tuple[int, int, str] | None:
+    """(start, end, path) of the mapping of this process that holds address ``ptr``."""
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if start <= ptr < end:
+            return start, end, fields[5] if len(fields) > 5 else ""
+    return None
+
+
+class HostPins:
+    """The mappings a block's host inputs came from, each registered with the driver or not.
+
+    :meth:`pinned` answers from a sorted list of ranges; a pointer in none of them costs one read
+    of ``/proc/self/maps``, and its mapping is registered if it is a ``/dev/shm`` file (the
+    backend's region), else remembered as not pinned.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ranges: list[tuple[int, int, bool]] = []  # (start, end, registered), sorted by start
+        self.any_pinned = False  # once a range is registered, torch's copies out of it are asynchronous too
+
+    def pinned(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``ptr`` are in memory registered with the driver (registering
+        the mapping that holds them, the first time, if it is shared memory)."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0:
+            start, end, ok = self._ranges[i]
+            if ptr + nbytes <= end:
+                return ok
+        return self._learn(ptr, nbytes)
+
+    def _learn(self, ptr: int, nbytes: int) -> bool:
+        found = _mapping_of(ptr)
+        if found is None:
+            return False
+        start, end, path = found
+        ok = False
+        if path.startswith(SHM_PREFIX) and ptr + nbytes <= end:
+            try:
+                cuda.mem_host_register(start, end - start)
+                ok = self.any_pinned = True
+                log.info("page-locked %s (%d MiB) for DMA of host inputs", path, (end - start) >> 20)
+            except BlockError as exc:  # e.g. a locked-memory limit: the copies stay staged, as before
+                log.warning("could not page-lock %s (%d MiB): %s; host inputs are copied through the driver's staging",
+                            path, (end - start) >> 20, exc)
+        # A mapping replaced by another at the same address (the heap moves) is found again.
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and self._starts[i] == start:
+            self._ranges[i] = (start, end, ok or self._ranges[i][2])
+        else:
+            self._starts.insert(i, start)
+            self._ranges.insert(i, (start, end, ok))
+        return ok and ptr + nbytes <= end
+
+    def close(self) -> None:
+        """Unregister every registered range (before its memory is unmapped, which the backend never does)."""
+        for start, _, ok in self._ranges:
+            if ok:
+                cuda.mem_host_unregister(start)
+        self._starts, self._ranges, self.any_pinned = [], [], False
