@@ -18,7 +18,6 @@ whole, and keeps the old mapping), so a registered range stays valid for the pro
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 from pathlib import Path
 
@@ -73,12 +72,9 @@ class HostPins:
                 cuda.mem_host_register(start, end - start)
                 ok = self.any_pinned = True
                 log.info("page-locked %s (%d MiB) for DMA of host inputs", path, (end - start) >> 20)
-            except BlockError as exc:
-                if "ALREADY_REGISTERED" in str(exc):  # by another part of this process
-                    ok = self.any_pinned = True
-                else:  # e.g. a locked-memory limit: the copies stay staged, as before
-                    log.warning("could not page-lock %s (%d MiB): %s; host inputs are copied through the driver's staging",
-                                path, (end - start) >> 20, exc)
+            except BlockError as exc:  # e.g. a locked-memory limit: the copies stay staged, as before
+                log.warning("could not page-lock %s (%d MiB): %s; host inputs are copied through the driver's staging",
+                            path, (end - start) >> 20, exc)
         # A mapping replaced by another at the same address (the heap moves) is found again.
         i = bisect.bisect_left(self._starts, start)
         if i < len(self._starts) and self._starts[i] == start:
@@ -94,9 +90,3 @@ class HostPins:
             if ok:
                 cuda.mem_host_unregister(start)
         self._starts, self._ranges, self.any_pinned = [], [], False
-
-
-@functools.cache
-def shared() -> HostPins:
-    """The process's one registry: a mapping is registered once per process (its CUDA context)."""
-    return HostPins()

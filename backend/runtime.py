@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from blockflow.backend import host_pins
+from blockflow.backend.host_pins import HostPins
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch, cuda, env, stage_files
 from blockflow.core.errors import BlockError, RequestError
@@ -213,7 +213,7 @@ class BlockRunner:
         # A first block's host image: copied by DMA from the backend's shared memory once that is
         # page-locked (blockflow.backend.host_pins), then waited for before the call returns.
         pin = self.is_cuda and spec.takes_image and os.environ.get(env.PIN_HOST_INPUTS) != "0"
-        self._pins = host_pins.shared() if pin else None
+        self._pins = HostPins() if pin else None
         self._copied = cuda.event_create() if self._pins is not None else 0  # after the last DMA queued
         self._dma = False  # a DMA out of host inputs was queued (and _copied recorded after it)
         self._host_inputs = False  # torch's copies read page-locked host inputs: wait for the stream
