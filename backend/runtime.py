@@ -11,17 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import fx, nn
 
 from blockflow.backend.host_pins import HostPins
+from blockflow.backend.parts import Chain, build_part, fold_batchnorm
 from blockflow.backend.stage_cache import StageCache
-from blockflow.core import arch, cuda, env, stage_files
-from blockflow.core.errors import BlockError, RequestError
-from blockflow.core.spec import ModelSpec, Part
+from blockflow.core import cuda, env
+from blockflow.core.errors import RequestError
+from blockflow.core.spec import ModelSpec
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -51,89 +50,6 @@ def bucket_for(batch: int, buckets: list[int]) -> int:
     raise RequestError(f"batch of {batch} exceeds the block's max_batch_size {buckets[-1]}")
 
 
-def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """A state dict from a ``.safetensors`` file, or from a torch file read with ``weights_only``
-    (no code in either runs)."""
-    if not Path(path).is_file():
-        raise BlockError(f"weights file not found: {path}")
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state: Any = load_file(path, device="cpu")
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch and safetensors raise many kinds for a bad file
-        raise BlockError(f"cannot read weights file {path}: {exc}") from exc
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise BlockError(f"weights file {path} holds a {type(state).__name__}, not a state dict")
-    return state
-
-
-def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> nn.Module:
-    """The stages of one part with its weights (CPU, fp32, eval mode), from ``cache`` if it has them."""
-    if cache is not None:
-        kept = cache.load(spec, part)
-        if kept is not None:
-            return kept
-    stages = _build_part(spec, part)
-    if cache is not None:
-        cache.store(spec, part, stages)
-    return stages
-
-
-def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
-    if spec.stage_files:  # pre-cut: each file is one stage, with its weights
-        try:
-            return _Chain([stage_files.load_stage_file(f) for f in spec.stage_files[part.first:part.last + 1]]).eval()
-        except ValueError as exc:
-            raise BlockError(str(exc)) from None
-    seed = part.weights.seed if part.weights.seed is not None else 0
-    try:
-        net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
-    except ValueError as exc:  # an exported program that no longer loads
-        raise BlockError(str(exc)) from None
-    stages = arch.slice_stages(net, spec.arch, spec.cut_points, part.first, part.last)
-    if part.weights.file is not None:
-        # Keys are those of the full torchvision model (the stages keep its names); the file may hold
-        # the whole model or just this block.
-        state = _load_state_dict(part.weights.file)
-        wanted = set(stages.state_dict())
-        missing = sorted(wanted - state.keys())
-        if missing:
-            raise BlockError(f"weights file {part.weights.file} lacks {len(missing)} tensor(s) of block "
-                             f"{part.block!r}, e.g. {missing[:3]}; keys must be named as in {_state_dict_of(spec.arch)}")
-        try:
-            stages.load_state_dict({k: state[k] for k in wanted}, strict=True)
-        except RuntimeError as exc:
-            raise BlockError(f"weights file {part.weights.file} does not fit block {part.block!r}: {exc}") from exc
-    return stages
-
-
-def _state_dict_of(network: str) -> str:
-    return f"the state_dict of program {network}" if arch.is_program(network) else f"torchvision's {network}"
-
-
-def _fold_batchnorm(part: nn.Module) -> nn.Module:
-    """``part`` with each BatchNorm that follows a convolution folded into it (eval mode).
-
-    On a GPU, where a block's CUDA graph launch costs host time per kernel: ResNet-50 has a
-    BatchNorm after every convolution, a third of its kernels. The folded weights round
-    differently (7e-7 relative on a ResNet-50 stage in fp32), so CPU blocks, which the
-    CPU tests compare to 1e-5 with networks run whole, keep theirs.
-    """
-    if not isinstance(part, fx.GraphModule):
-        return part
-    from torch.fx.experimental.optimization import fuse
-
-    try:
-        return fuse(part)
-    except Exception:  # a graph fuse cannot rewrite: run it as it is (no numbers change)
-        return part
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -153,20 +69,6 @@ class _PlainHop:
         self.x, self.out, self.graph = xs[0], outs[0], g.graph
         self.copies_in = [(s.data_ptr(), x.data_ptr(), s.nbytes) for s, x in zip(g.static_ins, xs, strict=True)]
         self.copies_out = [(o.data_ptr(), r.data_ptr(), o.nbytes) for o, r in zip(outs, g.static_outs, strict=True)]
-
-
-class _Chain(nn.Module):
-    """Parts run one after another; a part that gives several tensors hands them all to the next."""
-
-    def __init__(self, parts: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-
-    def forward(self, *xs: torch.Tensor) -> list[torch.Tensor]:
-        for part in self.parts:
-            out = part(*xs)
-            xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        return list(xs)
 
 
 def _memcpy_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -195,8 +97,8 @@ class BlockRunner:
             torch.backends.cudnn.benchmark = True
         parts = [build_part(spec, p, cache) for p in spec.parts]
         if self.is_cuda:
-            parts = [_fold_batchnorm(p) for p in parts]
-        module = _Chain(parts).eval()
+            parts = [fold_batchnorm(p) for p in parts]
+        module = Chain(parts).eval()
         self.in_shapes = spec.in_shapes
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockflow.backend import runtime
+from blockflow.backend import parts
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch
@@ -54,8 +54,8 @@ def test_an_entry_that_is_damaged_or_writable_by_others_is_not_used(tmp_path: Pa
     path.write_bytes(path.read_bytes()[:100])  # truncated
     assert cache.load(spec, part) is None
     calls = []
-    real = runtime._build_part
-    monkeypatch.setattr(runtime, "_build_part", lambda s, p: calls.append(1) or real(s, p))
+    real = parts._build_part
+    monkeypatch.setattr(parts, "_build_part", lambda s, p: calls.append(1) or real(s, p))
     assert torch.equal(BlockRunner(spec, CPU, cache).run(x), want) and calls == [1]  # built again, and kept again
     assert cache.load(spec, part) is not None
 
