@@ -82,7 +82,7 @@ class HostPins:
         else:
             self._starts.insert(i, start)
             self._ranges.insert(i, (start, end, ok))
-        return ok and ptr + nbytes <= end
+        return ok  # registered only where the input fits the mapping
 
     def close(self) -> None:
         """Unregister every registered range (before its memory is unmapped, which the backend never does)."""

@@ -145,7 +145,7 @@ class TritonPythonModel:
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
-        self.takes_host_images = spec.takes_image and self.device.type == "cuda"  # see BlockRunner.settle_inputs
+        self.pins_host_inputs = any(r.pins_host_inputs for r in self.runners.values())  # see BlockRunner.settle_inputs
         self.metrics: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(args["model_name"], args["model_instance_name"], self.device)
@@ -265,7 +265,7 @@ class TritonPythonModel:
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
-            if self.takes_host_images:
+            if self.pins_host_inputs:
                 self._settle_inputs()
             if self.consumer is not None and releases:
                 # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
@@ -282,12 +282,13 @@ class TritonPythonModel:
 
     def _settle_inputs(self) -> None:
         """Before ``execute`` returns, what reads the requests' host inputs must be done (Triton frees them)."""
+        waited = False
         for runner in self.runners.values():
             try:
-                runner.settle_inputs()
+                waited = runner.settle_inputs() or waited
             except BlockError as exc:  # the GPU failed: the call's outcome is decided already
                 self.logger.log_error(f"blockflow: {self.spec.name}: waiting for the input copies failed: {exc!r}")
-        if self.tracer is not None:
+        if waited and self.tracer is not None:
             self.tracer.lap("respond:settle")
 
     def _groups(self, requests: list[Any], owners: list[int]) -> dict[str, list[int]]:

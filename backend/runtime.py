@@ -71,10 +71,14 @@ class _PlainHop:
         self.copies_out = [(o.data_ptr(), r.data_ptr(), o.nbytes) for o, r in zip(outs, g.static_outs, strict=True)]
 
 
+def _same_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst.copy_(src)`` needs no conversion: one dtype, one shape, both contiguous."""
+    return src.dtype == dst.dtype and src.shape == dst.shape and src.is_contiguous() and dst.is_contiguous()
+
+
 def _memcpy_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether ``dst.copy_(src)`` is a plain device-to-device memcpy of the same bytes."""
-    return (src.is_cuda and src.dtype == dst.dtype and src.device == dst.device and src.shape == dst.shape
-            and src.is_contiguous() and dst.is_contiguous())
+    return src.is_cuda and src.device == dst.device and _same_bytes(dst, src)
 
 
 class BlockRunner:
@@ -173,8 +177,8 @@ class BlockRunner:
         """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed."""
         if _memcpy_ok(dst, src):
             cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
-        elif (self._pins is not None and not src.is_cuda and src.dtype == dst.dtype and src.shape == dst.shape
-              and src.is_contiguous() and dst.is_contiguous() and self._pins.pinned(src.data_ptr(), src.nbytes)):
+        elif (self._pins is not None and not src.is_cuda and _same_bytes(dst, src)
+              and self._pins.pinned(src.data_ptr(), src.nbytes)):
             cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
             cuda.event_record(self._copied, self._stream)
             self._dma = True
@@ -268,7 +272,7 @@ class BlockRunner:
                 for static, x in zip(g.static_ins, xs, strict=True):
                     self._copy(static if full else static[:batch], x)
                 if lap is not None:
-                    lap("run:copy_in")  # a first block's host image: from Triton's pageable buffer
+                    lap("run:copy_in")  # a first block's host image: out of Triton's shared memory
                 g.graph.replay()
                 if lap is not None:
                     lap("run:replay")
@@ -286,16 +290,22 @@ class BlockRunner:
         # Fresh tensors: a graph's output buffers are overwritten by its next replay.
         return [r.to(dtype=self.out_dtype, memory_format=torch.contiguous_format, copy=True) for r in results]
 
-    def settle_inputs(self) -> None:
+    @property
+    def pins_host_inputs(self) -> bool:
+        """Whether this runner copies host inputs out of page-locked memory (and so must :meth:`settle_inputs`)."""
+        return self._pins is not None
+
+    def settle_inputs(self) -> bool:
         """Wait until what this call queued has read its host inputs, where that may still be under
         way (a DMA out of page-locked memory): Triton frees them once ``execute`` returns. Only the
-        DMA is waited for, not the block's GPU work after it, on the usual path."""
+        DMA is waited for, not the block's GPU work after it, on the usual path. Whether it waited."""
         if not (self._dma or self._host_inputs):
-            return
+            return False
         if not self._dma:  # torch's own copies (eager runs): after everything queued so far
             cuda.event_record(self._copied, self._stream)
         self._host_inputs = self._dma = False
         cuda.event_synchronize(self._copied)
+        return True
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`run_all` for a block that takes and gives one tensor."""
