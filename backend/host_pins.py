@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from blockflow.core import cuda
 from blockflow.core.errors import BlockError
@@ -90,3 +93,24 @@ class HostPins:
             if ok:
                 cuda.mem_host_unregister(start)
         self._starts, self._ranges, self.any_pinned = [], [], False
+
+
+def join_to_device(pins: HostPins, parts: Sequence[torch.Tensor], device: torch.device, stream: int) -> torch.Tensor | None:
+    """``torch.cat(parts)`` on ``device`` by one DMA per part, queued on ``stream``, when every part
+    is a contiguous host tensor of one dtype and row shape in page-locked memory; else None.
+
+    Replaces one blocking ``.to(device)`` per request (each a staged copy and a stream sync) when a
+    call joins several images. The caller waits for the copies before the call returns.
+    """
+    first = parts[0]
+    if first.is_cuda or any(p.is_cuda or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
+                            or not p.is_contiguous() for p in parts):
+        return None
+    if not all(pins.pinned(p.data_ptr(), p.nbytes) for p in parts):
+        return None
+    out = torch.empty((sum(int(p.shape[0]) for p in parts), *first.shape[1:]), dtype=first.dtype, device=device)
+    at = out.data_ptr()
+    for p in parts:
+        cuda.memcpy_async(at, p.data_ptr(), p.nbytes, stream)
+        at += p.nbytes
+    return out

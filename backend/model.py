@@ -233,9 +233,10 @@ class TritonPythonModel:
             for name, ks in self._groups(requests, owners).items():
                 sizes = [int(batch[k][0].shape[0]) for k in ks]
                 try:
-                    joined = batch[ks[0]] if len(ks) == 1 else [torch.cat([batch[k][j].to(self.device) for k in ks])
-                                                                 for j in range(len(batch[ks[0]]))]
-                    results = self._run(self.runners[name], joined, early)
+                    runner = self.runners[name]
+                    joined = batch[ks[0]] if len(ks) == 1 else runner.join([[batch[k][j] for k in ks]
+                                                                            for j in range(len(batch[ks[0]]))])
+                    results = self._run(runner, joined, early)
                     if early is not None and early.sent:
                         continue  # answered with its tickets already
                     names = [name] if len(results) == 1 else self.out_names

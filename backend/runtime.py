@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from blockflow.backend.host_pins import HostPins
+from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.parts import Chain, build_part, fold_batchnorm
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
@@ -289,6 +289,21 @@ class BlockRunner:
             return list(outs)
         # Fresh tensors: a graph's output buffers are overwritten by its next replay.
         return [r.to(dtype=self.out_dtype, memory_format=torch.contiguous_format, copy=True) for r in results]
+
+    def join(self, columns: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """Each input's per-request tensors as one batch on this device (``torch.cat``), by DMA out
+        of page-locked host memory where they are there (see :meth:`settle_inputs`)."""
+        out = []
+        for parts in columns:
+            joined = None if self._pins is None else join_to_device(self._pins, parts, self.device, self._stream)
+            if joined is None:
+                joined = torch.cat([p.to(self.device) for p in parts])
+            else:
+                self._dma = True
+            out.append(joined)
+        if self._dma:
+            cuda.event_record(self._copied, self._stream)
+        return out
 
     @property
     def pins_host_inputs(self) -> bool:

@@ -118,6 +118,44 @@ def test_a_host_image_in_shared_memory_is_copied_by_dma_and_waited_for() -> None
         seg.unlink()
 
 
+def test_host_images_in_shared_memory_are_joined_by_dma_and_waited_for() -> None:
+    """A call of several host images joins them on the GPU by one DMA each out of the page-locked
+    region, and ``settle_inputs`` waits for those copies (queued behind other GPU work) before
+    the memory is reused."""
+    from multiprocessing import shared_memory
+
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    spec = block_spec(plan, plan.blocks["r50_s0"], "tensormq")
+    r = BlockRunner(spec, torch.device("cuda", 0))
+    r.warmup()
+    seg = shared_memory.SharedMemory(create=True, size=8 << 20)
+    try:
+        whole = np.ndarray((3, 3, 224, 224), dtype=np.float32, buffer=seg.buf)
+        parts = [torch.from_numpy(whole[i:i + 1]) for i in range(3)]
+        out = torch.empty(3, *spec.out_shapes[0], device="cuda", dtype=r.out_dtype)
+        for i in range(2):
+            for p in parts:
+                p.copy_(torch.randn(1, 3, 224, 224))
+            want = r.run_all([torch.cat([p.cuda() for p in parts])])[0]
+            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copies
+            joined = r.join([parts])
+            assert r._dma and joined[0].is_cuda and joined[0].shape[0] == 3, i
+            r.run_all(joined, outs=[out])
+            r.settle_inputs()
+            for p in parts:
+                p.fill_(float("nan"))  # what Triton's next requests would write there
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), i
+        heap = [torch.randn(1, 3, 224, 224) for _ in range(2)]  # not shared memory: joined as before
+        assert torch.equal(r.join([heap])[0], torch.cat(heap).cuda())
+    finally:
+        del parts, whole
+        if r._pins is not None:
+            r._pins.close()
+        seg.close()
+        seg.unlink()
+
+
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from blockflow.ensemble_gen import generator
