@@ -69,6 +69,7 @@ class HostPins:
         if found is None:
             return False
         start, end, path = found
+        self._forget(start, end)
         ok = False
         if path.startswith(SHM_PREFIX) and ptr + nbytes <= end:
             try:
@@ -78,14 +79,25 @@ class HostPins:
             except BlockError as exc:  # e.g. a locked-memory limit: the copies stay staged, as before
                 log.warning("could not page-lock %s (%d MiB): %s; host inputs are copied through the driver's staging",
                             path, (end - start) >> 20, exc)
-        # A mapping replaced by another at the same address (the heap moves) is found again.
         i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] == start:
-            self._ranges[i] = (start, end, ok or self._ranges[i][2])
-        else:
-            self._starts.insert(i, start)
-            self._ranges.insert(i, (start, end, ok))
+        self._starts.insert(i, start)
+        self._ranges.insert(i, (start, end, ok))
         return ok  # registered only where the input fits the mapping
+
+    def _forget(self, start: int, end: int) -> None:
+        """Drop the ranges that ``[start, end)`` overlaps: the mapping there now is another one (the
+        heap moved, a region was mapped again), so a registration of the old one is released
+        rather than left covering part of the new one."""
+        keep = []
+        for r in self._ranges:
+            if r[1] <= start or r[0] >= end:
+                keep.append(r)
+            elif r[2]:
+                try:
+                    cuda.mem_host_unregister(r[0])
+                except BlockError as exc:  # the driver no longer knows it: nothing is left to release
+                    log.warning("could not release the page-locked range at %#x: %s", r[0], exc)
+        self._ranges, self._starts = keep, [r[0] for r in keep]
 
     def close(self) -> None:
         """Unregister every registered range (before its memory is unmapped, which the backend never does)."""

@@ -199,13 +199,23 @@ class BlockRunner:
         padded = self._zeros(bucket)
         for p, x in zip(padded, xs, strict=True):
             p[:batch].copy_(x, non_blocking=True)
+        self._inputs_copied()
         return [y[:batch] for y in self._eager(padded)]
 
     def _eager(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         ins = [x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=f)
                for x, f in zip(xs, self.formats, strict=True)]
+        self._inputs_copied()
         out: list[torch.Tensor] = self.module(*ins)
         return out
+
+    def _inputs_copied(self) -> None:
+        """Mark the end of a call's copies out of page-locked host inputs (torch's own copies from
+        such memory are asynchronous too), so :meth:`settle_inputs` waits for them, not for the
+        block's GPU work queued after them."""
+        if self._host_inputs:
+            cuda.event_record(self._copied, self._stream)
+            self._dma = True
 
     def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
                 lap: Callable[[str], None] | None = None) -> list[torch.Tensor]:
@@ -271,6 +281,7 @@ class BlockRunner:
                     lap("run:checks")
                 for static, x in zip(g.static_ins, xs, strict=True):
                     self._copy(static if full else static[:batch], x)
+                self._inputs_copied()
                 if lap is not None:
                     lap("run:copy_in")  # a first block's host image: out of Triton's shared memory
                 g.graph.replay()
@@ -316,7 +327,7 @@ class BlockRunner:
         DMA is waited for, not the block's GPU work after it, on the usual path. Whether it waited."""
         if not (self._dma or self._host_inputs):
             return False
-        if not self._dma:  # torch's own copies (eager runs): after everything queued so far
+        if not self._dma:  # copies no step marked: after everything queued so far
             cuda.event_record(self._copied, self._stream)
         self._host_inputs = self._dma = False
         cuda.event_synchronize(self._copied)

@@ -156,6 +156,41 @@ def test_host_images_in_shared_memory_are_joined_by_dma_and_waited_for() -> None
         seg.unlink()
 
 
+def test_an_eager_block_waits_for_its_copies_out_of_page_locked_memory() -> None:
+    """Without CUDA graphs, torch's own copies out of the page-locked region are asynchronous:
+    ``settle_inputs`` waits for them (one image, and three padded to their bucket of four)."""
+    from multiprocessing import shared_memory
+
+    plan = load_plan(ROOT / "plans" / "default.yaml")
+    spec = block_spec(plan, plan.blocks["r50_s0"], "tensormq")
+    r = BlockRunner(spec, torch.device("cuda", 0))
+    r.use_graphs = False
+    r.warmup()
+    seg = shared_memory.SharedMemory(create=True, size=8 << 20)
+    try:
+        whole = np.ndarray((3, 3, 224, 224), dtype=np.float32, buffer=seg.buf)
+        parts = [torch.from_numpy(whole[i:i + 1]) for i in range(3)]
+        r.join([parts])  # page-locks the region, as a first call of several requests does
+        r.settle_inputs()
+        assert r._pins is not None and r._pins.any_pinned
+        for i, x in enumerate([parts[0], torch.from_numpy(whole)]):
+            x.copy_(torch.randn(*x.shape))
+            want = r.run_all([x.cuda()])[0]
+            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copies
+            got = r.run_all([x])[0]
+            assert r._dma, i  # marked after the copies, not after the block's work
+            r.settle_inputs()
+            x.fill_(float("nan"))
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), i
+    finally:
+        del parts, whole
+        if r._pins is not None:
+            r._pins.close()
+        seg.close()
+        seg.unlink()
+
+
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from blockflow.ensemble_gen import generator

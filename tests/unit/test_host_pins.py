@@ -50,3 +50,24 @@ def test_a_mapping_that_cannot_be_registered_is_learned_once(segment: shared_mem
     heap = np.zeros(1 << 16, dtype=np.uint8)  # not shared memory: never registered
     assert pins.pinned(heap.ctypes.data, heap.nbytes) is False
     assert len(calls) == 2
+
+
+def test_a_mapping_found_again_with_other_bounds_replaces_the_ranges_it_overlaps(
+        segment: shared_memory.SharedMemory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered range that a new mapping overlaps (here: the same start, grown) is released
+    before the new one is registered, so no registration covers only part of a mapping."""
+    a = np.ndarray((4096,), dtype=np.uint8, buffer=segment.buf)
+    start, end, path = host_pins._mapping_of(a.ctypes.data) or (0, 0, "")
+    driver: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(host_pins.cuda, "mem_host_register", lambda p, n: driver.append(("register", p, n)))
+    monkeypatch.setattr(host_pins.cuda, "mem_host_unregister", lambda p: driver.append(("unregister", p, 0)))
+    pins = HostPins()
+    assert pins.pinned(a.ctypes.data, 1024) is True and pins.any_pinned
+    assert driver == [("register", start, end - start)]
+    grown = end + (1 << 20)
+    monkeypatch.setattr(host_pins, "_mapping_of", lambda ptr: (start, grown, path))
+    assert pins.pinned(end + 100, 1024) is True
+    assert driver[1:] == [("unregister", start, 0), ("register", start, grown - start)]
+    assert pins.pinned(end + 200, 1024) is True and len(driver) == 3  # answered from the new range
+    pins.close()
+    assert driver[3:] == [("unregister", start, 0)]
