@@ -85,110 +85,78 @@ def test_a_checked_hop_reads_new_data_from_the_same_views() -> None:
     assert len(r._plain) == 1  # checked once, found twice
 
 
-def test_a_host_image_in_shared_memory_is_copied_by_dma_and_waited_for() -> None:
-    """A first block's image in /dev/shm (where Triton's Python backend puts it) is page-locked on
-    first sight and copied by DMA; ``settle_inputs`` waits for that copy even when it is queued
-    behind other GPU work, so memory overwritten after it (Triton's next request) is never read."""
+@pytest.fixture(params=[True, False], ids=["graphs", "eager"])
+def image_block(request: pytest.FixtureRequest) -> Iterator[tuple[BlockRunner, np.ndarray]]:
+    """A first block (ResNet-50's stem, warmed up, CUDA graphs or eager) and three images' room in a
+    /dev/shm segment, where Triton's Python backend puts a request's host inputs."""
     from multiprocessing import shared_memory
 
     plan = load_plan(ROOT / "plans" / "default.yaml")
-    spec = block_spec(plan, plan.blocks["r50_s0"], "tensormq")
-    r = BlockRunner(spec, torch.device("cuda", 0))
+    r = BlockRunner(block_spec(plan, plan.blocks["r50_s0"], "tensormq"), torch.device("cuda", 0))
+    r.use_graphs = r.use_graphs and request.param
     r.warmup()
     seg = shared_memory.SharedMemory(create=True, size=8 << 20)
     try:
-        x = torch.from_numpy(np.ndarray((1, 3, 224, 224), dtype=np.float32, buffer=seg.buf))
-        out = torch.empty(1, *spec.out_shapes[0], device="cuda", dtype=r.out_dtype)
-        for i in range(3):
-            x.copy_(torch.randn(1, 3, 224, 224))
-            want = r.run_all([x.cuda()])[0]
-            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copy
-            r.run_all([x], outs=[out])
-            assert r._dma, i  # page-locked: a DMA, not the driver's staged copy
-            r.settle_inputs()
-            x.fill_(float("nan"))  # what Triton's next request would write there
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), i
-        assert r._pins is not None and r._pins.any_pinned
+        yield r, np.ndarray((3, 3, 224, 224), dtype=np.float32, buffer=seg.buf)
     finally:
-        del x
         if r._pins is not None:
             r._pins.close()
         seg.close()
         seg.unlink()
 
 
-def test_host_images_in_shared_memory_are_joined_by_dma_and_waited_for() -> None:
+def _busy_gpu() -> None:
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copies
+
+
+def test_a_host_image_in_shared_memory_is_copied_by_dma_and_waited_for(image_block: tuple[BlockRunner, np.ndarray]) -> None:
+    """A first block's image in /dev/shm is page-locked on first sight and copied by DMA (torch's
+    own asynchronous copy when eager); ``settle_inputs`` waits for that copy even when it is queued
+    behind other GPU work, so memory overwritten after it (Triton's next request) is never read."""
+    r, whole = image_block
+    x = torch.from_numpy(whole[:1])
+    out = torch.empty(1, *r.spec.out_shapes[0], device="cuda", dtype=r.out_dtype)
+    if not r.use_graphs:  # an eager block page-locks the region when it first joins several images
+        r.join([[torch.from_numpy(whole[i:i + 1]) for i in range(3)]])
+        r.settle_inputs()
+    for i in range(3):
+        x.copy_(torch.randn(1, 3, 224, 224))
+        want = r.run_all([x.cuda()])[0]
+        _busy_gpu()
+        r.run_all([x], outs=[out])
+        assert r._dma, i  # page-locked: a DMA (or an asynchronous copy marked after), not the driver's staged copy
+        r.settle_inputs()
+        x.fill_(float("nan"))  # what Triton's next request would write there
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), i
+    assert r._pins is not None and r._pins.any_pinned
+
+
+def test_host_images_in_shared_memory_are_joined_by_dma_and_waited_for(image_block: tuple[BlockRunner, np.ndarray]) -> None:
     """A call of several host images joins them on the GPU by one DMA each out of the page-locked
     region, and ``settle_inputs`` waits for those copies (queued behind other GPU work) before
-    the memory is reused."""
-    from multiprocessing import shared_memory
-
-    plan = load_plan(ROOT / "plans" / "default.yaml")
-    spec = block_spec(plan, plan.blocks["r50_s0"], "tensormq")
-    r = BlockRunner(spec, torch.device("cuda", 0))
-    r.warmup()
-    seg = shared_memory.SharedMemory(create=True, size=8 << 20)
-    try:
-        whole = np.ndarray((3, 3, 224, 224), dtype=np.float32, buffer=seg.buf)
-        parts = [torch.from_numpy(whole[i:i + 1]) for i in range(3)]
-        out = torch.empty(3, *spec.out_shapes[0], device="cuda", dtype=r.out_dtype)
-        for i in range(2):
-            for p in parts:
-                p.copy_(torch.randn(1, 3, 224, 224))
-            want = r.run_all([torch.cat([p.cuda() for p in parts])])[0]
-            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copies
-            joined = r.join([parts])
-            assert r._dma and joined[0].is_cuda and joined[0].shape[0] == 3, i
-            r.run_all(joined, outs=[out])
-            r.settle_inputs()
-            for p in parts:
-                p.fill_(float("nan"))  # what Triton's next requests would write there
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), i
-        heap = [torch.randn(1, 3, 224, 224) for _ in range(2)]  # not shared memory: joined as before
-        assert torch.equal(r.join([heap])[0], torch.cat(heap).cuda())
-    finally:
-        del parts, whole
-        if r._pins is not None:
-            r._pins.close()
-        seg.close()
-        seg.unlink()
-
-
-def test_an_eager_block_waits_for_its_copies_out_of_page_locked_memory() -> None:
-    """Without CUDA graphs, torch's own copies out of the page-locked region are asynchronous:
-    ``settle_inputs`` waits for them (one image, and three padded to their bucket of four)."""
-    from multiprocessing import shared_memory
-
-    plan = load_plan(ROOT / "plans" / "default.yaml")
-    spec = block_spec(plan, plan.blocks["r50_s0"], "tensormq")
-    r = BlockRunner(spec, torch.device("cuda", 0))
-    r.use_graphs = False
-    r.warmup()
-    seg = shared_memory.SharedMemory(create=True, size=8 << 20)
-    try:
-        whole = np.ndarray((3, 3, 224, 224), dtype=np.float32, buffer=seg.buf)
-        parts = [torch.from_numpy(whole[i:i + 1]) for i in range(3)]
-        r.join([parts])  # page-locks the region, as a first call of several requests does
+    the memory is reused; a batch the block pads to its bucket (3 to 4) is waited for as well."""
+    r, whole = image_block
+    parts = [torch.from_numpy(whole[i:i + 1]) for i in range(3)]
+    for i in range(2):
+        for p in parts:
+            p.copy_(torch.randn(1, 3, 224, 224))
+        want = r.run_all([torch.cat([p.cuda() for p in parts])])[0]
+        _busy_gpu()
+        joined = r.join([parts])
+        assert r._dma and joined[0].is_cuda and joined[0].shape[0] == 3, i
+        got = r.run_all(joined)[0]
         r.settle_inputs()
-        assert r._pins is not None and r._pins.any_pinned
-        for i, x in enumerate([parts[0], torch.from_numpy(whole)]):
-            x.copy_(torch.randn(*x.shape))
-            want = r.run_all([x.cuda()])[0]
-            torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~20 ms of GPU work ahead of the copies
-            got = r.run_all([x])[0]
-            assert r._dma, i  # marked after the copies, not after the block's work
-            r.settle_inputs()
-            x.fill_(float("nan"))
-            torch.cuda.synchronize()
-            assert torch.equal(got, want), i
-    finally:
-        del parts, whole
-        if r._pins is not None:
-            r._pins.close()
-        seg.close()
-        seg.unlink()
+        _busy_gpu()
+        padded = r.run_all([torch.from_numpy(whole)])[0]  # straight from the region, padded to 4
+        assert r._dma, i
+        r.settle_inputs()
+        for p in parts:
+            p.fill_(float("nan"))  # what Triton's next requests would write there
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) and torch.equal(padded, want), i
+    heap = [torch.randn(1, 3, 224, 224) for _ in range(2)]  # not shared memory: joined as before
+    assert torch.equal(r.join([heap])[0], torch.cat(heap).cuda())
 
 
 @pytest.fixture(scope="module")
