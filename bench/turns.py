@@ -5,6 +5,7 @@ every turn.
     python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
     python -m blockflow.bench.turns --option=--warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
     python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_OVERLAP --values 0,1,0,1 --also="--warm-cores-ms 50" --plan PLAN --out DIR
+    python -m blockflow.bench.turns --option=--plan --values A.yaml,B.yaml,B.yaml,A.yaml --out DIR   # two plans
 
 These machines drift by up to 40% between leases and by several percent within one, so a setting is
 judged by turns on one machine, each against its neighbouring turns of the other value; a single
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -28,7 +30,8 @@ from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_
 
 
 def turn_names(values: list[str]) -> list[str]:
-    return [f"{i}_{v}" for i, v in enumerate(values, 1)]
+    """Each turn's directory: its number and its value, spelled for a file name (a plan's path, say)."""
+    return [f"{i}_{re.sub(r'[^A-Za-z0-9_.-]', '_', v)}" for i, v in enumerate(values, 1)]
 
 
 def turn_call(cmd: list[str], env: str | None, option: str | None, value: str) -> tuple[list[str], dict[str, str]]:

@@ -101,3 +101,12 @@ def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> 
                           "--out", str(tmp_path / "t")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--option takes the option as `blockflow bench` spells it" in run.stderr, run.stderr
     assert not (tmp_path / "t").exists()
+
+
+def test_a_turns_value_that_is_a_path_names_its_directory() -> None:
+    """``--option=--plan`` alternates plans: the turn's directory keeps the path readable, without slashes."""
+    from blockflow.bench import turns
+
+    assert turns.turn_names(["/tmp/r50_x1.yaml", "plans/b.yaml"]) == ["1__tmp_r50_x1.yaml", "2_plans_b.yaml"]
+    cmd, _ = turns.turn_call(["python", "-m", "blockflow", "bench", "--plan", "plans/a.yaml"], None, "--plan", "plans/b.yaml")
+    assert cmd[-2:] == ["--plan", "plans/b.yaml"]  # the last --plan is the one argparse keeps
