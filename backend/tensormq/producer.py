@@ -15,7 +15,8 @@ import zmq
 
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
-from blockflow.backend.tensormq.memory import SHM_DIR, CudaSegment, EventRing, HostSegment, Segment
+from blockflow.backend.tensormq.leftovers import remove_dead_generations, remove_generation
+from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from blockflow.backend.tensormq.reservation import (
     PREPARE_MAX_BATCH,
     Key,
@@ -34,8 +35,6 @@ from blockflow.backend.tensormq.wire import (
     STATS,
     WELCOME,
     endpoint,
-    generations,
-    listening,
     socket_path,
 )
 from blockflow.core import env
@@ -87,13 +86,7 @@ class Producer:
         }).encode()
         sock_path = socket_path(runtime_dir, self.id, self.generation)
         sock_path.parent.mkdir(mode=0o700, exist_ok=True)
-        for gen in generations(runtime_dir, self.id):  # what earlier generations that were killed left
-            old = socket_path(runtime_dir, self.id, gen)
-            if not listening(old):
-                old.unlink(missing_ok=True)
-                claims_path(old).unlink(missing_ok=True)
-                # A host pool is memory: a tritonserver started by hand and SIGKILLed has nobody else to free it.
-                (SHM_DIR / env.pool_shm_name(runtime_dir, self.id, gen)).unlink(missing_ok=True)
+        remove_dead_generations(runtime_dir, self.id)
         # Created before the socket exists, so a consumer that reaches the socket finds the table.
         self.claims = ClaimTable(claims_path(sock_path), max_slots, max_samples, create=True)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
@@ -101,6 +94,10 @@ class Producer:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(endpoint(runtime_dir, self.id, self.generation))
         self._stop = threading.Event()
+        # The server thread sleeps until a slot falls due; close() wakes it through this pipe.
+        self._wake_r, self._wake_w = os.pipe()
+        # A slot reserved while the thread sleeps is reaped at most this late: a tenth of its claim window.
+        self._nap_s = self.claim_s / 10
         self._thread = threading.Thread(target=self._serve, name=f"tmq-producer-{name}", daemon=True)
         self._thread.start()
         # A reservation made and signed between two calls, taken by the next call of the same
@@ -323,16 +320,21 @@ class Producer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(100):
+            with self._cond:
+                self._reap_locked()
+                due = self.table.next_due()
+            # Until the next slot falls due, a message comes or close() wakes it; an idle producer
+            # does not wake every few milliseconds (each wake-up takes the stub's GIL).
+            nap = min(due - time.monotonic(), self._nap_s)
+            if dict(poller.poll(max(0, int(nap * 1000) + 1))).get(self._router):
                 while True:
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._handle(frames)
-            with self._cond:
-                self._reap_locked()
 
     def _handle(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -381,18 +383,17 @@ class Producer:
         if drain_s > 0:
             self.drain(min(drain_s, self.lease_s))
         self._stop.set()
+        os.write(self._wake_w, b"x")  # written once: a pipe's buffer always has room for it
         self._thread.join(2)
         self._router.close(0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self.remove_files()  # first the socket, so no consumer finds this producer while it closes
         self.claims.close()
         self.events.close()
         self.segment.close()
 
     def remove_files(self) -> None:
-        """Unlink what this producer made in the file system (its socket, claim table and host pool),
-        without touching a lock or an open object: what a process does on its way out."""
-        path = socket_path(self.runtime_dir, self.id, self.generation)
-        path.unlink(missing_ok=True)
-        claims_path(path).unlink(missing_ok=True)
-        if isinstance(self.segment, HostSegment):
-            (SHM_DIR / self.segment.name).unlink(missing_ok=True)
+        """Unlink what this producer made in the file system (:mod:`.leftovers`), without touching a
+        lock or an open object: what a process does on its way out."""
+        remove_generation(self.runtime_dir, self.id, self.generation)

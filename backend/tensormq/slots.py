@@ -77,6 +77,10 @@ class SlotTable:
             s.claim_deadline = float("inf")
         return due
 
+    def next_due(self) -> float:
+        """The earliest lease end or claim-window end among live slots (inf when none)."""
+        return min((min(s.deadline, s.claim_deadline) for s in self.live.values()), default=float("inf"))
+
     def release_all(self, index: int, seq: int) -> None:
         slot = self.live.get(index)
         if slot is not None and slot.seq == seq:

@@ -128,6 +128,18 @@ def test_slot_table_allocates_frees_and_coalesces() -> None:
     assert [s.index for s in table.reap(now=11)] and table.bytes_in_use == 0
 
 
+def test_slot_table_tells_when_its_next_slot_falls_due() -> None:
+    table = SlotTable(capacity=8 * ALIGN, max_slots=4)
+    assert table.next_due() == float("inf")
+    a = table.allocate(ALIGN, samples=1, deadline=10)
+    assert a is not None and table.allocate(ALIGN, samples=1, deadline=7) is not None
+    assert table.next_due() == 7
+    a.claim_deadline = 5
+    assert table.next_due() == 5
+    assert table.unclaimed_due(now=6) == [a]  # handled once: its claim window no longer falls due
+    assert table.next_due() == 7
+
+
 # ---------------------------------------------------------------------------- protocol across processes
 
 
@@ -249,6 +261,33 @@ def test_full_pool_waits_then_fails_clearly(runtime: Path) -> None:
             prod.reserve((1, 8), torch.float32)
         assert 0.25 <= time.monotonic() - start < 5
         assert prod.stats.pool_failures == 1
+    finally:
+        prod.close()
+
+
+def test_an_idle_producer_sleeps_until_a_slot_falls_due_and_close_wakes_it(runtime: Path) -> None:
+    """The server thread naps a tenth of the claim window (here 60 s) when nothing falls due sooner,
+    instead of going round every 100 ms (each round takes the stub's GIL); close() wakes it."""
+    prod = Producer("blockS/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=600, wait_s=1, prepare=False)
+    rounds: list[float] = []
+    due = prod.table.next_due
+    prod.table.next_due = lambda: rounds.append(time.monotonic()) or due()  # type: ignore[method-assign]
+    time.sleep(0.6)
+    prod.close()
+    assert len(rounds) <= 2 and not prod._thread.is_alive()  # asleep throughout, then woken at once
+
+
+def test_a_lease_that_ends_while_the_server_thread_naps_is_reaped(runtime: Path) -> None:
+    """A slot committed while the thread naps (a tenth of the 1 s window, with nothing live) is still
+    reaped when its lease ends."""
+    prod = Producer("blockT/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=1.0, wait_s=1, prepare=False)
+    try:
+        time.sleep(0.15)
+        prod.commit(prod.reserve((1, 8), torch.float32), 0)
+        deadline = time.monotonic() + 10
+        while prod.stats.lease_expiries == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert prod.stats.lease_expiries == 1 and not prod.table.live
     finally:
         prod.close()
 
