@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 from blockflow.core.errors import EnvironmentProblem
+from blockflow.triton.process_group import reap_adopted
 
 CONTROL = "nvidia-cuda-mps-control"
 
@@ -54,3 +55,6 @@ class MpsDaemon:
         subprocess.run([self._binary], input="quit\n", env={**os.environ, **self.env}, capture_output=True, text=True,
                        timeout=30, check=False)
         self._binary = None
+        # The daemon and its servers, where they were handed to this process (a container's PID 1):
+        # each server restart would otherwise leave them as zombies.
+        reap_adopted(CONTROL, timeout=10)

@@ -91,6 +91,38 @@ def reap_orphans(pgid: int) -> list[int]:
     return reaped
 
 
+def reap_adopted(name: str, timeout: float) -> list[int]:
+    """Reap this process's children whose command name (``/proc/<pid>/comm``, 15 characters) starts
+    with ``name``, waiting at most ``timeout`` s for them to exit; their PIDs.
+
+    For a daemon that forked away from its starter (``nvidia-cuda-mps-control -d``): it is re-parented
+    to the PID namespace's init, and where that is this process (``blockflow serve`` as a container's
+    PID 1) nobody else would reap it. Elsewhere it is not this process's child and this returns at once.
+    """
+    me, reaped = os.getpid(), []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if not entry.name.isdigit() or int(stat_fields(int(entry.name))[1]) != me:
+                    continue
+                if not (entry / "comm").read_text().startswith(name[:15]):
+                    continue
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                if os.waitpid(int(entry.name), os.WNOHANG)[0]:
+                    reaped.append(int(entry.name))
+                else:
+                    left.append(int(entry.name))
+            except ChildProcessError:  # reaped meanwhile (by another thread)
+                pass
+        if not left or time.monotonic() >= deadline:
+            return reaped
+        time.sleep(0.05)
+
+
 def stubs_by_model(pgid: int) -> dict[str, list[int]]:
     """Model name -> PIDs of the live Python-backend stubs in process group ``pgid``."""
     out: dict[str, list[int]] = {}
