@@ -57,4 +57,4 @@ class MpsDaemon:
         self._binary = None
         # The daemon and its servers, where they were handed to this process (a container's PID 1):
         # each server restart would otherwise leave them as zombies.
-        reap_adopted(CONTROL, timeout=10)
+        reap_adopted(CONTROL, timeout=10, environ=f"CUDA_MPS_PIPE_DIRECTORY={self.pipe_dir}")

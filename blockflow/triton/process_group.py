@@ -91,9 +91,10 @@ def reap_orphans(pgid: int) -> list[int]:
     return reaped
 
 
-def reap_adopted(name: str, timeout: float) -> list[int]:
+def reap_adopted(name: str, timeout: float, environ: str = "") -> list[int]:
     """Reap this process's children whose command name (``/proc/<pid>/comm``, 15 characters) starts
-    with ``name``, waiting at most ``timeout`` s for them to exit; their PIDs.
+    with ``name``; wait at most ``timeout`` s for those still running whose environment holds
+    ``environ`` (``KEY=value``) to exit. Their PIDs.
 
     For a daemon that forked away from its starter (``nvidia-cuda-mps-control -d``): it is re-parented
     to the PID namespace's init, and where that is this process (``blockflow serve`` as a container's
@@ -102,23 +103,20 @@ def reap_adopted(name: str, timeout: float) -> list[int]:
     me, reaped = os.getpid(), []
     deadline = time.monotonic() + timeout
     while True:
-        left = []
+        waiting = False
         for entry in Path("/proc").iterdir():
             try:
                 if not entry.name.isdigit() or int(stat_fields(int(entry.name))[1]) != me:
                     continue
                 if not (entry / "comm").read_text().startswith(name[:15]):
                     continue
-            except OSError:
-                continue  # gone meanwhile
-            try:
                 if os.waitpid(int(entry.name), os.WNOHANG)[0]:
                     reaped.append(int(entry.name))
-                else:
-                    left.append(int(entry.name))
-            except ChildProcessError:  # reaped meanwhile (by another thread)
-                pass
-        if not left or time.monotonic() >= deadline:
+                elif environ.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    waiting = True  # ours, still quitting
+            except OSError:  # gone, or reaped by another thread meanwhile (ChildProcessError)
+                continue
+        if not waiting or time.monotonic() >= deadline:
             return reaped
         time.sleep(0.05)
 
