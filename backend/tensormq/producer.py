@@ -96,8 +96,8 @@ class Producer:
         self._stop = threading.Event()
         # The server thread sleeps until a slot falls due; close() wakes it through this pipe.
         self._wake_r, self._wake_w = os.pipe()
-        # A slot reserved while the thread sleeps is reaped at most this late: a tenth of its claim window.
-        self._nap_s = self.claim_s / 10
+        # A slot reserved while the thread sleeps is reaped at most this late: a tenth of the claim window, or 0.1 s.
+        self._nap_s = max(0.1, self.claim_s / 10)
         self._thread = threading.Thread(target=self._serve, name=f"tmq-producer-{name}", daemon=True)
         self._thread.start()
         # A reservation made and signed between two calls, taken by the next call of the same
