@@ -82,7 +82,10 @@ Cancel, crash, restart:
   never released; the slot's *lease* (``lease_s`` after reserve, or after a
   prepared slot was taken) reclaims it.
   A release arriving after that carries an old sequence number and is ignored.
-  ``lease_s`` must stay far above a block's latency (default 30 s).
+  ``lease_s`` must stay far above a block's latency (default 30 s). The
+  producer's server thread sleeps until the next lease or claim window ends,
+  so a slot reserved meanwhile is reclaimed at most ``max(0.1 s, claim_s / 10)``
+  late; a message or ``close()`` wakes it at once.
 - A full pool makes ``reserve`` wait at most ``wait_s``, then the request fails
   with :class:`~blockflow.backend.tensormq.reservation.PoolExhaustedError`.
 - A restarted producer keeps its id (derived from its model instance name) but
