@@ -35,17 +35,20 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def _group(pgid: int) -> Iterable[tuple[int, list[str]]]:
-    """Each process in group ``pgid``, zombies included, with its :func:`stat_fields`."""
+def _processes() -> Iterable[tuple[int, list[str]]]:
+    """Each process, zombies included, with its :func:`stat_fields`."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = stat_fields(int(entry.name))
+            yield int(entry.name), stat_fields(int(entry.name))
         except OSError:
             continue
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            yield int(entry.name), fields
+
+
+def _group(pgid: int) -> Iterable[tuple[int, list[str]]]:
+    """Each process in group ``pgid``, zombies included, with its :func:`stat_fields`."""
+    return ((pid, fields) for pid, fields in _processes() if len(fields) > 2 and int(fields[2]) == pgid)
 
 
 def _dead(pid: int, fields: list[str]) -> bool:
@@ -104,15 +107,15 @@ def reap_adopted(name: str, timeout: float, environ: str = "") -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
         waiting = False
-        for entry in Path("/proc").iterdir():
+        for pid, fields in _processes():
+            if int(fields[1]) != me:
+                continue
             try:
-                if not entry.name.isdigit() or int(stat_fields(int(entry.name))[1]) != me:
+                if not Path(f"/proc/{pid}/comm").read_text().startswith(name[:15]):
                     continue
-                if not (entry / "comm").read_text().startswith(name[:15]):
-                    continue
-                if os.waitpid(int(entry.name), os.WNOHANG)[0]:
-                    reaped.append(int(entry.name))
-                elif environ.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    reaped.append(pid)
+                elif environ.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                     waiting = True  # ours, still quitting
             except OSError:  # gone, or reaped by another thread meanwhile (ChildProcessError)
                 continue
