@@ -173,17 +173,18 @@ class BlockRunner:
             static_outs = self._graph_forward(static_ins)
         return _Graph(graph, static_ins, static_outs)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed."""
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed.
+        Whether it queued a DMA out of page-locked host memory (to be marked by :meth:`_inputs_copied`)."""
         if _memcpy_ok(dst, src):
             cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
         elif (self._pins is not None and not src.is_cuda and _same_bytes(dst, src)
               and self._pins.pinned(src.data_ptr(), src.nbytes)):
             cuda.memcpy_async(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._stream)
-            cuda.event_record(self._copied, self._stream)
-            self._dma = True
+            return True
         else:
             dst.copy_(src, non_blocking=True)
+        return False
 
     def _eager_bucketed(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Eager run on a GPU at the batch's bucket size (zero rows appended, then cut off).
@@ -209,11 +210,11 @@ class BlockRunner:
         out: list[torch.Tensor] = self.module(*ins)
         return out
 
-    def _inputs_copied(self) -> None:
+    def _inputs_copied(self, dma: bool = False) -> None:
         """Mark the end of a call's copies out of page-locked host inputs (torch's own copies from
-        such memory are asynchronous too), so :meth:`settle_inputs` waits for them, not for the
-        block's GPU work queued after them."""
-        if self._host_inputs:
+        such memory are asynchronous too; ``dma``: :meth:`_copy` queued one), so :meth:`settle_inputs`
+        waits for them, not for the block's GPU work queued after them. One event record a call."""
+        if self._host_inputs or dma:
             cuda.event_record(self._copied, self._stream)
             self._dma = True
 
@@ -279,9 +280,10 @@ class BlockRunner:
                 full = batch == g.static_ins[0].shape[0]  # the usual case at batch 1: no slicing calls
                 if lap is not None:
                     lap("run:checks")
+                dma = False
                 for static, x in zip(g.static_ins, xs, strict=True):
-                    self._copy(static if full else static[:batch], x)
-                self._inputs_copied()
+                    dma |= self._copy(static if full else static[:batch], x)
+                self._inputs_copied(dma)
                 if lap is not None:
                     lap("run:copy_in")  # a first block's host image: out of Triton's shared memory
                 g.graph.replay()
