@@ -104,8 +104,9 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
         return "\n".join([*lines, "No row has finished yet.", ""])
     metas = [res["meta"] for _, res in done]
     commits = sorted({m.get("commit", "?") for m in metas})
+    dates = sorted(m["date"] for m in metas)  # rows run in any order, and a run may resume another's
     lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
-              f"commit {', '.join(commits)}; rows started {metas[0]['date']} to {metas[-1]['date']}; MPS {'on' if metas[0].get('mps') else 'off'}; "
+              f"commit {', '.join(commits)}; rows started {dates[0]} to {dates[-1]}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "
               "range, batch 1: p50 at concurrency 1 (throughput at 32). Compare within a row: these machines drift by up to 40%.",
               "", *HEADER]

@@ -16,9 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "h100" / "like_for_like-2026-11-25-bbab3a1"
 
 
-@pytest.mark.parametrize(("results", "measured"), [(RESULTS.with_name("like_for_like-2026-11-27-2463fce"), lfl.ROWS[:2]),
-                                                   (RESULTS.with_name("like_for_like-2026-11-26-9364086"), lfl.ROWS),
-                                                   (RESULTS.with_name("like_for_like-2026-11-26-1554e1b"), lfl.ROWS)],
+HOST_ROWS = tuple(r for r in lfl.ROWS if r.input == "host")
+
+
+@pytest.mark.parametrize(("results", "measured"), [(RESULTS.with_name("like_for_like-2026-11-27-dd9afb6"), HOST_ROWS),
+                                                   (RESULTS.with_name("like_for_like-2026-11-27-2463fce"), lfl.ROWS[:2]),
+                                                   (RESULTS.with_name("like_for_like-2026-11-26-9364086"), lfl.ROWS)],
                          ids=lambda p: p.name if isinstance(p, Path) else str(len(p)))
 def test_readmes_tables_are_the_summaries_of_the_committed_results(results: Path, measured: tuple[lfl.Row, ...]) -> None:
     md = lfl.summary(results, measured)
@@ -29,6 +32,12 @@ def test_readmes_tables_are_the_summaries_of_the_committed_results(results: Path
         assert row in readme, row
     assert f"commit {results.name.rsplit('-', 1)[1]}" in md and "Not measured yet" not in md
     assert (results / "like_for_like.md").read_text() == md  # as committed
+
+
+def test_the_rows_dates_span_from_the_first_started_to_the_last() -> None:
+    # dd9afb6's rows ran tf32, fp32, then fp16: the table's order is not the order they ran in.
+    md = lfl.summary(RESULTS.with_name("like_for_like-2026-11-27-dd9afb6"), HOST_ROWS)
+    assert "rows started 2026-11-27 10:32:24 UTC to 2026-11-27 10:49:32 UTC" in md
 
 
 def test_each_row_is_checked_against_the_targets() -> None:
