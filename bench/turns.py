@@ -109,7 +109,8 @@ def run_turns(ap: argparse.ArgumentParser, args: argparse.Namespace, tool: str, 
     args.out.mkdir(parents=True, exist_ok=True)
     tag = Path(report).stem
     for name, value in zip(turn_names(values), values, strict=True):
-        if done(args.out / name):
+        if done(args.out / name):  # a run cut short, resumed: say so, as a reused --out would be a surprise
+            print(f"[{tag}] {name}: already measured in {args.out / name}, not run again", flush=True)
             continue
         cmd, environ = turn_call([*command(args.out / name), *also], args.env, args.option, value)
         print(f"[{tag}] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)

@@ -119,3 +119,17 @@ def test_a_turns_value_that_is_a_path_names_its_directory() -> None:
     assert turns.turn_names(["/tmp/r50_x1.yaml", "plans/b.yaml"]) == ["1__tmp_r50_x1.yaml", "2_plans_b.yaml"]
     cmd, _ = turns.turn_call(["python", "-m", "blockflow", "bench", "--plan", "plans/a.yaml"], None, "--plan", "plans/b.yaml")
     assert cmd[-2:] == ["--plan", "plans/b.yaml"]  # the last --plan is the one argparse keeps
+
+
+def test_turns_already_measured_in_the_output_directory_are_named_and_not_run_again(tmp_path: Path) -> None:
+    from blockflow.bench import turns
+
+    row = lfl.ROWS[0]
+    for name in turns.turn_names(["0", "1"]):
+        shutil.copytree(RESULTS / row.name, tmp_path / name / row.name)
+    run = subprocess.run([sys.executable, "-m", "blockflow.bench.turns", "--env", "X", "--values", "0,1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    for name in turns.turn_names(["0", "1"]):
+        assert f"[turns] {name}: already measured in {tmp_path / name}, not run again" in run.stdout
+    assert "| 2 | X=1 |" in (tmp_path / "turns.md").read_text()
