@@ -61,31 +61,49 @@ def finished(out: Path, row: Row) -> dict[str, Any] | None:
     return res if res.get("meta", {}).get("complete", False) else None
 
 
-def _ok(conc: dict[str, Any], model: str) -> bool:
-    """Whether ``model`` has both figures (a model that failed in a run has an ``error`` instead)."""
-    return all(c in conc.get(model, {}) and "error" not in conc[model][c] for c in ("1", "32"))
+def _figure(conc: dict[str, Any], model: str, c: str) -> dict[str, Any] | None:
+    """``model``'s figures at concurrency ``c``, if it was measured there and did not fail."""
+    fig: dict[str, Any] | None = conc.get(model, {}).get(c)
+    return fig if fig is not None and "error" not in fig else None
+
+
+def _failed(conc: dict[str, Any], model: str) -> bool:
+    """Whether ``model`` ran and failed (an ``error`` at a concurrency, or no figure at all)."""
+    runs = conc.get(model)
+    if runs is None:
+        return False
+    return any("error" in fig for fig in runs.values()) or all(_figure(conc, model, c) is None for c in ("1", "32"))
 
 
 def _c1_c32(conc: dict[str, Any], model: str, throughput_spread: bool = True) -> str:
-    if not _ok(conc, model):
-        return "failed" if model in conc else "—"
-    c1, c32 = conc[model]["1"], conc[model]["32"]
-    return (f"{c1['p50_ms']:.2f} ms{spread_text(c1, 'p50_ms')} ({c32['throughput']:.0f}/s"
-            f"{spread_text(c32, 'throughput') if throughput_spread else ''})")
+    """``p50 at c1 (throughput at c32)``; a run at one concurrency only (``--concurrency 1`` in turns) shows that one."""
+    if _failed(conc, model):
+        return "failed"
+    c1, c32 = _figure(conc, model, "1"), _figure(conc, model, "32")
+    if c1 is None and c32 is None:
+        return "—"
+    text = f"{c1['p50_ms']:.2f} ms{spread_text(c1, 'p50_ms')}" if c1 is not None else "—"
+    if c32 is not None:
+        text += f" ({c32['throughput']:.0f}/s{spread_text(c32, 'throughput') if throughput_spread else ''})"
+    return text
 
 
 def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | None]:
-    """The row's line of the table, and its split/mono c1 ratio, c32 ratio and hop (None where either failed)."""
+    """The row's line of the table, and its split/mono c1 ratio, c32 ratio and hop (None where either model
+    failed; a ratio at a concurrency that was not measured is left out)."""
     conc = res["concurrency"]
-    if not (_ok(conc, SPLIT) and _ok(conc, MONO)):
+    if _failed(conc, SPLIT) or _failed(conc, MONO) or SPLIT not in conc or MONO not in conc:
         cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT), "—", "—", *(_c1_c32(conc, m, False) for m in OTHERS)]
         return "| " + " | ".join(cells) + " |", None
-    c1 = {m: conc[m]["1"]["p50_ms"] for m in (SPLIT, MONO)}
-    c32 = {m: conc[m]["32"]["throughput"] for m in (SPLIT, MONO)}
-    hops = max(1, len(res.get("path", [])) - 1)
-    figures = {"c1_ratio": c1[SPLIT] / c1[MONO], "c32_ratio": c32[SPLIT] / c32[MONO], "hop_ms": (c1[SPLIT] - c1[MONO]) / hops}
-    cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT),
-             f"{figures['c1_ratio']:.2f}×, {figures['c32_ratio']:.2f}×", f"{figures['hop_ms']:.2f} ms",
+    figures: dict[str, float] = {}
+    if (s1 := _figure(conc, SPLIT, "1")) is not None and (m1 := _figure(conc, MONO, "1")) is not None:
+        hops = max(1, len(res.get("path", [])) - 1)
+        figures |= {"c1_ratio": s1["p50_ms"] / m1["p50_ms"], "hop_ms": (s1["p50_ms"] - m1["p50_ms"]) / hops}
+    if (s32 := _figure(conc, SPLIT, "32")) is not None and (m32 := _figure(conc, MONO, "32")) is not None:
+        figures["c32_ratio"] = s32["throughput"] / m32["throughput"]
+    ratios = ", ".join(f"{figures[k]:.2f}×" if k in figures else "—" for k in ("c1_ratio", "c32_ratio"))
+    cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT), ratios,
+             f"{figures['hop_ms']:.2f} ms" if "hop_ms" in figures else "—",
              *(_c1_c32(conc, m, throughput_spread=False) for m in OTHERS)]
     return "| " + " | ".join(cells) + " |", figures
 
@@ -114,7 +132,7 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
     for row, res in done:
         line, f = table_row(row, res)
         lines.append(line)
-        if f is None:
+        if f is None or len(f) < 3:  # the rows run at both concurrencies: a figure missing is a failure
             checks.append(f"- {row.label}: not compared, the split or the unsplit model failed (its report.md says why)")
             continue
         checks.append(f"- {row.label}: hop {_verdict(f['hop_ms'], HOP_MS, True, ' ms')}; split/mono c1 "

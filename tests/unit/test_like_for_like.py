@@ -133,3 +133,24 @@ def test_turns_already_measured_in_the_output_directory_are_named_and_not_run_ag
     for name in turns.turn_names(["0", "1"]):
         assert f"[turns] {name}: already measured in {tmp_path / name}, not run again" in run.stdout
     assert "| 2 | X=1 |" in (tmp_path / "turns.md").read_text()
+
+
+def test_a_turn_measured_at_concurrency_1_only_shows_its_c1_figures(tmp_path: Path) -> None:
+    """``turns --also="--concurrency 1"``: the c32 cells stay empty and the turn is compared, not called failed."""
+    from blockflow.bench import turns
+
+    row = lfl.ROWS[0]
+    res = json.loads((RESULTS / row.name / "results.json").read_text())
+    for model in res["concurrency"].values():
+        del model["32"]
+    line, figures = lfl.table_row(row, res)
+    assert "failed" not in line and "/s" not in line and figures is not None and set(figures) == {"c1_ratio", "hop_ms"}
+    assert f"| {figures['c1_ratio']:.2f}×, — | {figures['hop_ms']:.2f} ms |" in line
+    (tmp_path / "1_0" / row.name).mkdir(parents=True)
+    (tmp_path / "1_0" / row.name / "results.json").write_text(json.dumps(res))
+    md = turns.summary(tmp_path, "X", ["0", "1"], row)
+    assert "| 1 | X=0 | " in md and "| 2 | X=1: not finished |" in md
+    # A model that failed at c32 is still a failure.
+    failed = json.loads((RESULTS / row.name / "results.json").read_text())
+    failed["concurrency"][lfl.SPLIT]["32"] = {"error": "perf_analyzer failed"}
+    assert lfl.table_row(row, failed)[1] is None and "| failed |" in lfl.table_row(row, failed)[0]
