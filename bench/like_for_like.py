@@ -114,6 +114,12 @@ def _verdict(value: float, target: float, at_most: bool, unit: str = "×") -> st
     return f"{value:.3f}{unit} ({'meets' if met else 'misses'} {'≤' if at_most else '≥'} {target:g}{unit})"
 
 
+def started_span(metas: list[dict[str, Any]]) -> str:
+    """``EARLIEST to LATEST`` of the runs' start dates: rows and turns run in any order, and a run may resume another's."""
+    dates = sorted(m["date"] for m in metas)
+    return f"{dates[0]} to {dates[-1]}"
+
+
 def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
     """``like_for_like.md``: what was measured, the table and each row against the targets."""
     done = [(row, res) for row in rows if (res := finished(out, row)) is not None]
@@ -122,9 +128,8 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
         return "\n".join([*lines, "No row has finished yet.", ""])
     metas = [res["meta"] for _, res in done]
     commits = sorted({m.get("commit", "?") for m in metas})
-    dates = sorted(m["date"] for m in metas)  # rows run in any order, and a run may resume another's
     lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
-              f"commit {', '.join(commits)}; rows started {dates[0]} to {dates[-1]}; MPS {'on' if metas[0].get('mps') else 'off'}; "
+              f"commit {', '.join(commits)}; rows started {started_span(metas)}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "
               "range, batch 1: p50 at concurrency 1 (throughput at 32). Compare within a row: these machines drift by up to 40%.",
               "", *HEADER]

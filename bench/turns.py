@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, table_row
+from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, started_span, table_row
 
 
 def turn_names(values: list[str]) -> list[str]:
@@ -54,7 +54,7 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
         return "\n".join([*lines, "No turn has finished yet.", ""])
     metas = [res["meta"] for res in done.values()]
     lines += [f"Plan `{metas[0]['plan']}`, task `{next(iter(done.values()))['task']}`; {metas[0]['device']}; commit "
-              f"{', '.join(sorted({m.get('commit', '?') for m in metas}))}; turns started {min(m['date'] for m in metas)} to {max(m['date'] for m in metas)}; "
+              f"{', '.join(sorted({m.get('commit', '?') for m in metas}))}; turns started {started_span(metas)}; "
               f"a fresh server per turn{f' (every one with `{shlex.join(also)}`)' if also else ''}; "
               f"median of {metas[0].get('repeats', 1)} runs ± half their range, batch 1.", "",
               "| turn | " + HEADER[0].lstrip("| "), "|---" + HEADER[1]]
