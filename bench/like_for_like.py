@@ -137,7 +137,7 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
     for row, res in done:
         line, f = table_row(row, res)
         lines.append(line)
-        if f is None or len(f) < 3:  # the rows run at both concurrencies: a figure missing is a failure
+        if f is None or not {"c1_ratio", "c32_ratio", "hop_ms"} <= set(f):  # the rows run at both concurrencies: a figure missing is a failure
             checks.append(f"- {row.label}: not compared, the split or the unsplit model failed (its report.md says why)")
             continue
         checks.append(f"- {row.label}: hop {_verdict(f['hop_ms'], HOP_MS, True, ' ms')}; split/mono c1 "
