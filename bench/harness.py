@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from blockflow.bench import stamp
 from blockflow.core import env, nvml
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan
@@ -40,8 +41,10 @@ def served(plan: Plan, prefix: str = "bench-", start_timeout: float = 900.0, **o
 
 
 def commit() -> str:
-    """The commit a report names: ``$BLOCKFLOW_COMMIT``, else git's, marked ``-dirty`` when the tree differs from it."""
-    named = os.environ.get(env.COMMIT)
+    """The commit a report names: ``$BLOCKFLOW_COMMIT``, else that of a stamp this tree matches
+    (:mod:`blockflow.bench.stamp`, the GPU machines' copies), else git's, marked ``-dirty`` when the
+    tree differs from it."""
+    named = os.environ.get(env.COMMIT) or stamp.verified()
     if named:
         return named
     res = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True, check=False)

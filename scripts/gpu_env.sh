@@ -25,3 +25,5 @@ export BLOCKFLOW_TRITON_HOME="$DEST/triton/pytriton/tritonserver"
 export PYTHONPATH="$ROOT:$DEST/site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$DEST/bin:$PATH"
 export PYTHONUNBUFFERED=1
+# Which commit the reports will name: the stamp written before the call (python -m blockflow.bench.stamp).
+python3 -m blockflow.bench.stamp --check || true
