@@ -1,0 +1,164 @@
+"""What the server's input path alone allows for a host-memory image: the ceiling under a first block.
+
+A first block and the unsplit model take the same path for a host image: perf_analyzer sends
+it over HTTP, Triton reads the body, the Python backend copies it into the stub's shared memory
+and wakes the stub. A *sink* model here takes that path and does nothing else: a Python-backend
+model configured as a first block is (``IMAGE`` fp32 3×224×224, ``max_batch_size`` 32, Triton's
+dynamic batcher with no delay, ``FORCE_CPU_ONLY_INPUT_TENSORS: no``) that answers every request
+with a 256-byte output, a ticket's size, without reading its input. Measured alone with one and
+with two instances (is the ceiling a stub's or the server's?) and behind a one-step ensemble (a
+task's entry), at concurrency 1 and 32, in turns on one server.
+
+If the sink's c32 throughput is close to the unsplit model's with host inputs, no split can serve
+much more than the unsplit model at c32 with host inputs, whatever its blocks do.
+
+    python -m blockflow.bench.input_ceiling --out DIR [--seconds 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from blockflow.bench.harness import commit, device_name
+from blockflow.bench.perf_analyzer import median_of, perf_analyzer
+from blockflow.bench.suite import delta, model_stats
+from blockflow.triton.server import ServerOptions, TritonServer
+
+IMAGE = (3, 224, 224)
+TICKET = 256
+CONCURRENCY = (1, 32)
+SINK_MODEL = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.out = np.zeros((1, 256), dtype=np.uint8)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.out)]) for _ in requests]
+"""
+
+
+def _sink_config(name: str, instances: int) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=32)
+    cfg.input.add(name="IMAGE", data_type=mc.TYPE_FP32, dims=list(IMAGE))
+    cfg.output.add(name="OUT", data_type=mc.TYPE_UINT8, dims=[TICKET])
+    cfg.instance_group.add(count=instances)
+    cfg.dynamic_batching.SetInParent()
+    cfg.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
+    return cfg
+
+
+def _entry_config(name: str, model: str) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=name, platform="ensemble", max_batch_size=32)
+    cfg.input.add(name="IMAGE", data_type=mc.TYPE_FP32, dims=list(IMAGE))
+    cfg.output.add(name="OUT", data_type=mc.TYPE_UINT8, dims=[TICKET])
+    step = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+    step.input_map["IMAGE"] = "IMAGE"
+    step.output_map["OUT"] = "OUT"
+    return cfg
+
+
+MEASURED = {"sink, 1 instance": "sink_i1", "sink, 2 instances": "sink_i2", "sink behind a 1-step ensemble": "entry_i1"}
+
+
+def write_repository(repo: Path) -> None:
+    for cfg in (_sink_config("sink_i1", 1), _sink_config("sink_i2", 2), _entry_config("entry_i1", "sink_i1")):
+        d = repo / cfg.name
+        (d / "1").mkdir(parents=True)
+        (d / "config.pbtxt").write_text(text_format.MessageToString(cfg))
+        if cfg.backend == "python":
+            (d / "1" / "model.py").write_text(SINK_MODEL)
+
+
+def _per_request(d: dict[str, int]) -> dict[str, float]:
+    """Triton's phases per request (µs) and requests per execution, from a statistics delta."""
+    n = max(d.get("requests", 0), 1)
+    out = {k: d.get(f"{k}_ns", 0) / n / 1e3 for k in ("queue", "compute_input", "compute_infer", "compute_output")}
+    out["batch"] = d.get("inferences", 0) / max(d.get("executions", 0), 1)
+    return out
+
+
+def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
+    repo = Path(tempfile.mkdtemp(prefix="bench-input-ceiling-"))
+    write_repository(repo)
+    shape = "IMAGE:" + ",".join(map(str, IMAGE))
+    runs: dict[str, list[dict[str, Any]]] = {}
+    stats: dict[str, dict[str, float]] = {}
+    with TritonServer(ServerOptions.on_free_ports([repo])) as server:
+        for model in MEASURED.values():  # warm-up, not recorded
+            perf_analyzer(server.http_url, model, shape, 1, seconds / 2, concurrency=8)
+        for _, model, c in itertools.product(range(repeats), MEASURED.values(), CONCURRENCY):
+            before = model_stats(server.http_url)
+            r = perf_analyzer(server.http_url, model, shape, 1, seconds, concurrency=c)
+            if "error" in r:
+                raise RuntimeError(f"perf_analyzer on {model} at c{c}: {r.get('message', r)}")
+            runs.setdefault(f"{model}|c{c}", []).append(r)
+            if c == max(CONCURRENCY):
+                sink = "sink_i1" if model == "entry_i1" else model
+                stats[model] = _per_request(delta(model_stats(server.http_url), before)[sink])
+    figures = {key: median_of(rs) for key, rs in runs.items()}
+    result = {
+        "meta": {
+            "device": device_name(),
+            "commit": commit(),
+            "cpus": len(os.sched_getaffinity(0)),
+            "seconds": seconds,
+            "repeats": repeats,
+            "input": "host",
+            "image": list(IMAGE),
+        },
+        "figures": figures,
+        "stats_c32_last_run": stats,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "report.md").write_text(report(result))
+    return result
+
+
+def report(res: dict[str, Any]) -> str:
+    meta, fig = res["meta"], res["figures"]
+    c_hi = max(CONCURRENCY)
+    lines = [
+        f"# The input path's ceiling on {meta['device']} ({meta['cpus']} CPUs), commit {meta['commit']}",
+        "",
+        f"perf_analyzer over HTTP, host-memory fp32 images {'×'.join(map(str, meta['image']))}, batch 1, "
+        f"{meta['seconds']} s windows, median of {meta['repeats']} runs taken in turns ± half their range. "
+        "The sink answers without reading its input.",
+        "",
+        f"| model | c1 p50 | c{c_hi} throughput | c{c_hi} p50 | requests per execution at c{c_hi} | "
+        f"compute input, infer per request at c{c_hi} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, model in MEASURED.items():
+        lo, hi, s = fig[f"{model}|c1"], fig[f"{model}|c{c_hi}"], res["stats_c32_last_run"].get(model, {})
+        lines.append(
+            f"| {label} | {lo['p50_ms']:.3f} ms ±{lo['spread']['p50_ms'] / 2:.0%} | "
+            f"{hi['throughput']:.0f}/s ±{hi['spread']['throughput'] / 2:.0%} | {hi['p50_ms']:.2f} ms | "
+            f"{s.get('batch', 0):.1f} | {s.get('compute_input', 0):.0f}, {s.get('compute_infer', 0):.0f} µs |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(report(run(args.out, args.seconds, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
