@@ -6,8 +6,9 @@ and wakes the stub. A *sink* model here takes that path and does nothing else: a
 model configured as a first block is (``IMAGE`` fp32 3×224×224, ``max_batch_size`` 32, Triton's
 dynamic batcher with no delay, ``FORCE_CPU_ONLY_INPUT_TENSORS: no``) that answers every request
 with a 256-byte output, a ticket's size, without reading its input. Measured alone with one and
-with two instances (is the ceiling a stub's or the server's?) and behind a one-step ensemble (a
-task's entry), at concurrency 1 and 32, in turns on one server.
+with two instances (is the ceiling a stub's or the server's?), behind a one-step ensemble (a
+task's entry), and with the malloc thresholds every block process sets (:mod:`blockflow.backend.heap`),
+at concurrency 1 and 32, in turns on one server.
 
 If the sink's c32 throughput is close to the unsplit model's with host inputs, no split can serve
 much more than the unsplit model at c32 with host inputs, whatever its blocks do.
@@ -28,6 +29,7 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from blockflow.backend import heap
 from blockflow.bench.harness import commit, device_name
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.suite import delta, model_stats
@@ -36,17 +38,32 @@ from blockflow.triton.server import ServerOptions, TritonServer
 IMAGE = (3, 224, 224)
 TICKET = 256
 CONCURRENCY = (1, 32)
-SINK_MODEL = """import numpy as np
+SINK_MODEL = """import ctypes
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        if KEEP_HEAP:  # what blockflow.backend.heap does in every block process
+            mallopt = ctypes.CDLL(None).mallopt
+            mallopt(heap.M_TRIM_THRESHOLD, heap.TRIM_THRESHOLD)
+            mallopt(heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
         self.out = np.zeros((1, 256), dtype=np.uint8)
 
     def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", self.out)]) for _ in requests]
 """
+
+
+def sink_model(keep_heap: bool) -> str:
+    """The sink's source; ``keep_heap``: with a block's malloc thresholds (:mod:`blockflow.backend.heap`)."""
+    consts = {"KEEP_HEAP": keep_heap, "heap.M_TRIM_THRESHOLD": heap.M_TRIM_THRESHOLD, "heap.TRIM_THRESHOLD": heap.TRIM_THRESHOLD,
+              "heap.M_MMAP_THRESHOLD": heap.M_MMAP_THRESHOLD, "heap.MMAP_THRESHOLD": heap.MMAP_THRESHOLD}
+    src = SINK_MODEL
+    for name, value in consts.items():
+        src = src.replace(name, repr(value))
+    return src
 
 
 def _sink_config(name: str, instances: int) -> mc.ModelConfig:
@@ -69,20 +86,27 @@ def _entry_config(name: str, model: str) -> mc.ModelConfig:
     return cfg
 
 
-MEASURED = {"sink, 1 instance": "sink_i1", "sink, 2 instances": "sink_i2", "sink behind a 1-step ensemble": "entry_i1"}
+MEASURED = {
+    "sink, 1 instance": "sink_i1",
+    "sink, 2 instances": "sink_i2",
+    "sink behind a 1-step ensemble": "entry_i1",
+    "sink, 1 instance, malloc thresholds kept": "keep_i1",
+}
 
 
 def write_repository(repo: Path) -> None:
-    for cfg in (_sink_config("sink_i1", 1), _sink_config("sink_i2", 2), _entry_config("entry_i1", "sink_i1")):
+    configs = (_sink_config("sink_i1", 1), _sink_config("sink_i2", 2), _entry_config("entry_i1", "sink_i1"), _sink_config("keep_i1", 1))
+    for cfg in configs:
         d = repo / cfg.name
         (d / "1").mkdir(parents=True)
         (d / "config.pbtxt").write_text(text_format.MessageToString(cfg))
         if cfg.backend == "python":
-            (d / "1" / "model.py").write_text(SINK_MODEL)
+            (d / "1" / "model.py").write_text(sink_model(keep_heap=cfg.name.startswith("keep")))
 
 
-def _per_request(d: dict[str, int]) -> dict[str, float]:
-    """Triton's phases per request (µs) and requests per execution, from a statistics delta."""
+def _per_execution(d: dict[str, int]) -> dict[str, float]:
+    """Triton's phases per execution (µs; Triton adds a batch's time once for each request in it,
+    so the sum divided by requests is per execution) and requests per execution, from a statistics delta."""
     n = max(d.get("requests", 0), 1)
     out = {k: d.get(f"{k}_ns", 0) / n / 1e3 for k in ("queue", "compute_input", "compute_infer", "compute_output")}
     out["batch"] = d.get("inferences", 0) / max(d.get("executions", 0), 1)
@@ -106,7 +130,7 @@ def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
             runs.setdefault(f"{model}|c{c}", []).append(r)
             if c == max(CONCURRENCY):
                 sink = "sink_i1" if model == "entry_i1" else model
-                stats[model] = _per_request(delta(model_stats(server.http_url), before)[sink])
+                stats[model] = _per_execution(delta(model_stats(server.http_url), before)[sink])
     figures = {key: median_of(rs) for key, rs in runs.items()}
     result = {
         "meta": {
@@ -138,7 +162,7 @@ def report(res: dict[str, Any]) -> str:
         "The sink answers without reading its input.",
         "",
         f"| model | c1 p50 | c{c_hi} throughput | c{c_hi} p50 | requests per execution at c{c_hi} | "
-        f"compute input, infer per request at c{c_hi} |",
+        f"compute input, infer per execution at c{c_hi} |",
         "|---|---|---|---|---|---|",
     ]
     for label, model in MEASURED.items():

@@ -30,6 +30,8 @@ def test_the_sink_is_configured_as_the_first_block_is(tmp_path: Path) -> None:
     assert _config(tmp_path / "sink" / "sink_i2" / "config.pbtxt").instance_group[0].count == 2
     entry = _config(tmp_path / "sink" / "entry_i1" / "config.pbtxt")
     assert [s.model_name for s in entry.ensemble_scheduling.step] == ["sink_i1"]
+    assert "mallopt(-1, 268435456)" in (tmp_path / "sink" / "keep_i1" / "1" / "model.py").read_text()
+    assert "if False:" in (tmp_path / "sink" / "sink_i1" / "1" / "model.py").read_text()
 
 
 def test_the_report_gives_each_model_its_figures() -> None:
@@ -41,4 +43,4 @@ def test_the_report_gives_each_model_its_figures() -> None:
     }
     text = input_ceiling.report(res)
     assert "| sink, 1 instance | 1.000 ms ±5% | 2000/s ±2% | 1.00 ms | 6.5 | 400, 90 µs |" in text
-    assert text.count("\n| sink") == 3
+    assert text.count("\n| sink") == 4
