@@ -30,7 +30,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
-from blockflow.backend import heap, instance_args
+from blockflow.backend import instance_args
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.monitor import BlockMonitor, metric_labels
 from blockflow.backend.replies import EarlyReply, Packed, error, failed_response, failure_code, packer, split, ticket_tensor
@@ -58,9 +58,6 @@ class TritonPythonModel:
         # written on its ready line: live plan changes wait for it.
         t0 = time.monotonic()
         started = max(0.0, time.time() - psutil.Process().create_time())
-        # Before any request: the stub copies each host input into a new array, which glibc would
-        # otherwise hand back to the kernel and fault in again, page by page, at every batch.
-        heap.keep_freed_memory()
         # First: a block whose server dies while it builds or warms up exits too.
         self.watch = ServerWatch(f"{args['model_name']} instance {args['model_instance_name']}")
         # `kill -USR2 <block pid>`: every thread's Python stack to the stub's stderr (the server's log),

@@ -30,7 +30,7 @@ def test_the_sink_is_configured_as_the_first_block_is(tmp_path: Path) -> None:
     assert _config(tmp_path / "sink" / "sink_i2" / "config.pbtxt").instance_group[0].count == 2
     entry = _config(tmp_path / "sink" / "entry_i1" / "config.pbtxt")
     assert [s.model_name for s in entry.ensemble_scheduling.step] == ["sink_i1"]
-    assert "mallopt(-1, 268435456)" in (tmp_path / "sink" / "keep_i1" / "1" / "model.py").read_text()
+    assert "mallopt(-1, 256 << 20)" in (tmp_path / "sink" / "keep_i1" / "1" / "model.py").read_text()
     assert "if False:" in (tmp_path / "sink" / "sink_i1" / "1" / "model.py").read_text()
 
 
