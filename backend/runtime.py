@@ -122,12 +122,6 @@ class BlockRunner:
         self._pins = HostPins() if pin else None
         self._copied = cuda.event_create() if self._pins is not None else 0  # after the last DMA queued
         self._dma = False  # a DMA out of host inputs was queued (and _copied recorded after it)
-        # A call of several host images joins them on a stream of its own. On the block's stream the
-        # DMAs would queue behind the previous call's GPU work, which under load waits for time slices
-        # behind the other block processes, and the call waits for its DMAs before it returns.
-        own = self._pins is not None and os.environ.get(env.COPY_STREAM) != "0"
-        # (the join stream, the block's stream as torch's object)
-        self._join = (torch.cuda.Stream(device), torch.cuda.current_stream(device)) if own else None  # type: ignore[no-untyped-call]
         self._host_inputs = False  # torch's copies read page-locked host inputs: wait for the stream
 
     def _zeros(self, batch: int) -> list[torch.Tensor]:
@@ -313,29 +307,15 @@ class BlockRunner:
         """Each input's per-request tensors as one batch on this device (``torch.cat``), by DMA out
         of page-locked host memory where they are there (see :meth:`settle_inputs`)."""
         out = []
-        stream = self._stream
         for parts in columns:
-            joined = None
-            if self._pins is not None and self._join is not None:
-                side, compute = self._join
-                # Allocated for the join stream, and marked as read by the block's, so torch's allocator
-                # reuses its memory only once both are done with it.
-                with torch.cuda.stream(side):
-                    joined = join_to_device(self._pins, parts, self.device, side.cuda_stream)
-                if joined is not None:
-                    joined.record_stream(compute)
-                    stream = side.cuda_stream
-            elif self._pins is not None:
-                joined = join_to_device(self._pins, parts, self.device, self._stream)
+            joined = None if self._pins is None else join_to_device(self._pins, parts, self.device, self._stream)
             if joined is None:
                 joined = torch.cat([p.to(self.device) for p in parts])
             else:
                 self._dma = True
             out.append(joined)
         if self._dma:
-            cuda.event_record(self._copied, stream)
-            if stream != self._stream:  # the block's GPU work reads the joined batch after the DMAs
-                cuda.stream_wait_event(self._stream, self._copied)
+            cuda.event_record(self._copied, self._stream)
         return out
 
     @property

@@ -48,7 +48,6 @@ KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cac
 TMQ_PREPARE = "BLOCKFLOW_TMQ_PREPARE"  # "0": TensorMQ producers reserve and sign every batch on the request's path
 TMQ_EARLY = "BLOCKFLOW_TMQ_EARLY"  # "0": a TensorMQ block answers only after queuing its GPU work (backend/replies.py)
 PIN_HOST_INPUTS = "BLOCKFLOW_PIN_HOST_INPUTS"  # "0": a first block's host images go to the GPU through the driver's staging (backend/host_pins.py)
-COPY_STREAM = "BLOCKFLOW_COPY_STREAM"  # "0": a first block joins its host images on its own stream, behind its GPU work (backend/runtime.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
 # -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
