@@ -162,6 +162,8 @@ def report(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for label, model in MEASURED.items():
+        if f"{model}|c1" not in fig:  # a run before this model was measured
+            continue
         lo, hi, s = fig[f"{model}|c1"], fig[f"{model}|c{c_hi}"], res["stats_c32_last_run"].get(model, {})
         lines.append(
             f"| {label} | {lo['p50_ms']:.3f} ms ±{lo['spread']['p50_ms'] / 2:.0%} | "
