@@ -3,6 +3,7 @@ and by each block process about its server (``blockflow.backend.server_watch``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -12,6 +13,18 @@ def stat_fields(pid: int, thread: int | None = None) -> list[str]:
     the process is gone."""
     path = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
     return path.read_text().rsplit(")", 1)[-1].split()
+
+
+def processes() -> Iterator[tuple[int, list[str]]]:
+    """Each process on the machine, zombies included, with its :func:`stat_fields` (one that ends
+    while the walk reads it is left out)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            yield int(entry.name), stat_fields(int(entry.name))
+        except OSError:
+            continue
 
 
 def exiting(pid: int) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from blockflow.core.errors import TritonApiError
-from blockflow.core.procfs import stat_fields
+from blockflow.core.procfs import processes, stat_fields
 from blockflow.triton.api import TritonApi
 
 
@@ -35,20 +35,9 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def _processes() -> Iterable[tuple[int, list[str]]]:
-    """Each process, zombies included, with its :func:`stat_fields`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            yield int(entry.name), stat_fields(int(entry.name))
-        except OSError:
-            continue
-
-
 def _group(pgid: int) -> Iterable[tuple[int, list[str]]]:
     """Each process in group ``pgid``, zombies included, with its :func:`stat_fields`."""
-    return ((pid, fields) for pid, fields in _processes() if len(fields) > 2 and int(fields[2]) == pgid)
+    return ((pid, fields) for pid, fields in processes() if len(fields) > 2 and int(fields[2]) == pgid)
 
 
 def _dead(pid: int, fields: list[str]) -> bool:
@@ -107,7 +96,7 @@ def reap_adopted(name: str, timeout: float, environ: str = "") -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
         waiting = False
-        for pid, fields in _processes():
+        for pid, fields in processes():
             if int(fields[1]) != me:
                 continue
             try:

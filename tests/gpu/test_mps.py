@@ -22,7 +22,7 @@ SCENARIO = r"""
 import ctypes, json, os, subprocess, sys, time
 from pathlib import Path
 from blockflow.triton.mps import MpsDaemon
-from blockflow.triton.process_group import _processes
+from blockflow.core.procfs import processes
 assert ctypes.CDLL(None, use_errno=True).prctl(36, 1) == 0  # PR_SET_CHILD_SUBREAPER
 daemon = MpsDaemon(Path(sys.argv[1]))
 daemon.start()
@@ -33,7 +33,7 @@ servers = subprocess.run([sys.argv[2]], input="get_server_list\n", env=env, capt
 mine = f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir}".encode()
 def ours():
     out = []
-    for pid, fields in _processes():
+    for pid, fields in processes():
         try:
             if mine in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 out.append((pid, (Path(f"/proc/{pid}/comm")).read_text().strip(), fields[0], int(fields[1]) == os.getpid()))
@@ -43,7 +43,7 @@ def ours():
 running = ours()
 daemon.stop()
 # A zombie's environment reads empty: look for the same PIDs, in any state.
-left = [(pid, fields[0]) for pid, fields in _processes() if pid in {r[0] for r in running}]
+left = [(pid, fields[0]) for pid, fields in processes() if pid in {r[0] for r in running}]
 print(json.dumps({"client": client.stdout.strip(), "client_err": client.stderr[-500:], "servers": servers.stdout.split(),
                   "running": running, "left": left}))
 """
