@@ -7,8 +7,8 @@ model configured as a first block is (``IMAGE`` fp32 3×224×224, ``max_batch_si
 dynamic batcher with no delay, ``FORCE_CPU_ONLY_INPUT_TENSORS: no``) that answers every request
 with a 256-byte output, a ticket's size, without reading its input. Measured alone with one and
 with two instances (is the ceiling a stub's or the server's?), behind a one-step ensemble (a
-task's entry), and with the malloc thresholds every block process sets (:mod:`blockflow.backend.heap`),
-at concurrency 1 and 32, in turns on one server.
+task's entry), and with glibc's malloc thresholds fixed in its stub (``mallopt``: the stub's copy
+of each input then reuses mapped pages), at concurrency 1 and 32, in turns on one server.
 
 If the sink's c32 throughput is close to the unsplit model's with host inputs, no split can serve
 much more than the unsplit model at c32 with host inputs, whatever its blocks do.
