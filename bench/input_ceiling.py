@@ -11,9 +11,12 @@ task's entry), and with glibc's malloc thresholds fixed in its stub (``mallopt``
 of each input then reuses mapped pages), at concurrency 1 and 32, in turns on one server.
 
 If the sink's c32 throughput is close to the unsplit model's with host inputs, no split can serve
-much more than the unsplit model at c32 with host inputs, whatever its blocks do.
+much more than the unsplit model at c32 with host inputs, whatever its blocks do. ``--plan`` serves
+that plan's first task too, split and as its unsplit CUDA graph (``--precision``), in the same
+server, measured in the same turns: sink and models side by side in one run.
 
-    python -m blockflow.bench.input_ceiling --out DIR [--seconds 2] [--repeats 3]
+    python -m blockflow.bench.input_ceiling --out DIR [--plan plans/bench_r50.yaml --precision fp16]
+        [--seconds 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from blockflow.bench.harness import commit, device_name
+from blockflow.bench.harness import commit, device_name, rendered
+from blockflow.bench.load_anatomy import split_and_graph
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
-from blockflow.bench.suite import delta, model_stats
+from blockflow.bench.suite import delta, model_stats, task_models
+from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
 IMAGE = (3, 224, 224)
@@ -109,24 +114,42 @@ def _per_execution(d: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
+def plan_models(plan_path: Path, precision: str | None) -> tuple[Path, dict[str, str], dict[str, str]]:
+    """The plan's first task, split and as its unsplit CUDA graph: its rendered repository, label ->
+    model, and model -> the model whose statistics stand for it (the split's first block)."""
+    plan = split_and_graph(load_plan(plan_path), precision)
+    task = next(iter(plan.tasks.values()))
+    if (shape := plan.block_in_shape(plan.blocks[task.path[0]])) != IMAGE:
+        raise ValueError(f"{plan_path}: task {task.name!r} takes {list(shape)} images; the sinks take {list(IMAGE)}")
+    models = task_models(plan, task.name)
+    graph, split = models["monolithic-graph"]["model"], models["tensormq"]
+    labels = {"the plan's unsplit CUDA graph": graph, f"the plan's {len(split['blocks'])}-block split": split["model"]}
+    return rendered(plan, "bench-input-ceiling-plan-"), labels, {graph: graph, split["model"]: split["blocks"][0]}
+
+
+def run(out: Path, seconds: float, repeats: int, plan: Path | None = None, precision: str | None = None) -> dict[str, Any]:
     repo = Path(tempfile.mkdtemp(prefix="bench-input-ceiling-"))
     write_repository(repo)
+    repos, measured, first = [repo], dict(MEASURED), {m: m for m in MEASURED.values()} | {"entry_i1": "sink_i1"}
+    if plan is not None:
+        plan_repo, labels, firsts = plan_models(plan, precision)
+        repos.append(plan_repo)
+        measured |= labels
+        first |= firsts
     shape = "IMAGE:" + ",".join(map(str, IMAGE))
     runs: dict[str, list[dict[str, Any]]] = {}
     stats: dict[str, dict[str, float]] = {}
-    with TritonServer(ServerOptions.on_free_ports([repo])) as server:
-        for model in MEASURED.values():  # warm-up, not recorded
+    with TritonServer(ServerOptions.on_free_ports(repos)) as server:
+        for model in measured.values():  # warm-up, not recorded
             perf_analyzer(server.http_url, model, shape, 1, seconds / 2, concurrency=8)
-        for _, model, c in itertools.product(range(repeats), MEASURED.values(), CONCURRENCY):
+        for _, model, c in itertools.product(range(repeats), measured.values(), CONCURRENCY):
             before = model_stats(server.http_url)
             r = perf_analyzer(server.http_url, model, shape, 1, seconds, concurrency=c)
             if "error" in r:
                 raise RuntimeError(f"perf_analyzer on {model} at c{c}: {r.get('message', r)}")
             runs.setdefault(f"{model}|c{c}", []).append(r)
             if c == max(CONCURRENCY):
-                sink = "sink_i1" if model == "entry_i1" else model
-                stats[model] = _per_execution(delta(model_stats(server.http_url), before)[sink])
+                stats[model] = _per_execution(delta(model_stats(server.http_url), before)[first[model]])
     figures = {key: median_of(rs) for key, rs in runs.items()}
     result = {
         "meta": {
@@ -137,7 +160,10 @@ def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
             "repeats": repeats,
             "input": "host",
             "image": list(IMAGE),
+            "plan": None if plan is None else str(plan),
+            "precision": precision,
         },
+        "models": measured,
         "figures": figures,
         "stats_c32_last_run": stats,
     }
@@ -155,13 +181,15 @@ def report(res: dict[str, Any]) -> str:
         "",
         f"perf_analyzer over HTTP, host-memory fp32 images {'×'.join(map(str, meta['image']))}, batch 1, "
         f"{meta['seconds']} s windows, median of {meta['repeats']} runs taken in turns ± half their range. "
-        "The sink answers without reading its input.",
+        "The sink answers without reading its input"
+        + (f"; the plan's models ({meta['plan']}, {meta.get('precision') or 'its precision'}) are in the same server, "
+           "their phases those of the first block." if meta.get("plan") else "."),
         "",
         f"| model | c1 p50 | c{c_hi} throughput | c{c_hi} p50 | requests per execution at c{c_hi} | "
         f"compute input, infer per execution at c{c_hi} |",
         "|---|---|---|---|---|---|",
     ]
-    for label, model in MEASURED.items():
+    for label, model in res.get("models", MEASURED).items():
         if f"{model}|c1" not in fig:  # a run before this model was measured
             continue
         lo, hi, s = fig[f"{model}|c1"], fig[f"{model}|c{c_hi}"], res["stats_c32_last_run"].get(model, {})
@@ -178,8 +206,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plan", type=Path, default=None, help="also serve this plan's first task, split and unsplit")
+    ap.add_argument("--precision", default=None, help="the plan's blocks in this precision (default: the plan's)")
     args = ap.parse_args()
-    print(report(run(args.out, args.seconds, args.repeats)))
+    print(report(run(args.out, args.seconds, args.repeats, args.plan, args.precision)))
 
 
 if __name__ == "__main__":

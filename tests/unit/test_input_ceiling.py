@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -44,3 +46,12 @@ def test_the_report_gives_each_model_its_figures() -> None:
     text = input_ceiling.report(res)
     assert "| sink, 1 instance | 1.000 ms ±5% | 2000/s ±2% | 1.00 ms | 6.5 | 400, 90 µs |" in text
     assert text.count("\n| sink") == 4
+
+
+def test_a_plan_adds_its_split_and_unsplit_graph_measured_by_their_first_models(request: pytest.FixtureRequest) -> None:
+    repo, labels, firsts = input_ceiling.plan_models(ROOT / "plans" / "bench_r50.yaml", "fp16")
+    request.addfinalizer(lambda: shutil.rmtree(repo))
+    assert labels == {"the plan's unsplit CUDA graph": "r50__ref_graph", "the plan's 4-block split": "r50"}
+    assert firsts == {"r50__ref_graph": "r50__ref_graph", "r50": "b0"}
+    assert {p.name for p in repo.iterdir()} >= {"r50", "r50__ref_graph", "b0", "b3"}
+    assert '\\"precision\\":\\"fp16\\"' in (repo / "b0" / "config.pbtxt").read_text()  # the spec parameter, JSON in a pbtxt string
