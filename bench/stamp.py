@@ -20,13 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from blockflow.core import env
+
 ROOT = Path(__file__).resolve().parents[1]
 STAMP_FILE = "stamp.json"
-BUNDLE_VAR = "BLOCKFLOW_BUNDLE"
 
 
 def stamp_path(root: Path = ROOT) -> Path:
-    return Path(os.environ.get(BUNDLE_VAR) or root / ".bundle") / STAMP_FILE
+    return Path(os.environ.get(env.BUNDLE) or root / ".bundle") / STAMP_FILE
 
 
 def blob_id(path: Path) -> str | None:

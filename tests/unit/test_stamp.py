@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockflow.bench import harness, stamp
+from blockflow.core import env
 
 
 def _git(root: Path, *args: str) -> str:
@@ -24,7 +25,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     _git(root, "init", "-q")
     _git(root, "add", ".")
     _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    monkeypatch.delenv(stamp.BUNDLE_VAR, raising=False)
+    monkeypatch.delenv(env.BUNDLE, raising=False)
     return root
 
 
