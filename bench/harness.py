@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,11 +43,7 @@ def commit() -> str:
     """The commit a report names: ``$BLOCKFLOW_COMMIT``, else that of a stamp this tree matches
     (:mod:`blockflow.bench.stamp`, the GPU machines' copies), else git's, marked ``-dirty`` when the
     tree differs from it."""
-    named = os.environ.get(env.COMMIT) or stamp.verified()
-    if named:
-        return named
-    res = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True, check=False)
-    return res.stdout.strip() or "unknown"
+    return os.environ.get(env.COMMIT) or stamp.verified() or stamp.describe() or "unknown"
 
 
 def device_name() -> str:

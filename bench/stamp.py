@@ -41,14 +41,21 @@ def blob_id(path: Path) -> str | None:
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+def describe(root: Path | None = None) -> str:
+    """The commit as reports name it: git's, marked ``-dirty`` when the tree differs from it; ""
+    outside a git checkout (of ``root``, else of the working directory)."""
+    where = [] if root is None else ["-C", str(root)]
+    cmd = ["git", *where, "describe", "--always", "--dirty", "--abbrev=7"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
 
 
 def write(root: Path = ROOT) -> tuple[Path, str]:
     """Stamp ``root``'s tree: its commit and every tracked file's blob id. Returns (stamp, commit)."""
-    commit = _git(root, "describe", "--always", "--dirty", "--abbrev=7").strip()
-    paths = [p for p in _git(root, "ls-files", "-z").split("\0") if p]
+    commit = describe(root)
+    if not commit:
+        raise SystemExit(f"{root} is not a git checkout: nothing to stamp")
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, text=True, check=True).stdout
+    paths = [p for p in listed.split("\0") if p]
     stamp = {"commit": commit, "files": {p: blob_id(root / p) for p in paths}}
     out = stamp_path(root)
     out.parent.mkdir(parents=True, exist_ok=True)
