@@ -35,7 +35,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.load_anatomy import split_and_graph
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
-from blockflow.bench.suite import delta, model_stats, task_models
+from blockflow.bench.suite import PHASES, delta, model_stats, phases_per_execution, task_models
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -106,12 +106,11 @@ def write_repository(repo: Path) -> None:
 
 
 def _per_execution(d: dict[str, int]) -> dict[str, float]:
-    """Triton's phases per execution (µs; Triton adds a batch's time once for each request in it,
-    so the sum divided by requests is per execution) and requests per execution, from a statistics delta."""
-    n = max(d.get("requests", 0), 1)
-    out = {k: d.get(f"{k}_ns", 0) / n / 1e3 for k in ("queue", "compute_input", "compute_infer", "compute_output")}
-    out["batch"] = d.get("inferences", 0) / max(d.get("executions", 0), 1)
-    return out
+    """Triton's phases in µs (queue per request, compute per execution) and requests per execution,
+    under the keys of the committed results, from a statistics delta."""
+    p = phases_per_execution(d)
+    return {"queue": p["queue_ms_per_request"] * 1e3, **{k: p[f"{k}_ms"] * 1e3 for k in PHASES},
+            "batch": p["samples_per_execution"]}
 
 
 def plan_models(plan_path: Path, precision: str | None) -> tuple[Path, dict[str, str], dict[str, str]]:

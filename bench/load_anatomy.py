@@ -33,7 +33,7 @@ from typing import Any
 
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import INPUTS, perf_analyzer
-from blockflow.bench.suite import PHASES, delta, in_precision, model_stats, task_models
+from blockflow.bench.suite import delta, in_precision, model_stats, phases_per_execution, task_models
 from blockflow.bench.timeline import read_traces, step_laps
 from blockflow.core.env import TRACE_DIR
 from blockflow.plan import Plan, load_plan, parse_plan
@@ -46,17 +46,6 @@ def split_and_graph(plan: Plan, precision: str | None) -> Plan:
     raw["compare"], raw["references"] = [], ["graph"]
     reduced = parse_plan(raw, source=f"{plan.source} (split and unsplit graph)", base_dir=plan.base_dir)
     return in_precision(reduced, precision) if precision else reduced
-
-
-def phases_per_execution(d: dict[str, int]) -> dict[str, float]:
-    """Samples per execution, queue ms per request and each compute phase in ms per execution, from a
-    :func:`~blockflow.bench.suite.delta` of :func:`~blockflow.bench.suite.model_stats`."""
-    execs, infers = max(1, d["executions"]), max(1, d["inferences"])
-    out = {"executions": float(d["executions"]), "samples_per_execution": d["inferences"] / execs,
-           "queue_ms_per_request": d["queue_ns"] / infers / 1e6}
-    for k in PHASES:
-        out[f"{k}_ms"] = d[f"execution_{k}_ns"] / max(1, d[f"execution_{k}_n"]) / 1e6
-    return out
 
 
 def _median(values: list[float]) -> float:

@@ -88,6 +88,17 @@ def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -
     return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
 
 
+def phases_per_execution(d: dict[str, int]) -> dict[str, float]:
+    """Samples per execution, queue ms per request and each compute phase in ms per execution (from
+    ``batch_stats``, which count each execution once), from a :func:`delta` of :func:`model_stats`."""
+    execs, infers = max(1, d["executions"]), max(1, d["inferences"])
+    out = {"executions": float(d["executions"]), "samples_per_execution": d["inferences"] / execs,
+           "queue_ms_per_request": d["queue_ns"] / infers / 1e6}
+    for k in PHASES:
+        out[f"{k}_ms"] = d[f"execution_{k}_ns"] / max(1, d[f"execution_{k}_n"]) / 1e6
+    return out
+
+
 def compute_ms(s: dict[str, int]) -> float:
     """Triton's compute time (input + infer + output) per execution, from a statistics delta.
 

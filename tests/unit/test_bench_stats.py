@@ -116,7 +116,8 @@ def test_a_run_cut_short_still_gives_a_report_that_says_so(tmp_path: Path) -> No
 
 
 def test_load_anatomy_reads_phases_per_execution_and_each_block_window() -> None:
-    from blockflow.bench.load_anatomy import block_window, phases_per_execution
+    from blockflow.bench.load_anatomy import block_window
+    from blockflow.bench.suite import phases_per_execution
 
     # 4 executions of 2 requests: batch_stats count each execution once in every phase.
     d = {"executions": 4, "inferences": 8, "queue_ns": 8_000_000, "execution_compute_input_ns": 8_000_000,
