@@ -33,9 +33,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import commit, device_name, rendered
-from blockflow.bench.load_anatomy import split_and_graph
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
-from blockflow.bench.suite import PHASES, delta, model_stats, phases_per_execution, task_models
+from blockflow.bench.suite import PHASES, delta, model_stats, phases_per_execution, split_and_graph, task_models
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 

@@ -33,19 +33,11 @@ from typing import Any
 
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import INPUTS, perf_analyzer
-from blockflow.bench.suite import delta, in_precision, model_stats, phases_per_execution, task_models
+from blockflow.bench.suite import delta, model_stats, phases_per_execution, split_and_graph, task_models
 from blockflow.bench.timeline import read_traces, step_laps
 from blockflow.core.env import TRACE_DIR
-from blockflow.plan import Plan, load_plan, parse_plan
+from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
-
-
-def split_and_graph(plan: Plan, precision: str | None) -> Plan:
-    """``plan`` serving only its first task's split and its unsplit CUDA graph (in ``precision``)."""
-    raw = plan.raw.model_dump(mode="json", exclude_none=True)
-    raw["compare"], raw["references"] = [], ["graph"]
-    reduced = parse_plan(raw, source=f"{plan.source} (split and unsplit graph)", base_dir=plan.base_dir)
-    return in_precision(reduced, precision) if precision else reduced
 
 
 def _median(values: list[float]) -> float:

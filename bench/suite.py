@@ -344,6 +344,14 @@ def in_precision(plan: Plan, precision: str) -> Plan:
     return parse_plan(raw, source=f"{plan.source} in {precision}", base_dir=plan.base_dir)
 
 
+def split_and_graph(plan: Plan, precision: str | None) -> Plan:
+    """``plan`` serving only its first task's split and its unsplit CUDA graph (in ``precision``)."""
+    raw = plan.raw.model_dump(mode="json", exclude_none=True)
+    raw["compare"], raw["references"] = [], ["graph"]
+    reduced = parse_plan(raw, source=f"{plan.source} (split and unsplit graph)", base_dir=plan.base_dir)
+    return in_precision(reduced, precision) if precision else reduced
+
+
 def spread(plan: Plan, task: str, k: int) -> Plan:
     """``plan`` with ``task``'s blocks placed round-robin on GPUs 0..k-1 (only that task, tensormq + triton-gpu)."""
     raw = plan.raw.model_dump(mode="json", exclude_none=True)
