@@ -52,9 +52,16 @@ from blockflow.bench.suite import model_stats
 from blockflow.triton.server import ServerOptions, TritonServer
 
 KEY = 16
+# The stub's interpreter does not reliably honour PYTHONPATH (see ensemble_gen.generator.MODEL_PY): pyzmq
+# is found through the same BLOCKFLOW_PYTHONPATH roots as a block's runtime.
 RELAY_MODEL = '''import json
 import os
+import sys
 import time
+
+for _root in reversed(os.environ.get("BLOCKFLOW_PYTHONPATH", "").split(os.pathsep)):
+    if _root and _root not in sys.path:
+        sys.path.insert(0, _root)
 
 import numpy as np
 import torch
