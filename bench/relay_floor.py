@@ -18,7 +18,10 @@ successor. Three ensembles of four steps, all in one server, measured in turns:
   It is measured asking for every output (perf_analyzer's default), as the bound of the idea;
 - ``relay_join``: no extra outputs: the first step fans out to the second and third, the third
   waits for the second over ZeroMQ, and the last step takes both of their outputs through the
-  ensemble (two ensemble steps and one direct hand-over on the request's path).
+  ensemble (two ensemble steps and one direct hand-over on the request's path);
+- ``relay_early``: as ``relay_join``, but the two middle steps answer with the key as soon as they
+  have it (through the response sender), then move the payload: the last step is scheduled after
+  those two answers and waits over ZeroMQ for the third step's hand-over, which travels meanwhile.
 
 Every ensemble gives back its input, checked byte for byte with many concurrent clients sending
 distinct inputs before anything is timed. perf_analyzer (HTTP, batch 1) measures each at
@@ -73,14 +76,20 @@ WAIT_S = 5.0
 KEY = __KEY__
 
 
+def _response(name, y):
+    return pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(name, to_dlpack(torch.from_numpy(np.ascontiguousarray(y).copy())))])
+
+
 class TritonPythonModel:
     """ROLE head: IN -> X (a fresh key, then IN). Other roles take X; WAIT: their payload comes from
     their predecessor over ZeroMQ under X's key, else from X itself; PUSH_TO: the model that gets
-    their payload next; OUTPUT: KEY (X's key) or OUT (the payload)."""
+    their payload next; OUTPUT: KEY (X's key) or OUT (the payload); EARLY: answer with the key at once,
+    through the response sender, then move the payload (an error can then only show downstream)."""
 
     def initialize(self, args):
         p = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.role, self.wait, self.output = p.get("ROLE", ""), p.get("WAIT") == "yes", p.get("OUTPUT", "KEY")
+        self.early = p.get("EARLY") == "yes"
         self.ctx = zmq.Context()
         self.pull = self.push = None
         if self.wait:
@@ -103,10 +112,14 @@ class TritonPythonModel:
         return self.pending.pop(key)
 
     def execute(self, requests):
+        xs = [from_dlpack(pb_utils.get_input_tensor_by_name(r, "IN" if self.role == "head" else "X").to_dlpack()).numpy()
+              for r in requests]
+        if self.early:  # answer with the keys first: the ensemble goes on while the payload moves
+            for r, x in zip(requests, xs):
+                r.get_response_sender().send(_response("KEY", x[:, :KEY]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         out = []
         deadline = time.monotonic() + WAIT_S
-        for r in requests:
-            x = from_dlpack(pb_utils.get_input_tensor_by_name(r, "IN" if self.role == "head" else "X").to_dlpack()).numpy()
+        for x in xs:
             try:
                 if self.role == "head":
                     keys = np.frombuffer(os.urandom(KEY * x.shape[0]), dtype=np.uint8).reshape(x.shape[0], KEY)
@@ -120,9 +133,9 @@ class TritonPythonModel:
                             self.push.send_multipart([key, payload], copy=False)
                         rows.append(row[:KEY] if self.output == "KEY" else np.frombuffer(payload, dtype=np.uint8))
                     name, y = self.output, np.stack(rows)
-                out.append(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(name, to_dlpack(torch.from_numpy(y.copy())))]))
+                out.append(None if self.early else _response(name, y))
             except TimeoutError as exc:
-                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+                out.append(None if self.early else pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
         return out
 
     def finalize(self):
@@ -140,7 +153,7 @@ class TritonPythonModel:
                     "OUT", to_dlpack(from_dlpack(pb_utils.get_input_tensor_by_name(r, "IN").to_dlpack()).clone()))])
                 for r in requests]
 '''
-ENSEMBLES = ("chain1", "chain4", "relay", "relay_join")
+ENSEMBLES = ("chain1", "chain4", "relay", "relay_join", "relay_early")
 
 
 def _model(name: str, inputs: dict[str, int], outputs: dict[str, int], params: dict[str, str]) -> mc.ModelConfig:
@@ -191,6 +204,16 @@ def configs(relay_dir: Path, laps_dir: Path) -> list[tuple[mc.ModelConfig, str]]
                (_model("join", {"KEY": KEY, "IN": TICKET}, out, {}), JOIN_MODEL),
                (_ensemble("relay_join", [("head_j", {"IN": "IN"}, {"X": "x"}), ("j1", {"X": "x"}, {"KEY": "k1"}),
                                          ("j2", {"X": "x"}, {"OUT": "y2"}), ("join", {"KEY": "k1", "IN": "y2"}, {"OUT": "OUT"})],
+                          {"OUT": TICKET}), "")]
+    # relay_early: head -> {e1, e2}, which answer with the key at once; e1 -> e2 -> tail over ZeroMQ,
+    # off the ensemble's path; the tail's step follows the two answers and waits for e2's hand-over.
+    models += [(_model("head_e", {"IN": TICKET}, x, {"ROLE": "head"}), RELAY_MODEL),
+               (_model("e1", x, key, {**d, "PUSH_TO": "e2", "EARLY": "yes"}), RELAY_MODEL),
+               (_model("e2", x, key, {**d, "WAIT": "yes", "PUSH_TO": "tail_e", "EARLY": "yes"}), RELAY_MODEL),
+               (_model("tail_e", {**x, "K1": KEY, "K2": KEY}, out, {**d, "WAIT": "yes", "OUTPUT": "OUT"}), RELAY_MODEL),
+               (_ensemble("relay_early", [("head_e", {"IN": "IN"}, {"X": "x"}), ("e1", {"X": "x"}, {"KEY": "k1"}),
+                                          ("e2", {"X": "x"}, {"KEY": "k2"}),
+                                          ("tail_e", {"X": "x", "K1": "k1", "K2": "k2"}, {"OUT": "OUT"})],
                           {"OUT": TICKET}), "")]
     return models
 
@@ -276,7 +299,8 @@ def report(res: dict[str, Any]) -> str:
              "alone, failed: " + ", ".join(f"{k} {v}" for k, v in meta["check"].get("only_out_failed", {}).items()) + ".", "",
              "| ensemble | on the request's path | c1 p50 | hop | c32 |", "|---|---|---|---|---|"]
     path = {"chain1": "1 step", "chain4": "4 steps, one after another", "relay": "1 step, a fan-out, 2 ZeroMQ hand-overs",
-            "relay_join": "2 steps, a fan-out, 1 ZeroMQ hand-over"}
+            "relay_join": "2 steps, a fan-out, 1 ZeroMQ hand-over",
+            "relay_early": "2 steps whose middle ones answer at once, a fan-out; 2 ZeroMQ hand-overs beside them"}
     for model in ENSEMBLES:
         r = rows[model]
         hop = f"{r['hop_ms']:.3f} ms" if "hop_ms" in r else "—"
