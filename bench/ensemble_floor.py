@@ -48,7 +48,7 @@ import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from blockflow.bench.harness import commit, device_name
+from blockflow.bench.harness import commit, device_name, write_results
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import model_stats
 from blockflow.core.procfs import stat_fields
@@ -325,10 +325,7 @@ def run(out: Path, seconds: float, repeats: int, conditions: list[str]) -> dict[
                        "conditions": conditions, "unavailable": sorted(unavailable)},
               "rows": rows, "runs": runs, "stats_us": stats,
               "python_work": {"in_stub": python_laps(laps_dir, windows), "in_process": local}, "idle_cpu": idle}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "report.md").write_text(report(result))
-    return result
+    return write_results(out, result, report)
 
 
 def report(res: dict[str, Any]) -> str:

@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,14 @@ def commit() -> str:
     (:mod:`blockflow.bench.stamp`, the GPU machines' copies), else git's, marked ``-dirty`` when the
     tree differs from it."""
     return os.environ.get(env.COMMIT) or stamp.verified() or stamp.describe() or "unknown"
+
+
+def write_results(out: Path, result: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """``results.json`` and ``report.md`` (``report`` of the results) in ``out``; returns ``result``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "report.md").write_text(report(result))
+    return result
 
 
 def device_name() -> str:

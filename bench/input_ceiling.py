@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from blockflow.bench.harness import commit, device_name, rendered
+from blockflow.bench.harness import commit, device_name, rendered, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.suite import PHASES, delta, model_stats, phases_per_execution, split_and_graph, task_models
 from blockflow.plan import load_plan
@@ -165,10 +164,7 @@ def run(out: Path, seconds: float, repeats: int, plan: Path | None = None, preci
         "figures": figures,
         "stats_c32_last_run": stats,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "report.md").write_text(report(result))
-    return result
+    return write_results(out, result, report)
 
 
 def report(res: dict[str, Any]) -> str:

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import statistics
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,8 +47,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from blockflow.bench.ensemble_floor import TICKET, _chain_config, _copy_config, copy_model
-from blockflow.bench.harness import commit, device_name
-from blockflow.bench.perf_analyzer import perf_analyzer
+from blockflow.bench.harness import commit, device_name, write_results
+from blockflow.bench.perf_analyzer import median_of, perf_analyzer
+from blockflow.bench.report import spread_text
 from blockflow.bench.suite import model_stats
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -218,8 +217,13 @@ def configs(relay_dir: Path, laps_dir: Path) -> list[tuple[mc.ModelConfig, str]]
     return models
 
 
-def write_repository(repo: Path, relay_dir: Path, laps_dir: Path) -> None:
-    for cfg, source in configs(relay_dir, laps_dir):
+def write_repository(repo: Path, relay_dir: Path, laps_dir: Path, ensembles: tuple[str, ...] = ENSEMBLES) -> None:
+    """The ``ensembles`` and the models their steps run."""
+    models = configs(relay_dir, laps_dir)
+    wanted = {step.model_name for cfg, _ in models if cfg.name in ensembles for step in cfg.ensemble_scheduling.step}
+    for cfg, source in models:
+        if cfg.name not in ensembles and cfg.name not in wanted:
+            continue
         (repo / cfg.name / "1").mkdir(parents=True)
         (repo / cfg.name / "config.pbtxt").write_text(text_format.MessageToString(cfg))
         if source:
@@ -270,22 +274,13 @@ def run(out: Path, seconds: float, repeats: int) -> dict[str, Any]:
             runs.setdefault(f"{model}|c{conc}", []).append(r)
         stats = {name: {k: st[f"{k}_ns"] / max(st["requests"], 1) / 1e3 for k in ("queue", "compute_infer")}
                  for name, st in model_stats(server.http_url).items() if name not in ENSEMBLES}
-    rows = {}
-    for model in ENSEMBLES:
-        c1 = [r["p50_ms"] for r in runs[f"{model}|c1"]]
-        c32 = [r["throughput"] for r in runs[f"{model}|c32"]]
-        rows[model] = {"c1_p50_ms": statistics.median(c1), "c1_spread": (max(c1) - min(c1)) / statistics.median(c1),
-                       "c32_per_s": statistics.median(c32), "c32_spread": (max(c32) - min(c32)) / statistics.median(c32)}
-    base = rows["chain1"]["c1_p50_ms"]
+    rows = {model: {"c1": median_of(runs[f"{model}|c1"]), "c32": median_of(runs[f"{model}|c32"])} for model in ENSEMBLES}
     for model in ENSEMBLES[1:]:
-        rows[model]["hop_ms"] = (rows[model]["c1_p50_ms"] - base) / 3
+        rows[model]["hop_ms"] = (rows[model]["c1"]["p50_ms"] - rows["chain1"]["c1"]["p50_ms"]) / 3
     result = {"meta": {"device": device_name(), "commit": commit(), "seconds": seconds, "repeats": repeats,
                        "check": {"requests": 400, "clients": 32, "mismatches": mismatches, "only_out_failed": only_out}},
               "rows": rows, "runs": runs, "stats_us": stats}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "report.md").write_text(report(result))
-    return result
+    return write_results(out, result, report)
 
 
 def report(res: dict[str, Any]) -> str:
@@ -304,8 +299,8 @@ def report(res: dict[str, Any]) -> str:
     for model in ENSEMBLES:
         r = rows[model]
         hop = f"{r['hop_ms']:.3f} ms" if "hop_ms" in r else "—"
-        lines.append(f"| `{model}` | {path[model]} | {r['c1_p50_ms']:.3f} ms ±{r['c1_spread'] / 2:.0%} | {hop} | "
-                     f"{r['c32_per_s']:.0f}/s ±{r['c32_spread'] / 2:.0%} |")
+        lines.append(f"| `{model}` | {path[model]} | {r['c1']['p50_ms']:.3f} ms{spread_text(r['c1'], 'p50_ms')} | {hop} | "
+                     f"{r['c32']['throughput']:.0f}/s{spread_text(r['c32'], 'throughput')} |")
     lines += ["", "Triton's statistics per request of each model over the whole run (µs; a relay model's compute "
               "includes its wait for the hand-over):", "", "| model | queue | compute infer |", "|---|---|---|"]
     for name, s in sorted(res["stats_us"].items()):
