@@ -44,7 +44,7 @@ def _side(plan: Plan, prefix: str) -> dict[str, Any]:
         if "file" in weights:  # relative to its own plan's directory
             block["weights"] = {**weights, "file": str((plan.base_dir / weights["file"]).resolve())}
         blocks[prefix + name] = block
-    models = {prefix + b["model"][len(prefix):]: raw["models"][b["model"][len(prefix):]] for b in blocks.values()}
+    models = {prefix + m: raw["models"][m] for m in {raw["blocks"][n]["model"] for n in task["path"]}}
     tasks = {prefix + task_name: {**task, "path": [prefix + n for n in task["path"]]}}
     return {"models": models, "blocks": blocks, "tasks": tasks}
 
