@@ -182,7 +182,7 @@ def _ensemble(name: str, steps: list[tuple[str, dict[str, str], dict[str, str]]]
 
 
 def configs(relay_dir: Path, laps_dir: Path) -> list[tuple[mc.ModelConfig, str]]:
-    """Every model of the three ensembles, with its source (``""`` for an ensemble)."""
+    """Every model of the bench's ensembles (``ENSEMBLES``), with its source (``""`` for an ensemble)."""
     x, key, out = {"X": KEY + TICKET}, {"KEY": KEY}, {"OUT": TICKET}
     d = {"RELAY_DIR": str(relay_dir)}
     copies = [f"copy_{i}" for i in range(4)]
