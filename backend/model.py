@@ -38,6 +38,7 @@ from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.handover import Relay
 from blockflow.backend.tensormq.metrics import TmqMetrics
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.trace import Tracer, trace_dir
@@ -122,7 +123,9 @@ class TritonPythonModel:
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
-        answers_early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
+        # A sender of direct hand-overs answers after its commit (backend/tensormq/handover.py).
+        answers_early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0" and not (spec.hand_over and spec.hand_over.to)
+        self.relay: Relay | None = None
         if spec.transport == "tensormq" and spec.tensormq is not None:
             # BLOCKFLOW_RUNTIME_DIR under `blockflow serve`; beside the repository under a tritonserver started by hand.
             runtime = runtime_dir.locate(Path(args["model_repository"]).parent)
@@ -136,6 +139,10 @@ class TritonPythonModel:
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
                 self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
+            self.relay = Relay.open(runtime, args["model_name"], spec.hand_over, self.consumer, self.producer is not None,
+                                    spec.tensormq.claim_window_s)
+            if self.relay is not None:
+                self.watch.on_gone(self.relay.remove_files)
             if self.tracer is not None:
                 self.tracer.memory("tensormq")
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
@@ -179,7 +186,9 @@ class TritonPythonModel:
             tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
             if self.tracer is not None:
                 self.tracer.lap("read:input")
-            views, rel = self.consumer.gather_tensors(tickets, self.spec.in_shapes, self.stream, self.lap)
+            gather = self.consumer.gather_tensors
+            views, rel = (gather(tickets, self.spec.in_shapes, self.stream, self.lap) if self.relay is None else
+                          self.relay.read(tickets, lambda t: gather(t, self.spec.in_shapes, self.stream, self.lap)))
             if self.tracer is not None:
                 self.tracer.lap("read:gather")
             releases.extend(rel)
@@ -205,6 +214,9 @@ class TritonPythonModel:
     def _execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         self.committed = None
+        sender = self.relay.out if self.relay is not None else None
+        if sender is not None:
+            sender.begin()
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
         owners: list[int] = []
         releases: list[Any] = []
@@ -266,6 +278,8 @@ class TritonPythonModel:
                 if k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
+            if sender is not None:
+                sender.finish("the batch failed before its tickets were issued")
             if self.pins_host_inputs:
                 self._settle_inputs()
             if self.consumer is not None and releases:
@@ -334,10 +348,14 @@ class TritonPythonModel:
         packed: Packed | None = reservation.packed
         handed = packed.tensor if packed is not None else None  # the tickets as the block hands them on
         try:
-            if early is not None:
+            sender = self.relay.out if self.relay is not None else None
+            if early is not None or sender is not None:
                 tickets = self.producer.issue(reservation)  # marks them handed on early, also when packed
                 handed = ticket_tensor(tickets) if handed is None else handed
-                early(handed, packed.response if packed is not None else None)
+                if sender is not None:
+                    sender.send(tickets)
+                if early is not None:
+                    early(handed, packed.response if packed is not None else None)
                 if tracer is not None:
                     tracer.lap("run:reply")
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
@@ -362,6 +380,8 @@ class TritonPythonModel:
             self.monitor.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.relay is not None:
+            self.relay.close()
         if self.consumer is not None:
             self.consumer.close()  # sends the releases still queued
         if self.producer is not None:

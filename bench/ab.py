@@ -45,7 +45,8 @@ def _side(plan: Plan, prefix: str) -> dict[str, Any]:
             block["weights"] = {**weights, "file": str((plan.base_dir / weights["file"]).resolve())}
         blocks[prefix + name] = block
     models = {prefix + m: raw["models"][m] for m in {raw["blocks"][n]["model"] for n in task["path"]}}
-    tasks = {prefix + task_name: {**task, "path": [prefix + n for n in task["path"]]}}
+    # The plan's hand_over travels with its task: the merged plan has a side of each kind.
+    tasks = {prefix + task_name: {**task, "path": [prefix + n for n in task["path"]], "hand_over": plan.tasks[task_name].hand_over}}
     return {"models": models, "blocks": blocks, "tasks": tasks}
 
 

@@ -12,6 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from blockflow.core.spec import (
     ACTIVATION_IN,
     ACTIVATION_OUT,
+    HANDED_AFTER,
     IMAGE,
     LOGITS,
     SPEC_PARAMETER,
@@ -19,6 +20,7 @@ from blockflow.core.spec import (
     ModelSpec,
     activation_names,
 )
+from blockflow.ensemble_gen.handover import Wiring
 from blockflow.plan import Block
 
 # Triton's Python backend copies GPU inputs to host memory unless told otherwise.
@@ -80,6 +82,11 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     else:
         cfg.output.extend(_tensor(n, shape, mc.ModelOutput, HOP_TYPES[spec.out_dtype])
                           for n, shape in zip(activation_names(ACTIVATION_OUT, len(spec.out_shapes)), spec.out_shapes, strict=True))
+    if spec.hand_over is not None:  # a join: the tickets of blocks that handed over directly (ordering only, never read)
+        for k in range(spec.hand_over.after):
+            extra = _tensor(f"{HANDED_AFTER}_{k}", [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8)
+            extra.optional = True
+            cfg.input.append(extra)
     cfg.instance_group.append(_instance_group(block))
     if block.dynamic_batching:
         cfg.dynamic_batching.max_queue_delay_microseconds = block.batching_delay_us
@@ -112,31 +119,40 @@ class Step:
     logits: str = LOGITS
 
 
-def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int], logits_shape: Sequence[int]) -> mc.ModelConfig:
-    """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop."""
+def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int], logits_shape: Sequence[int],
+                    wiring: Wiring | None = None) -> mc.ModelConfig:
+    """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop.
+
+    ``wiring``: which step's output each step takes, where blocks hand over directly
+    (``blockflow.ensemble_gen.handover``); by default each takes the step before's."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.platform = "ensemble"
     cfg.max_batch_size = min(s.spec.max_batch_size for s in steps)
     cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput))
     cfg.output.append(_tensor(LOGITS, logits_shape, mc.ModelOutput))
-    carried = [IMAGE]
+    given: list[list[str]] = []  # each step's output tensors
     for i, s in enumerate(steps):
         step = cfg.ensemble_scheduling.step.add()
         step.model_name = s.model
         step.model_version = -1
+        src = wiring.takes[i] if wiring is not None else (i - 1 if i else None)
+        carried = [IMAGE] if src is None else given[src]
         inputs = [IMAGE] if s.spec.takes_image else activation_names(ACTIVATION_IN, len(carried))
         for name, tensor in zip(inputs, carried, strict=True):
             step.input_map[name] = tensor
+        for k, j in enumerate(wiring.after.get(i, ()) if wiring is not None else ()):
+            step.input_map[f"{HANDED_AFTER}_{k}"] = given[j][0]
         if s.spec.gives_logits:
             # The step's output map is also what the step's request asks for: a head pack
             # runs only the heads whose outputs are requested.
             step.output_map[s.logits] = LOGITS
+            given.append([LOGITS])
         else:
             # A TensorMQ hop is one ticket tensor whatever it carries; other hops, one per tensor.
             count = 1 if s.spec.transport == "tensormq" else len(s.spec.out_shapes)
-            carried = activation_names(f"hop{i}_{s.model}", count)
-            for name, tensor in zip(activation_names(ACTIVATION_OUT, count), carried, strict=True):
+            given.append(activation_names(f"hop{i}_{s.model}", count))
+            for name, tensor in zip(activation_names(ACTIVATION_OUT, count), given[-1], strict=True):
                 step.output_map[name] = tensor
     return cfg
 

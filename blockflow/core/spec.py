@@ -31,6 +31,9 @@ LOGITS = "LOGITS"
 ACTIVATION_IN = "ACTIVATION_IN"
 ACTIVATION_OUT = "ACTIVATION_OUT"
 TICKET_BYTES = 256
+# A join's optional inputs: the tickets of the blocks before it that handed over directly (their
+# outputs reach no other step, and Triton runs only the steps whose outputs some step takes).
+HANDED_AFTER = "HANDED_AFTER"
 
 
 def activation_names(base: str, count: int) -> list[str]:
@@ -100,6 +103,20 @@ class TensorMQSettings(_Strict):
         return self.claim_s if self.claim_s is not None else min(CLAIM_S, self.lease_s)
 
 
+class HandOver(_Strict):
+    """A block's part in direct hand-overs (plan option ``hand_over: direct``, see
+    ``blockflow.backend.tensormq.handover``): each field is empty where the block plays no part."""
+
+    # The next block, which takes this block's tickets from it directly instead of from the ensemble.
+    to: str = ""
+    # The block this one takes its tickets from directly; the ensemble gives it, as a key, the
+    # ticket that block was given (one of ``keys_from``'s).
+    takes_from: str = ""
+    keys_from: tuple[str, ...] = ()
+    # How many optional HANDED_AFTER inputs this block (a join) takes.
+    after: int = 0
+
+
 class ModelSpec(_Strict):
     """Everything a block process needs to build and run its model."""
 
@@ -135,6 +152,7 @@ class ModelSpec(_Strict):
     # TensorMQ consumers: the Triton models whose tickets this model accepts (the blocks before it
     # on some task's path); a ticket from any other block is refused as redirected.
     accepts_from: tuple[str, ...] = ()
+    hand_over: HandOver | None = None
 
     @model_validator(mode="after")
     def _pack_has_heads(self) -> ModelSpec:
@@ -182,7 +200,7 @@ class ModelSpec(_Strict):
         import json
 
         # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
-        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files")
+        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over")
         omitted = {k for k in optional if not getattr(self, k)} | {k for k in ("in_dtype", "out_dtype") if getattr(self, k) == "fp32"}
         data = self.model_dump(mode="json", exclude=omitted)
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

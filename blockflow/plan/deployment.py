@@ -48,6 +48,7 @@ class Task:
     name: str
     path: tuple[str, ...]
     transport: TransportName
+    hand_over: Literal["ensemble", "direct"] = "ensemble"
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Plan:
     @cached_property
     def tasks(self) -> dict[str, Task]:
         return {
-            name: Task(name, tuple(t.path), t.transport or self.raw.transport) for name, t in self.raw.tasks.items()
+            name: Task(name, tuple(t.path), t.transport or self.raw.transport, t.hand_over or self.raw.hand_over) for name, t in self.raw.tasks.items()
         }
 
     @property

@@ -141,6 +141,8 @@ class TaskDef(_Strict):
 
     path: list[str] = Field(min_length=1)
     transport: TransportName | None = None
+    # The plan's ``hand_over`` for this task alone (a block both kinds of tasks run keeps its steps).
+    hand_over: Literal["ensemble", "direct"] | None = None
 
 
 class PlanModel(_Strict):
@@ -161,5 +163,9 @@ class PlanModel(_Strict):
     # heads: the heads of tasks that branch off after the same deployed block (each the last,
     # task-specific part of its path) run as one model: one process for all of them.
     pack: Literal["none", "heads"] = "none"
+    # direct: on TensorMQ paths, a block whose only next block is one whose only block before it
+    # is this one hands its tickets to that block directly, and the ensemble runs both at once:
+    # one ensemble step fewer per such pair (docs/plan.md, "hand_over").
+    hand_over: Literal["ensemble", "direct"] = "ensemble"
     tensormq: TensorMQSettings = TensorMQSettings()
 

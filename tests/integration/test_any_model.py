@@ -42,7 +42,7 @@ def exported_example(name: str, directory: Path) -> Path:
     return directory / f"{name}.yaml"
 
 
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", *EXAMPLES])
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", *EXAMPLES])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
     plan = load_plan(exported_example(request.param, where) if request.param in EXAMPLES else PLANS / f"{request.param}.yaml")

@@ -1,0 +1,295 @@
+"""Direct hand-overs: a block gives its tickets to the next block itself, not through the ensemble.
+
+Where the plan says ``hand_over: direct``, the generator pairs a *sender* with the one block
+after it, the *receiver* (``blockflow.ensemble_gen.handover`` says which pairs qualify), and the
+task's ensemble runs both at once: each is given the same ticket, the one the sender takes as its
+input (the *key*). The rules (the package note, ``backend/tensormq/__init__.py``, lists them with
+the rest of the protocol):
+
+- The sender reads the key as its input, as a consumer (claimed once, like any ticket). For each
+  sample it then pushes ``[key MAC, status, ticket]`` to every instance of the receiver: status
+  empty and its own ticket for that sample, sent when the ticket is issued, before the sample's GPU
+  work (the receiver's consumer waits for the commit, as for a ticket handed on early); or the
+  reason it failed the request, as UTF-8, with no ticket. It does not answer the ensemble early.
+- Each receiver instance binds a PULL socket in the server's private TensorMQ directory,
+  ``tmq/ho<model id, 14 hex>-<pid, 8 hex>.sock``; senders find them by listing that directory
+  when it changes. Triton picks the instance a request goes to, so every instance hears every
+  hand-over and keeps the ones nobody asked it for until the claim window ends.
+- The receiver checks the key it is given as a ticket (its MAC, its fields) from one of the blocks
+  whose tickets key its hand-overs (``HandOver.keys_from``), refuses a key it has already served
+  (a replay), and waits for the hand-over at most the commit wait. It then reads the sender's
+  ticket as its input: the consumer checks it as any ticket (MAC, one-shot claim, hop). A ticket
+  from its sender given the usual way (an ensemble written before the plan said ``direct``, during
+  a live change) is read as it is.
+- Whatever fails, fails the one request: a forged or replayed key, a hand-over that does not come,
+  a sender's failure.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import zmq
+
+from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
+from blockflow.backend.tensormq.wire import listening
+from blockflow.core import env
+from blockflow.core.errors import RequestError
+from blockflow.core.spec import HandOver
+
+T = TypeVar("T")
+
+MAC = slice(tk.TICKET_BYTES - tk.MAC_BYTES, tk.TICKET_BYTES)
+MODEL = slice(152, 160)  # the producing block's model id (ticket.py's layout)
+OK = b""
+# Hand-overs a sender queues for one receiver instance that is not reading (then they are dropped).
+SEND_HWM = 65536
+# Kept at most, received or served (beyond the window a receiver expires them in).
+MAX_KEPT = 1 << 18
+
+
+def _prefix(model: str) -> str:
+    return f"ho{tk.model_id(model) & (2**56 - 1):014x}-"
+
+
+def socket_path(runtime_dir: Path, model: str, pid: int) -> Path:
+    """A receiver instance's socket: as long as a producer's, so the runtime directory's limit holds."""
+    return runtime_dir / env.TMQ_DIR / f"{_prefix(model)}{pid:08x}.sock"
+
+
+def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
+    """The key of each of a request's input tickets (its MAC); none for input that is not tickets
+    (the consumer refuses that request with a clear error)."""
+    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != tk.TICKET_BYTES:
+        return []
+    return [bytes(r) for r in rows[:, MAC]]
+
+
+class HandOut:
+    """A sender's side: the keys of the current call, then for each its ticket or its failure."""
+
+    def __init__(self, runtime_dir: Path, to_model: str) -> None:
+        self.dir = runtime_dir / env.TMQ_DIR
+        self.prefix = _prefix(to_model)
+        self.to = to_model
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._seen: tuple[int, float] = (-1, 0.0)  # the directory's mtime at the last listing, and when it was listed
+        self._keys: list[bytes] = []
+        self.dropped = 0  # hand-overs a receiver instance did not take in time
+
+    def _receivers(self) -> list[zmq.Socket[Any]]:
+        """A socket to each receiver instance, listed again when the directory changed. File times
+        tick coarsely (a few ms), so a listing made within that of the last change is made again."""
+        mtime = os.stat(self.dir).st_mtime_ns
+        if mtime != self._seen[0] or self._seen[1] - mtime / 1e9 < 0.05:
+            self._seen = (mtime, time.time())
+            names = {n for n in os.listdir(self.dir) if n.startswith(self.prefix) and n.endswith(".sock")}
+            for gone in set(self._socks) - names:
+                self._socks.pop(gone).close(0)
+            for name in sorted(names - set(self._socks)):
+                if listening(self.dir / name):  # a killed instance leaves its file
+                    sock = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                    sock.connect(f"ipc://{self.dir / name}")
+                    self._socks[name] = sock
+        return list(self._socks.values())
+
+    def begin(self) -> None:
+        self._keys = []
+
+    def take(self, keys: Sequence[bytes]) -> None:
+        """One request's keys, read: its samples are the next ones of this call's batch."""
+        self._keys.extend(keys)
+
+    def send(self, tickets: Sequence[bytes]) -> None:
+        """This call's tickets, one per sample of its batch, in the order of its keys."""
+        keys, self._keys = self._keys, []
+        self._push([(k, OK, t) for k, t in zip(keys, tickets, strict=True)])
+
+    def fail(self, keys: Sequence[bytes], reason: str) -> None:
+        """The receiver fails these samples' requests at once, with ``reason``, instead of waiting."""
+        status = f"{reason} (in block {self.to}'s sender)".encode()[:4096] or b"failed"
+        self._push([(k, status, b"") for k in keys])
+
+    def finish(self, reason: str) -> None:
+        """End of the call: keys read but never sent (the batch failed before its tickets) fail."""
+        keys, self._keys = self._keys, []
+        if keys:
+            self.fail(keys, reason)
+
+    def _push(self, items: list[tuple[bytes, bytes, bytes]]) -> None:
+        socks = self._receivers()
+        for key, status, ticket in items:
+            for sock in socks:
+                try:
+                    sock.send_multipart([key, status, ticket], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self.dropped += 1
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks = {}
+
+
+class HandIn:
+    """A receiver instance's side: the key a request brings in, the sender's ticket for it out."""
+
+    def __init__(self, runtime_dir: Path, model: str, role: HandOver, mac_key: bytes, wait_s: float, keep_s: float,
+                 pid: int | None = None) -> None:
+        self.path = socket_path(runtime_dir, model, os.getpid() if pid is None else pid)
+        self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.sock = self._ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self.sock.bind(f"ipc://{self.path}")
+        self.sender = role.takes_from
+        self.key_models = {tk.model_id(m).to_bytes(8, "little") for m in role.keys_from}
+        self.mac_key = mac_key
+        self.wait_s = wait_s
+        self.keep_s = keep_s
+        self.pending: OrderedDict[bytes, tuple[float, bytes, bytes]] = OrderedDict()  # key -> (arrived, status, ticket)
+        self.served: OrderedDict[bytes, float] = OrderedDict()  # key -> when
+        # The execute thread reads the socket as it needs; an instance Triton gives no requests for a
+        # while is read by this thread, so that its queue never fills and drops what comes next.
+        self._lock = threading.Lock()
+        self._read_at = time.monotonic()
+        self._closed = threading.Event()
+        self._idle = threading.Thread(target=self._idle_loop, name="tmq-handover", daemon=True)
+        self._idle.start()
+
+    def resolve(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """``rows`` with each key replaced by the ticket handed over for it. :class:`TicketError`
+        for a forged or replayed key; :class:`ProducerGoneError` when the sender failed the sample
+        or its hand-over did not come within the wait."""
+        if not keys_of(rows):
+            return rows
+        at = [i for i in range(rows.shape[0]) if bytes(rows[i, MODEL]) in self.key_models]
+        if not at:
+            return rows  # the sender's own tickets, given by the ensemble
+        with self._lock:
+            return self._resolve(rows, at)
+
+    def _resolve(self, rows: np.ndarray[Any, Any], at: list[int]) -> np.ndarray[Any, Any]:
+        out = np.array(rows, copy=True)
+        deadline = time.monotonic() + self.wait_s
+        for i in at:
+            raw = bytes(rows[i])
+            tk.decode(raw, self.mac_key)  # authentic, or TicketError
+            key = raw[MAC]
+            if key in self.served:
+                raise TicketError("replayed ticket: this block already took the hand-over keyed by it")
+            status, ticket = self._take(key, deadline)
+            self.served[key] = time.monotonic()
+            if status != OK:
+                raise ProducerGoneError(status.decode(errors="replace"))
+            out[i] = np.frombuffer(ticket, dtype=np.uint8)
+        self._expire()
+        return out
+
+    def _take(self, key: bytes, deadline: float) -> tuple[bytes, bytes]:
+        while key not in self.pending:
+            self._drain()
+            if key in self.pending:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                raise ProducerGoneError(f"block {self.sender} did not hand over this request's input within "
+                                        f"{self.wait_s:g} s (it stopped, or the request did not come through its task)")
+        _, status, ticket = self.pending.pop(key)
+        return status, ticket
+
+    def _idle_loop(self) -> None:
+        while not self._closed.wait(0.25):
+            with self._lock:
+                if time.monotonic() - self._read_at > 0.25:
+                    self._drain()
+                    self._expire()
+
+    def _drain(self) -> None:
+        self._read_at = now = time.monotonic()
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[0]) != tk.MAC_BYTES:
+                continue  # only senders of this server reach the socket; nothing else is read
+            key, status, ticket = frames
+            if key in self.served or key in self.pending or (status == OK and len(ticket) != tk.TICKET_BYTES):
+                continue
+            self.pending[key] = (now, status, ticket)
+
+    def _expire(self) -> None:
+        """Forget hand-overs older than the claim window (their tickets are refused by then) and
+        served keys as old, and never keep more than ``MAX_KEPT`` of either."""
+        old = time.monotonic() - self.keep_s
+        while self.pending and (len(self.pending) > MAX_KEPT or next(iter(self.pending.values()))[0] < old):
+            self.pending.popitem(last=False)
+        while self.served and (len(self.served) > MAX_KEPT or next(iter(self.served.values())) < old):
+            self.served.popitem(last=False)
+
+    def remove_file(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.remove_file()
+        self._closed.set()
+        self._idle.join(2)
+        self.sock.close(0)
+
+
+class Relay:
+    """A block's part in direct hand-overs: a sender's :class:`HandOut`, a receiver's :class:`HandIn`, or both."""
+
+    def __init__(self, out: HandOut | None, into: HandIn | None) -> None:
+        self.out = out
+        self.into = into
+
+    @classmethod
+    def open(cls, runtime_dir: Path, model: str, role: HandOver | None, consumer: Consumer | None, produces: bool,
+             keep_s: float) -> Relay | None:
+        """The part ``role`` gives a block with ``consumer`` (and a producer where ``produces``); None for none."""
+        if role is None or consumer is None:
+            return None
+        out = HandOut(runtime_dir, role.to) if role.to and produces else None
+        into = HandIn(runtime_dir, model, role, consumer.key, consumer.commit_wait_s, keep_s) if role.takes_from else None
+        return cls(out, into) if out or into else None
+
+    def read(self, tickets: Any, gather: Callable[[Any], T]) -> T:
+        """``gather`` of a request's tickets, its keys resolved (a receiver) and noted (a sender);
+        a sender hands over the failure of a request it cannot read."""
+        keys = keys_of(tickets) if self.out is not None and isinstance(tickets, np.ndarray) else []
+        try:
+            if self.into is not None and isinstance(tickets, np.ndarray):
+                tickets = self.into.resolve(tickets)
+            got = gather(tickets)
+        except RequestError as exc:
+            if self.out is not None:
+                self.out.fail(keys, str(exc))
+            raise
+        if self.out is not None:
+            self.out.take(keys)
+        return got
+
+    def remove_files(self) -> None:
+        if self.into is not None:
+            self.into.remove_file()
+
+    def close(self) -> None:
+        if self.into is not None:
+            self.into.close()
+        if self.out is not None:
+            self.out.close()

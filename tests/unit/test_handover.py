@@ -1,0 +1,175 @@
+"""Direct hand-overs: which pairs of blocks qualify, how their ensembles are wired, and the runtime's
+two sides over real ZeroMQ sockets (the served case is tests/integration/test_any_model.py's
+hand_over plan)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.handover import HandIn, HandOut, keys_of
+from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
+from blockflow.core.runtime_dir import ensure_tensormq, read_key
+from blockflow.core.spec import HandOver
+from blockflow.ensemble_gen import generator, handover
+from blockflow.plan import load_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAIN = {"t": ["b0", "b1", "b2", "b3", "b4"]}
+
+
+def test_a_chain_hands_over_between_its_middle_blocks_and_its_head_joins() -> None:
+    relay = handover.pairs(CHAIN)
+    assert relay == {"b1": "b2", "b2": "b3"}  # b1 takes b0's ticket; b4 is last
+    w = handover.wiring(CHAIN["t"], relay)
+    assert w.takes == (None, 0, 0, 0, 3) and w.after == {4: (1, 2)}
+    roles = handover.roles(CHAIN, relay)
+    assert roles["b1"] == HandOver(to="b2")
+    assert roles["b2"] == HandOver(to="b3", takes_from="b1", keys_from=("b0",))
+    assert roles["b3"] == HandOver(takes_from="b2", keys_from=("b0",))
+    assert roles["b4"] == HandOver(after=2) and "b0" not in roles
+
+
+@pytest.mark.parametrize(("paths", "packs"), [
+    ({"t": ["b0", "b1", "b2"]}, set()),  # three blocks: the receiver would be the last
+    ({"t": ["b0", "b1", "b2", "b3"], "u": ["b0", "b1", "c2", "c3"]}, set()),  # b1 has two blocks after it
+    ({"t": ["b0", "b1", "b2", "b3"], "u": ["c0", "c1", "b2", "b3"]}, set()),  # b2 has two blocks before it
+    ({"t": ["b0", "b1", "b2", "b3"], "u": ["b1", "b2", "b3"]}, set()),  # b2 is u's second block: no key
+    ({"t": ["b0", "b1", "b2", "b3"], "u": ["c0", "b1", "b2"]}, set()),  # b2 is u's last block
+    ({"t": ["b0", "b1", "p", "b3"]}, {"p"}),  # a head pack
+])
+def test_pairs_whose_part_differs_between_tasks_keep_their_ensemble_step(paths: dict[str, list[str]], packs: set[str]) -> None:
+    assert handover.pairs(paths, packs) == {}
+
+
+def test_a_run_that_starts_later_is_keyed_by_its_senders_input_and_tasks_may_start_apart() -> None:
+    paths = {"t": ["a0", "x", "s", "r", "j"], "u": ["c0", "x", "s", "r", "j"], "v": ["a0", "x", "k"]}
+    relay = handover.pairs(paths)
+    assert relay == {"s": "r"}  # x has two blocks after it
+    w = handover.wiring(paths["t"], relay)
+    assert w.takes == (None, 0, 1, 1, 3) and w.after == {4: (2,)}
+    assert handover.roles(paths, relay)["r"] == HandOver(takes_from="s", keys_from=("x",))
+
+
+def _spec(config: bytes) -> dict[str, object]:
+    text = config.decode()
+    raw = re.search(r'key: "blockflow.spec"\s*value \{\s*string_value: "(.*)"', text)
+    assert raw is not None
+    return dict(json.loads(raw.group(1).encode().decode("unicode_escape")))
+
+
+def test_the_generator_wires_direct_hand_overs_on_tensormq_only() -> None:
+    files = generator.render(load_plan(ROOT / "tests" / "plans" / "hand_over.yaml"))
+    task = files["task_a/config.pbtxt"].decode()
+    inputs = re.findall(r'model_name: "(\w+)".*?((?:input_map \{.*?\}\s*)+)', task, re.S)
+    assert [(m, re.findall(r'value: "(\w+)"', maps)) for m, maps in inputs] == [
+        ("stem", ["IMAGE"]), ("mid_a", ["hop0_stem"]), ("mid_b", ["hop0_stem"]), ("mid_c", ["hop0_stem"]),
+        ("head_a", ["hop3_mid_c", "hop1_mid_a", "hop2_mid_b"])]
+    assert _spec(files["mid_b/config.pbtxt"])["hand_over"] == {"to": "mid_c", "takes_from": "mid_a", "keys_from": ["stem"], "after": 0}
+    head = files["head_b/config.pbtxt"].decode()
+    assert head.count("optional: true") == 2 and "HANDED_AFTER_1" in head
+    cpu = [p for p in files if p.startswith("task_a__") and p.endswith("config.pbtxt")]
+    assert cpu and all("hop0_stem" not in files[p].decode().split("mid_b")[1].split("output_map")[0] for p in cpu)
+    assert all("hand_over" not in _spec(files[p]) for p in files if p.endswith("config.pbtxt") and "__" in p.split("/")[0]
+               and "platform" not in files[p].decode())
+
+
+# ---------------------------------------------------------------------------- the runtime, over real sockets
+
+
+def _key_ticket(key: bytes, model: str = "b0", slot: int = 0) -> np.ndarray:
+    t = tk.Ticket(producer=1, generation=1, slot=slot, seq=1, sample=0, offset=0, nbytes=16, dtype=torch.float32, shape=(4,),
+                  device_type=tk.DEVICE_HOST, device_index=0, model=tk.model_id(model))
+    return np.frombuffer(tk.encode(t, key), dtype=np.uint8).reshape(1, -1).copy()
+
+
+@pytest.fixture()
+def runtime(tmp_path: Path) -> Path:
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    ensure_tensormq(rt)
+    return rt
+
+
+ROLE = HandOver(takes_from="b1", keys_from=("b0",))
+
+
+def test_a_receiver_takes_the_senders_ticket_for_its_key_once(runtime: Path) -> None:
+    key = read_key(runtime)
+    into = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=10.0)
+    out = HandOut(runtime, "b2")
+    try:
+        rows = np.concatenate([_key_ticket(key, slot=1), _key_ticket(key, slot=2)])
+        handed = [bytes([i]) * tk.TICKET_BYTES for i in (7, 8)]
+        out.begin()
+        out.take(keys_of(rows))
+        out.send(handed)
+        got = into.resolve(rows)
+        assert [bytes(r) for r in got] == handed
+        with pytest.raises(TicketError, match="replayed"):
+            into.resolve(rows[:1])
+        own = np.frombuffer(handed[0], dtype=np.uint8).reshape(1, -1)  # not a key: passed on as it is
+        assert into.resolve(own) is own
+        forged = rows[:1].copy()
+        forged[0, 40] ^= 1
+        with pytest.raises(TicketError, match="signature"):
+            into.resolve(forged)
+    finally:
+        out.close()
+        into.close()
+    assert not into.path.exists()
+
+
+def test_a_senders_failure_fails_the_request_at_once_and_a_missing_hand_over_after_the_wait(runtime: Path) -> None:
+    key = read_key(runtime)
+    into = HandIn(runtime, "b2", ROLE, key, wait_s=0.3, keep_s=10.0)
+    out = HandOut(runtime, "b2")
+    try:
+        failed, lost, late = _key_ticket(key, slot=1), _key_ticket(key, slot=2), _key_ticket(key, slot=3)
+        out.begin()
+        out.take(keys_of(late))
+        out.fail(keys_of(failed), "ticket signature does not verify")
+        out.finish("the batch failed before its tickets were issued")  # `late` was read, never sent
+        t0 = time.monotonic()
+        with pytest.raises(ProducerGoneError, match="signature does not verify"):
+            into.resolve(failed)
+        with pytest.raises(ProducerGoneError, match="batch failed"):
+            into.resolve(late)
+        assert time.monotonic() - t0 < 0.2
+        with pytest.raises(ProducerGoneError, match="did not hand over"):
+            into.resolve(lost)
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        out.close()
+        into.close()
+
+
+def test_every_receiver_instance_hears_every_hand_over_and_forgets_what_it_was_not_asked(runtime: Path) -> None:
+    key = read_key(runtime)
+    first = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=0.2, pid=1)
+    out = HandOut(runtime, "b2")
+    second = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=0.2, pid=2)  # started after the sender listed
+    other = HandIn(runtime, "b9", ROLE, key, wait_s=0.2, keep_s=0.2, pid=3)  # another block: hears nothing of b2's
+    try:
+        rows = [_key_ticket(key, slot=i) for i in range(3)]
+        out.begin()
+        for r in rows:
+            out.take(keys_of(r))
+        out.send([bytes([i]) * tk.TICKET_BYTES for i in range(3)])
+        assert bytes(first.resolve(rows[0])[0]) == bytes([0]) * tk.TICKET_BYTES
+        assert bytes(second.resolve(rows[1])[0]) == bytes([1]) * tk.TICKET_BYTES
+        with pytest.raises(ProducerGoneError):
+            other.resolve(rows[2])
+        time.sleep(0.6)  # past keep_s: the idle thread read and then forgot the rest
+        assert not first.pending and not second.pending
+        assert not first.served  # served keys are forgotten too, after the same window
+    finally:
+        for x in (out, first, second, other):
+            x.close()
