@@ -20,8 +20,8 @@ from blockflow.core.spec import (
     ModelSpec,
     activation_names,
 )
-from blockflow.ensemble_gen.handover import Wiring
 from blockflow.plan import Block
+from blockflow.plan.handover import Wiring
 
 # Triton's Python backend copies GPU inputs to host memory unless told otherwise.
 FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"
@@ -124,7 +124,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
     """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop.
 
     ``wiring``: which step's output each step takes, where blocks hand over directly
-    (``blockflow.ensemble_gen.handover``); by default each takes the step before's."""
+    (``blockflow.plan.handover``); by default each takes the step before's."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.platform = "ensemble"

@@ -31,7 +31,6 @@ from blockflow.core.spec import (
     head_output,
     hop_dtype,
 )
-from blockflow.ensemble_gen import handover
 from blockflow.ensemble_gen.configs import (
     DIGEST_PARAMETER,
     Step,
@@ -39,7 +38,7 @@ from blockflow.ensemble_gen.configs import (
     python_model_config,
     to_pbtxt,
 )
-from blockflow.plan import Block, HeadPack, Plan, Task, naming
+from blockflow.plan import Block, HeadPack, Plan, Task, handover, naming
 
 MARKER = ".blockflow-repository"
 

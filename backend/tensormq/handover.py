@@ -1,7 +1,7 @@
 """Direct hand-overs: a block gives its tickets to the next block itself, not through the ensemble.
 
 Where the plan says ``hand_over: direct``, the generator pairs a *sender* with the one block
-after it, the *receiver* (``blockflow.ensemble_gen.handover`` says which pairs qualify), and the
+after it, the *receiver* (``blockflow.plan.handover`` says which pairs qualify), and the
 task's ensemble runs both at once: each is given the same ticket, the one the sender takes as its
 input (the *key*). The rules (the package note, ``backend/tensormq/__init__.py``, lists them with
 the rest of the protocol):

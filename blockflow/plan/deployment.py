@@ -14,7 +14,7 @@ from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TransportName, WeightsSource, hop_dtype
-from blockflow.plan import naming
+from blockflow.plan import handover, naming
 from blockflow.plan.schema import (
     DEFAULT_SETTINGS,
     BlockDef,
@@ -297,9 +297,31 @@ class Plan:
             if not self.blocks[name].dynamic_batching and len(sharing) > 1:
                 out.append(f"blocks.{name}: dynamic_batching is off, so requests of its {len(sharing)} tasks "
                            f"({', '.join(sharing)}) never share an execute; under load it runs them one by one")
+        out += self._hand_over_warnings()
         if self.raw.pack == "heads" and not self.head_packs:
             out.append("pack: 'heads' packs nothing: no two tasks have heads of their own after the same block "
                        "with the same deployment settings")
+        return out
+
+
+    def _hand_over_warnings(self) -> list[str]:
+        """Tasks that ask for direct hand-overs where their path has none (``blockflow.plan.handover``)."""
+        direct = [t for t in self.tasks.values() if t.hand_over == "direct"]
+        if not direct:
+            return []
+        paths = {t.name: [d.name for d in self.deployed(t)] for t in direct if t.transport == "tensormq"}
+        kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
+        relay = handover.pairs(paths, {p.name for p in self.head_packs.values()}, kept)
+        out = []
+        for t in direct:
+            path = paths.get(t.name)
+            if path is None:
+                out.append(f"tasks.{t.name}: hand_over 'direct' needs transport 'tensormq' (it is {t.transport!r}); "
+                           "its blocks hand over through the ensemble")
+            elif not any(relay.get(a) == b for a, b in zip(path, path[1:], strict=False)):
+                out.append(f"tasks.{t.name}: hand_over 'direct' finds no pair on its path: a block must be the only one "
+                           "after the other and the other the only one before it in every task, and the one that takes "
+                           "over is no task's first, second or last block (docs/plan.md)")
         return out
 
 

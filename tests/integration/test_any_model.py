@@ -123,3 +123,51 @@ def test_hops_cross_in_the_precision_of_the_block_before_them(served: tuple[Plan
         assert types("task_a") == (["TYPE_FP32"], ["TYPE_FP32"])
     finally:
         client.close()
+
+
+def test_direct_hand_overs_serve_concurrent_clients_and_refuse_replayed_or_forged_keys(served: tuple[Plan, str]) -> None:
+    plan, url = served
+    if plan.raw.name != "hand-over":
+        pytest.skip("for the hand-over plan only")
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.http as http
+
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(24)]
+    with TaskClient(url) as client:
+        want = {(t, i): client.infer(naming.reference_model(t, graph=False), x) for t in ("task_a", "task_b") for i, x in enumerate(xs)}
+
+    def one(job: tuple[str, int]) -> float:
+        with TaskClient(url) as c:
+            got = c.infer(job[0], xs[job[1]])
+        return float(np.abs(got - want[job]).max())
+
+    with ThreadPoolExecutor(8) as pool:  # requests of both tasks batched together in every block
+        assert max(pool.map(one, list(want))) <= 1e-4
+
+    client = http.InferenceServerClient(url.removeprefix("http://"))
+
+    def call(model: str, name: str, data: np.ndarray) -> np.ndarray:
+        inp = http.InferInput(name, list(data.shape), "FP32" if data.dtype == np.float32 else "UINT8")
+        inp.set_data_from_numpy(data)
+        out = client.infer(model, [inp]).as_numpy("ACTIVATION_OUT")
+        assert out is not None
+        return out
+
+    try:
+        key = call("stem", "IMAGE", xs[0][:1])  # a ticket of the task's first block: mid_b's key
+        call("mid_a", "ACTIVATION_IN", key)  # claims it and hands mid_b its own ticket under it
+        call("mid_b", "ACTIVATION_IN", key)
+        with pytest.raises(Exception, match="replayed"):
+            call("mid_b", "ACTIVATION_IN", key)
+        forged = key.copy()
+        forged[0, 30] ^= 1
+        with pytest.raises(Exception, match="signature does not verify"):
+            call("mid_c", "ACTIVATION_IN", forged)
+        with pytest.raises(Exception, match="did not hand over"):  # mid_b never saw this key: the commit wait, then a clear error
+            call("mid_c", "ACTIVATION_IN", call("stem", "IMAGE", xs[0][:1]))
+    finally:
+        client.close()
+    with TaskClient(url) as c:  # and the tasks serve on
+        assert float(np.abs(c.infer("task_a", xs[1]) - want[("task_a", 1)]).max()) <= 1e-4

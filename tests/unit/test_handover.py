@@ -18,8 +18,8 @@ from blockflow.backend.tensormq.handover import HandIn, HandOut, keys_of
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver
-from blockflow.ensemble_gen import generator, handover
-from blockflow.plan import load_plan
+from blockflow.ensemble_gen import generator
+from blockflow.plan import handover, load_plan, parse_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAIN = {"t": ["b0", "b1", "b2", "b3", "b4"]}
@@ -173,3 +173,17 @@ def test_every_receiver_instance_hears_every_hand_over_and_forgets_what_it_was_n
     finally:
         for x in (out, first, second, other):
             x.close()
+
+
+def test_a_task_may_keep_its_steps_and_a_plan_that_finds_no_pair_says_so() -> None:
+    raw = load_plan(ROOT / "tests" / "plans" / "hand_over.yaml").raw.model_dump(mode="json", exclude_none=True)
+    raw["tasks"]["task_b"]["hand_over"] = "ensemble"  # task_b runs the same blocks: none of them hands over
+    plan = parse_plan(raw)
+    files = generator.render(plan)
+    assert "hop0_stem" not in files["task_a/config.pbtxt"].decode().split('"mid_b"')[1]
+    assert all("hand_over" not in _spec(files[f"{m}/config.pbtxt"]) for m in ("mid_a", "mid_b", "mid_c", "head_a"))
+    assert [w.split(":")[0] for w in plan.warnings()] == ["tasks.task_a"]
+    raw["tasks"]["task_b"]["hand_over"] = "direct"
+    raw["tasks"]["task_b"]["transport"] = "triton-cpu"
+    assert any("needs transport 'tensormq'" in w for w in parse_plan(raw).warnings())
+    assert not load_plan(ROOT / "tests" / "plans" / "hand_over.yaml").warnings()
