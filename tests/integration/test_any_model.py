@@ -125,7 +125,7 @@ def test_hops_cross_in_the_precision_of_the_block_before_them(served: tuple[Plan
         client.close()
 
 
-def test_direct_hand_overs_serve_concurrent_clients_and_refuse_replayed_or_forged_keys(served: tuple[Plan, str]) -> None:
+def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_forged_keys(served: tuple[Plan, str]) -> None:
     plan, url = served
     if plan.raw.name != "hand-over":
         pytest.skip("for the hand-over plan only")
