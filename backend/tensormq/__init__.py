@@ -107,6 +107,31 @@ Cancel, crash, restart:
   fails its request alone, and the tickets that request claimed are still
   released.
 
+Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handover.py``,
+``blockflow/plan/handover.py`` for which pairs of blocks qualify):
+
+- A *sender* and the one block after it, the *receiver*, run in the same ensemble step: the
+  ensemble gives both the ticket the sender takes as its input. For the receiver that ticket is a
+  *key*: it is checked (MAC, fields, and it must come from one of the blocks whose tickets key its
+  hand-overs, ``HandOver.keys_from``) but never claimed; the sender claims it as any consumer.
+- The sender pushes, for each sample, ``[key MAC, status, ticket]`` to every instance of the
+  receiver (Triton, not the sender, picks the instance a request goes to): status empty and its
+  own ticket, sent when the tickets are issued, before the sample's GPU work (the receiver's
+  consumer then waits for the commit, as for a ticket handed on early); or the reason it failed
+  that sample's request, UTF-8, and no ticket. A sender does not answer the ensemble early.
+- Each receiver instance binds a PULL socket ``tmq/ho<model id, 14 hex>-<pid, 8 hex>.sock``;
+  senders list the directory again when it changes. An instance keeps what it was not asked for
+  until the claim window ends (its tickets are refused by then), and so long the keys it served.
+- The receiver refuses a key it has served (a replay), waits for a key's hand-over at most
+  ``COMMIT_WAIT_S``, and then reads the sender's ticket as its input, with every check above (MAC,
+  hop, one-shot claim). A sender's own ticket that reaches it through the ensemble (an ensemble
+  from before a live plan change) is read as it is.
+- A forged or replayed key, a hand-over that does not come, a sender's failure: each fails the one
+  request (400 for a bad key, UNAVAILABLE for the rest).
+- The block after a run of hand-overs (the *join*) takes the senders' tickets as optional inputs
+  ``HANDED_AFTER_<k>`` and never reads them: Triton runs only the steps whose outputs some step
+  takes (``docs/triton-notes.md``).
+
 Messages (ZeroMQ multipart, a consumer's DEALER to the producer generation's ROUTER; the
 constants and frame layouts are in ``backend/tensormq/wire.py``):
 
@@ -129,6 +154,7 @@ The ticket (256 bytes, inside Triton's tensors, never on these sockets) is laid 
 
 Nothing on any socket is pickled. Files (named in ``blockflow/core/env.py``): in the runtime
 directory ``$BLOCKFLOW_RUNTIME_DIR``, ``tmq.key`` (ticket MAC key, 0600) and
-``tmq/<id>-<generation>.sock`` and ``.claims`` (one pair per producer generation); host pools
+``tmq/<id>-<generation>.sock`` and ``.claims`` (one pair per producer generation), and
+``tmq/ho<model id>-<pid>.sock`` (one per receiver instance of direct hand-overs); host pools
 are ``/dev/shm/blockflow-tmq-<runtime dir>-<id>-<generation>``.
 """

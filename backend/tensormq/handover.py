@@ -1,28 +1,10 @@
 """Direct hand-overs: a block gives its tickets to the next block itself, not through the ensemble.
 
 Where the plan says ``hand_over: direct``, the generator pairs a *sender* with the one block
-after it, the *receiver* (``blockflow.plan.handover`` says which pairs qualify), and the
-task's ensemble runs both at once: each is given the same ticket, the one the sender takes as its
-input (the *key*). The rules (the package note, ``backend/tensormq/__init__.py``, lists them with
-the rest of the protocol):
-
-- The sender reads the key as its input, as a consumer (claimed once, like any ticket). For each
-  sample it then pushes ``[key MAC, status, ticket]`` to every instance of the receiver: status
-  empty and its own ticket for that sample, sent when the ticket is issued, before the sample's GPU
-  work (the receiver's consumer waits for the commit, as for a ticket handed on early); or the
-  reason it failed the request, as UTF-8, with no ticket. It does not answer the ensemble early.
-- Each receiver instance binds a PULL socket in the server's private TensorMQ directory,
-  ``tmq/ho<model id, 14 hex>-<pid, 8 hex>.sock``; senders find them by listing that directory
-  when it changes. Triton picks the instance a request goes to, so every instance hears every
-  hand-over and keeps the ones nobody asked it for until the claim window ends.
-- The receiver checks the key it is given as a ticket (its MAC, its fields) from one of the blocks
-  whose tickets key its hand-overs (``HandOver.keys_from``), refuses a key it has already served
-  (a replay), and waits for the hand-over at most the commit wait. It then reads the sender's
-  ticket as its input: the consumer checks it as any ticket (MAC, one-shot claim, hop). A ticket
-  from its sender given the usual way (an ensemble written before the plan said ``direct``, during
-  a live change) is read as it is.
-- Whatever fails, fails the one request: a forged or replayed key, a hand-over that does not come,
-  a sender's failure.
+after it, the *receiver* (``blockflow.plan.handover`` says which pairs qualify), and the task's
+ensemble runs both at once, each given the ticket the sender takes as its input (the receiver's
+*key*). The rules, with the rest of the protocol, are in the package note
+(``backend/tensormq/__init__.py``, "Direct hand-overs").
 """
 
 from __future__ import annotations
