@@ -72,15 +72,16 @@ def merged(a: Plan, b: Plan, precision: str | None = None) -> tuple[Plan, dict[s
 
 
 def run(a: Path, b: Path, out: Path, precision: str | None, rounds: int, seconds: float,
-        concurrency: tuple[int, ...] = (1, 32)) -> dict[str, Any]:
+        concurrency: tuple[int, ...] = (1, 32), warm_cores_ms: float = 0.0) -> dict[str, Any]:
     plan, models = merged(load_plan(a), load_plan(b), precision)
     c, h, w = plan.block_in_shape(plan.blocks[plan.tasks[models["a"]].path[0]])
     shape = f"IMAGE:{c},{h},{w}"
     runs: dict[str, list[dict[str, float]]] = {}
     result: dict[str, Any] = {"meta": {"device": device_name(), "commit": commit(), "a": str(a), "b": str(b),
-                                       "precision": precision, "rounds": rounds, "seconds": seconds, "models": models},
+                                       "precision": precision, "rounds": rounds, "seconds": seconds, "models": models,
+                                       "warm_cores_ms": warm_cores_ms},
                               "runs": runs}
-    with served(plan, "bench-ab-") as server:
+    with served(plan, "bench-ab-", warm_cores_ms=warm_cores_ms) as server:
         for model in models.values():  # warm-up, not recorded
             perf_analyzer(server.http_url, model, shape, 1, seconds, concurrency=1)
         for i in range(rounds):
@@ -113,7 +114,8 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"# A/B in one server on {meta['device']}, commit {meta['commit']}", "",
              f"A: `{meta['a']}`, B: `{meta['b']}` (first tasks `{meta['models']['a']}` and `{meta['models']['b']}`), "
              f"precision {meta['precision'] or 'as planned'}; perf_analyzer over HTTP, batch 1, {meta['seconds']} s windows, "
-             f"alternating, {meta['rounds']} rounds; medians, and B − A in each round.", "",
+             f"alternating, {meta['rounds']} rounds, warm cores {meta.get('warm_cores_ms') or 'off'}"
+             f"{' ms' if meta.get('warm_cores_ms') else ''}; medians, and B − A in each round.", "",
              "| concurrency | figure | A | B | unsplit graph (A) | B − A per round | rounds with B − A < 0 |", "|---|---|---|---|---|---|---|"]
 
     def fmt(v: float | None, key: str) -> str:
@@ -135,9 +137,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
     ap.add_argument("--concurrency", default="1,32", help="comma-separated, e.g. 1 or 1,32")
+    ap.add_argument("--warm-cores-ms", type=float, default=0.0, help="as blockflow serve --warm-cores-ms (default off)")
     args = ap.parse_args()
     conc = tuple(int(c) for c in args.concurrency.split(","))
-    print(report(run(args.a, args.b, args.out, args.precision, args.rounds, args.seconds, conc)))
+    print(report(run(args.a, args.b, args.out, args.precision, args.rounds, args.seconds, conc, args.warm_cores_ms)))
 
 
 if __name__ == "__main__":
