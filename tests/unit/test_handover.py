@@ -129,7 +129,7 @@ def test_a_receiver_takes_the_senders_ticket_for_its_key_once(runtime: Path) -> 
 
 def test_a_senders_failure_fails_the_request_at_once_and_a_missing_hand_over_after_the_wait(runtime: Path) -> None:
     key = read_key(runtime)
-    into = HandIn(runtime, "b2", ROLE, key, wait_s=0.3, keep_s=10.0)
+    into = HandIn(runtime, "b2", ROLE, key, wait_s=1.5, keep_s=10.0)
     out = HandOut(runtime, "b2")
     try:
         failed, lost, late = _key_ticket(key, slot=1), _key_ticket(key, slot=2), _key_ticket(key, slot=3)
@@ -142,10 +142,10 @@ def test_a_senders_failure_fails_the_request_at_once_and_a_missing_hand_over_aft
             into.resolve(failed)
         with pytest.raises(ProducerGoneError, match="batch failed"):
             into.resolve(late)
-        assert time.monotonic() - t0 < 0.2
+        assert time.monotonic() - t0 < 1.0  # at once, not after the wait
         with pytest.raises(ProducerGoneError, match="did not hand over"):
             into.resolve(lost)
-        assert time.monotonic() - t0 >= 0.3
+        assert time.monotonic() - t0 >= 1.5
     finally:
         out.close()
         into.close()
@@ -167,7 +167,7 @@ def test_every_receiver_instance_hears_every_hand_over_and_forgets_what_it_was_n
         assert bytes(second.resolve(rows[1])[0]) == bytes([1]) * tk.TICKET_BYTES
         with pytest.raises(ProducerGoneError):
             other.resolve(rows[2])
-        time.sleep(0.6)  # past keep_s: the idle thread read and then forgot the rest
+        time.sleep(1.0)  # past keep_s and two of the idle thread's rounds: it read and then forgot the rest
         assert not first.pending and not second.pending
         assert not first.served  # served keys are forgotten too, after the same window
     finally:
