@@ -62,6 +62,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
         emit({"plan": plan,
               "tasks": [{"task": t.name, "transports": list(p.transports_of(t)), "path": list(t.path),
                          "shared_blocks": [b for b in t.path if len(sharing[b]) > 1],
+                         "hand_overs": [list(pair) for pair in p.task_hand_overs(t)],
                          "hops": [{"shapes": [list(s) for s in p.block_out_shapes(p.blocks[n])],
                                    "dtype": hop_dtype(p.blocks[n].precision)} for n in t.path[:-1]]}
                         for t in p.tasks.values()],
@@ -84,7 +85,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
             ", ".join(sharing[b.name]) or "[yellow]unused[/]",
         )
     tasks = Table(title="tasks")
-    for col in ("task", "transport", "path", "shared blocks", "hop tensors (per sample)"):
+    for col in ("task", "transport", "path", "shared blocks", "hands over directly", "hop tensors (per sample)"):
         tasks.add_column(col)
     for t in p.tasks.values():
         shared = [b for b in t.path if len(sharing[b]) > 1]
@@ -92,7 +93,9 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
         for name in t.path[:-1]:
             shapes, dtype = p.block_out_shapes(p.blocks[name]), hop_dtype(p.blocks[name].precision)
             hops.append(f"{_shapes(shapes)} {dtype} {_mib(shapes, dtype)}")
-        tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", "; ".join(hops) or "-")
+        direct = ", ".join(f"{a} ⇒ {b}" for a, b in p.task_hand_overs(t))
+        tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", direct or "-",
+                      "; ".join(hops) or "-")
     out.print(tasks)
     out.print(blocks)
 

@@ -304,21 +304,32 @@ class Plan:
         return out
 
 
-    def _hand_over_warnings(self) -> list[str]:
-        """Tasks that ask for direct hand-overs where their path has none (``blockflow.plan.handover``)."""
-        direct = [t for t in self.tasks.values() if t.hand_over == "direct"]
-        if not direct:
-            return []
-        paths = {t.name: [d.name for d in self.deployed(t)] for t in direct if t.transport == "tensormq"}
+    def hand_overs(self) -> dict[str, str]:
+        """Sender -> receiver of each pair of deployed models (names before any transport suffix) that
+        hand over directly on the tasks that ask for it (``blockflow.plan.handover``)."""
+        paths = {t.name: [d.name for d in self.deployed(t)] for t in self.tasks.values()
+                 if t.hand_over == "direct" and t.transport == "tensormq"}
+        if not paths:
+            return {}
         kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
-        relay = handover.pairs(paths, {p.name for p in self.head_packs.values()}, kept)
+        return handover.pairs(paths, {p.name for p in self.head_packs.values()}, kept)
+
+    def task_hand_overs(self, task: Task) -> list[tuple[str, str]]:
+        """The pairs of :meth:`hand_overs` on ``task``'s deployed path, in order."""
+        relay = self.hand_overs()
+        path = [d.name for d in self.deployed(task)]
+        return [(a, b) for a, b in zip(path, path[1:], strict=False) if relay.get(a) == b]
+
+    def _hand_over_warnings(self) -> list[str]:
+        """Tasks that ask for direct hand-overs where their path has none."""
         out = []
-        for t in direct:
-            path = paths.get(t.name)
-            if path is None:
+        for t in self.tasks.values():
+            if t.hand_over != "direct":
+                continue
+            if t.transport != "tensormq":
                 out.append(f"tasks.{t.name}: hand_over 'direct' needs transport 'tensormq' (it is {t.transport!r}); "
                            "its blocks hand over through the ensemble")
-            elif not any(relay.get(a) == b for a, b in zip(path, path[1:], strict=False)):
+            elif not self.task_hand_overs(t):
                 out.append(f"tasks.{t.name}: hand_over 'direct' finds no pair on its path: a block must be the only one "
                            "after the other and the other the only one before it in every task, and the one that takes "
                            "over is no task's first, second or last block (docs/plan.md)")
