@@ -184,10 +184,11 @@ def render(plan: Plan) -> dict[str, bytes]:
         for graph, fp32 in plan.reference_variants(task):
             spec, deploy = reference_spec(plan, task, graph, fp32)
             python_model(deploy.name, spec, deploy)
-    # Direct hand-overs, between TensorMQ blocks only (each ensemble is of one transport).
-    paths = {e: [st.model for st in steps] for e, steps, t in ensembles if steps[0].spec.transport == "tensormq" and t.hand_over == "direct"}
-    kept = [[st.model for st in steps] for e, steps, _ in ensembles if e not in paths]
-    relay = handover.pairs(paths, {m for m, (spec, _) in blocks.items() if spec.heads}, kept) if paths else {}
+    # Direct hand-overs: the plan's pairs, wired into the TensorMQ ensembles of the tasks that ask for them.
+    relay = {naming.block_model(a, "tensormq", plan.transport): naming.block_model(b, "tensormq", plan.transport)
+             for a, b in plan.hand_overs.items()}
+    paths = {e: [st.model for st in steps] for e, steps, t in ensembles
+             if relay and t.hand_over == "direct" and t.transport == "tensormq" and steps[0].spec.transport == "tensormq"}
     roles = handover.roles(paths, relay)
     for ename, steps, task in ensembles:
         first, last = plan.blocks[task.path[0]], plan.blocks[task.path[-1]]

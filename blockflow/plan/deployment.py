@@ -303,7 +303,7 @@ class Plan:
                        "with the same deployment settings")
         return out
 
-
+    @cached_property
     def hand_overs(self) -> dict[str, str]:
         """Sender -> receiver of each pair of deployed models (names before any transport suffix) that
         hand over directly on the tasks that ask for it (``blockflow.plan.handover``)."""
@@ -316,7 +316,7 @@ class Plan:
 
     def task_hand_overs(self, task: Task) -> list[tuple[str, str]]:
         """The pairs of :meth:`hand_overs` on ``task``'s deployed path, in order."""
-        relay = self.hand_overs()
+        relay = self.hand_overs
         path = [d.name for d in self.deployed(task)]
         return [(a, b) for a, b in zip(path, path[1:], strict=False) if relay.get(a) == b]
 

@@ -189,5 +189,5 @@ def test_a_task_may_keep_its_steps_and_a_plan_that_finds_no_pair_says_so() -> No
     direct = load_plan(ROOT / "tests" / "plans" / "hand_over.yaml")
     assert not direct.warnings()
     # What `blockflow show` lists is what the generator wires.
-    assert direct.hand_overs() == {"mid_a": "mid_b", "mid_b": "mid_c"}
+    assert direct.hand_overs == {"mid_a": "mid_b", "mid_b": "mid_c"}
     assert direct.task_hand_overs(direct.tasks["task_b"]) == [("mid_a", "mid_b"), ("mid_b", "mid_c")]
