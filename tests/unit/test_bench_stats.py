@@ -140,3 +140,17 @@ def test_load_anatomy_reads_phases_per_execution_and_each_block_window() -> None
     assert w["gap_ms"] == 3.0  # within process a only: 2 ms -> 5 ms
     assert w["run:graph_ms"] == 0.5 and w["execute_ms"] == 1.0 and w["gpu_ms"] == 0.5
     assert block_window(calls, 30 * ms, 40 * ms) == {}
+
+
+def test_several_runs_of_a_point_give_each_figures_median_and_spread() -> None:
+    from blockflow.bench.perf_analyzer import median_of
+
+    runs = [{"p50_ms": 2.0, "p99_ms": 4.0, "throughput": 500.0}, {"p50_ms": 3.0, "p99_ms": 5.0, "throughput": 400.0},
+            {"p50_ms": 2.5, "p99_ms": 9.0, "throughput": 450.0, "unstable": 1.0}]
+    r = median_of(runs)
+    assert (r["p50_ms"], r["p99_ms"], r["throughput"]) == (2.5, 5.0, 450.0)
+    assert abs(r["spread"]["p50_ms"] - 0.4) < 1e-9 and abs(r["spread"]["throughput"] - 100 / 450) < 1e-9
+    assert r["unstable"] == 1.0 and [x["p50_ms"] for x in r["runs"]] == [2.0, 3.0, 2.5] and "unstable" not in r["runs"][2]
+    two = median_of(runs[:2])
+    assert two["p50_ms"] == 2.5 and "unstable" not in two  # an even count: the mean of the middle two
+    assert median_of([runs[0], {"error": "perf_analyzer failed"}]) == {"error": "perf_analyzer failed"}
