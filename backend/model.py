@@ -33,7 +33,6 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 from blockflow.backend import instance_args
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.monitor import BlockMonitor, metric_labels
-from blockflow.backend.read_later import ReadLater
 from blockflow.backend.replies import EarlyReply, Packed, error, failed_response, failure_code, packer, split, ticket_tensor
 from blockflow.backend.runtime import DTYPES, BlockRunner
 from blockflow.backend.server_watch import ServerWatch
@@ -150,7 +149,6 @@ class TritonPythonModel:
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
         self.early = self.producer is not None and answers_early
-        self.read_later = self.early and os.environ.get(env.TMQ_READ_LATER) != "0"  # backend/read_later.py
         self.committed: int | None = None  # the event of the current call's last committed pool slot
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(self.device) if spec.takes_image and self.device.type == "cuda" else None
@@ -172,9 +170,8 @@ class TritonPythonModel:
             f"rest {time.monotonic() - t_warm:.2f}"
         )
 
-    def _input(self, request: Any, releases: list[Any], later: ReadLater | None = None) -> list[torch.Tensor]:
-        """A request's input tensors (the tensors its tickets name, for TensorMQ); with ``later``,
-        what its early answer does not need is left there (``backend/read_later.py``)."""
+    def _input(self, request: Any, releases: list[Any]) -> list[torch.Tensor]:
+        """A request's input tensors (the tensors its tickets name, for TensorMQ)."""
         tensors = []
         for name in self.in_names:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -189,20 +186,13 @@ class TritonPythonModel:
             tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
             if self.tracer is not None:
                 self.tracer.lap("read:input")
-            waits = later.waits if later is not None else None
             gather = self.consumer.gather_tensors
-            views, rel = (gather(tickets, self.spec.in_shapes, self.stream, self.lap, waits) if self.relay is None else
-                          self.relay.read(tickets, lambda t: gather(t, self.spec.in_shapes, self.stream, self.lap, waits)))
+            views, rel = (gather(tickets, self.spec.in_shapes, self.stream, self.lap) if self.relay is None else
+                          self.relay.read(tickets, lambda t: gather(t, self.spec.in_shapes, self.stream, self.lap)))
             if self.tracer is not None:
                 self.tracer.lap("read:gather")
             releases.extend(rel)
             return views
-        if later is not None and self.spec.takes_image and all(t.is_cpu() for t in tensors):
-            dims = [tuple(t.shape()) for t in tensors]
-            for name, d, shape in zip(self.in_names, dims, self.spec.in_shapes, strict=True):
-                if d[1:] != shape or d[0] != dims[0][0]:
-                    raise RequestError(f"input {name!r} is {list(d)}; expected [{dims[0][0]}, {', '.join(map(str, shape))}]")
-            return [later.image(j, t, d) for j, (t, d) in enumerate(zip(tensors, dims, strict=True))]
         xs = [from_dlpack(t.to_dlpack()) for t in tensors]
         dtype = torch.float32 if self.spec.takes_image else DTYPES[self.spec.in_dtype]
         for name, x, shape in zip(self.in_names, xs, self.spec.in_shapes, strict=True):
@@ -230,10 +220,9 @@ class TritonPythonModel:
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
         owners: list[int] = []
         releases: list[Any] = []
-        later = ReadLater() if self.read_later and len(requests) == 1 else None
         for i, request in enumerate(requests):
             try:
-                batch.append(self._input(request, releases, later))
+                batch.append(self._input(request, releases))
                 owners.append(i)
             except RequestError as exc:  # fails this request alone: the caller's fault (HTTP 400), or its ticket's producer's
                 responses[i] = pb_utils.InferenceResponse(error=error(str(exc), failure_code(exc)))
@@ -259,7 +248,7 @@ class TritonPythonModel:
                     runner = self.runners[name]
                     joined = batch[ks[0]] if len(ks) == 1 else runner.join([[batch[k][j] for k in ks]
                                                                             for j in range(len(batch[ks[0]]))])
-                    results = self._run(runner, joined, early, later)
+                    results = self._run(runner, joined, early)
                     if early is not None and early.sent:
                         continue  # answered with its tickets already
                     names = [name] if len(results) == 1 else self.out_names
@@ -341,13 +330,11 @@ class TritonPythonModel:
         for k in positions:
             responses[owners[k]] = failed_response(exc, self.spec.name)
 
-    def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None,
-             later: ReadLater | None = None) -> list[torch.Tensor]:
+    def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ tickets.
 
         ``early``: sends the tickets as the call's response before the GPU work is queued (a
-        failure after that marks them failed: their consumer refuses them); ``later``: what the
-        call reads after that."""
+        failure after that marks them failed: their consumer refuses them)."""
         if self.producer is None:
             outs = runner.run_all(xs)
             # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
@@ -371,8 +358,6 @@ class TritonPythonModel:
                     early(handed, packed.response if packed is not None else None)
                 if tracer is not None:
                     tracer.lap("run:reply")
-            if later is not None:
-                xs = later.read(xs, self.stream, self.lap)
             runner.run_all(xs, outs=reservation.views, lap=self.lap)
         except BaseException:
             self.producer.abort(reservation)

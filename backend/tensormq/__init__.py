@@ -40,10 +40,7 @@ Who owns a slot when:
    once per producer generation and cached), then *claims* the ticket's sample
    in the producer's claim table (``backend/tensormq/claims.py``). Only then
    does it make its own stream wait on the slot's event (on the GPU; no host
-   synchronisation, no CUDA IPC call per request) and read. A block that
-   answers a call early makes those waits after its answer, before it queues
-   the work that reads the slot (``backend/read_later.py``); every ticket is
-   verified and claimed before the answer all the same.
+   synchronisation, no CUDA IPC call per request) and read.
 5. The consumer records an event after the work that read the slot; its release
    thread waits for that event, then sends RELEASE — asynchronous, batched per
    producer: one frame of ``(generation, slot, sequence, sample)`` items. A

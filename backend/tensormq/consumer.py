@@ -25,7 +25,6 @@ from blockflow.core import cuda
 from blockflow.core.runtime_dir import read_key
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
-SlotWait = tuple[EventRing, int]  # a producer's slot events, and the slot whose event a stream must wait for
 RELEASE_EVENTS = 64
 # How long a ticket handed on before its batch was committed (Producer.issue) waits for that commit.
 # A commit follows its tickets by the time the producer takes to queue its GPU work: microseconds,
@@ -170,17 +169,14 @@ class Consumer:
         return views[0], releases
 
     def gather_tensors(self, raw: torch.Tensor | np.ndarray[Any, Any], shapes: Sequence[tuple[int, ...]],
-                       stream: int, lap: Callable[[str], None] | None = None,
-                       waits: list[SlotWait] | None = None) -> tuple[list[torch.Tensor], list[Release]]:
+                       stream: int, lap: Callable[[str], None] | None = None) -> tuple[list[torch.Tensor], list[Release]]:
         """Views of the samples that ``raw`` (uint8 ``[n, 256]``, a tensor or a host array) names: one
         ``[n, *shape]`` tensor per entry of ``shapes`` (several: the tickets name records of those tensors).
 
-        The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event; with
-        ``waits`` given, those waits are listed there for the caller to make (:meth:`wait`) before
-        its GPU work reads the views, unless the views are joined here (a copy on the GPU).
+        The consumer's ``stream`` is made to wait (on the GPU) for each producer slot's event.
         Returns the tensors and the releases to send once the GPU work reading them is done.
-        ``lap`` (a block's tracer): called at the end of the steps of the first ticket (decoded, claimed)
-        and of the waits.
+        ``lap`` (a block's tracer): called at the end of the steps of the first ticket (decoded, claimed,
+        waited for).
         """
         offsets = tk.record_offsets(shapes)
         sample_shape, layout = (tuple(shapes[0]), 0) if len(shapes) == 1 else ((offsets[-1],), tk.layout_id(shapes))
@@ -189,7 +185,6 @@ class Consumer:
         parts: list[torch.Tensor] = []
         seen: list[Release] = []  # every ticket this request claimed, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
-        pending: list[SlotWait] = []  # each slot's event, once
         run_start: tuple[_Remote, tk.Ticket, int] | None = None
         try:
             for i in range(count):
@@ -222,8 +217,10 @@ class Consumer:
                 if lap is not None and i == 0:
                     lap("read:claim")
                 if (t.producer, t.generation, t.slot) not in waited:
-                    pending.append((r.events, t.slot))
+                    r.events.wait(t.slot, stream)
                     waited.add((t.producer, t.generation, t.slot))
+                    if lap is not None and i == 0:
+                        lap("read:wait")
                 # Consecutive samples of one slot become one zero-copy view.
                 if run_start is not None:
                     r0, t0, n = run_start
@@ -240,23 +237,11 @@ class Consumer:
             self.release_now(seen)
             raise
         self.stats.tickets += count
-        if waits is None or len(parts) > 1:
-            self.wait(pending, stream, lap, "read:wait")
-        else:
-            waits.extend(pending)
         batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
         if len(shapes) == 1:
             return [batch], seen
         n = int(batch.shape[0])
         return [batch[:, a:b].view(n, *s) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)], seen
-
-    @staticmethod
-    def wait(waits: Sequence[SlotWait], stream: int, lap: Callable[[str], None] | None = None, step: str = "") -> None:
-        """Make ``stream`` wait (on the GPU) for the slot events in ``waits``; ``lap(step)`` after them."""
-        for events, slot in waits:
-            events.wait(slot, stream)
-        if lap is not None and waits:
-            lap(step)
 
     def _await_commit(self, r: _Remote, t: tk.Ticket) -> str | None:
         """Claim ``t`` once its producer committed the batch it was issued for; why not, if that use

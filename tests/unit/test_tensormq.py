@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.consumer import Consumer, SlotWait
+from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.memory import SHM_DIR
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.reservation import PoolExhaustedError
@@ -576,35 +576,6 @@ def test_a_traced_hop_names_its_steps(runtime: Path) -> None:
         _, releases = consumer.gather_tensors(_tickets(tickets), [(8,)], 0, laps.append)
         consumer.release_now(releases)
         assert laps == ["run:event", "read:decode", "read:claim", "read:wait"]  # the first ticket's steps only
-    finally:
-        consumer.close()
-        prod.close()
-
-
-def test_a_call_answered_early_leaves_its_slot_waits_for_after_the_answer(runtime: Path) -> None:
-    """With ``waits`` given, the stream waits of a request whose tickets make one view are left to
-    the caller (backend/read_later.py); tickets of several slots are joined on the GPU, so waited for first."""
-    prod = Producer("blockW/0", runtime, CPU, pool_bytes=1 << 20, max_slots=4, lease_s=30, wait_s=1, prepare=False)
-    consumer = Consumer(runtime, CPU)
-    laps: list[str] = []
-    try:
-        r = prod.reserve((2, 8), torch.float32)
-        r.view.copy_(torch.arange(16.0).view(2, 8))
-        tickets = prod.commit(r, 0)
-        waits: list[SlotWait] = []
-        (x,), releases = consumer.gather_tensors(_tickets(tickets), [(8,)], 0, laps.append, waits)
-        assert laps == ["read:decode", "read:claim"] and [slot for _, slot in waits] == [r.slot.index]
-        assert torch.equal(x, torch.arange(16.0).view(2, 8))
-        Consumer.wait(waits, 0, laps.append, "run:wait")
-        assert laps[-1] == "run:wait"
-        consumer.release_now(releases)
-        r1, r2 = prod.reserve((1, 8), torch.float32), prod.reserve((1, 8), torch.float32)
-        two = [prod.commit(r1, 0)[0], prod.commit(r2, 0)[0]]
-        laps.clear()
-        later: list[SlotWait] = []
-        _, releases = consumer.gather_tensors(_tickets(two), [(8,)], 0, laps.append, later)
-        assert later == [] and laps == ["read:decode", "read:claim", "read:wait"]
-        consumer.release_now(releases)
     finally:
         consumer.close()
         prod.close()
