@@ -14,7 +14,14 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
    before they exit).
 4. Write and load the new and changed *ensembles* (in parallel). Their blocks
    are loaded by then, so this takes milliseconds, and a task answers as soon
-   as its ensemble's load returns.
+   as its ensemble's load returns. The exception: an ensemble whose blocks
+   stop handing over directly (``hand_over`` from ``direct`` to ``ensemble``)
+   loads *before* step 3. Its new chain of steps runs on the blocks that still
+   hand over (a sender answers after its commit, and a receiver reads its
+   sender's own ticket as it is), while its old steps cannot run on the new
+   blocks (a receiver that no longer waits for hand-overs would be given the
+   sender's input). The other way round, the old chain runs on the new blocks,
+   so the blocks go first, as for any change.
 5. Unload removed ensembles first, then the blocks no task uses any more, and
    delete their directories. In-flight requests of a removed task hold their
    own references to its models, so they finish.
@@ -41,6 +48,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from blockflow.core.errors import ApplyError, TritonApiError
+from blockflow.core.spec import HANDED_AFTER
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, config_changes, parse_pbtxt
 from blockflow.plan import Plan
@@ -100,6 +108,30 @@ class Diff:
 def _digest_of(config: Mapping[str, Any]) -> str | None:
     value = config.get("parameters", {}).get(DIGEST_PARAMETER, {}).get("string_value")
     return str(value) if value else None
+
+
+def handed_inputs(config_text: str) -> frozenset[tuple[str, str]]:
+    """The optional inputs through which an ensemble's steps feed their joins the tickets of blocks
+    that handed over directly: one per sender, so fewer of them is fewer hand-overs."""
+    steps = parse_pbtxt(config_text).ensemble_scheduling.step
+    return frozenset((s.model_name, k) for s in steps for k in s.input_map if k.startswith(HANDED_AFTER))
+
+
+def ensembles_first(ensembles: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
+                    new: Mapping[str, Mapping[str, bytes]], served: Iterable[Served]) -> list[Change]:
+    """The changed ensembles to load before the blocks: those that hand over less than before (some of
+    their blocks stop handing over directly) and whose steps' models are all served already."""
+    ready = {s.name for s in served}
+    out = []
+    for c in ensembles:
+        before = old.get(c.model)
+        if c.action != "change" or before is None or "config.pbtxt" not in before:
+            continue
+        text = new[c.model]["config.pbtxt"].decode()
+        steps = {s.model_name for s in parse_pbtxt(text).ensemble_scheduling.step}
+        if handed_inputs(text) < handed_inputs(before["config.pbtxt"].decode()) and steps <= ready:
+            out.append(c)
+    return out
 
 
 def compute_diff(files: Mapping[str, bytes], served: Iterable[Served]) -> Diff:
@@ -236,8 +268,9 @@ class Applier:
             self.control.unload(model)
 
     def _load_waves(self, blocks: list[Change], ensembles: list[Change], wanted: Mapping[str, Mapping[str, bytes]],
-                    done: list[Change], report: Report) -> None:
-        """Two parallel waves: every new and changed block, then every new and changed ensemble.
+                    done: list[Change], report: Report, first: Iterable[Change] = ()) -> None:
+        """Two parallel waves: every new and changed block, then every new and changed ensemble;
+        ``first``, ensembles that stop handing over directly, before both (module docstring, step 4).
 
         Blocks load on their own, all at once (their processes start in parallel). Reloading a
         block makes Triton reload the loaded ensembles that name it from their files on disk, so
@@ -246,6 +279,13 @@ class Applier:
         block that was loaded on its own just before (measured on 2.51, with block processes
         writing no ``__pycache__`` into the repository).
         """
+        early = list(first)
+        if early:
+            for c in early:
+                done.append(c)
+                generator.write_model(self.repository, c.model, wanted[c.model])
+            self._load_all(early, report)
+            ensembles = [c for c in ensembles if c not in early]
         for c in blocks:
             done.append(c)
             generator.write_model(self.repository, c.model, wanted[c.model])
@@ -264,7 +304,8 @@ class Applier:
             if not (self.repository / generator.MARKER).is_file():
                 raise ApplyError(f"{self.repository} is not a BlockFlow model repository (no {generator.MARKER}); "
                                  "give the --repository the server was started with")
-            d = self._with_fields(compute_diff(files, self.served()), wanted)
+            served = self.served()
+            d = self._with_fields(compute_diff(files, served), wanted)
             report = Report(d)
             if dry_run or d.empty:
                 report.seconds = time.monotonic() - t0
@@ -277,7 +318,8 @@ class Applier:
             self.current = report
             try:
                 try:
-                    self._load_waves(blocks, ensembles, wanted, done, report)
+                    first = ensembles_first(ensembles, backup, wanted, served)
+                    self._load_waves(blocks, ensembles, wanted, done, report, first)
                 except Exception as exc:
                     restored = self._undo(done, backup)
                     raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "

@@ -399,6 +399,49 @@ def test_packing_heads_live_keeps_every_answer(live: Live, tmp_path: Path) -> No
     assert all(same(_infer(client, t, x), before[t]) for t in TASKS_B)
 
 
+def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path: Path) -> None:
+    """A task of four blocks switched from ensemble steps to direct hand-overs and back while
+    clients call it: every request is answered, with the same outputs. From direct to
+    ensemble, the task's ensemble must load before its blocks (blockflow.control.apply, step 4):
+    the other order fed the reloaded receiver its sender's input ("redirected ticket") and left the
+    ensemble unloadable against the reloaded join ("no available versions") while they loaded."""
+    import yaml
+
+    raw = yaml.safe_load(PLAN_B.read_text())
+    raw["models"]["r18c"] = {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3"], "input_shape": [3, 32, 32],
+                             "num_classes": 10}
+    raw["blocks"].update({f"c{i}": {"model": "r18c", "stages": i, "weights": {"seed": 5}} for i in range(4)})
+    plans = {}
+    for mode in ("ensemble", "direct"):
+        raw["tasks"]["chain"] = {"path": ["c0", "c1", "c2", "c3"], "hand_over": mode}
+        plans[mode] = tmp_path / f"{mode}.yaml"
+        plans[mode].write_text(yaml.safe_dump(raw))
+    client = httpclient.InferenceServerClient(live.http)
+    res = _apply_cli(live, plans["ensemble"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    x = _image(3)
+    want = _infer(client, "chain", x)
+
+    def direct() -> bool:
+        return "HANDED_AFTER" in json.dumps(client.get_model_config("chain"))
+
+    with Load(live.http, {"chain", "keep"}, per_task=3, pause_s=0.2) as load:
+        time.sleep(2)
+        for mode in ("direct", "ensemble"):
+            r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plans[mode].read_bytes(), timeout=900)
+            assert r.status_code == 200, r.text
+            steps = r.json()["steps"]
+            assert {"loaded c1", "loaded c2", "loaded c3", "loaded chain"} <= set(steps), steps
+            assert (steps.index("loaded chain") == 0) == (mode == "ensemble"), steps  # the order that loses nothing
+            assert direct() == (mode == "direct")
+            assert np.allclose(_infer(client, "chain", x), want, atol=1e-5)
+            time.sleep(1)
+    assert not load.failed, {t: m[:3] for t, m in load.failed.items()}
+    assert load.ok["chain"] > 20 and load.ok["keep"] > 20, load.ok
+    assert _apply_cli(live, PLAN_B).returncode == 0
+    assert _served_tasks(live) == TASKS_B
+
+
 def test_hostile_plans_are_refused_and_change_nothing(live: Live) -> None:
     """Plans are untrusted input: a YAML bomb, a 50 MB body, 500 tasks, weights outside the allowed
     directory, malformed bodies. Each is one clear 4xx without a traceback; the plan stays."""

@@ -11,7 +11,9 @@ from blockflow.control.apply import (
     Report,
     Served,
     compute_diff,
+    ensembles_first,
     expected_instances,
+    handed_inputs,
 )
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
@@ -103,3 +105,41 @@ def test_load_waves_respect_dependencies(tmp_path: Path) -> None:
     # Every new and changed block at once, then the ensembles (whose blocks are all loaded by then).
     assert rec.waves == [["head_keep", "head_new", "head_swap_b"], ["new", "swap"]]
     assert all(rec.on_disk.values()) and {c.model for c in done} == set(rec.waves[0]) | set(rec.waves[1])
+
+
+def _hand_over_plans() -> dict[str, dict[str, bytes]]:
+    """tests/plans/hand_over.yaml rendered with hand_over direct and ensemble (its references and compare
+    variants left out)."""
+    import yaml
+
+    from blockflow.plan import parse_plan
+
+    raw = yaml.safe_load((ROOT / "tests" / "plans" / "hand_over.yaml").read_text())
+    out = {}
+    for mode in ("direct", "ensemble"):
+        plan = parse_plan({**raw, "hand_over": mode, "compare": [], "references": []}, source=mode, base_dir=ROOT)
+        out[mode] = generator.render(plan)
+    return out
+
+
+def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: Path) -> None:
+    plans = _hand_over_plans()
+    direct, chain = generator.by_model(plans["direct"]), generator.by_model(plans["ensemble"])
+    assert handed_inputs(direct["task_a"]["config.pbtxt"].decode()) == {("head_a", "HANDED_AFTER_0"), ("head_a", "HANDED_AFTER_1")}
+    assert handed_inputs(chain["task_a"]["config.pbtxt"].decode()) == frozenset()
+    # direct -> ensemble: both tasks' ensembles first, then every block whose part changed.
+    d = compute_diff(plans["ensemble"], _served(plans["direct"]))
+    ensembles = [c for c in d.changes if c.ensemble]
+    assert ensembles_first(ensembles, direct, chain, _served(plans["direct"])) == ensembles
+    repo = tmp_path / "repo"
+    generator.write(plans["direct"], repo)
+    rec = _Recorder(repo)
+    blocks = [c for c in d.changes if not c.ensemble]
+    rec._load_waves(blocks, ensembles, chain, [], Report(d), ensembles_first(ensembles, direct, chain, _served(plans["direct"])))
+    assert rec.waves == [["task_a", "task_b"], sorted(c.model for c in blocks), []]
+    assert {"mid_a", "mid_b", "mid_c", "head_a", "head_b"} <= set(rec.waves[1])
+    # ensemble -> direct: the blocks first, as for any change.
+    d = compute_diff(plans["direct"], _served(plans["ensemble"]))
+    assert ensembles_first([c for c in d.changes if c.ensemble], chain, direct, _served(plans["ensemble"])) == []
+    # An ensemble whose new steps name a block the server does not run yet waits for the block wave.
+    assert ensembles_first(ensembles, direct, chain, [s for s in _served(plans["direct"]) if s.name != "mid_b"]) == []
