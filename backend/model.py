@@ -145,6 +145,7 @@ class TritonPythonModel:
                 self.watch.on_gone(self.relay.remove_files)
             if self.tracer is not None:
                 self.tracer.memory("tensormq")
+        self.sender = self.relay.out if self.relay is not None else None  # of direct hand-overs
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.producer is None
@@ -214,7 +215,7 @@ class TritonPythonModel:
     def _execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         self.committed = None
-        sender = self.relay.out if self.relay is not None else None
+        sender = self.sender
         if sender is not None:
             sender.begin()
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
@@ -348,7 +349,7 @@ class TritonPythonModel:
         packed: Packed | None = reservation.packed
         handed = packed.tensor if packed is not None else None  # the tickets as the block hands them on
         try:
-            sender = self.relay.out if self.relay is not None else None
+            sender = self.sender
             if early is not None or sender is not None:
                 tickets = self.producer.issue(reservation)  # marks them handed on early, also when packed
                 handed = ticket_tensor(tickets) if handed is None else handed
