@@ -296,7 +296,7 @@ def _longest_quiet(answered: list[float], start: float, end: float) -> float:
     return max(b - a for a, b in zip(times, times[1:], strict=False))
 
 
-def test_twelve_alternating_plans_under_load(live: Live) -> None:
+def test_ten_alternating_plans_under_load(live: Live) -> None:
     client = httpclient.InferenceServerClient(live.http)
     swap_a = _infer(client, "swap", _image())
     both = TASKS_A & TASKS_B
@@ -308,7 +308,7 @@ def test_twelve_alternating_plans_under_load(live: Live) -> None:
     # measures that case).
     with Load(live.http, TASKS_A | TASKS_B, per_task=4, pause_s=1.0) as load:
         time.sleep(5)
-        for i in range(12):
+        for i in range(10):
             plan, tasks, gone = (PLAN_B, TASKS_B, TASKS_A - TASKS_B) if i % 2 == 0 else (PLAN_A, TASKS_A, TASKS_B - TASKS_A)
             t0 = time.monotonic()
             w0 = time.time()
@@ -426,7 +426,7 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
         return "HANDED_AFTER" in json.dumps(client.get_model_config("chain"))
 
     with Load(live.http, {"chain", "keep"}, per_task=3, pause_s=0.2) as load:
-        time.sleep(2)
+        time.sleep(1)
         for mode in ("direct", "ensemble"):
             r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plans[mode].read_bytes(), timeout=900)
             assert r.status_code == 200, r.text
@@ -435,7 +435,6 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
             assert (steps.index("loaded chain") == 0) == (mode == "ensemble"), steps  # the order that loses nothing
             assert direct() == (mode == "direct")
             assert np.allclose(_infer(client, "chain", x), want, atol=1e-5)
-            time.sleep(1)
     assert not load.failed, {t: m[:3] for t, m in load.failed.items()}
     assert load.ok["chain"] > 20 and load.ok["keep"] > 20, load.ok
     assert _apply_cli(live, PLAN_B).returncode == 0

@@ -176,6 +176,7 @@ def test_tritonserver_args_pass_through_and_replace_the_log_verbosity(tmp_path: 
 def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None:
     """Each prints one document with the keys docs/cli-json.md lists."""
     import json
+    from concurrent.futures import ThreadPoolExecutor
 
     def doc(*args: str, code: int = 0) -> dict[str, object]:
         res = blockflow(*args, "--json")
@@ -183,21 +184,30 @@ def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None
         parsed: dict[str, object] = json.loads(res.stdout)
         return parsed
 
-    assert doc("validate", "plans/default.yaml").keys() == {"plan", "valid", "models", "blocks", "tasks", "warnings"}
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "plans" / "default.yaml").read_text().replace("instances: 1", "instances: 0"))
-    invalid = doc("validate", str(bad), code=7)
+    # Each command is a process that imports torch (~4 s): the independent ones run side by side.
+    with ThreadPoolExecutor(4) as pool:
+        valid = pool.submit(doc, "validate", "plans/default.yaml")
+        invalid_f = pool.submit(doc, "validate", str(bad), code=7)
+        shown_f = pool.submit(doc, "show", "tests/plans/skip_cut.yaml")
+        cuts_f = pool.submit(doc, "show", "--cuts", "resnet18", "--input-shape", "3,32,32")
+        memory_f = pool.submit(doc, "plan-memory", "plans/default.yaml", "--gpus", "1")
+        generated = pool.submit(doc, "generate", "tests/plans/one_block.yaml", "-o", str(tmp_path / "repo"))
+        checks_f = pool.submit(blockflow, "doctor", "--json")
+    assert valid.result().keys() == {"plan", "valid", "models", "blocks", "tasks", "warnings"}
+    invalid = invalid_f.result()
     assert invalid["valid"] is False and any(i["loc"] == "defaults.instances" for i in invalid["issues"])  # type: ignore[attr-defined]
-    shown = doc("show", "tests/plans/skip_cut.yaml")
+    shown = shown_f.result()
     assert shown.keys() == {"plan", "tasks", "blocks"}
     assert {"task", "transports", "path", "shared_blocks", "hand_overs", "hops"} == set(shown["tasks"][0])  # type: ignore[index]
-    cuts = doc("show", "--cuts", "resnet18", "--input-shape", "3,32,32")
+    cuts = cuts_f.result()
     assert cuts["networks"][0]["cuts"][0].keys() == {"cut", "tensors", "bytes_per_sample"}  # type: ignore[index]
-    memory = doc("plan-memory", "plans/default.yaml", "--gpus", "1")
+    memory = memory_f.result()
     assert memory.keys() == {"plan", "calibration", "calibrated", "processes", "per_gpu"} and memory["calibrated"] is True
-    assert doc("generate", "tests/plans/one_block.yaml", "-o", str(tmp_path / "repo"))["models"] == ["only", "whole"]
+    assert generated.result()["models"] == ["only", "whole"]
     assert doc("generate", "tests/plans/one_block.yaml", "-o", str(tmp_path / "repo"), "--check")["up_to_date"] is True
-    checks = blockflow("doctor", "--json")
+    checks = checks_f.result()
     assert {"ok", "checks"} == json.loads(checks.stdout).keys()
     (key,) = [c for c in json.loads(checks.stdout)["checks"] if c["check"] == "admin key off the command line"]
     if shutil.which("cc") or shutil.which("gcc"):
