@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.core.spec import HANDED_AFTER
@@ -53,6 +53,9 @@ from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, config_changes, parse_pbtxt
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 Action = Literal["add", "change", "remove"]
 
@@ -110,10 +113,10 @@ def _digest_of(config: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
-def handed_inputs(config_text: str) -> frozenset[tuple[str, str]]:
+def handed_inputs(config: ModelConfig) -> frozenset[tuple[str, str]]:
     """The optional inputs through which an ensemble's steps feed their joins the tickets of blocks
     that handed over directly: one per sender, so fewer of them is fewer hand-overs."""
-    steps = parse_pbtxt(config_text).ensemble_scheduling.step
+    steps = config.ensemble_scheduling.step
     return frozenset((s.model_name, k) for s in steps for k in s.input_map if k.startswith(HANDED_AFTER))
 
 
@@ -127,9 +130,9 @@ def ensembles_first(ensembles: Iterable[Change], old: Mapping[str, Mapping[str, 
         before = old.get(c.model)
         if c.action != "change" or before is None or "config.pbtxt" not in before:
             continue
-        text = new[c.model]["config.pbtxt"].decode()
-        steps = {s.model_name for s in parse_pbtxt(text).ensemble_scheduling.step}
-        if handed_inputs(text) < handed_inputs(before["config.pbtxt"].decode()) and steps <= ready:
+        cfg = parse_pbtxt(new[c.model]["config.pbtxt"].decode())
+        steps = {s.model_name for s in cfg.ensemble_scheduling.step}
+        if handed_inputs(cfg) < handed_inputs(parse_pbtxt(before["config.pbtxt"].decode())) and steps <= ready:
             out.append(c)
     return out
 
@@ -281,19 +284,18 @@ class Applier:
         """
         early = list(first)
         if early:
-            for c in early:
-                done.append(c)
-                generator.write_model(self.repository, c.model, wanted[c.model])
-            self._load_all(early, report)
+            self._wave(early, wanted, done, report)
             ensembles = [c for c in ensembles if c not in early]
-        for c in blocks:
+        self._wave(blocks, wanted, done, report)
+        self._wave(ensembles, wanted, done, report)
+
+    def _wave(self, changes: list[Change], wanted: Mapping[str, Mapping[str, bytes]], done: list[Change],
+              report: Report) -> None:
+        """Write ``changes``' new files (noted in ``done`` for an undo), then load them in parallel."""
+        for c in changes:
             done.append(c)
             generator.write_model(self.repository, c.model, wanted[c.model])
-        self._load_all(blocks, report)
-        for c in ensembles:
-            done.append(c)
-            generator.write_model(self.repository, c.model, wanted[c.model])
-        self._load_all(ensembles, report)
+        self._load_all(changes, report)
 
     def apply(self, plan: Plan, dry_run: bool = False) -> Report:
         """Make the server run ``plan`` (see the module docstring for the order and the guarantees)."""

@@ -125,8 +125,8 @@ def _hand_over_plans() -> dict[str, dict[str, bytes]]:
 def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: Path) -> None:
     plans = _hand_over_plans()
     direct, chain = generator.by_model(plans["direct"]), generator.by_model(plans["ensemble"])
-    assert handed_inputs(direct["task_a"]["config.pbtxt"].decode()) == {("head_a", "HANDED_AFTER_0"), ("head_a", "HANDED_AFTER_1")}
-    assert handed_inputs(chain["task_a"]["config.pbtxt"].decode()) == frozenset()
+    assert handed_inputs(parse_pbtxt(direct["task_a"]["config.pbtxt"].decode())) == {("head_a", "HANDED_AFTER_0"), ("head_a", "HANDED_AFTER_1")}
+    assert handed_inputs(parse_pbtxt(chain["task_a"]["config.pbtxt"].decode())) == frozenset()
     # direct -> ensemble: both tasks' ensembles first, then every block whose part changed.
     d = compute_diff(plans["ensemble"], _served(plans["direct"]))
     ensembles = [c for c in d.changes if c.ensemble]
