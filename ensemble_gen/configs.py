@@ -157,6 +157,40 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
     return cfg
 
 
+def handed_pairs(cfg: mc.ModelConfig) -> frozenset[tuple[str, str]]:
+    """An ensemble's direct hand-overs, as (sender, receiver) model pairs: each step after the first
+    that does not take its predecessor's output (nor the image) is keyed by an earlier ticket and
+    takes its predecessor's tickets from it directly (:func:`ensemble_config`'s wiring)."""
+    steps = cfg.ensemble_scheduling.step
+    out = set()
+    for prev, step in zip(steps, steps[1:], strict=False):
+        taken = {v for k, v in step.input_map.items() if not k.startswith(HANDED_AFTER)}
+        if taken and IMAGE not in taken and not taken & set(prev.output_map.values()):
+            out.add((prev.model_name, step.model_name))
+    return frozenset(out)
+
+
+def without_hand_overs(cfg: mc.ModelConfig) -> mc.ModelConfig:
+    """``cfg`` (an ensemble) with every step taking its predecessor's output, as :func:`ensemble_config`
+    wires it without hand-overs: no ``HANDED_AFTER`` inputs, receivers fed by their senders."""
+    out = mc.ModelConfig()
+    out.CopyFrom(cfg)
+    pairs = handed_pairs(cfg)
+    steps = out.ensemble_scheduling.step
+    for prev, step in zip(steps, steps[1:], strict=False):
+        for key in [k for k in step.input_map if k.startswith(HANDED_AFTER)]:
+            del step.input_map[key]
+        if (prev.model_name, step.model_name) not in pairs:
+            continue
+        names = activation_names(ACTIVATION_IN, len(step.input_map))
+        if sorted(step.input_map) != sorted(names):
+            raise ValueError(f"step {step.model_name} of ensemble {cfg.name} takes {sorted(step.input_map)}, "
+                             f"not a hop of {ACTIVATION_IN}")
+        for name, given in zip(names, activation_names(ACTIVATION_OUT, len(names)), strict=True):
+            step.input_map[name] = prev.output_map[given]
+    return out
+
+
 def to_pbtxt(cfg: mc.ModelConfig) -> str:
     return str(text_format.MessageToString(cfg))
 

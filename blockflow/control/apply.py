@@ -14,14 +14,17 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
    before they exit).
 4. Write and load the new and changed *ensembles* (in parallel). Their blocks
    are loaded by then, so this takes milliseconds, and a task answers as soon
-   as its ensemble's load returns. The exception: an ensemble whose blocks
-   stop handing over directly (``hand_over`` from ``direct`` to ``ensemble``)
-   loads *before* step 3. Its new chain of steps runs on the blocks that still
-   hand over (a sender answers after its commit, and a receiver reads its
-   sender's own ticket as it is), while its old steps cannot run on the new
-   blocks (a receiver that no longer waits for hand-overs would be given the
-   sender's input). The other way round, the old chain runs on the new blocks,
-   so the blocks go first, as for any change.
+   as its ensemble's load returns. The exception: ensembles some of whose
+   blocks stop handing over directly (:func:`hand_over_order`). A plain chain
+   of steps runs on blocks that hand over and on blocks that do not (a sender
+   answers after its commit, and a receiver reads its sender's own ticket as
+   it is), while an ensemble's hand-overs need blocks that make them (a
+   receiver that no longer waits for hand-overs would be given the sender's
+   input). So an ensemble that only loses hand-overs, and names served blocks
+   only, loads *before* step 3; one that also gains some, or names new blocks,
+   is first loaded as its old steps without hand-overs, then as planned after
+   step 3. An ensemble that only gains hand-overs runs its old steps on the
+   new blocks, so the blocks go first, as for any change.
 5. Unload removed ensembles first, then the blocks no task uses any more, and
    delete their directories. In-flight requests of a removed task hold their
    own references to its models, so they finish.
@@ -45,17 +48,20 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from blockflow.core.errors import ApplyError, TritonApiError
-from blockflow.core.spec import HANDED_AFTER
 from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, config_changes, parse_pbtxt
+from blockflow.ensemble_gen.configs import (
+    DIGEST_PARAMETER,
+    config_changes,
+    handed_pairs,
+    parse_pbtxt,
+    to_pbtxt,
+    without_hand_overs,
+)
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
-
-if TYPE_CHECKING:
-    from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 Action = Literal["add", "change", "remove"]
 
@@ -113,28 +119,43 @@ def _digest_of(config: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
-def handed_inputs(config: ModelConfig) -> frozenset[tuple[str, str]]:
-    """The optional inputs through which an ensemble's steps feed their joins the tickets of blocks
-    that handed over directly: one per sender, so fewer of them is fewer hand-overs."""
-    steps = config.ensemble_scheduling.step
-    return frozenset((s.model_name, k) for s in steps for k in s.input_map if k.startswith(HANDED_AFTER))
+@dataclass(frozen=True)
+class HandOverOrder:
+    """Changed ensembles that load before the blocks because some of their blocks stop handing over
+    directly (module docstring, step 4): ``first`` as planned; ``bridged`` as their old steps
+    without hand-overs, then as planned after the blocks."""
+
+    first: tuple[Change, ...] = ()
+    bridged: tuple[Change, ...] = ()
 
 
-def ensembles_first(ensembles: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
-                    new: Mapping[str, Mapping[str, bytes]], served: Iterable[Served]) -> list[Change]:
-    """The changed ensembles to load before the blocks: those that hand over less than before (some of
-    their blocks stop handing over directly) and whose steps' models are all served already."""
+def hand_over_order(ensembles: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
+                    new: Mapping[str, Mapping[str, bytes]], served: Iterable[Served]) -> HandOverOrder:
+    """Which changed ``ensembles`` load before the blocks, given their ``old`` (repository) and ``new`` files."""
     ready = {s.name for s in served}
-    out = []
+    first, bridged = [], []
     for c in ensembles:
         before = old.get(c.model)
         if c.action != "change" or before is None or "config.pbtxt" not in before:
             continue
         cfg = parse_pbtxt(new[c.model]["config.pbtxt"].decode())
-        steps = {s.model_name for s in cfg.ensemble_scheduling.step}
-        if handed_inputs(cfg) < handed_inputs(parse_pbtxt(before["config.pbtxt"].decode())) and steps <= ready:
-            out.append(c)
-    return out
+        had, has = handed_pairs(parse_pbtxt(before["config.pbtxt"].decode())), handed_pairs(cfg)
+        if had <= has:
+            continue  # no block stops handing over: blocks first
+        if has < had and {s.model_name for s in cfg.ensemble_scheduling.step} <= ready:
+            first.append(c)
+        else:
+            bridged.append(c)
+    return HandOverOrder(tuple(first), tuple(bridged))
+
+
+def bridge(files: Mapping[str, bytes]) -> dict[str, bytes]:
+    """An ensemble's files with its steps as a plain chain, stamped so that no plan's digest matches
+    it: a server left running it (an apply cut short) is brought in step by the next apply."""
+    cfg = without_hand_overs(parse_pbtxt(files["config.pbtxt"].decode()))
+    digest = cfg.parameters[DIGEST_PARAMETER].string_value
+    cfg.parameters[DIGEST_PARAMETER].string_value = f"bridge-{digest}"
+    return {**files, "config.pbtxt": to_pbtxt(cfg).encode()}
 
 
 def compute_diff(files: Mapping[str, bytes], served: Iterable[Served]) -> Diff:
@@ -247,7 +268,7 @@ class Applier:
         with self._failing_as_apply():
             self.control.load(model)
 
-    def _load_all(self, changes: list[Change], report: Report) -> None:
+    def _load_all(self, changes: list[Change], report: Report, how: str = "") -> None:
         """Load ``changes`` in parallel; every failure is reported, not only the first."""
         from concurrent.futures import ThreadPoolExecutor
 
@@ -259,8 +280,8 @@ class Applier:
             for c, f in futures:
                 exc = f.exception()
                 if exc is None:
-                    report.steps.append(f"loaded {c.model}")
-                    self._log(f"loaded {c}")
+                    report.steps.append(f"loaded {c.model}{how}")
+                    self._log(f"loaded {c}{how}")
                 else:
                     errors.append(str(exc))
         if errors:
@@ -271,31 +292,37 @@ class Applier:
             self.control.unload(model)
 
     def _load_waves(self, blocks: list[Change], ensembles: list[Change], wanted: Mapping[str, Mapping[str, bytes]],
-                    done: list[Change], report: Report, first: Iterable[Change] = ()) -> None:
-        """Two parallel waves: every new and changed block, then every new and changed ensemble;
-        ``first``, ensembles that stop handing over directly, before both (module docstring, step 4).
+                    done: list[Change], report: Report, order: HandOverOrder = HandOverOrder(),
+                    old: Mapping[str, Mapping[str, bytes] | None] | None = None) -> None:
+        """Parallel waves: ensembles that stop handing over (``order``, module docstring step 4), every
+        new and changed block, then every other new and changed ensemble and the bridged ones as planned.
 
         Blocks load on their own, all at once (their processes start in parallel). Reloading a
         block makes Triton reload the loaded ensembles that name it from their files on disk, so
-        ensembles' new files are written only after the block wave, just before their own loads.
+        ensembles' new files are written only after the block wave, just before their own loads
+        (a bridged ensemble's files meanwhile hold its bridge, which runs on old and new blocks).
         An ensemble whose blocks are all loaded loads in milliseconds: Triton does not reload a
         block that was loaded on its own just before (measured on 2.51, with block processes
         writing no ``__pycache__`` into the repository).
         """
-        early = list(first)
-        if early:
-            self._wave(early, wanted, done, report)
-            ensembles = [c for c in ensembles if c not in early]
+        self._wave(list(order.first), wanted, done, report)
+        if order.bridged:
+            assert old is not None, "bridged ensembles need their old files"
+            bridges = {c.model: bridge(old[c.model] or {}) for c in order.bridged}
+            self._wave(list(order.bridged), bridges, done, report, how=" without hand-overs")
         self._wave(blocks, wanted, done, report)
-        self._wave(ensembles, wanted, done, report)
+        self._wave([c for c in ensembles if c not in order.first], wanted, done, report)
 
-    def _wave(self, changes: list[Change], wanted: Mapping[str, Mapping[str, bytes]], done: list[Change],
-              report: Report) -> None:
-        """Write ``changes``' new files (noted in ``done`` for an undo), then load them in parallel."""
+    def _wave(self, changes: list[Change], files: Mapping[str, Mapping[str, bytes]], done: list[Change],
+              report: Report, how: str = "") -> None:
+        """Write ``changes``' ``files`` (noted in ``done`` for an undo), then load them in parallel."""
+        if not changes:
+            return
         for c in changes:
-            done.append(c)
-            generator.write_model(self.repository, c.model, wanted[c.model])
-        self._load_all(changes, report)
+            if c not in done:
+                done.append(c)
+            generator.write_model(self.repository, c.model, files[c.model])
+        self._load_all(changes, report, how)
 
     def apply(self, plan: Plan, dry_run: bool = False) -> Report:
         """Make the server run ``plan`` (see the module docstring for the order and the guarantees)."""
@@ -320,8 +347,8 @@ class Applier:
             self.current = report
             try:
                 try:
-                    first = ensembles_first(ensembles, backup, wanted, served)
-                    self._load_waves(blocks, ensembles, wanted, done, report, first)
+                    order = hand_over_order(ensembles, backup, wanted, served)
+                    self._load_waves(blocks, ensembles, wanted, done, report, order, backup)
                 except Exception as exc:
                     restored = self._undo(done, backup)
                     raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "

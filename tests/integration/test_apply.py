@@ -26,7 +26,10 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
 
+from blockflow.ensemble_gen.configs import handed_pairs
 from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
@@ -400,43 +403,59 @@ def test_packing_heads_live_keeps_every_answer(live: Live, tmp_path: Path) -> No
 
 
 def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path: Path) -> None:
-    """A task of four blocks switched from ensemble steps to direct hand-overs and back while
-    clients call it: every request is answered, with the same outputs. From direct to
-    ensemble, the task's ensemble must load before its blocks (blockflow.control.apply, step 4):
-    the other order fed the reloaded receiver its sender's input ("redirected ticket") and left the
-    ensemble unloadable against the reloaded join ("no available versions") while they loaded."""
+    """A task of five blocks, ``long``, and one that shares its first three, ``fork``, switched from
+    ensemble steps to direct hand-overs, then to other pairs, then back, while clients call them:
+    every request is answered, with the same outputs. blockflow.control.apply, step 4, orders each
+    change: to direct, the blocks first; to other pairs (``fork`` now leaves after c1, so long's
+    pair c1 -> c2 becomes c2 -> c3), both ensembles as plain chains first, and as planned after the
+    blocks; back to ensemble steps, the ensemble first. Any other order loses requests: the
+    reloaded receiver fed its sender's input ("redirected ticket"), an ensemble unloadable against
+    the reloaded join ("no available versions")."""
     import yaml
 
     raw = yaml.safe_load(PLAN_B.read_text())
-    raw["models"]["r18c"] = {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3"], "input_shape": [3, 32, 32],
-                             "num_classes": 10}
-    raw["blocks"].update({f"c{i}": {"model": "r18c", "stages": i, "weights": {"seed": 5}} for i in range(4)})
+    raw["models"]["r18c"] = {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
+                             "input_shape": [3, 32, 32], "num_classes": 10}
+    # One seed for every block of r18c: f and g run the stages of c3-c4 and c2-c4 with their weights,
+    # so every path of either task gives the same outputs.
+    raw["blocks"].update({f"c{i}": {"model": "r18c", "stages": i, "weights": {"seed": 5}} for i in range(5)})
+    raw["blocks"].update({"f": {"model": "r18c", "stages": [3, 4], "weights": {"seed": 5}},
+                          "g": {"model": "r18c", "stages": [2, 4], "weights": {"seed": 5}}})
     plans = {}
-    for mode in ("ensemble", "direct"):
-        raw["tasks"]["chain"] = {"path": ["c0", "c1", "c2", "c3"], "hand_over": mode}
-        plans[mode] = tmp_path / f"{mode}.yaml"
-        plans[mode].write_text(yaml.safe_dump(raw))
+    for name, mode, fork in (("ensemble", "ensemble", "c2 f"), ("direct", "direct", "c2 f"),
+                             ("traded", "direct", "g"), ("back", "ensemble", "g")):
+        raw["tasks"]["long"] = {"path": [f"c{i}" for i in range(5)], "hand_over": mode}
+        raw["tasks"]["fork"] = {"path": ["c0", "c1", *fork.split()], "hand_over": mode}
+        plans[name] = tmp_path / f"{name}.yaml"
+        plans[name].write_text(yaml.safe_dump(raw))
     client = httpclient.InferenceServerClient(live.http)
     res = _apply_cli(live, plans["ensemble"])
     assert res.returncode == 0, res.stdout + res.stderr
     x = _image(3)
-    want = _infer(client, "chain", x)
+    want = _infer(client, "long", x)
+    assert np.allclose(_infer(client, "fork", x), want, atol=1e-5)
 
-    def direct() -> bool:
-        return "HANDED_AFTER" in json.dumps(client.get_model_config("chain"))
+    def pairs(task: str) -> set[tuple[str, str]]:
+        return set(handed_pairs(json_format.ParseDict(client.get_model_config(task), mc.ModelConfig(),
+                                                      ignore_unknown_fields=True)))
 
-    with Load(live.http, {"chain", "keep"}, per_task=3, pause_s=0.2) as load:
+    with Load(live.http, {"long", "fork", "keep"}, per_task=2, pause_s=0.2) as load:
         time.sleep(1)
-        for mode in ("direct", "ensemble"):
-            r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plans[mode].read_bytes(), timeout=900)
+        for name, first, long_pairs in (("direct", [], {("c1", "c2")}),
+                                        ("traded", ["loaded fork without hand-overs", "loaded long without hand-overs"],
+                                         {("c2", "c3")}),
+                                        ("back", ["loaded long"], set())):
+            r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plans[name].read_bytes(), timeout=900)
             assert r.status_code == 200, r.text
             steps = r.json()["steps"]
-            assert {"loaded c1", "loaded c2", "loaded c3", "loaded chain"} <= set(steps), steps
-            assert (steps.index("loaded chain") == 0) == (mode == "ensemble"), steps  # the order that loses nothing
-            assert direct() == (mode == "direct")
-            assert np.allclose(_infer(client, "chain", x), want, atol=1e-5)
+            assert {"loaded c2", "loaded c3", "loaded long"} <= set(steps), steps
+            blocks = {f"loaded {b}" for b in raw["blocks"] if b[0] in "cfg"}
+            assert sorted(steps[:len(first)]) == first and steps[len(first)] in blocks, (name, steps)
+            assert pairs("long") == long_pairs
+            for task in ("long", "fork"):
+                assert np.allclose(_infer(client, task, x), want, atol=1e-5), (name, task)
     assert not load.failed, {t: m[:3] for t, m in load.failed.items()}
-    assert load.ok["chain"] > 20 and load.ok["keep"] > 20, load.ok
+    assert min(load.ok[t] for t in ("long", "fork", "keep")) > 15, load.ok
     assert _apply_cli(live, PLAN_B).returncode == 0
     assert _served_tasks(live) == TASKS_B
 

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 from blockflow.control.apply import (
     Applier,
     Change,
+    HandOverOrder,
     Report,
     Served,
+    bridge,
     compute_diff,
-    ensembles_first,
     expected_instances,
-    handed_inputs,
+    hand_over_order,
 )
 from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, handed_pairs, parse_pbtxt, to_pbtxt, without_hand_overs
 from blockflow.plan import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +79,7 @@ class _Recorder(Applier):
         self.waves: list[list[str]] = []
         self.on_disk: dict[str, bool] = {}
 
-    def _load_all(self, changes: list[Change], report: Report) -> None:
+    def _load_all(self, changes: list[Change], report: Report, how: str = "") -> None:
         self.waves.append(sorted(c.model for c in changes))
         for c in changes:
             self.on_disk[c.model] = (self.repository / c.model / "config.pbtxt").is_file()
@@ -95,7 +97,7 @@ def test_load_waves_respect_dependencies(tmp_path: Path) -> None:
     done: list[Change] = []
     old_swap = (repo / "swap" / "config.pbtxt").read_bytes()
 
-    def recording(changes: list[Change], report: Report) -> None:
+    def recording(changes: list[Change], report: Report, how: str = "") -> None:
         _Recorder._load_all(rec, changes, report)
         if len(rec.waves) == 1:  # while blocks load, ensembles still name the old blocks on disk
             assert (repo / "swap" / "config.pbtxt").read_bytes() == old_swap
@@ -122,24 +124,95 @@ def _hand_over_plans() -> dict[str, dict[str, bytes]]:
     return out
 
 
+def _cfg(files: dict[str, dict[str, bytes]], model: str) -> Any:
+    return parse_pbtxt(files[model]["config.pbtxt"].decode())
+
+
 def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: Path) -> None:
     plans = _hand_over_plans()
     direct, chain = generator.by_model(plans["direct"]), generator.by_model(plans["ensemble"])
-    assert handed_inputs(parse_pbtxt(direct["task_a"]["config.pbtxt"].decode())) == {("head_a", "HANDED_AFTER_0"), ("head_a", "HANDED_AFTER_1")}
-    assert handed_inputs(parse_pbtxt(chain["task_a"]["config.pbtxt"].decode())) == frozenset()
+    assert handed_pairs(_cfg(direct, "task_a")) == {("mid_a", "mid_b"), ("mid_b", "mid_c")}
+    assert handed_pairs(_cfg(chain, "task_a")) == frozenset()
     # direct -> ensemble: both tasks' ensembles first, then every block whose part changed.
     d = compute_diff(plans["ensemble"], _served(plans["direct"]))
     ensembles = [c for c in d.changes if c.ensemble]
-    assert ensembles_first(ensembles, direct, chain, _served(plans["direct"])) == ensembles
+    order = hand_over_order(ensembles, direct, chain, _served(plans["direct"]))
+    assert order == HandOverOrder(first=tuple(ensembles))
     repo = tmp_path / "repo"
     generator.write(plans["direct"], repo)
     rec = _Recorder(repo)
     blocks = [c for c in d.changes if not c.ensemble]
-    rec._load_waves(blocks, ensembles, chain, [], Report(d), ensembles_first(ensembles, direct, chain, _served(plans["direct"])))
-    assert rec.waves == [["task_a", "task_b"], sorted(c.model for c in blocks), []]
+    rec._load_waves(blocks, ensembles, chain, [], Report(d), order)
+    assert rec.waves == [["task_a", "task_b"], sorted(c.model for c in blocks)]
     assert {"mid_a", "mid_b", "mid_c", "head_a", "head_b"} <= set(rec.waves[1])
     # ensemble -> direct: the blocks first, as for any change.
     d = compute_diff(plans["direct"], _served(plans["ensemble"]))
-    assert ensembles_first([c for c in d.changes if c.ensemble], chain, direct, _served(plans["ensemble"])) == []
-    # An ensemble whose new steps name a block the server does not run yet waits for the block wave.
-    assert ensembles_first(ensembles, direct, chain, [s for s in _served(plans["direct"]) if s.name != "mid_b"]) == []
+    assert hand_over_order([c for c in d.changes if c.ensemble], chain, direct, _served(plans["ensemble"])) == HandOverOrder()
+    # An ensemble whose new steps name a block the server does not run yet is bridged instead.
+    order = hand_over_order(ensembles, direct, chain, [s for s in _served(plans["direct"]) if s.name != "mid_b"])
+    assert order == HandOverOrder(bridged=tuple(ensembles))
+
+
+def test_without_hand_overs_is_the_ensemble_the_generator_wires_without_them() -> None:
+    plans = _hand_over_plans()
+    direct, chain = generator.by_model(plans["direct"]), generator.by_model(plans["ensemble"])
+    for task in ("task_a", "task_b"):
+        bare = without_hand_overs(_cfg(direct, task))
+        want = _cfg(chain, task)
+        for cfg in (bare, want):
+            del cfg.parameters[DIGEST_PARAMETER]
+        assert to_pbtxt(bare) == to_pbtxt(want)
+        assert handed_pairs(bare) == frozenset()
+    bridged = parse_pbtxt(bridge(direct["task_a"])["config.pbtxt"].decode())
+    assert bridged.parameters[DIGEST_PARAMETER].string_value == "bridge-" + _cfg(direct, "task_a").parameters[DIGEST_PARAMETER].string_value
+
+
+def _mixed_plans() -> dict[str, dict[str, bytes]]:
+    """A 5-block task ``long`` whose pair moves from b1 -> b2 to b2 -> b3 as another task, ``fork``,
+    leaves the path after b1 instead of after b2 (it shares the blocks before)."""
+    from blockflow.plan import parse_plan
+
+    raw = {"version": 1, "name": "mixed", "transport": "tensormq", "hand_over": "direct", "references": [],
+           "models": {"m": {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
+                            "input_shape": [3, 32, 32], "num_classes": 10}},
+           "blocks": {**{f"b{i}": {"model": "m", "stages": i} for i in range(5)},
+                      "f": {"model": "m", "stages": [3, 4]}, "g": {"model": "m", "stages": [2, 4]}},
+           "tasks": {"long": {"path": [f"b{i}" for i in range(5)]}}}
+    out = {}
+    for name, fork in (("old", ["b0", "b1", "b2", "f"]), ("new", ["b0", "b1", "g"])):
+        raw["tasks"]["fork"] = {"path": fork}
+        out[name] = generator.render(parse_plan(raw, source=name, base_dir=ROOT))
+    return out
+
+
+def test_an_ensemble_that_trades_hand_overs_runs_as_a_plain_chain_while_its_blocks_reload(tmp_path: Path) -> None:
+    """Neither order is safe when a task's ensemble loses one hand-over and gains another: its old
+    steps fail on the new blocks and its new steps on the old ones. A plain chain runs on both."""
+    plans = _mixed_plans()
+    old, new = generator.by_model(plans["old"]), generator.by_model(plans["new"])
+    assert handed_pairs(_cfg(old, "long")) == {("b1", "b2")} and handed_pairs(_cfg(new, "long")) == {("b2", "b3")}
+    served = _served(plans["old"])
+    d = compute_diff(plans["new"], served)
+    ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
+    order = hand_over_order(ensembles, old, new, served)
+    # long trades pairs; fork loses its pair and names a new block, g: both are bridged.
+    assert order == HandOverOrder(bridged=(Change("fork", True, "change"), Change("long", True, "change")))
+    repo = tmp_path / "repo"
+    generator.write(plans["old"], repo)
+    rec = _Recorder(repo)
+    seen: dict[str, str] = {}
+
+    def recording(changes: list[Change], report: Report, how: str = "") -> None:
+        _Recorder._load_all(rec, changes, report)
+        if len(rec.waves) == 2:  # while the blocks load, the ensembles' files hold their bridges
+            seen.update({m: (repo / m / "config.pbtxt").read_text() for m in ("long", "fork")})
+
+    rec._load_all = recording  # type: ignore[method-assign]
+    blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
+    done: list[Change] = []
+    rec._load_waves(blocks, ensembles, new, done, Report(d), order, {m: old.get(m) for m in ("long", "fork")})
+    assert rec.waves == [["fork", "long"], sorted(c.model for c in blocks), ["fork", "long"]]
+    assert {"b1", "b2", "b3", "b4", "g"} <= set(rec.waves[1])
+    assert all(handed_pairs(parse_pbtxt(text)) == frozenset() and "bridge-" in text for text in seen.values())
+    assert (repo / "long" / "config.pbtxt").read_bytes() == new["long"]["config.pbtxt"]
+    assert len(done) == len(set(done))  # each change is undone once
