@@ -148,6 +148,25 @@ class ClaimTable:
         finally:
             self._unlock(slot)
 
+    def over(self, slot: int, seq: int, now: float, grace_s: float) -> str | None:
+        """Why use ``seq`` of ``slot`` can no longer be claimed, ``grace_s`` after its window at the
+        latest (its slot was reused, or its claim window ended that long ago); None while it can,
+        or before its commit. Claims nothing."""
+        if not 0 <= slot < self.max_slots:
+            return f"slot {slot} is outside the producer's claim table"
+        start = self._lock(slot)
+        try:
+            word = _WORD.unpack_from(self._map, start + 8)[0]
+            deadline = _DEADLINE.unpack_from(self._map, start)[0]
+        finally:
+            self._unlock(slot)
+        ahead = (seq - (word >> 32)) & 0xFFFFFFFF
+        if ahead >= 1 << 31:
+            return "replayed or stale ticket: its pool slot has been reused since it was issued"
+        if not ahead and deadline != FAILED and now > deadline + grace_s:
+            return "expired ticket: it was not used within its claim window"
+        return None
+
     def close(self) -> None:
         try:
             self._map.close()

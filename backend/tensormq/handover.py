@@ -21,9 +21,11 @@ import numpy as np
 import zmq
 
 from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import listening
+from blockflow.backend.tensormq.wire import socket_path as producer_socket
 from blockflow.core import env
 from blockflow.core.errors import RequestError
 from blockflow.core.spec import HandOver
@@ -37,6 +39,14 @@ OK = b""
 SEND_HWM = 65536
 # Kept at most, received or served (beyond the window a receiver expires them in).
 MAX_KEPT = 1 << 18
+# A receiver that has waited this long for a key's hand-over asks the key's claim table whether it
+# can still come (then again every LOOK_EVERY_S): a key replayed after the window, whose served
+# entry is forgotten, fails then rather than after the whole wait.
+LOOK_AFTER_S = 0.05
+LOOK_EVERY_S = 0.5
+# How long after its claim window a key's hand-over may still arrive (its sender claimed it at the
+# end of the window, and the message is on its way).
+LATE_S = 1.0
 
 
 def _prefix(model: str) -> str:
@@ -130,6 +140,7 @@ class HandIn:
 
     def __init__(self, runtime_dir: Path, model: str, role: HandOver, mac_key: bytes, wait_s: float, keep_s: float,
                  pid: int | None = None) -> None:
+        self.runtime_dir = runtime_dir
         self.path = socket_path(runtime_dir, model, os.getpid() if pid is None else pid)
         self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
@@ -144,6 +155,7 @@ class HandIn:
         self.keep_s = keep_s
         self.pending: OrderedDict[bytes, tuple[float, bytes, bytes]] = OrderedDict()  # key -> (arrived, status, ticket)
         self.served: OrderedDict[bytes, float] = OrderedDict()  # key -> when
+        self._tables: dict[tuple[int, int], ClaimTable] = {}  # the keys' producers' claim tables, opened on demand
         # The execute thread reads the socket as it needs; an instance Triton gives no requests for a
         # while is read by this thread, so that its queue never fills and drops what comes next.
         self._lock = threading.Lock()
@@ -169,11 +181,11 @@ class HandIn:
         deadline = time.monotonic() + self.wait_s
         for i in at:
             raw = bytes(rows[i])
-            tk.decode(raw, self.mac_key)  # authentic, or TicketError
+            t = tk.decode(raw, self.mac_key)  # authentic, or TicketError
             key = raw[MAC]
             if key in self.served:
                 raise TicketError("replayed ticket: this block already took the hand-over keyed by it")
-            status, ticket = self._take(key, deadline)
+            status, ticket = self._take(key, t, deadline)
             self.served[key] = time.monotonic()
             if status != OK:
                 raise ProducerGoneError(status.decode(errors="replace"))
@@ -181,17 +193,50 @@ class HandIn:
         self._expire()
         return out
 
-    def _take(self, key: bytes, deadline: float) -> tuple[bytes, bytes]:
+    def _take(self, key: bytes, t: tk.Ticket, deadline: float) -> tuple[bytes, bytes]:
+        start = time.monotonic()
+        look = start + LOOK_AFTER_S
         while key not in self.pending:
             self._drain()
             if key in self.pending:
                 break
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+            now = time.monotonic()
+            if now >= look:
+                look = now + LOOK_EVERY_S
+                why = self._over(t, now)
+                if why is not None:
+                    self._drain()  # what its sender sent before the slot moved on is here by now
+                    if key in self.pending:
+                        break
+                    raise why
+            left = min(deadline, look) - now
+            if deadline - now <= 0 or (not self.sock.poll(max(1, int(left * 1000))) and time.monotonic() >= deadline):
                 raise ProducerGoneError(f"block {self.sender} did not hand over this request's input within "
                                         f"{self.wait_s:g} s (it stopped, or the request did not come through its task)")
         _, status, ticket = self.pending.pop(key)
         return status, ticket
+
+    def _over(self, t: tk.Ticket, now: float) -> TicketError | ProducerGoneError | None:
+        """Why the hand-over keyed by ``t`` cannot come any more, from its producer's claim table:
+        its producer stopped, its slot was reused, or its claim window ended (so its sender, which
+        hands over as soon as it has claimed it, did so long ago or never will)."""
+        table = self._tables.get((t.producer, t.generation))
+        if table is None:
+            sock = producer_socket(self.runtime_dir, t.producer, t.generation)
+            try:
+                table = ClaimTable(claims_path(sock)) if listening(sock) else None
+            except (OSError, ValueError):
+                table = None
+            if table is None:
+                return ProducerGoneError(f"stale key: producer {t.producer:016x} generation {t.generation:08x} "
+                                         "is not running (its block was stopped, restarted or reloaded)")
+            if len(self._tables) >= 64:  # generations come and go with reloads
+                for old in self._tables.values():
+                    old.close()
+                self._tables.clear()
+            self._tables[(t.producer, t.generation)] = table
+        why = table.over(t.slot, t.seq, now, LATE_S)
+        return None if why is None else TicketError(f"{why} (the key of a hand-over from block {self.sender})")
 
     def _idle_loop(self) -> None:
         while not self._closed.wait(0.25):
@@ -231,6 +276,9 @@ class HandIn:
         self._closed.set()
         self._idle.join(2)
         self.sock.close(0)
+        for table in self._tables.values():
+            table.close()
+        self._tables.clear()
 
 
 class Relay:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.handover import HandIn, HandOut, keys_of
+from blockflow.backend.tensormq.handover import LATE_S, HandIn, HandOut, keys_of
+from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver
@@ -84,18 +86,30 @@ def test_the_generator_wires_direct_hand_overs_on_tensormq_only() -> None:
 # ---------------------------------------------------------------------------- the runtime, over real sockets
 
 
-def _key_ticket(key: bytes, model: str = "b0", slot: int = 0) -> np.ndarray:
-    t = tk.Ticket(producer=1, generation=1, slot=slot, seq=1, sample=0, offset=0, nbytes=16, dtype=torch.float32, shape=(4,),
-                  device_type=tk.DEVICE_HOST, device_index=0, model=tk.model_id(model))
-    return np.frombuffer(tk.encode(t, key), dtype=np.uint8).reshape(1, -1).copy()
-
-
 @pytest.fixture()
-def runtime(tmp_path: Path) -> Path:
+def runtime(tmp_path: Path) -> Iterator[Path]:
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
     ensure_tensormq(rt)
-    return rt
+    yield rt
+    for prod in _PRODUCERS.pop(rt, []):
+        prod.close()
+
+
+_PRODUCERS: dict[Path, list[Producer]] = {}
+
+
+def _key_ticket(runtime: Path, claim_s: float = 30.0) -> np.ndarray:
+    """A real ticket of block b0 (a committed batch of one, in a host pool): the key of a hand-over."""
+    prods = _PRODUCERS.setdefault(runtime, [])
+    found = [p for p in prods if p.claim_s == claim_s]
+    if not found:
+        found = [Producer(f"b0/{len(prods)}", runtime, torch.device("cpu"), pool_bytes=1 << 16, max_slots=16, lease_s=30,
+                          wait_s=1, claim_s=claim_s, prepare=False)]
+        prods.extend(found)
+    prod = found[0]
+    raw = prod.commit(prod.reserve((1, 4), torch.float32), 0)[0]
+    return np.frombuffer(raw, dtype=np.uint8).reshape(1, -1).copy()
 
 
 ROLE = HandOver(takes_from="b1", keys_from=("b0",))
@@ -106,7 +120,7 @@ def test_a_receiver_takes_the_senders_ticket_for_its_key_once(runtime: Path) -> 
     into = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=10.0)
     out = HandOut(runtime, "b2")
     try:
-        rows = np.concatenate([_key_ticket(key, slot=1), _key_ticket(key, slot=2)])
+        rows = np.concatenate([_key_ticket(runtime), _key_ticket(runtime)])
         handed = [bytes([i]) * tk.TICKET_BYTES for i in (7, 8)]
         out.begin()
         out.take(keys_of(rows))
@@ -132,7 +146,7 @@ def test_a_senders_failure_fails_the_request_at_once_and_a_missing_hand_over_aft
     into = HandIn(runtime, "b2", ROLE, key, wait_s=1.5, keep_s=10.0)
     out = HandOut(runtime, "b2")
     try:
-        failed, lost, late = _key_ticket(key, slot=1), _key_ticket(key, slot=2), _key_ticket(key, slot=3)
+        failed, lost, late = _key_ticket(runtime), _key_ticket(runtime), _key_ticket(runtime)
         out.begin()
         out.take(keys_of(late))
         out.fail(keys_of(failed), "ticket signature does not verify")
@@ -158,7 +172,7 @@ def test_every_receiver_instance_hears_every_hand_over_and_forgets_what_it_was_n
     second = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=0.2, pid=2)  # started after the sender listed
     other = HandIn(runtime, "b9", ROLE, key, wait_s=0.2, keep_s=0.2, pid=3)  # another block: hears nothing of b2's
     try:
-        rows = [_key_ticket(key, slot=i) for i in range(3)]
+        rows = [_key_ticket(runtime) for i in range(3)]
         out.begin()
         for r in rows:
             out.take(keys_of(r))
@@ -173,6 +187,32 @@ def test_every_receiver_instance_hears_every_hand_over_and_forgets_what_it_was_n
     finally:
         for x in (out, first, second, other):
             x.close()
+
+
+def test_a_key_whose_hand_over_cannot_come_any_more_fails_without_the_wait(runtime: Path) -> None:
+    """A key replayed after its claim window (its served entry forgotten by then) and a key of a
+    producer that stopped fail within a look at the key's claim table, not after the wait."""
+    key = read_key(runtime)
+    into = HandIn(runtime, "b2", ROLE, key, wait_s=20.0, keep_s=0.3)
+    out = HandOut(runtime, "b2")
+    try:
+        rows = _key_ticket(runtime, claim_s=0.3)
+        out.begin()
+        out.take(keys_of(rows))
+        out.send([bytes([5]) * tk.TICKET_BYTES])
+        assert bytes(into.resolve(rows)[0]) == bytes([5]) * tk.TICKET_BYTES
+        time.sleep(0.3 + LATE_S + 0.3)  # past the window and its grace: the served key is forgotten too
+        t0 = time.monotonic()
+        with pytest.raises(TicketError, match="expired ticket.*hand-over from block b1"):
+            into.resolve(rows)
+        fresh = _key_ticket(runtime)  # its window is open: the hand-over may still come
+        _PRODUCERS[runtime].pop().close()  # the producer of `fresh`
+        with pytest.raises(ProducerGoneError, match="stale key: producer"):
+            into.resolve(fresh)
+        assert time.monotonic() - t0 < 2.0  # against a wait of 20 s
+    finally:
+        out.close()
+        into.close()
 
 
 def test_a_task_may_keep_its_steps_and_a_plan_that_finds_no_pair_says_so() -> None:
