@@ -216,8 +216,8 @@ class TritonPythonModel:
         responses: list[Any] = [None] * len(requests)
         self.committed = None
         sender = self.sender
-        if sender is not None:
-            sender.begin()
+        if self.relay is not None:
+            self.relay.begin()  # a sender's keys and a receiver's wait start afresh with each call
         batch: list[list[torch.Tensor]] = []  # each request's input tensors
         owners: list[int] = []
         releases: list[Any] = []

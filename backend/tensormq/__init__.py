@@ -130,7 +130,9 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   ``LOOK_EVERY_S``, the receiver reads the key's entry in its producer's claim table (claiming
   nothing) and fails such a key at once. That is how a key replayed after its served entry was
   forgotten fails. A key still in its window that never reached the sender (a client took it
-  from the first block and sent it to the receiver itself) waits out ``COMMIT_WAIT_S``. A sender's own ticket that reaches it through the ensemble (an ensemble
+  from the first block and sent it to the receiver itself) waits out ``COMMIT_WAIT_S``; the
+  requests of one call share that wait (``Relay.begin``), so such keys hold a call once, however
+  many of its requests carry them. A sender's own ticket that reaches it through the ensemble (an ensemble
   from before a live plan change) is read as it is.
 - A forged or replayed key, a hand-over that does not come, a sender's failure: each fails the one
   request (400 for a bad key, UNAVAILABLE for the rest).

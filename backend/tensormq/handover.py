@@ -164,21 +164,20 @@ class HandIn:
         self._idle = threading.Thread(target=self._idle_loop, name="tmq-handover", daemon=True)
         self._idle.start()
 
-    def resolve(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    def resolve(self, rows: np.ndarray[Any, Any], deadline: float | None = None) -> np.ndarray[Any, Any]:
         """``rows`` with each key replaced by the ticket handed over for it. :class:`TicketError`
         for a forged or replayed key; :class:`ProducerGoneError` when the sender failed the sample
-        or its hand-over did not come within the wait."""
+        or its hand-over did not come by ``deadline`` (monotonic; default: the wait from now)."""
         if not keys_of(rows):
             return rows
         at = [i for i in range(rows.shape[0]) if bytes(rows[i, MODEL]) in self.key_models]
         if not at:
             return rows  # the sender's own tickets, given by the ensemble
         with self._lock:
-            return self._resolve(rows, at)
+            return self._resolve(rows, at, time.monotonic() + self.wait_s if deadline is None else deadline)
 
-    def _resolve(self, rows: np.ndarray[Any, Any], at: list[int]) -> np.ndarray[Any, Any]:
+    def _resolve(self, rows: np.ndarray[Any, Any], at: list[int], deadline: float) -> np.ndarray[Any, Any]:
         out = np.array(rows, copy=True)
-        deadline = time.monotonic() + self.wait_s
         for i in at:
             raw = bytes(rows[i])
             t = tk.decode(raw, self.mac_key)  # authentic, or TicketError
@@ -287,6 +286,14 @@ class Relay:
     def __init__(self, out: HandOut | None, into: HandIn | None) -> None:
         self.out = out
         self.into = into
+        self._until: float | None = None  # the end of this call's wait for hand-overs
+
+    def begin(self) -> None:
+        """A new call: a sender's keys start afresh, and a receiver's requests share one wait, so a
+        call of many keys whose hand-overs never come is held for the wait once, not once each."""
+        if self.out is not None:
+            self.out.begin()
+        self._until = None
 
     @classmethod
     def open(cls, runtime_dir: Path, model: str, role: HandOver | None, consumer: Consumer | None, produces: bool,
@@ -304,7 +311,9 @@ class Relay:
         keys = keys_of(tickets) if self.out is not None and isinstance(tickets, np.ndarray) else []
         try:
             if self.into is not None and isinstance(tickets, np.ndarray):
-                tickets = self.into.resolve(tickets)
+                if self._until is None:
+                    self._until = time.monotonic() + self.into.wait_s
+                tickets = self.into.resolve(tickets, self._until)
             got = gather(tickets)
         except RequestError as exc:
             if self.out is not None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.handover import LATE_S, HandIn, HandOut, keys_of
+from blockflow.backend.tensormq.handover import LATE_S, HandIn, HandOut, Relay, keys_of
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
@@ -213,6 +213,36 @@ def test_a_key_whose_hand_over_cannot_come_any_more_fails_without_the_wait(runti
     finally:
         out.close()
         into.close()
+
+
+def test_the_requests_of_one_call_share_one_wait_for_their_hand_overs(runtime: Path) -> None:
+    """Keys that never reached the sender (a client took them from the first block itself) hold a
+    receiver's call for the wait once, however many of its requests carry them; a hand-over that
+    came is still taken after the wait ran out, and the next call waits afresh."""
+    key = read_key(runtime)
+    relay = Relay(HandOut(runtime, "b9"), HandIn(runtime, "b2", ROLE, key, wait_s=0.6, keep_s=10.0))
+    out = HandOut(runtime, "b2")
+    try:
+        lost = [_key_ticket(runtime) for _ in range(3)]
+        came = _key_ticket(runtime)
+        out.begin()
+        out.take(keys_of(came))
+        out.send([bytes([9]) * tk.TICKET_BYTES])
+        relay.begin()
+        t0 = time.monotonic()
+        for rows in lost:
+            with pytest.raises(ProducerGoneError, match="did not hand over"):
+                relay.read(rows, lambda t: t)
+        assert 0.6 <= time.monotonic() - t0 < 1.0  # one wait for the call, not three
+        assert bytes(relay.read(came, lambda t: t)[0]) == bytes([9]) * tk.TICKET_BYTES
+        relay.begin()
+        t0 = time.monotonic()
+        with pytest.raises(ProducerGoneError, match="did not hand over"):
+            relay.read(_key_ticket(runtime), lambda t: t)
+        assert time.monotonic() - t0 >= 0.6
+    finally:
+        out.close()
+        relay.close()
 
 
 def test_a_task_may_keep_its_steps_and_a_plan_that_finds_no_pair_says_so() -> None:
