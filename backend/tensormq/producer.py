@@ -375,6 +375,9 @@ class Producer:
             return len(self.table.live)
 
     def close(self, drain_s: float = 0.0) -> None:
+        """Stop serving and free the pool (after draining for at most ``drain_s``); a second call does nothing."""
+        if self._stop.is_set():
+            return
         if self._preparer is not None:
             self._next_key = None
             self._closing.set()

@@ -275,6 +275,7 @@ def test_an_idle_producer_sleeps_until_a_slot_falls_due_and_close_wakes_it(runti
     time.sleep(0.6)
     prod.close()
     assert len(rounds) <= 2 and not prod._thread.is_alive()  # asleep throughout, then woken at once
+    prod.close()  # a second close (a finalize after a failed initialize, a test's cleanup) does nothing
 
 
 def test_a_lease_that_ends_while_the_server_thread_naps_is_reaped(runtime: Path) -> None:
