@@ -42,7 +42,7 @@ from blockflow.backend.tensormq.handover import Relay
 from blockflow.backend.tensormq.metrics import TmqMetrics
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.trace import Tracer, trace_dir
-from blockflow.core import env, runtime_dir
+from blockflow.core import also_accepts, env, runtime_dir
 from blockflow.core.activity import ActivityStamp
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, activation_names
@@ -138,7 +138,8 @@ class TritonPythonModel:
                                          prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=packer(self.out_name if answers_early else None))
                 self.watch.on_gone(self.producer.remove_files)
             if not spec.takes_image:
-                self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from)
+                self.consumer = Consumer(runtime, self.device, accepts_from=spec.accepts_from,
+                                         also_accepts=Path(args["model_repository"]) / also_accepts.FILE)
             self.relay = Relay.open(runtime, args["model_name"], spec.hand_over, self.consumer, self.producer is not None,
                                     spec.tensormq.claim_window_s)
             if self.relay is not None:

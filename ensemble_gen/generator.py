@@ -20,6 +20,7 @@ from typing import Literal
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from blockflow.core import also_accepts
 from blockflow.core.errors import GenerateError
 from blockflow.core.spec import (
     LOGITS,
@@ -215,7 +216,8 @@ def model_names(files: Mapping[str, bytes]) -> list[str]:
 def _on_disk(root: Path) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
+        # Not the plan's: what a block also accepts for a while after a live change (written by apply).
+        if path.is_file() and "__pycache__" not in path.parts and path.name != also_accepts.FILE:
             out[path.relative_to(root).as_posix()] = path.read_bytes()
     return out
 

@@ -53,7 +53,9 @@ Who owns a slot when:
 A ticket is one-shot and bound to its hop. It is accepted once (the claim is
 an atomic test-and-set under a record lock, shared by every instance of every
 consumer block, so a replay to any of them is refused), by a block its
-producer feeds (the consumer's spec lists them: ``accepts_from``), within
+producer feeds (the consumer's spec lists them: ``accepts_from``; during a live
+plan change also those its model directory's ``also_accepts.json`` names, until
+the time it gives: ``blockflow.core.also_accepts``), within
 ``claim_s`` of its commit, and only while its slot still holds the use the
 ticket names (the table carries the slot's sequence number). A refused ticket
 is never released, so a copy cannot free a slot its rightful reader still

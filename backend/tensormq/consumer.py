@@ -21,6 +21,7 @@ from blockflow.backend.tensormq.claims import FAILED_BATCH, PENDING, ClaimTable,
 from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
+from blockflow.core import also_accepts as also_accepts_file
 from blockflow.core import cuda
 from blockflow.core.runtime_dir import read_key
 
@@ -72,11 +73,14 @@ class Consumer:
     """
 
     def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0,
-                 accepts_from: Iterable[str] | None = None, commit_wait_s: float = COMMIT_WAIT_S) -> None:
+                 accepts_from: Iterable[str] | None = None, commit_wait_s: float = COMMIT_WAIT_S,
+                 also_accepts: Path | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.commit_wait_s = commit_wait_s
         # The blocks that feed this one (Triton model names); None accepts any producer (tests).
         self.accepts = None if accepts_from is None else {tk.model_id(m): m for m in accepts_from}
+        # Feeders accepted for a while during a live plan change (blockflow.core.also_accepts).
+        self._also = None if also_accepts is None else also_accepts_file.Reader(also_accepts)
         self.key = read_key(runtime_dir)
         self.device = device
         self.hello_timeout_ms = int(hello_timeout_s * 1000)
@@ -157,6 +161,11 @@ class Consumer:
         self._remotes[(t.producer, t.generation)] = r
         return r
 
+    def _also_accepts(self, model: int) -> bool:
+        """Whether a ticket of ``model`` (not a feeder in this block's spec) comes from an old or new
+        feeder during a live plan change. Read on refusals only: a plan's own hops never get here."""
+        return self._also is not None and any(tk.model_id(m) == model for m in self._also.models())
+
     def _drop(self, r: _Remote) -> None:
         del self._remotes[(r.producer, r.generation)]
         r.events.close()
@@ -191,7 +200,7 @@ class Consumer:
                 t = tk.decode(data[i * tk.TICKET_BYTES:(i + 1) * tk.TICKET_BYTES], self.key)
                 if lap is not None and i == 0:
                     lap("read:decode")
-                if self.accepts is not None and t.model not in self.accepts:
+                if self.accepts is not None and t.model not in self.accepts and not self._also_accepts(t.model):
                     self.stats.refused_tickets += 1
                     raise TicketError("redirected ticket: it was issued by a block that does not feed this one "
                                       f"(this block takes tickets from {', '.join(sorted(self.accepts.values()))})")

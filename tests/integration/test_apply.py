@@ -121,6 +121,15 @@ def _infer(client: httpclient.InferenceServerClient, task: str, x: np.ndarray) -
     return out
 
 
+def _block(client: httpclient.InferenceServerClient, block: str, x: np.ndarray, name: str = "ACTIVATION_IN") -> np.ndarray:
+    """A TensorMQ block called directly: the tickets it gives for an image or for the tickets ``x``."""
+    inp = httpclient.InferInput(name, list(x.shape), "FP32" if name == "IMAGE" else "UINT8")
+    inp.set_data_from_numpy(x)
+    out = client.infer(block, [inp]).as_numpy("ACTIVATION_OUT")
+    assert out is not None
+    return out
+
+
 def _loaded(client: httpclient.InferenceServerClient) -> set[str]:
     """The server's loaded models, from its statistics (the repository index needs the admin key)."""
     return {m["name"] for m in client.get_inference_statistics()["model_stats"]}
@@ -408,9 +417,12 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
     them: every request is answered, with the same outputs. blockflow.control.apply, step 4, orders
     each change: to other pairs (``fork`` now leaves after c1, so long's pair c1 -> c2 becomes
     c2 -> c3), both ensembles as plain chains first, and as planned after the blocks; back to
-    ensemble steps, the ensemble first. Any other order loses requests: the reloaded receiver fed
+    ensemble steps, ``long`` as a chain first again (its path gains a block). Any other order loses requests: the reloaded receiver fed
     its sender's input ("redirected ticket"), an ensemble unloadable against the reloaded join ("no
-    available versions"). (To direct hand-overs the blocks go first, as for any change.)"""
+    available versions"). (To direct hand-overs the blocks go first, as for any change.) Back,
+    ``long`` also takes c2b, a twin of c2, so c3 gets another feeder: reloaded before the ensemble,
+    it accepts c2's tickets too until the change is over and then for the plan's lease, as old-path
+    requests bring them (blockflow.core.also_accepts), and no other block's."""
     import yaml
 
     raw = yaml.safe_load(PLAN_B.read_text())
@@ -422,8 +434,11 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
     raw["blocks"].update({"f": {"model": "r18c", "stages": [3, 4], "weights": {"seed": 5}},
                           "g": {"model": "r18c", "stages": [2, 4], "weights": {"seed": 5}}})
     plans = {}
-    for name, mode, fork in (("direct", "direct", "c2 f"), ("traded", "direct", "g"), ("back", "ensemble", "g")):
-        raw["tasks"]["long"] = {"path": [f"c{i}" for i in range(5)], "hand_over": mode}
+    for name, mode, fork, third in (("direct", "direct", "c2 f", "c2"), ("traded", "direct", "g", "c2"),
+                                    ("back", "ensemble", "c2 f", "c2b")):
+        if third != "c2":  # a twin of c2 (one seed): c3 is fed by another block
+            raw["blocks"][third] = {"model": "r18c", "stages": 2, "weights": {"seed": 5}}
+        raw["tasks"]["long"] = {"path": ["c0", "c1", third, "c3", "c4"], "hand_over": mode}
         raw["tasks"]["fork"] = {"path": ["c0", "c1", *fork.split()], "hand_over": mode}
         plans[name] = tmp_path / f"{name}.yaml"
         plans[name].write_text(yaml.safe_dump(raw))
@@ -441,19 +456,25 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
     assert pairs("long") == {("c1", "c2")}
     with Load(live.http, {"long", "fork"}, per_task=2, pause_s=0.2) as load:
         time.sleep(1)
-        for name, first, long_pairs in (("traded", ["loaded fork without hand-overs", "loaded long without hand-overs"],
-                                         {("c2", "c3")}),
-                                        ("back", ["loaded long"], set())):
+        for name, first, long_pairs, changed in (
+                ("traded", ["loaded fork without hand-overs", "loaded long without hand-overs"], {("c2", "c3")},
+                 {"loaded c2", "loaded c3", "loaded long"}),
+                ("back", ["loaded long without hand-overs"], set(), {"loaded c2b", "loaded c3", "loaded long", "unloaded g"})):
             r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plans[name].read_bytes(), timeout=900)
             assert r.status_code == 200, r.text
             steps = r.json()["steps"]
-            assert {"loaded c2", "loaded c3", "loaded long"} <= set(steps), steps
+            assert changed <= set(steps), steps
             blocks = {f"loaded {b}" for b in raw["blocks"] if b[0] in "cfg"}
             assert sorted(steps[:len(first)]) == first and steps[len(first)] in blocks, (name, steps)
             assert pairs("long") == long_pairs
             for task in ("long", "fork"):
                 assert np.allclose(_infer(client, task, x), want, atol=1e-5), (name, task)
-    assert not load.failed, {t: m[:3] for t, m in load.failed.items()}
+        # c3, now fed by c2b, still takes c2's tickets for the plan's lease (10 s), and no other block's.
+        t1 = _block(client, "c1", _block(client, "c0", x, "IMAGE"))
+        assert _block(client, "c3", _block(client, "c2", t1)).dtype == np.uint8
+        with pytest.raises(Exception, match="redirected ticket"):
+            _block(client, "c3", t1)
+    assert not load.failed, {t: (len(m), m[:3]) for t, m in load.failed.items()}
     assert min(load.ok[t] for t in ("long", "fork")) > 10, load.ok
     assert _apply_cli(live, PLAN_B).returncode == 0
     assert _served_tasks(live) == TASKS_B

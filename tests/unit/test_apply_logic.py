@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from blockflow.control.apply import (
-    Applier,
-    Change,
-    HandOverOrder,
-    Report,
-    Served,
-    bridge,
-    compute_diff,
-    expected_instances,
-    hand_over_order,
-)
+import pytest
+
+from blockflow.control.apply import Applier, Report, expected_instances
+from blockflow.control.diff import Change, Served, compute_diff
+from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, widening
+from blockflow.core import also_accepts
+from blockflow.core.errors import ApplyError
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, handed_pairs, parse_pbtxt, to_pbtxt, without_hand_overs
-from blockflow.plan import load_plan
+from blockflow.plan import Plan, load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 A = load_plan(ROOT / "tests" / "plans" / "live_a.yaml")
@@ -216,3 +214,81 @@ def test_an_ensemble_that_trades_hand_overs_runs_as_a_plain_chain_while_its_bloc
     assert all(handed_pairs(parse_pbtxt(text)) == frozenset() and "bridge-" in text for text in seen.values())
     assert (repo / "long" / "config.pbtxt").read_bytes() == new["long"]["config.pbtxt"]
     assert len(done) == len(set(done))  # each change is undone once
+
+
+def _swap_plans() -> dict[str, Plan]:
+    """A 5-block task whose third block, b2, is swapped for a twin, h: b3's feeder changes."""
+    from blockflow.plan import parse_plan
+
+    raw = {"version": 1, "name": "swap", "transport": "tensormq", "references": [],
+           "models": {"m": {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
+                            "input_shape": [3, 32, 32], "num_classes": 10}},
+           "blocks": {**{f"b{i}": {"model": "m", "stages": i} for i in range(5)}, "h": {"model": "m", "stages": 2}},
+           "tasks": {"long": {"path": [f"b{i}" for i in range(5)]}}, "tensormq": {"lease_s": 20}}
+    out = {}
+    for name, third in (("old", "b2"), ("new", "h")):
+        raw["tasks"]["long"] = {"path": ["b0", "b1", third, "b3", "b4"]}
+        out[name] = parse_plan(raw, source=name, base_dir=ROOT)
+    return out
+
+
+class _Applying(_Recorder):
+    """A whole :meth:`Applier.apply` against a server that serves ``served`` (its loads recorded), the
+    load of wave ``fail_at`` failing."""
+
+    def __init__(self, repository: Path, served: list[Served], fail_at: int | None = None) -> None:
+        super().__init__(repository)
+        self.control = SimpleNamespace(timeout=900.0)  # type: ignore[assignment]
+        self.current = None
+        self._served, self.fail_at = served, fail_at
+        self.files_seen: list[dict[str, bytes]] = []  # b3's also_accepts file at each wave
+        self.reloaded: list[str] = []
+
+    def served(self) -> list[Served]:
+        return self._served
+
+    def _load_all(self, changes: list[Change], report: Report, how: str = "") -> None:
+        super()._load_all(changes, report, how)
+        f = self.repository / "b3" / also_accepts.FILE
+        self.files_seen.append({"b3": f.read_bytes()} if f.is_file() else {})
+        if len(self.waves) == self.fail_at:
+            raise ApplyError("the test's load failed")
+
+    def _load(self, model: str) -> None:
+        self.reloaded.append(model)
+
+    def _unload(self, model: str) -> None:
+        pass
+
+
+def _also(files: dict[str, bytes]) -> also_accepts.AlsoAccepts:
+    return also_accepts.AlsoAccepts.model_validate_json(files["b3"])
+
+
+def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_is_over(tmp_path: Path) -> None:
+    """b3 reloads to take h's tickets while the old ensemble still sends it b2's: it accepts both
+    until the new ensemble has loaded, then for the plan's lease. Undone, the restored b3 accepts h's."""
+    plans = _swap_plans()
+    old, new = (generator.render(plans[k]) for k in ("old", "new"))
+    d = compute_diff(new, _served(old))
+    assert widening(d.changes, generator.by_model(old), generator.by_model(new)) == Widening(
+        new={"b3": ("b2",)}, old={"b3": ("h",)}, lease_s={"b3": 20.0})
+    for fail_at, feeders in ((None, ("b2",)), (2, ("h",))):
+        repo = tmp_path / f"repo{fail_at}"
+        generator.write(old, repo)
+        rec = _Applying(repo, _served(old), fail_at)
+        t0 = time.time()
+        if fail_at is None:
+            rec.apply(plans["new"])
+        else:
+            with pytest.raises(ApplyError, match="rolled back"):
+                rec.apply(plans["new"])
+        assert rec.waves == [["b3", "h"], ["long"]]
+        during = _also(rec.files_seen[0])  # while the blocks load: until the change is over, at the latest
+        assert during.models == ("b2",) and during.until >= t0 + 3600
+        after = also_accepts.AlsoAccepts.model_validate_json((repo / "b3" / also_accepts.FILE).read_bytes())
+        assert after.models == feeders and t0 + 20 <= after.until <= time.time() + 20
+        if fail_at is not None:
+            assert rec.reloaded == ["b3", "long"]  # the previous block, then the previous ensemble
+        # Not the plan's: the repository is in step with the plan it serves, file or not.
+        assert generator.diff(old if fail_at else new, repo) == []

@@ -24,7 +24,7 @@ from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.slots import ALIGN, SlotTable
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import STATS, endpoint, generations
-from blockflow.core import env
+from blockflow.core import also_accepts, env
 from blockflow.core.runtime_dir import ensure_tensormq
 
 KEY = b"k" * 32
@@ -450,6 +450,41 @@ def test_signed_but_out_of_bounds_or_misshaped_tickets_fail_alone(runtime: Path)
         assert prod.usage()[1] == 1 and prod.stats.releases == 1
         time.sleep(0.6)
         assert prod.usage()[1] == 0 and prod.stats.unclaimed_tickets == 1 and prod.stats.lease_expiries == 0
+    finally:
+        consumer.close()
+        prod.close()
+
+
+def test_a_block_also_accepts_the_feeders_its_file_names_until_then(runtime: Path, tmp_path: Path) -> None:
+    """During a live plan change a reloaded block also takes its old (or new) feeders' tickets, as long
+    as the file apply writes beside its config says (blockflow.core.also_accepts); before and after
+    that, and with a file it cannot parse, they are redirected tickets."""
+    prod = Producer("trunk/trunk_0_0", runtime, CPU, pool_bytes=1 << 16, max_slots=2, lease_s=30, wait_s=1,
+                    model="trunk", max_samples=8)
+    model_dir = tmp_path / "head"
+    model_dir.mkdir()
+    consumer = Consumer(runtime, CPU, accepts_from=["not_trunk"], also_accepts=model_dir / also_accepts.FILE)
+
+    def committed() -> list[bytes]:
+        r = prod.reserve((1, 4, 5), torch.float32)
+        r.view.fill_(1.0)
+        return prod.commit(r, 0)
+
+    try:
+        first = committed()
+        for contents in (None, b"{not json", b'{"models": ["trunk"], "until": 1e12, "more": 1}'):
+            if contents is not None:
+                (model_dir / also_accepts.FILE).write_bytes(contents)
+            with pytest.raises(TicketError, match="redirected ticket"):
+                consumer.gather(_tickets(first), (4, 5), 0)
+        also_accepts.write(model_dir, also_accepts.AlsoAccepts(models=("other", "trunk"), until=time.time() + 30))
+        x, rel = consumer.gather(_tickets(first), (4, 5), 0)  # the refusals did not use the ticket up
+        assert torch.equal(x, torch.ones(1, 4, 5))
+        consumer.release_now(rel)
+        also_accepts.write(model_dir, also_accepts.AlsoAccepts(models=("trunk",), until=time.time() - 1))
+        with pytest.raises(TicketError, match="redirected ticket"):
+            consumer.gather(_tickets(committed()), (4, 5), 0)
+        assert consumer.stats.refused_tickets == 4
     finally:
         consumer.close()
         prod.close()

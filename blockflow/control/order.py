@@ -1,0 +1,105 @@
+"""How a live plan change is ordered where blocks' wiring changes: direct hand-overs that move,
+and blocks that get other feeders (:mod:`blockflow.control.apply`, module docstring steps 3–4).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from blockflow.control.diff import Change, Served
+from blockflow.core.spec import SPEC_PARAMETER
+from blockflow.ensemble_gen.configs import (
+    DIGEST_PARAMETER,
+    handed_pairs,
+    parse_pbtxt,
+    to_pbtxt,
+    without_hand_overs,
+)
+
+
+@dataclass(frozen=True)
+class HandOverOrder:
+    """Changed ensembles that load before the blocks because some of their blocks stop handing over
+    directly (module docstring, step 4): ``first`` as planned; ``bridged`` as their old steps
+    without hand-overs, then as planned after the blocks."""
+
+    first: tuple[Change, ...] = ()
+    bridged: tuple[Change, ...] = ()
+
+
+def hand_over_order(ensembles: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
+                    new: Mapping[str, Mapping[str, bytes]], served: Iterable[Served]) -> HandOverOrder:
+    """Which changed ``ensembles`` load before the blocks, given their ``old`` (repository) and ``new`` files."""
+    ready = {s.name for s in served}
+    first, bridged = [], []
+    for c in ensembles:
+        before = old.get(c.model)
+        if c.action != "change" or before is None or "config.pbtxt" not in before:
+            continue
+        cfg = parse_pbtxt(new[c.model]["config.pbtxt"].decode())
+        had, has = handed_pairs(parse_pbtxt(before["config.pbtxt"].decode())), handed_pairs(cfg)
+        if had <= has:
+            continue  # no block stops handing over: blocks first
+        if has < had and {s.model_name for s in cfg.ensemble_scheduling.step} <= ready:
+            first.append(c)
+        else:
+            bridged.append(c)
+    return HandOverOrder(tuple(first), tuple(bridged))
+
+
+def bridge(files: Mapping[str, bytes]) -> dict[str, bytes]:
+    """An ensemble's files with its steps as a plain chain, stamped so that no plan's digest matches
+    it: a server left running it (an apply cut short) is brought in step by the next apply."""
+    cfg = without_hand_overs(parse_pbtxt(files["config.pbtxt"].decode()))
+    digest = cfg.parameters[DIGEST_PARAMETER].string_value
+    cfg.parameters[DIGEST_PARAMETER].string_value = f"bridge-{digest}"
+    return {**files, "config.pbtxt": to_pbtxt(cfg).encode()}
+
+
+@dataclass(frozen=True)
+class Widening:
+    """Changed TensorMQ blocks whose feeders change (:mod:`blockflow.core.also_accepts`): ``new`` maps
+    each to the feeders its planned version also accepts while old paths run (its old ones), ``old``
+    to those its previous version accepts too if an undo restores it (its new ones); ``lease_s``: the
+    planned and previous versions' lease, for how long after the change they keep accepting them."""
+
+    new: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    old: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    lease_s: Mapping[str, float] = field(default_factory=dict)
+
+
+def _spec(files: Mapping[str, bytes]) -> dict[str, object]:
+    cfg = parse_pbtxt(files["config.pbtxt"].decode())
+    p = cfg.parameters.get(SPEC_PARAMETER)
+    spec = json.loads(p.string_value) if p is not None else {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _lease_s(spec: Mapping[str, object]) -> float:
+    t = spec.get("tensormq")
+    lease = t.get("lease_s") if isinstance(t, dict) else None
+    return float(lease) if isinstance(lease, int | float) else 0.0
+
+
+def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
+             new: Mapping[str, Mapping[str, bytes]]) -> Widening:
+    """Which changed ``blocks`` get other feeders, given their ``old`` (repository) and ``new`` files."""
+    to_new: dict[str, tuple[str, ...]] = {}
+    to_old: dict[str, tuple[str, ...]] = {}
+    lease: dict[str, float] = {}
+    for c in blocks:
+        before = old.get(c.model)
+        if c.action != "change" or before is None or "config.pbtxt" not in before:
+            continue
+        was, now = _spec(before), _spec(new[c.model])
+        had, has = set(was.get("accepts_from") or ()), set(now.get("accepts_from") or ())  # type: ignore[call-overload]
+        if not had or not has or had == has:
+            continue  # not a TensorMQ consumer on both sides, or the same feeders
+        if had - has:
+            to_new[c.model] = tuple(sorted(had - has))
+        if has - had:
+            to_old[c.model] = tuple(sorted(has - had))
+        lease[c.model] = max(_lease_s(was), _lease_s(now))
+    return Widening(to_new, to_old, lease)
