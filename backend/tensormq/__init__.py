@@ -115,7 +115,8 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
 - A *sender* and the one block after it, the *receiver*, run in the same ensemble step: the
   ensemble gives both the ticket the sender takes as its input. For the receiver that ticket is a
   *key*: it is checked (MAC, fields, and it must come from one of the blocks whose tickets key its
-  hand-overs, ``HandOver.keys_from``) but never claimed; the sender claims it as any consumer.
+  hand-overs, ``HandOver.keys_from``, or, during a live plan change, one that ``also_accepts.json``
+  names as ``keys``) but never claimed; the sender claims it as any consumer.
 - The sender pushes, for each sample, ``[key MAC, status, ticket]`` to every instance of the
   receiver (Triton, not the sender, picks the instance a request goes to): status empty and its
   own ticket, sent when the tickets are issued, before the sample's GPU work (the receiver's

@@ -80,7 +80,7 @@ class Consumer:
         # The blocks that feed this one (Triton model names); None accepts any producer (tests).
         self.accepts = None if accepts_from is None else {tk.model_id(m): m for m in accepts_from}
         # Feeders accepted for a while during a live plan change (blockflow.core.also_accepts).
-        self._also = None if also_accepts is None else also_accepts_file.Reader(also_accepts)
+        self.also = None if also_accepts is None else also_accepts_file.Reader(also_accepts)
         self.key = read_key(runtime_dir)
         self.device = device
         self.hello_timeout_ms = int(hello_timeout_s * 1000)
@@ -164,7 +164,7 @@ class Consumer:
     def _also_accepts(self, model: int) -> bool:
         """Whether a ticket of ``model`` (not a feeder in this block's spec) comes from an old or new
         feeder during a live plan change. Read on refusals only: a plan's own hops never get here."""
-        return self._also is not None and any(tk.model_id(m) == model for m in self._also.models())
+        return self.also is not None and any(tk.model_id(m) == model for m in self.also.current().models)
 
     def _drop(self, r: _Remote) -> None:
         del self._remotes[(r.producer, r.generation)]

@@ -26,7 +26,7 @@ from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import listening
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
-from blockflow.core import env
+from blockflow.core import also_accepts, env
 from blockflow.core.errors import RequestError
 from blockflow.core.spec import HandOver
 
@@ -139,7 +139,7 @@ class HandIn:
     """A receiver instance's side: the key a request brings in, the sender's ticket for it out."""
 
     def __init__(self, runtime_dir: Path, model: str, role: HandOver, mac_key: bytes, wait_s: float, keep_s: float,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, also: also_accepts.Reader | None = None) -> None:
         self.runtime_dir = runtime_dir
         self.path = socket_path(runtime_dir, model, os.getpid() if pid is None else pid)
         self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
@@ -150,6 +150,8 @@ class HandIn:
         self.sock.bind(f"ipc://{self.path}")
         self.sender = role.takes_from
         self.key_models = {tk.model_id(m).to_bytes(8, "little") for m in role.keys_from}
+        self.sender_model = tk.model_id(role.takes_from).to_bytes(8, "little")
+        self.also = also  # other blocks whose tickets are keys too, during a live plan change
         self.mac_key = mac_key
         self.wait_s = wait_s
         self.keep_s = keep_s
@@ -170,7 +172,11 @@ class HandIn:
         or its hand-over did not come by ``deadline`` (monotonic; default: the wait from now)."""
         if not keys_of(rows):
             return rows
-        at = [i for i in range(rows.shape[0]) if bytes(rows[i, MODEL]) in self.key_models]
+        models = [bytes(rows[i, MODEL]) for i in range(rows.shape[0])]
+        keys = self.key_models
+        if self.also is not None and any(m not in keys and m != self.sender_model for m in models):
+            keys = keys | {tk.model_id(m).to_bytes(8, "little") for m in self.also.current().keys}
+        at = [i for i, m in enumerate(models) if m in keys]
         if not at:
             return rows  # the sender's own tickets, given by the ensemble
         with self._lock:
@@ -302,7 +308,8 @@ class Relay:
         if role is None or consumer is None:
             return None
         out = HandOut(runtime_dir, role.to) if role.to and produces else None
-        into = HandIn(runtime_dir, model, role, consumer.key, consumer.commit_wait_s, keep_s) if role.takes_from else None
+        into = (HandIn(runtime_dir, model, role, consumer.key, consumer.commit_wait_s, keep_s, also=consumer.also)
+                if role.takes_from else None)
         return cls(out, into) if out or into else None
 
     def read(self, tickets: Any, gather: Callable[[Any], T]) -> T:

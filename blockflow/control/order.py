@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockflow.control.diff import Change, Served
 from blockflow.core.spec import SPEC_PARAMETER
@@ -59,47 +60,58 @@ def bridge(files: Mapping[str, bytes]) -> dict[str, bytes]:
 
 
 @dataclass(frozen=True)
+class Feeders:
+    """Blocks a changed block also takes tickets from (``models``) and hand-over keys from (``keys``)."""
+
+    models: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Widening:
     """Changed TensorMQ blocks whose feeders change (:mod:`blockflow.core.also_accepts`): ``new`` maps
     each to the feeders its planned version also accepts while old paths run (its old ones), ``old``
     to those its previous version accepts too if an undo restores it (its new ones); ``lease_s``: the
     planned and previous versions' lease, for how long after the change they keep accepting them."""
 
-    new: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    old: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    new: Mapping[str, Feeders] = field(default_factory=dict)
+    old: Mapping[str, Feeders] = field(default_factory=dict)
     lease_s: Mapping[str, float] = field(default_factory=dict)
 
 
-def _spec(files: Mapping[str, bytes]) -> dict[str, object]:
+def _spec(files: Mapping[str, bytes]) -> dict[str, Any]:
     cfg = parse_pbtxt(files["config.pbtxt"].decode())
     p = cfg.parameters.get(SPEC_PARAMETER)
     spec = json.loads(p.string_value) if p is not None else {}
     return spec if isinstance(spec, dict) else {}
 
 
-def _lease_s(spec: Mapping[str, object]) -> float:
-    t = spec.get("tensormq")
-    lease = t.get("lease_s") if isinstance(t, dict) else None
-    return float(lease) if isinstance(lease, int | float) else 0.0
+def _lease_s(spec: Mapping[str, Any]) -> float:
+    return float((spec.get("tensormq") or {}).get("lease_s") or 0.0)
+
+
+def _others(was: Mapping[str, Any], now: Mapping[str, Any]) -> Feeders:
+    """What ``was`` took that ``now`` does not: feeders and hand-over keys, where both take some."""
+    def taken(spec: Mapping[str, Any]) -> tuple[set[str], set[str]]:
+        return set(spec.get("accepts_from") or ()), set((spec.get("hand_over") or {}).get("keys_from") or ())
+
+    (had, had_keys), (has, has_keys) = taken(was), taken(now)
+    return Feeders(tuple(sorted(had - has)) if has else (), tuple(sorted(had_keys - has_keys)) if has_keys else ())
 
 
 def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
              new: Mapping[str, Mapping[str, bytes]]) -> Widening:
     """Which changed ``blocks`` get other feeders, given their ``old`` (repository) and ``new`` files."""
-    to_new: dict[str, tuple[str, ...]] = {}
-    to_old: dict[str, tuple[str, ...]] = {}
+    to_new: dict[str, Feeders] = {}
+    to_old: dict[str, Feeders] = {}
     lease: dict[str, float] = {}
     for c in blocks:
         before = old.get(c.model)
         if c.action != "change" or before is None or "config.pbtxt" not in before:
             continue
         was, now = _spec(before), _spec(new[c.model])
-        had, has = set(was.get("accepts_from") or ()), set(now.get("accepts_from") or ())  # type: ignore[call-overload]
-        if not had or not has or had == has:
-            continue  # not a TensorMQ consumer on both sides, or the same feeders
-        if had - has:
-            to_new[c.model] = tuple(sorted(had - has))
-        if has - had:
-            to_old[c.model] = tuple(sorted(has - had))
-        lease[c.model] = max(_lease_s(was), _lease_s(now))
+        for side, extra in ((to_new, _others(was, now)), (to_old, _others(now, was))):
+            if extra != Feeders():
+                side[c.model] = extra
+                lease[c.model] = max(_lease_s(was), _lease_s(now))
     return Widening(to_new, to_old, lease)

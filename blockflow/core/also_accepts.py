@@ -6,7 +6,7 @@ task's ensemble runs its new path, requests on an old path still bring the new b
 its old feeders (and, when a failed change is undone, requests on a new path bring the restored
 block tickets from its new ones). ``blockflow apply`` writes this file into such a block's model
 directory, next to ``config.pbtxt``, naming those other feeders; the block accepts their tickets
-too until ``until``, which apply sets, once the change is complete, to the plan's ``lease_s`` from
+too (and, a receiver of direct hand-overs, the other blocks whose tickets key them) until ``until``, which apply sets, once the change is complete, to the plan's ``lease_s`` from
 then: no ticket issued on an old path is still claimable after that.
 
 Who writes it can already change what the server runs (the model repository), so the block
@@ -29,8 +29,11 @@ class AlsoAccepts(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    models: tuple[str, ...]
-    until: float
+    models: tuple[str, ...] = ()
+    # A receiver of direct hand-overs whose keys come from other blocks (its sender's feeders
+    # changed): the tickets of these blocks are keys too, as its old (or new) ensemble gives them.
+    keys: tuple[str, ...] = ()
+    until: float = 0.0
 
     def dumps(self) -> bytes:
         return self.model_dump_json().encode()
@@ -49,19 +52,19 @@ class Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._seen: tuple[int, int, int] | None = None
-        self._also = AlsoAccepts(models=(), until=0.0)
+        self._also = AlsoAccepts()
 
-    def models(self) -> tuple[str, ...]:
-        """The extra feeders accepted now: none once ``until`` has passed or without a readable file."""
+    def current(self) -> AlsoAccepts:
+        """What the file widens now: nothing once ``until`` has passed, or without a readable file."""
         try:
             st = os.stat(self.path)
         except OSError:
-            return ()
+            return AlsoAccepts()
         seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         if seen != self._seen:
             self._seen = seen
             try:
                 self._also = AlsoAccepts.model_validate_json(self.path.read_bytes())
             except (OSError, ValidationError):
-                self._also = AlsoAccepts(models=(), until=0.0)
-        return self._also.models if time.time() < self._also.until else ()
+                self._also = AlsoAccepts()
+        return self._also if time.time() < self._also.until else AlsoAccepts()

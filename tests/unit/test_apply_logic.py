@@ -12,7 +12,7 @@ import pytest
 
 from blockflow.control.apply import Applier, Report, expected_instances
 from blockflow.control.diff import Change, Served, compute_diff
-from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, widening
+from blockflow.control.order import Feeders, HandOverOrder, Widening, bridge, hand_over_order, widening
 from blockflow.core import also_accepts
 from blockflow.core.errors import ApplyError
 from blockflow.ensemble_gen import generator
@@ -166,6 +166,11 @@ def test_without_hand_overs_is_the_ensemble_the_generator_wires_without_them() -
 
 
 def _mixed_plans() -> dict[str, dict[str, bytes]]:
+    """:func:`_mixed_plan_objects`, rendered."""
+    return {k: generator.render(p) for k, p in _mixed_plan_objects().items()}
+
+
+def _mixed_plan_objects() -> dict[str, Plan]:
     """A 5-block task ``long`` whose pair moves from b1 -> b2 to b2 -> b3 as another task, ``fork``,
     leaves the path after b1 instead of after b2 (it shares the blocks before)."""
     from blockflow.plan import parse_plan
@@ -179,7 +184,7 @@ def _mixed_plans() -> dict[str, dict[str, bytes]]:
     out = {}
     for name, fork in (("old", ["b0", "b1", "b2", "f"]), ("new", ["b0", "b1", "g"])):
         raw["tasks"]["fork"] = {"path": fork}
-        out[name] = generator.render(parse_plan(raw, source=name, base_dir=ROOT))
+        out[name] = parse_plan(raw, source=name, base_dir=ROOT)
     return out
 
 
@@ -216,20 +221,34 @@ def test_an_ensemble_that_trades_hand_overs_runs_as_a_plain_chain_while_its_bloc
     assert len(done) == len(set(done))  # each change is undone once
 
 
-def _swap_plans() -> dict[str, Plan]:
-    """A 5-block task whose third block, b2, is swapped for a twin, h: b3's feeder changes."""
+def _swap_plans(at: int = 2, hand_over: str = "ensemble") -> dict[str, Plan]:
+    """A 5-block task whose block ``at`` is swapped for a twin, h: the next block's feeder changes."""
     from blockflow.plan import parse_plan
 
-    raw = {"version": 1, "name": "swap", "transport": "tensormq", "references": [],
+    raw = {"version": 1, "name": "swap", "transport": "tensormq", "references": [], "hand_over": hand_over,
            "models": {"m": {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
                             "input_shape": [3, 32, 32], "num_classes": 10}},
-           "blocks": {**{f"b{i}": {"model": "m", "stages": i} for i in range(5)}, "h": {"model": "m", "stages": 2}},
-           "tasks": {"long": {"path": [f"b{i}" for i in range(5)]}}, "tensormq": {"lease_s": 20}}
+           "blocks": {**{f"b{i}": {"model": "m", "stages": i} for i in range(5)}, "h": {"model": "m", "stages": at}},
+           "tasks": {}, "tensormq": {"lease_s": 20}}
     out = {}
-    for name, third in (("old", "b2"), ("new", "h")):
-        raw["tasks"]["long"] = {"path": ["b0", "b1", third, "b3", "b4"]}
+    for name, swapped in (("old", f"b{at}"), ("new", "h")):
+        raw["tasks"]["long"] = {"path": [swapped if i == at else f"b{i}" for i in range(5)]}
         out[name] = parse_plan(raw, source=name, base_dir=ROOT)
     return out
+
+
+def test_a_receiver_whose_keys_come_from_another_block_also_takes_the_old_ones() -> None:
+    """Direct hand-overs b1 -> b2 -> b3 are keyed by the ticket b1 takes: b0 swapped for h changes
+    b1's feeder and the receivers' keys. Their pairs stay, so the blocks load first, and the old
+    ensemble gives the new b2 and b3 b0's tickets as keys."""
+    plans = _swap_plans(at=0, hand_over="direct")
+    old, new = (generator.render(plans[k]) for k in ("old", "new"))
+    d = compute_diff(new, _served(old))
+    assert hand_over_order([c for c in d.changes if c.ensemble], generator.by_model(old), generator.by_model(new),
+                           _served(old)) == HandOverOrder()
+    w = widening(d.changes, generator.by_model(old), generator.by_model(new))
+    assert w.new == {"b1": Feeders(models=("b0",)), "b2": Feeders(keys=("b0",)), "b3": Feeders(keys=("b0",))}
+    assert w.old == {"b1": Feeders(models=("h",)), "b2": Feeders(keys=("h",)), "b3": Feeders(keys=("h",))}
 
 
 class _Applying(_Recorder):
@@ -243,22 +262,27 @@ class _Applying(_Recorder):
         self._served, self.fail_at = served, fail_at
         self.files_seen: list[dict[str, bytes]] = []  # b3's also_accepts file at each wave
         self.reloaded: list[str] = []
+        self.loaded: list[str] = []  # what the waves loaded
+        self.unloaded: list[str] = []
 
     def served(self) -> list[Served]:
-        return self._served
+        names = {s.name for s in self._served}
+        return self._served + [Served(m, False, "new") for m in self.loaded if m not in names]
 
     def _load_all(self, changes: list[Change], report: Report, how: str = "") -> None:
         super()._load_all(changes, report, how)
         f = self.repository / "b3" / also_accepts.FILE
         self.files_seen.append({"b3": f.read_bytes()} if f.is_file() else {})
         if len(self.waves) == self.fail_at:
+            self.loaded.append(changes[0].model)  # one load of the wave succeeded, another failed
             raise ApplyError("the test's load failed")
+        self.loaded += [c.model for c in changes]
 
     def _load(self, model: str) -> None:
         self.reloaded.append(model)
 
     def _unload(self, model: str) -> None:
-        pass
+        self.unloaded.append(model)
 
 
 def _also(files: dict[str, bytes]) -> also_accepts.AlsoAccepts:
@@ -272,7 +296,7 @@ def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_
     old, new = (generator.render(plans[k]) for k in ("old", "new"))
     d = compute_diff(new, _served(old))
     assert widening(d.changes, generator.by_model(old), generator.by_model(new)) == Widening(
-        new={"b3": ("b2",)}, old={"b3": ("h",)}, lease_s={"b3": 20.0})
+        new={"b3": Feeders(models=("b2",))}, old={"b3": Feeders(models=("h",))}, lease_s={"b3": 20.0})
     for fail_at, feeders in ((None, ("b2",)), (2, ("h",))):
         repo = tmp_path / f"repo{fail_at}"
         generator.write(old, repo)
@@ -292,3 +316,22 @@ def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_
             assert rec.reloaded == ["b3", "long"]  # the previous block, then the previous ensemble
         # Not the plan's: the repository is in step with the plan it serves, file or not.
         assert generator.diff(old if fail_at else new, repo) == []
+
+
+def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_blocks_before_ensembles(tmp_path: Path) -> None:
+    """The trading change fails while its blocks load: the bridged ensembles' old files (with their
+    hand-overs) go back, the previous blocks reload before them, and the new block that had loaded
+    is unloaded."""
+    plans = _mixed_plan_objects()
+    old = generator.render(plans["old"])
+    repo = tmp_path / "repo"
+    generator.write(old, repo)
+    served = _served(old)
+    rec = _Applying(repo, served, fail_at=2)
+    with pytest.raises(ApplyError, match="rolled back"):
+        rec.apply(plans["new"])
+    assert rec.waves[0] == ["fork", "long"] and len(rec.waves) == 2
+    assert rec.loaded[-1] == "g"  # the wave's first load (added blocks come first) succeeded
+    assert rec.reloaded == [m for m in rec.waves[1] if m != "g"] + ["fork", "long"]
+    assert rec.unloaded == ["g"]
+    assert generator.diff(old, repo) == []  # every old file back, no bridge, no new block

@@ -18,6 +18,7 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.handover import LATE_S, HandIn, HandOut, Relay, keys_of
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
+from blockflow.core import also_accepts
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver
 from blockflow.ensemble_gen import generator
@@ -139,6 +140,32 @@ def test_a_receiver_takes_the_senders_ticket_for_its_key_once(runtime: Path) -> 
         out.close()
         into.close()
     assert not into.path.exists()
+
+
+def test_a_receiver_takes_other_blocks_tickets_as_keys_while_its_file_says_so(runtime: Path, tmp_path: Path) -> None:
+    """During a live plan change that gave the sender another feeder (h for b0), the old ensemble
+    still gives the receiver b0's tickets as keys: it treats them as keys while the file apply writes
+    beside its config names b0 (blockflow.core.also_accepts), and passes them on as they are otherwise."""
+    key = read_key(runtime)
+    file = tmp_path / also_accepts.FILE
+    into = HandIn(runtime, "b2", HandOver(takes_from="b1", keys_from=("h",)), key, wait_s=2.0, keep_s=10.0,
+                  also=also_accepts.Reader(file))
+    out = HandOut(runtime, "b2")
+    try:
+        rows = _key_ticket(runtime)
+        assert into.resolve(rows) is rows  # not a key of this receiver: the consumer will refuse it
+        also_accepts.write(tmp_path, also_accepts.AlsoAccepts(keys=("b0",), until=time.time() + 30))
+        handed = [bytes([7]) * tk.TICKET_BYTES]
+        out.begin()
+        out.take(keys_of(rows))
+        out.send(handed)
+        assert [bytes(r) for r in into.resolve(rows)] == handed
+        also_accepts.write(tmp_path, also_accepts.AlsoAccepts(keys=("b0",), until=time.time() - 1))
+        later = _key_ticket(runtime)
+        assert into.resolve(later) is later
+    finally:
+        out.close()
+        into.close()
 
 
 def test_a_senders_failure_fails_the_request_at_once_and_a_missing_hand_over_after_the_wait(runtime: Path) -> None:
