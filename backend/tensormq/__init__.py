@@ -127,12 +127,14 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   until the claim window ends (its tickets are refused by then), and so long the keys it served.
 - The receiver refuses a key it has served (a replay), waits for a key's hand-over at most
   ``COMMIT_WAIT_S``, and then reads the sender's ticket as its input, with every check above (MAC,
-  hop, one-shot claim). A sender hands over as soon as it has claimed its input, so once a key's
-  claim window has ended (and ``LATE_S`` more), its slot was reused or its producer stopped, the
-  hand-over came long ago or never will: after ``LOOK_AFTER_S`` of waiting, and every
-  ``LOOK_EVERY_S``, the receiver reads the key's entry in its producer's claim table (claiming
-  nothing) and fails such a key at once. That is how a key replayed after its served entry was
-  forgotten fails. A key still in its window that never reached the sender (a client took it
+  hop, one-shot claim). A sender hands over as soon as it has its input, so once a key's claim
+  window has ended (and ``LATE_S`` more) or its producer stopped, the hand-over came long ago or
+  never will: after ``LOOK_AFTER_S`` of waiting, and every ``LOOK_EVERY_S``, the receiver reads
+  the key's entry in its producer's claim table (claiming nothing) and fails such a key at once.
+  That is how a key replayed after its served entry was forgotten fails. A slot reused since says
+  nothing by itself: the run's first sender released the key's sample, and a later receiver of
+  the run still waits for its own sender; the slot's current use ends its window later, so once
+  that one has ended too, the key's has. A key still in its window that never reached the sender (a client took it
   from the first block and sent it to the receiver itself) waits out ``COMMIT_WAIT_S``; the
   requests of one call share that wait (``Relay.begin``), so such keys hold a call once, however
   many of its requests carry them. A sender's own ticket that reaches it through the ensemble (an ensemble

@@ -149,9 +149,12 @@ class ClaimTable:
             self._unlock(slot)
 
     def over(self, slot: int, seq: int, now: float, grace_s: float) -> str | None:
-        """Why use ``seq`` of ``slot`` can no longer be claimed, ``grace_s`` after its window at the
-        latest (its slot was reused, or its claim window ended that long ago); None while it can,
-        or before its commit. Claims nothing."""
+        """Why use ``seq`` of ``slot`` can no longer be claimed: its claim window ended at least
+        ``grace_s`` ago. None while it may still be claimed, before its commit, or when that cannot be
+        told. Claims nothing. A slot reused since is no sign by itself: its samples were claimed, but
+        a direct hand-over keyed by one of them (a later receiver of a run) may still be on its way.
+        Its current use's window ends after the one asked about, so once that one has ended too, the
+        use asked about is over."""
         if not 0 <= slot < self.max_slots:
             return f"slot {slot} is outside the producer's claim table"
         start = self._lock(slot)
@@ -161,9 +164,9 @@ class ClaimTable:
         finally:
             self._unlock(slot)
         ahead = (seq - (word >> 32)) & 0xFFFFFFFF
-        if ahead >= 1 << 31:
-            return "replayed or stale ticket: its pool slot has been reused since it was issued"
-        if not ahead and deadline != FAILED and now > deadline + grace_s:
+        if 0 < ahead < 1 << 31:
+            return None  # not committed yet
+        if deadline != FAILED and now > deadline + grace_s:
             return "expired ticket: it was not used within its claim window"
         return None
 

@@ -223,8 +223,8 @@ class HandIn:
 
     def _over(self, t: tk.Ticket, now: float) -> TicketError | ProducerGoneError | None:
         """Why the hand-over keyed by ``t`` cannot come any more, from its producer's claim table:
-        its producer stopped, its slot was reused, or its claim window ended (so its sender, which
-        hands over as soon as it has claimed it, did so long ago or never will)."""
+        its producer stopped, or its claim window ended (so its sender, which hands over as soon as
+        it has claimed it, did so long ago or never will)."""
         table = self._tables.get((t.producer, t.generation))
         if table is None:
             sock = producer_socket(self.runtime_dir, t.producer, t.generation)

@@ -258,9 +258,11 @@ def _client_loop(http: str, task: str, seed: int, pause_s: float, stop: Any, ok:
         stop.wait(max(pause_s, 0.05))  # a removed task's clients go on asking at the same pace
 
 
-def _load_process(http: str, tasks: list[str], per_task: int, pause_s: float, stop: Any, out: Any) -> None:
+def _load_process(http: str, tasks: list[str], per_task: int, pause_s: float, stop: Any, out: Any,
+                  warm: list[str], ready: Any) -> None:
     """The clients, in a process of their own at lower CPU priority: on a small CI machine the
-    server and the blocks it is loading get the CPU first, and the clients take what is left."""
+    server and the blocks it is loading get the CPU first, and the clients take what is left.
+    ``ready`` is set once each task of ``warm`` has been answered."""
     os.nice(10)
     ok: dict[str, int] = {}
     failed: list[tuple[str, str]] = []
@@ -269,6 +271,9 @@ def _load_process(http: str, tasks: list[str], per_task: int, pause_s: float, st
                for t in tasks for i in range(per_task)]
     for t in threads:
         t.start()
+    while not stop.is_set() and not all(ok.get(t) for t in warm):
+        stop.wait(0.05)
+    ready.set()
     for t in threads:
         t.join(150)
     out.put((ok, failed, sorted(answered)))
@@ -278,19 +283,25 @@ class Load:
     """Closed-loop clients, ``per_task`` of them on each task, recording every outcome; each waits
     ``pause_s`` after an answer before its next request."""
 
-    def __init__(self, http: str, tasks: set[str], per_task: int, pause_s: float = 0.0) -> None:
+    def __init__(self, http: str, tasks: set[str], per_task: int, pause_s: float = 0.0, warm: bool = False) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.stop = ctx.Event()
+        self.ready = ctx.Event()
         self.queue: Any = ctx.Queue()
-        self.proc = ctx.Process(target=_load_process, args=(http, sorted(tasks), per_task, pause_s, self.stop, self.queue))
+        self.warm = warm  # enter once every task has been answered (the clients' process starts in seconds)
+        self.proc = ctx.Process(target=_load_process, args=(http, sorted(tasks), per_task, pause_s, self.stop, self.queue,
+                                                            sorted(tasks) if warm else [], self.ready))
         self.ok: Counter[str] = Counter()
         self.failed: dict[str, list[str]] = {}
         self.answered: list[float] = []  # wall-clock times at which a request was answered
 
     def __enter__(self) -> Load:
         self.proc.start()
+        if self.warm and not self.ready.wait(120):
+            self.__exit__()
+            raise AssertionError("the clients got no answer from some task within 120 s")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -454,8 +465,7 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
                                                       ignore_unknown_fields=True)))
 
     assert pairs("long") == {("c1", "c2")}
-    with Load(live.http, {"long", "fork"}, per_task=2, pause_s=0.2) as load:
-        time.sleep(1)
+    with Load(live.http, {"long", "fork"}, per_task=2, pause_s=0.2, warm=True) as load:
         for name, first, long_pairs, changed in (
                 ("traded", ["loaded fork without hand-overs", "loaded long without hand-overs"], {("c2", "c3")},
                  {"loaded c2", "loaded c3", "loaded long"}),
@@ -558,8 +568,7 @@ def test_a_killed_block_process_is_reloaded_under_load(live: Live) -> None:
     client = httpclient.InferenceServerClient(live.http, network_timeout=120)
     server = _tritonserver(live)
     recovered = {}
-    with Load(live.http, TASKS_B, per_task=2) as load:
-        time.sleep(2)
+    with Load(live.http, TASKS_B, per_task=2, warm=True) as load:  # every task answered before the first kill
         for block, tasks in (("head_swap_b", {"swap"}), ("trunk", TASKS_B)):
             (victim, *_) = _children(server, f"/{block}/".encode())
             os.kill(victim, signal.SIGKILL)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.handover import LATE_S, HandIn, HandOut, Relay, keys_of
+from blockflow.backend.tensormq.handover import LATE_S, LOOK_AFTER_S, HandIn, HandOut, Relay, keys_of
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.core import also_accepts
@@ -240,6 +240,46 @@ def test_a_key_whose_hand_over_cannot_come_any_more_fails_without_the_wait(runti
     finally:
         out.close()
         into.close()
+
+
+def test_a_later_receiver_of_a_run_waits_for_its_sender_after_the_keys_slot_moved_on(runtime: Path) -> None:
+    """In a run a -> b -> c keyed by a's input, a releases the key's sample (its slot is reused)
+    before b hands over to c: c must go on waiting for b, not fail the key as stale."""
+    import threading
+
+    from blockflow.backend.tensormq.consumer import Consumer
+
+    key = read_key(runtime)
+    prod = Producer("b0/solo", runtime, torch.device("cpu"), pool_bytes=1 << 12, max_slots=1, lease_s=30, wait_s=1,
+                    claim_s=30, prepare=False)
+    first = Consumer(runtime, torch.device("cpu"))  # the run's first sender, which claims the key
+    into = HandIn(runtime, "b2", ROLE, key, wait_s=5.0, keep_s=10.0)
+    out = HandOut(runtime, "b2")
+    try:
+        rows = np.frombuffer(prod.commit(prod.reserve((1, 4), torch.float32), 0)[0], dtype=np.uint8).reshape(1, -1).copy()
+        _, rel = first.gather(rows, (4,), 0)
+        first.release_now(rel)
+        first.flush()
+        deadline = time.monotonic() + 5
+        while prod.usage()[1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prod.commit(prod.reserve((1, 4), torch.float32), 0)  # the one slot, its next use
+
+        def later() -> None:  # the run's second sender, queued behind other work
+            time.sleep(LOOK_AFTER_S + 0.3)
+            out.begin()
+            out.take(keys_of(rows))
+            out.send([bytes([9]) * tk.TICKET_BYTES])
+
+        sender = threading.Thread(target=later)
+        sender.start()
+        assert bytes(into.resolve(rows)[0]) == bytes([9]) * tk.TICKET_BYTES
+        sender.join()
+    finally:
+        out.close()
+        into.close()
+        first.close()
+        prod.close()
 
 
 def test_the_requests_of_one_call_share_one_wait_for_their_hand_overs(runtime: Path) -> None:
