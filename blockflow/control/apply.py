@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from blockflow.control.diff import Change, Diff, Served, compute_diff, digest_of
-from blockflow.control.order import Feeders, HandOverOrder, Widening, bridge, hand_over_order, widening
+from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, widening
 from blockflow.core import also_accepts
 from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.ensemble_gen import generator
@@ -242,7 +242,7 @@ class Applier:
         report.seconds = time.monotonic() - t0
         return report
 
-    def _widened(self, files: Mapping[str, _Files], feeders: Mapping[str, Feeders]) -> dict[str, _Files]:
+    def _widened(self, files: Mapping[str, _Files], feeders: Mapping[str, also_accepts.AlsoAccepts]) -> dict[str, _Files]:
         """``files`` with each block of ``feeders`` also accepting those feeders' tickets until the change
         is over (:mod:`blockflow.core.also_accepts`; loads take at most ``timeout`` each, in four waves)."""
         until = time.time() + 4 * self.control.timeout
@@ -250,16 +250,16 @@ class Applier:
         for m, f in feeders.items():
             old = out.get(m)
             if old is not None:
-                also = also_accepts.AlsoAccepts(models=f.models, keys=f.keys, until=until)
+                also = f.model_copy(update={"until": until})
                 out[m] = cast(_Files, {**old, also_accepts.FILE: also.dumps()})
         return out
 
-    def _close_widening(self, feeders: Mapping[str, Feeders], wider: Widening, written: set[str]) -> None:
+    def _close_widening(self, feeders: Mapping[str, also_accepts.AlsoAccepts], wider: Widening, written: set[str]) -> None:
         """The change is over: the blocks of ``feeders`` keep accepting them for their lease, no longer."""
         for m in sorted(feeders.keys() & written):
             f, until = feeders[m], time.time() + wider.lease_s[m]
             try:
-                also_accepts.write(self.repository / m, also_accepts.AlsoAccepts(models=f.models, keys=f.keys, until=until))
+                also_accepts.write(self.repository / m, f.model_copy(update={"until": until}))
             except OSError as exc:  # the block then accepts them until the bound _widened set
                 self._log(f"could not shorten what {m} also accepts: {exc}")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockflow.control.diff import Change, Served
+from blockflow.core.also_accepts import AlsoAccepts
 from blockflow.core.spec import SPEC_PARAMETER
 from blockflow.ensemble_gen.configs import (
     DIGEST_PARAMETER,
@@ -60,22 +61,15 @@ def bridge(files: Mapping[str, bytes]) -> dict[str, bytes]:
 
 
 @dataclass(frozen=True)
-class Feeders:
-    """Blocks a changed block also takes tickets from (``models``) and hand-over keys from (``keys``)."""
-
-    models: tuple[str, ...] = ()
-    keys: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class Widening:
     """Changed TensorMQ blocks whose feeders change (:mod:`blockflow.core.also_accepts`): ``new`` maps
     each to the feeders its planned version also accepts while old paths run (its old ones), ``old``
-    to those its previous version accepts too if an undo restores it (its new ones); ``lease_s``: the
-    planned and previous versions' lease, for how long after the change they keep accepting them."""
+    to those its previous version accepts too if an undo restores it (its new ones), both without
+    their ``until`` yet; ``lease_s``: the planned and previous versions' lease, for how long after
+    the change they keep accepting them."""
 
-    new: Mapping[str, Feeders] = field(default_factory=dict)
-    old: Mapping[str, Feeders] = field(default_factory=dict)
+    new: Mapping[str, AlsoAccepts] = field(default_factory=dict)
+    old: Mapping[str, AlsoAccepts] = field(default_factory=dict)
     lease_s: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -90,20 +84,21 @@ def _lease_s(spec: Mapping[str, Any]) -> float:
     return float((spec.get("tensormq") or {}).get("lease_s") or 0.0)
 
 
-def _others(was: Mapping[str, Any], now: Mapping[str, Any]) -> Feeders:
+def _others(was: Mapping[str, Any], now: Mapping[str, Any]) -> AlsoAccepts:
     """What ``was`` took that ``now`` does not: feeders and hand-over keys, where both take some."""
     def taken(spec: Mapping[str, Any]) -> tuple[set[str], set[str]]:
         return set(spec.get("accepts_from") or ()), set((spec.get("hand_over") or {}).get("keys_from") or ())
 
     (had, had_keys), (has, has_keys) = taken(was), taken(now)
-    return Feeders(tuple(sorted(had - has)) if has else (), tuple(sorted(had_keys - has_keys)) if has_keys else ())
+    return AlsoAccepts(models=tuple(sorted(had - has)) if has else (),
+                       keys=tuple(sorted(had_keys - has_keys)) if has_keys else ())
 
 
 def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
              new: Mapping[str, Mapping[str, bytes]]) -> Widening:
     """Which changed ``blocks`` get other feeders, given their ``old`` (repository) and ``new`` files."""
-    to_new: dict[str, Feeders] = {}
-    to_old: dict[str, Feeders] = {}
+    to_new: dict[str, AlsoAccepts] = {}
+    to_old: dict[str, AlsoAccepts] = {}
     lease: dict[str, float] = {}
     for c in blocks:
         before = old.get(c.model)
@@ -111,7 +106,7 @@ def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | N
             continue
         was, now = _spec(before), _spec(new[c.model])
         for side, extra in ((to_new, _others(was, now)), (to_old, _others(now, was))):
-            if extra != Feeders():
+            if extra != AlsoAccepts():
                 side[c.model] = extra
                 lease[c.model] = max(_lease_s(was), _lease_s(now))
     return Widening(to_new, to_old, lease)

@@ -6,8 +6,8 @@ task's ensemble runs its new path, requests on an old path still bring the new b
 its old feeders (and, when a failed change is undone, requests on a new path bring the restored
 block tickets from its new ones). ``blockflow apply`` writes this file into such a block's model
 directory, next to ``config.pbtxt``, naming those other feeders; the block accepts their tickets
-too (and, a receiver of direct hand-overs, the other blocks whose tickets key them) until ``until``, which apply sets, once the change is complete, to the plan's ``lease_s`` from
-then: no ticket issued on an old path is still claimable after that. (Until then the file says
+too (and, a receiver of direct hand-overs, the other blocks whose tickets key them) until
+``until``, which apply sets, once the change is complete, to the plan's ``lease_s`` from then: no ticket issued on an old path is still claimable after that. (Until then the file says
 four load timeouts from the start, the most a change's waves may take, so an applier that dies
 mid-change leaves the block widened for that long at most.)
 

@@ -12,8 +12,9 @@ import pytest
 
 from blockflow.control.apply import Applier, Report, expected_instances
 from blockflow.control.diff import Change, Served, compute_diff
-from blockflow.control.order import Feeders, HandOverOrder, Widening, bridge, hand_over_order, widening
+from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, widening
 from blockflow.core import also_accepts
+from blockflow.core.also_accepts import AlsoAccepts
 from blockflow.core.errors import ApplyError
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, handed_pairs, parse_pbtxt, to_pbtxt, without_hand_overs
@@ -247,8 +248,8 @@ def test_a_receiver_whose_keys_come_from_another_block_also_takes_the_old_ones()
     assert hand_over_order([c for c in d.changes if c.ensemble], generator.by_model(old), generator.by_model(new),
                            _served(old)) == HandOverOrder()
     w = widening(d.changes, generator.by_model(old), generator.by_model(new))
-    assert w.new == {"b1": Feeders(models=("b0",)), "b2": Feeders(keys=("b0",)), "b3": Feeders(keys=("b0",))}
-    assert w.old == {"b1": Feeders(models=("h",)), "b2": Feeders(keys=("h",)), "b3": Feeders(keys=("h",))}
+    assert w.new == {"b1": AlsoAccepts(models=("b0",)), "b2": AlsoAccepts(keys=("b0",)), "b3": AlsoAccepts(keys=("b0",))}
+    assert w.old == {"b1": AlsoAccepts(models=("h",)), "b2": AlsoAccepts(keys=("h",)), "b3": AlsoAccepts(keys=("h",))}
 
 
 class _Applying(_Recorder):
@@ -296,7 +297,7 @@ def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_
     old, new = (generator.render(plans[k]) for k in ("old", "new"))
     d = compute_diff(new, _served(old))
     assert widening(d.changes, generator.by_model(old), generator.by_model(new)) == Widening(
-        new={"b3": Feeders(models=("b2",))}, old={"b3": Feeders(models=("h",))}, lease_s={"b3": 20.0})
+        new={"b3": AlsoAccepts(models=("b2",))}, old={"b3": AlsoAccepts(models=("h",))}, lease_s={"b3": 20.0})
     for fail_at, feeders in ((None, ("b2",)), (2, ("h",))):
         repo = tmp_path / f"repo{fail_at}"
         generator.write(old, repo)
