@@ -2,6 +2,13 @@
 
 How an update runs (:meth:`Applier.apply`), and why in this order:
 
+0. Where blocks that keep their names would compute something else (another cut, precision or
+   weights) beside another such block on a served ensemble's path, or in an ensemble whose steps
+   change (:func:`~blockflow.control.order.stand_ins`), the plan is first applied with those blocks
+   under temporary names (``<block>__next``), then as written. Triton takes an ensemble request's
+   models when it starts, so a request starting while blocks reload in place could run old and new
+   blocks together; under other names the new blocks join requests only with the new ensembles.
+   Each of the two applies is the steps below, a rename each: the blocks load twice.
 1. Read what the server runs: the READY models of its repository index and, from
    each one's config, the ``blockflow.digest`` the generator stamped on it.
    Models without a digest were not made by BlockFlow and are left alone.
@@ -51,11 +58,20 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from blockflow.control.diff import Change, Diff, Served, compute_diff, digest_of
-from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, widening
+from blockflow.control.order import (
+    STAND_IN,
+    HandOverOrder,
+    Widening,
+    bridge,
+    hand_over_order,
+    stand_ins,
+    widening,
+    with_stand_ins,
+)
 from blockflow.core import also_accepts
 from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import config_changes, parse_pbtxt
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, config_changes, parse_pbtxt
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
 
@@ -70,10 +86,12 @@ class Report:
     seconds: float = 0.0
     steps: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    total: int | None = None  # the steps to make, where not one per change of the diff (step 0)
 
     def progress(self) -> dict[str, Any]:
         """The steps done so far out of the changes to make (``GET /plan/progress``)."""
-        return {"running": True, "done": len(self.steps), "total": len(self.diff.changes), "steps": list(self.steps),
+        total = self.total if self.total is not None else len(self.diff.changes)
+        return {"running": True, "done": len(self.steps), "total": total, "steps": list(self.steps),
                 "seconds": round(time.monotonic() - self.started, 3)}
 
 
@@ -213,34 +231,54 @@ class Applier:
             if dry_run or d.empty:
                 report.seconds = time.monotonic() - t0
                 return report
-            touched = [c.model for c in d.changes]
-            backup = {m: generator.read_model(self.repository, m) for m in touched}
-            blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
-            ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
-            done: list[Change] = []
+            ensembles = {s.name: generator.read_model(self.repository, s.name) for s in served if s.ensemble}
+            old = {c.model: generator.read_model(self.repository, c.model) for c in d.changes}
+            first = stand_ins(d.changes, ensembles, old, wanted)
             self.current = report
-            order = hand_over_order(ensembles, backup, wanted, served)
-            wider = widening(blocks, backup, wanted)
             try:
-                try:
-                    self._load_waves(blocks, ensembles, self._widened(wanted, wider.new), done, report, order, backup)
-                except Exception as exc:
-                    restored = self._undo(done, self._widened(backup, wider.old))
-                    self._close_widening(wider.old, wider, {c.model for c in done})
-                    raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "
-                                     "the server serves the previous plan") from None
-                self._close_widening(wider.new, wider, {c.model for c in done})
-                for c in d.changes:
-                    if c.action == "remove":  # ensembles come first in the sorted changes
-                        self._unload(c.model)
-                        generator.write_model(self.repository, c.model, None)
-                        report.steps.append(f"unloaded {c.model}")
-                        self._log(f"unloaded {c}")
-                generator.write_marker(self.repository, files)
+                if not first:
+                    self._change(files, served, report)
+                else:  # step 0
+                    names = ", ".join(f"{b} as {b}{STAND_IN}" for b in first)
+                    self._log(f"loading {names} first: each changes what it computes, beside another on a served path")
+                    stone = generator.render(with_stand_ins(plan, first))
+                    report.total = len(compute_diff(stone, served).changes) + len(compute_diff(files, as_served(stone)).changes)
+                    self._change(stone, served, report)
+                    self._change(files, self.served(), report,
+                                 previous=f"the new plan, with {names} (apply the plan again to finish)")
             finally:
                 self.current = None
         report.seconds = time.monotonic() - t0
         return report
+
+    def _change(self, files: Mapping[str, bytes], served: list[Served], report: Report,
+                previous: str = "the previous plan") -> None:
+        """Steps 3–5 for the rendered repository ``files`` against ``served``; undone if a load fails,
+        the server then serves ``previous``."""
+        wanted = generator.by_model(files)
+        d = compute_diff(files, served)
+        touched = [c.model for c in d.changes]
+        backup = {m: generator.read_model(self.repository, m) for m in touched}
+        blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
+        ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
+        done: list[Change] = []
+        order = hand_over_order(ensembles, backup, wanted, served)
+        wider = widening(blocks, backup, wanted)
+        try:
+            self._load_waves(blocks, ensembles, self._widened(wanted, wider.new), done, report, order, backup)
+        except Exception as exc:
+            restored = self._undo(done, self._widened(backup, wider.old))
+            self._close_widening(wider.old, wider, {c.model for c in done})
+            raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "
+                             f"the server serves {previous}") from None
+        self._close_widening(wider.new, wider, {c.model for c in done})
+        for c in d.changes:
+            if c.action == "remove":  # ensembles come first in the sorted changes
+                self._unload(c.model)
+                generator.write_model(self.repository, c.model, None)
+                report.steps.append(f"unloaded {c.model}")
+                self._log(f"unloaded {c}")
+        generator.write_marker(self.repository, files)
 
     def _widened(self, files: Mapping[str, _Files], feeders: Mapping[str, also_accepts.AlsoAccepts]) -> dict[str, _Files]:
         """``files`` with each block of ``feeders`` also accepting those feeders' tickets until the change
@@ -288,6 +326,15 @@ class Applier:
 
     def close(self) -> None:
         """Nothing to release (clients live for one call); kept for callers that close appliers."""
+
+
+def as_served(files: Mapping[str, bytes]) -> list[Served]:
+    """The models of a rendered repository as a server would serve them once it is applied."""
+    out = []
+    for name, model_files in generator.by_model(files).items():
+        cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
+        out.append(Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value))
+    return out
 
 
 def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Counter[int | None]]:

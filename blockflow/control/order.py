@@ -1,5 +1,6 @@
 """How a live plan change is ordered where blocks' wiring changes: direct hand-overs that move,
-and blocks that get other feeders (:mod:`blockflow.control.apply`, module docstring steps 3–4).
+blocks that get other feeders, and blocks that change what they compute under their own names
+(:mod:`blockflow.control.apply`, module docstring steps 0 and 3–4).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from blockflow.ensemble_gen.configs import (
     to_pbtxt,
     without_hand_overs,
 )
+from blockflow.plan import Plan, naming
+
+# What a block's spec may change without changing what it computes: how it is served, and where its
+# tickets come from (``also_accepts`` bridges that).
+_SERVING = frozenset({"name", "max_batch_size", "monitor_period_s", "tensormq", "accepts_from", "hand_over", "cuda_graphs"})
+# What a block passed under a temporary name is called meanwhile (plan names may not hold ``__``).
+STAND_IN = naming.SEP + "next"
 
 
 @dataclass(frozen=True)
@@ -110,3 +118,57 @@ def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | N
                 side[c.model] = extra
                 lease[c.model] = max(_lease_s(was), _lease_s(now))
     return Widening(to_new, to_old, lease)
+
+
+def _steps(files: Mapping[str, bytes]) -> tuple[str, ...]:
+    return tuple(s.model_name for s in parse_pbtxt(files["config.pbtxt"].decode()).ensemble_scheduling.step)
+
+
+def _computes(files: Mapping[str, bytes]) -> dict[str, Any]:
+    return {k: v for k, v in _spec(files).items() if k not in _SERVING}
+
+
+def stand_ins(changes: Iterable[Change], ensembles: Mapping[str, Mapping[str, bytes] | None],
+              old: Mapping[str, Mapping[str, bytes] | None], new: Mapping[str, Mapping[str, bytes]]) -> tuple[str, ...]:
+    """The plan's blocks that must first load under temporary names (step 0), given the served
+    ``ensembles``' files and the changed models' ``old`` (repository) and ``new`` files.
+
+    Triton takes every step's model when an ensemble request starts, so a request that starts
+    while a wave reloads blocks in place runs the served ensemble's steps on whichever of its
+    blocks have reloaded by then. With one block that computes something else (another cut,
+    precision or weights) that is still the new plan's request, if the ensemble keeps its steps.
+    With two such blocks, or one in an ensemble whose steps change, it is neither plan's: the
+    tickets' shapes may not match (refused) or the answer mixes both plans' weights. Loaded under
+    other names, the new blocks join a request only through the new ensemble, which switches in
+    one load.
+    """
+    computing = set()
+    for c in changes:
+        before = old.get(c.model)
+        if not c.ensemble and c.action == "change" and before is not None and "config.pbtxt" in before \
+                and _computes(before) != _computes(new[c.model]):
+            computing.add(c.model)
+    models: set[str] = set()
+    for name, files in ensembles.items():
+        if not files or "config.pbtxt" not in files:
+            continue
+        steps = _steps(files)
+        hit = [m for m in steps if m in computing]
+        now = new.get(name)
+        if len(hit) > 1 or (hit and (now is None or _steps(now) != steps)):
+            models.update(hit)
+    blocks: set[str] = set()
+    for m in models:
+        spec = _spec(new[m])
+        for part in [*spec.get("parts", ()), *(p for h in spec.get("heads", ()) for p in h.get("parts", ()))]:
+            blocks.add(str(part["block"]))
+    return tuple(sorted(blocks))
+
+
+def with_stand_ins(plan: Plan, blocks: Iterable[str]) -> Plan:
+    """``plan`` with ``blocks`` renamed to their stand-ins (``STAND_IN`` appended) in its blocks and paths."""
+    rename = {b: b + STAND_IN for b in blocks}
+    raw = plan.raw
+    tasks = {t: d.model_copy(update={"path": [rename.get(b, b) for b in d.path]}) for t, d in raw.tasks.items()}
+    renamed = raw.model_copy(update={"blocks": {rename.get(k, k): v for k, v in raw.blocks.items()}, "tasks": tasks})
+    return Plan(renamed, plan.source, plan.base_dir, plan.weights_dirs)

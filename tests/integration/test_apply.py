@@ -433,7 +433,8 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
     available versions"). (To direct hand-overs the blocks go first, as for any change.) Back,
     ``long`` also takes c2b, a twin of c2, so c3 gets another feeder: reloaded before the ensemble,
     it accepts c2's tickets too until the change is over and then for the plan's lease, as old-path
-    requests bring them (blockflow.core.also_accepts), and no other block's."""
+    requests bring them (blockflow.core.also_accepts), and no other block's. Last, two of long's
+    blocks are re-cut under their names: they load under other names first (apply, step 0)."""
     import yaml
 
     raw = yaml.safe_load(PLAN_B.read_text())
@@ -484,6 +485,23 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
         assert _block(client, "c3", _block(client, "c2", t1)).dtype == np.uint8
         with pytest.raises(Exception, match="redirected ticket"):
             _block(client, "c3", t1)
+        # Re-cut under the same names: c2b takes stages 2-3, c3 stage 4, c4 leaves. Reloaded in place,
+        # a request of the old ensemble could meet the new c2b and the old c3 (another shape) or the new
+        # c3 and c4; so both load as stand-ins first, long switches to them, then back to the names.
+        raw["blocks"].update({"c2b": {"model": "r18c", "stages": [2, 3], "weights": {"seed": 5}},
+                              "c3": {"model": "r18c", "stages": 4, "weights": {"seed": 5}}})
+        raw["tasks"]["long"]["path"] = ["c0", "c1", "c2b", "c3"]
+        del raw["blocks"]["c4"]
+        plans["recut"] = tmp_path / "recut.yaml"
+        plans["recut"].write_text(yaml.safe_dump(raw))
+        r = httpx.post(f"{live.control}/plan", headers=live.headers, content=plans["recut"].read_bytes(), timeout=900)
+        assert r.status_code == 200, r.text
+        steps = r.json()["steps"]
+        assert steps[:2] == ["loaded c2b__next", "loaded c3__next"] and "unloaded c4" in steps, steps
+        assert steps[-2:] == ["unloaded c2b__next", "unloaded c3__next"], steps
+        assert not any("__next" in m for m in _loaded(client)), _loaded(client)
+        for task in ("long", "fork"):
+            assert np.allclose(_infer(client, task, x), want, atol=1e-5), ("recut", task)
     assert not load.failed, {t: (len(m), m[:3]) for t, m in load.failed.items()}
     assert min(load.ok[t] for t in ("long", "fork")) > 10, load.ok
     assert _apply_cli(live, PLAN_B).returncode == 0

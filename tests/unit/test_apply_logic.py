@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from blockflow.control.apply import Applier, Report, expected_instances
+from blockflow.control.apply import Applier, Report, as_served, expected_instances
 from blockflow.control.diff import Change, Served, compute_diff
-from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, widening
+from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, stand_ins, widening
 from blockflow.core import also_accepts
 from blockflow.core.also_accepts import AlsoAccepts
 from blockflow.core.errors import ApplyError
@@ -25,12 +25,7 @@ A = load_plan(ROOT / "tests" / "plans" / "live_a.yaml")
 B = load_plan(ROOT / "tests" / "plans" / "live_b.yaml")
 
 
-def _served(plan_files: dict[str, bytes]) -> list[Served]:
-    out = []
-    for name, files in generator.by_model(plan_files).items():
-        cfg = parse_pbtxt(files["config.pbtxt"].decode())
-        out.append(Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value))
-    return out
+_served = as_served  # a server that runs the rendered repository given
 
 
 def test_same_plan_is_no_change() -> None:
@@ -336,3 +331,108 @@ def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_block
     assert rec.reloaded == [m for m in rec.waves[1] if m != "g"] + ["fork", "long"]
     assert rec.unloaded == ["g"]
     assert generator.diff(old, repo) == []  # every old file back, no bridge, no new block
+
+
+def _recut_plans(path: str = "b0 b1 b2 b3 b4", **new_blocks: Any) -> dict[str, Plan]:
+    """``long`` = b0 -> b1 -> b2 -> b3 -> b4 over five stages, and ``other`` = b0 -> b1 -> o; ``new``
+    changes the blocks given, under their names, and ``long``'s path to ``path``."""
+    from blockflow.plan import parse_plan
+
+    raw: dict[str, Any] = {
+        "version": 1, "name": "recut", "transport": "tensormq", "references": [],
+        "models": {"m": {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
+                         "input_shape": [3, 32, 32], "num_classes": 10}},
+        "blocks": {**{f"b{i}": {"model": "m", "stages": i} for i in range(5)}, "o": {"model": "m", "stages": [2, 4]}},
+        "tasks": {"long": {"path": [f"b{i}" for i in range(5)]}, "other": {"path": ["b0", "b1", "o"]}}}
+    old = parse_plan(raw, source="old", base_dir=ROOT)
+    raw["blocks"].update(new_blocks)
+    raw["tasks"]["long"]["path"] = path.split()
+    return {"old": old, "new": parse_plan(raw, source="new", base_dir=ROOT)}
+
+
+def _stand_ins_of(plans: dict[str, Plan]) -> tuple[str, ...]:
+    old, new = (generator.by_model(generator.render(plans[k])) for k in ("old", "new"))
+    served = _served(generator.render(plans["old"]))
+    d = compute_diff(generator.render(plans["new"]), served)
+    return stand_ins(d.changes, {s.name: old[s.name] for s in served if s.ensemble}, {c.model: old.get(c.model) for c in d.changes}, new)
+
+
+def test_blocks_that_would_mix_two_plans_in_one_request_load_under_other_names_first() -> None:
+    # Re-cut in place: b2 takes stages 2-3 and b3 stage 4, b4 leaves long's path. A request of the old
+    # ensemble could meet the new b2 and the old b3 (refused: another shape), or the new b3 and b4.
+    assert _stand_ins_of(_recut_plans("b0 b1 b2 b3", b2={"model": "m", "stages": [2, 3]}, b3={"model": "m", "stages": 4})) == ("b2", "b3")
+    # New weights for two blocks of one path: a request could take one plan's b1 and the other's b3.
+    seeds = {"b1": {"model": "m", "stages": 1, "weights": {"seed": 7}}, "b3": {"model": "m", "stages": 3, "weights": {"seed": 7}}}
+    assert _stand_ins_of(_recut_plans(**seeds)) == ("b1", "b3")
+    # One block with new weights on paths that keep their steps: every request is one plan's or the other's.
+    assert _stand_ins_of(_recut_plans(b3={"model": "m", "stages": 3, "weights": {"seed": 7}})) == ()
+    # How blocks are served does not change what they compute.
+    assert _stand_ins_of(_recut_plans(b1={"model": "m", "stages": 1, "instances": 2, "max_batch_size": 4},
+                                      b2={"model": "m", "stages": 2, "cuda_graphs": False})) == ()
+    # One block that computes something else, in an ensemble whose steps change: b4 leaves long's path.
+    assert _stand_ins_of(_recut_plans("b0 b1 b2 b3", b3={"model": "m", "stages": [3, 4]})) == ("b3",)
+
+
+class _Server(_Recorder):
+    """A whole :meth:`Applier.apply` against a pretend server whose models are what was loaded from
+    the repository (digests read from the files on disk); the ensembles' steps at each wave recorded."""
+
+    def __init__(self, repository: Path, fail_at: int | None = None) -> None:
+        super().__init__(repository)
+        self.control = SimpleNamespace(timeout=900.0)  # type: ignore[assignment]
+        self.current = None
+        self.fail_at = fail_at
+        self.models: dict[str, Served] = {}
+        self.seen: list[dict[str, tuple[str, ...]]] = []  # the served ensembles' steps after each wave
+
+    def _served_model(self, name: str) -> Served:
+        cfg = parse_pbtxt((self.repository / name / "config.pbtxt").read_text())
+        return Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value)
+
+    def served(self) -> list[Served]:
+        return list(self.models.values())
+
+    def _load_all(self, changes: list[Change], report: Report, how: str = "") -> None:
+        super()._load_all(changes, report, how)
+        if len(self.waves) == self.fail_at:
+            raise ApplyError("the test's load failed")
+        for c in changes:
+            self._load(c.model)
+            report.steps.append(f"loaded {c.model}")
+        self.seen.append({s.name: tuple(st.model_name for st in parse_pbtxt(
+            (self.repository / s.name / "config.pbtxt").read_text()).ensemble_scheduling.step)
+            for s in self.models.values() if s.ensemble})
+
+    def _load(self, model: str) -> None:
+        self.models[model] = self._served_model(model)
+
+    def _unload(self, model: str) -> None:
+        del self.models[model]
+
+
+def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned(tmp_path: Path) -> None:
+    """Every ensemble a request can start on names blocks of one plan only, at every wave; the
+    server ends on the plan with no stand-in left. A failure in the second apply leaves the
+    first one's (the new plan under other names) serving, and says so."""
+    plans = _recut_plans("b0 b1 b2 b3", b2={"model": "m", "stages": [2, 3]}, b3={"model": "m", "stages": 4})
+    old = generator.render(plans["old"])
+    repo = tmp_path / "repo"
+    generator.write(old, repo)
+    srv = _Server(repo)
+    srv.models = {s.name: s for s in _served(old)}
+    report = srv.apply(plans["new"])
+    assert srv.waves == [["b2__next", "b3__next"], ["long"], ["b2", "b3"], ["long"]]
+    old_long, stone, new_long = ("b0", "b1", "b2", "b3", "b4"), ("b0", "b1", "b2__next", "b3__next"), ("b0", "b1", "b2", "b3")
+    assert [w["long"] for w in srv.seen] == [old_long, stone, stone, new_long]
+    assert report.steps[-2:] == ["unloaded b2__next", "unloaded b3__next"] and "unloaded b4" in report.steps
+    assert report.total == len(report.steps)
+    assert {s.name for s in srv.served()} == set(generator.by_model(generator.render(plans["new"])))
+    assert generator.diff(generator.render(plans["new"]), repo) == []
+
+    repo2 = tmp_path / "repo2"
+    generator.write(old, repo2)
+    failing = _Server(repo2, fail_at=3)
+    failing.models = {s.name: s for s in _served(old)}
+    with pytest.raises(ApplyError, match=r"serves the new plan, with b2 as b2__next, b3 as b3__next \(apply the plan again"):
+        failing.apply(plans["new"])
+    assert failing.seen[-1]["long"] == stone and {"b2__next", "b3__next"} <= {s.name for s in failing.served()}
