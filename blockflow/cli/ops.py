@@ -81,7 +81,7 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
             report = applier.apply(p, dry_run=dry_run)
         finally:
             applier.close()
-        lines, steps, seconds = report.diff.lines(), report.steps, report.seconds
+        lines, steps, seconds = report.lines(), report.steps, report.seconds
     else:
         from blockflow.control.client import ControlClient
 

@@ -87,6 +87,13 @@ class Report:
     steps: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     total: int | None = None  # the steps to make, where not one per change of the diff (step 0)
+    stand_ins: tuple[str, ...] = ()  # blocks that load under temporary names first (step 0)
+
+    def lines(self) -> list[str]:
+        """The diff's lines, and what step 0 does first, if anything."""
+        first = ", ".join(f"{b} as {b}{STAND_IN}" for b in self.stand_ins)
+        return self.diff.lines() + ([f"first, under other names until the plan's ensembles use them: {first} "
+                                     "(blocks that change what they compute, beside each other on a path)"] if first else [])
 
     def progress(self) -> dict[str, Any]:
         """The steps done so far out of the changes to make (``GET /plan/progress``)."""
@@ -227,20 +234,20 @@ class Applier:
                                  "give the --repository the server was started with")
             served = self.served()
             d = self._with_fields(compute_diff(files, served), wanted)
-            report = Report(d)
-            if dry_run or d.empty:
-                report.seconds = time.monotonic() - t0
-                return report
             ensembles = {s.name: generator.read_model(self.repository, s.name) for s in served if s.ensemble}
             old = {c.model: generator.read_model(self.repository, c.model) for c in d.changes}
             first = stand_ins(d.changes, ensembles, old, wanted)
+            report = Report(d, stand_ins=first)
+            if dry_run or d.empty:
+                report.seconds = time.monotonic() - t0
+                return report
             self.current = report
             try:
                 if not first:
                     self._change(files, served, report)
                 else:  # step 0
                     names = ", ".join(f"{b} as {b}{STAND_IN}" for b in first)
-                    self._log(f"loading {names} first: each changes what it computes, beside another on a served path")
+                    self._log(f"loading {names} first: they change what they compute, beside each other on a path")
                     stone = generator.render(with_stand_ins(plan, first))
                     report.total = len(compute_diff(stone, served).changes) + len(compute_diff(files, as_served(stone)).changes)
                     self._change(stone, served, report)

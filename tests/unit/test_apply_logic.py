@@ -420,6 +420,8 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     generator.write(old, repo)
     srv = _Server(repo)
     srv.models = {s.name: s for s in _served(old)}
+    dry = srv.apply(plans["new"], dry_run=True)  # says what it would do first, and does nothing
+    assert dry.stand_ins == ("b2", "b3") and "b2 as b2__next, b3 as b3__next" in dry.lines()[-1] and srv.waves == []
     report = srv.apply(plans["new"])
     assert srv.waves == [["b2__next", "b3__next"], ["long"], ["b2", "b3"], ["long"]]
     old_long, stone, new_long = ("b0", "b1", "b2", "b3", "b4"), ("b0", "b1", "b2__next", "b3__next"), ("b0", "b1", "b2", "b3")
