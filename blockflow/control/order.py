@@ -157,6 +157,12 @@ def stand_ins(changes: Iterable[Change], ensembles: Mapping[str, Mapping[str, by
         now = new.get(name)
         if len(hit) > 1 or (hit and (now is None or _steps(now) != steps)):
             models.update(hit)
+    # A head pack is named after the model before it (blockflow.plan.naming), so that one is renamed too.
+    for files in new.values():
+        if "config.pbtxt" in files and parse_pbtxt(files["config.pbtxt"].decode()).platform == "ensemble":
+            steps = _steps(files)
+            models.update(before for before, m in zip(steps, steps[1:], strict=False)
+                          if m in models and _spec(new[m]).get("kind") == "pack")
     blocks: set[str] = set()
     for m in models:
         spec = _spec(new[m])

@@ -438,3 +438,32 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     with pytest.raises(ApplyError, match=r"serves the new plan, with b2 as b2__next, b3 as b3__next \(apply the plan again"):
         failing.apply(plans["new"])
     assert failing.seen[-1]["long"] == stone and {"b2__next", "b3__next"} <= {s.name for s in failing.served()}
+
+
+def _stand_ins_between(old_plan: Plan, new_plan: Plan) -> tuple[str, ...]:
+    return _stand_ins_of({"old": old_plan, "new": new_plan})
+
+
+def test_a_changed_head_pack_is_renamed_with_the_model_it_is_named_after() -> None:
+    """``pack: heads``: the pack is named after the model before it, so a re-weighted pack and trunk
+    rename the unchanged model between them too; each of the two applies then needs no stand-in."""
+    from blockflow.control.order import with_stand_ins
+    from blockflow.plan import parse_plan
+
+    raw: dict[str, Any] = {
+        "version": 1, "name": "packs", "transport": "tensormq", "references": [], "pack": "heads",
+        "models": {"m": {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
+                         "input_shape": [3, 32, 32], "num_classes": 10}},
+        "blocks": {"a": {"model": "m", "stages": [0, 1]}, "b": {"model": "m", "stages": 2},
+                   "h1": {"model": "m", "stages": [3, 4]}, "h2": {"model": "m", "stages": [3, 4], "weights": {"seed": 2}}},
+        "tasks": {"t1": {"path": ["a", "b", "h1"]}, "t2": {"path": ["a", "b", "h2"]}}}
+    old = parse_plan(raw, source="old", base_dir=ROOT)
+    raw["blocks"]["a"]["weights"] = {"seed": 3}
+    raw["blocks"]["h1"]["weights"] = {"seed": 4}
+    new = parse_plan(raw, source="new", base_dir=ROOT)
+    assert "b__heads" in generator.by_model(generator.render(new))
+    first = _stand_ins_between(old, new)
+    assert first == ("a", "b", "h1", "h2")
+    stone = with_stand_ins(new, first)
+    assert "b__next__heads" in generator.by_model(generator.render(stone))
+    assert _stand_ins_between(old, stone) == () and _stand_ins_between(stone, new) == ()
