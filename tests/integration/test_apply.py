@@ -319,7 +319,7 @@ def _longest_quiet(answered: list[float], start: float, end: float) -> float:
     return max(b - a for a, b in zip(times, times[1:], strict=False))
 
 
-def test_ten_alternating_plans_under_load(live: Live) -> None:
+def test_six_alternating_plans_under_load(live: Live) -> None:
     client = httpclient.InferenceServerClient(live.http)
     swap_a = _infer(client, "swap", _image())
     both = TASKS_A & TASKS_B
@@ -331,7 +331,7 @@ def test_ten_alternating_plans_under_load(live: Live) -> None:
     # measures that case).
     with Load(live.http, TASKS_A | TASKS_B, per_task=4, pause_s=1.0) as load:
         time.sleep(5)
-        for i in range(10):
+        for i in range(6):
             plan, tasks, gone = (PLAN_B, TASKS_B, TASKS_A - TASKS_B) if i % 2 == 0 else (PLAN_A, TASKS_A, TASKS_B - TASKS_A)
             t0 = time.monotonic()
             w0 = time.time()
@@ -378,7 +378,7 @@ def test_ten_alternating_plans_under_load(live: Live) -> None:
 def test_rollback_restores_the_previous_plan(live: Live) -> None:
     assert _served_tasks(live) == TASKS_A
     history = httpx.get(f"{live.control}/plan", headers=live.headers).json()["history"]
-    assert len(history) == 10  # the last ten are kept
+    assert [h["name"] for h in history[-2:]] == ["live-b", "live-a"], history  # how many are kept: a unit test
     r = httpx.post(f"{live.control}/plan/rollback", headers=live.headers, timeout=900)
     assert r.status_code == 200, r.text
     assert _served_tasks(live) == TASKS_B

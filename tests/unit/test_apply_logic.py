@@ -467,3 +467,17 @@ def test_a_changed_head_pack_is_renamed_with_the_model_it_is_named_after() -> No
     stone = with_stand_ins(new, first)
     assert "b__next__heads" in generator.by_model(generator.render(stone))
     assert _stand_ins_between(old, stone) == () and _stand_ins_between(stone, new) == ()
+
+
+def test_the_plan_history_keeps_the_last_ten(tmp_path: Path) -> None:
+    """The control service's history on disk: each applied plan numbered, the oldest dropped past
+    ``keep`` (10), so a rollback can go at most nine plans back."""
+    from blockflow.control.service import Controller
+
+    c = Controller(Applier.__new__(Applier), tmp_path / "state", base_dir=tmp_path)
+    for i in range(12):
+        c._record(f"# plan {i}\n", A if i % 2 else B)
+    history = c.history()
+    assert [e.number for e in history] == list(range(3, 13)) and [e.name for e in history[-2:]] == ["live-b", "live-a"]
+    with pytest.raises(ApplyError, match="at most 9 step"):
+        c.rollback(10)
