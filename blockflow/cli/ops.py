@@ -81,7 +81,8 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
             report = applier.apply(p, dry_run=dry_run)
         finally:
             applier.close()
-        lines, steps, seconds = report.lines(), report.steps, report.seconds
+        lines, steps, seconds = report.diff.lines(), report.steps, report.seconds
+        stand_ins = list(report.stand_ins)
     else:
         from blockflow.control.client import ControlClient
 
@@ -93,11 +94,16 @@ def apply(plan: Path, url: str | None, token_file: Path | None, dry_run: bool, t
             else:
                 body = _post_with_progress(control, ControlClient(address.value, token, timeout=10), plan)
         lines, steps, seconds = body["lines"], body["steps"], body["seconds"]
+        stand_ins = list(body.get("stand_ins", []))  # a server of an older BlockFlow leaves it out
     if as_json:
-        emit({"plan": p.raw.name, "dry_run": dry_run, "changes": list(lines), "steps": list(steps), "seconds": seconds})
+        emit({"plan": p.raw.name, "dry_run": dry_run, "changes": list(lines), "stand_ins": stand_ins, "steps": list(steps),
+              "seconds": seconds})
         return
-    for line in lines:
-        out.print(line, markup=False, highlight=False)
+    from blockflow.control.apply import stand_in_note
+
+    for line in [*lines, stand_in_note(stand_ins)]:
+        if line:
+            out.print(line, markup=False, highlight=False)
     if dry_run:
         out.print("(dry run: nothing changed)")
     elif steps:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,11 +89,6 @@ class Report:
     total: int | None = None  # the steps to make, where not one per change of the diff (step 0)
     stand_ins: tuple[str, ...] = ()  # blocks that load under temporary names first (step 0)
 
-    def lines(self) -> list[str]:
-        """The diff's lines, and what step 0 does first, if anything."""
-        first = ", ".join(f"{b} as {b}{STAND_IN}" for b in self.stand_ins)
-        return self.diff.lines() + ([f"first, under other names until the plan's ensembles use them: {first} "
-                                     "(blocks that change what they compute, beside each other on a path)"] if first else [])
 
     def progress(self) -> dict[str, Any]:
         """The steps done so far out of the changes to make (``GET /plan/progress``)."""
@@ -333,6 +328,13 @@ class Applier:
 
     def close(self) -> None:
         """Nothing to release (clients live for one call); kept for callers that close appliers."""
+
+
+def stand_in_note(blocks: Sequence[str]) -> str:
+    """What step 0 does first, for people (empty when nothing)."""
+    first = ", ".join(f"{b} as {b}{STAND_IN}" for b in blocks)
+    return (f"first, under other names until the plan's ensembles use them: {first} "
+            "(blocks that change what they compute, beside each other on a path)") if first else ""
 
 
 def as_served(files: Mapping[str, bytes]) -> list[Served]:

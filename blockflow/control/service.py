@@ -194,7 +194,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
                             status_code=500)
 
     def _report(r: Report) -> dict[str, Any]:
-        return {"diff": r.diff.as_dict(), "lines": r.lines(), "stand_ins": list(r.stand_ins), "steps": r.steps, "seconds": round(r.seconds, 3)}
+        return {"diff": r.diff.as_dict(), "lines": r.diff.lines(), "stand_ins": list(r.stand_ins), "steps": r.steps, "seconds": round(r.seconds, 3)}
 
     @app.post("/plan", dependencies=[Depends(authorized)])
     async def post_plan(request: Request, dry_run: bool = False) -> dict[str, Any]:

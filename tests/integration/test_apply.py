@@ -176,7 +176,7 @@ def test_client_commands_find_the_server_through_its_endpoints_file(live: Live) 
     inferred = json.loads(run("infer", task, "--random", "--batch", "2", "--json").stdout)
     assert inferred["url"] == live.http and len(inferred["top5"]) == 2 and inferred["latency_ms"]["p50"] > 0
     applied = json.loads(run("apply", str(PLAN_A), "--dry-run", "--json").stdout)
-    assert applied.keys() == {"plan", "dry_run", "changes", "steps", "seconds"} and applied["dry_run"] is True
+    assert applied.keys() == {"plan", "dry_run", "changes", "stand_ins", "steps", "seconds"} and applied["dry_run"] is True
     loaded = json.loads(run("load", "--task", task, "--duration", "1", "--json").stdout)
     assert loaded["input"] == "host" and loaded["tasks"][task]["requests"] > 0 and loaded["tasks"][task]["errors"] == 0
 
