@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from blockflow.control.diff import Change, Diff, Served, compute_diff, digest_of
+from blockflow.control.diff import Change, Diff, Served, as_served, compute_diff, digest_of
 from blockflow.control.order import (
     STAND_IN,
     HandOverOrder,
@@ -71,7 +71,7 @@ from blockflow.control.order import (
 from blockflow.core import also_accepts
 from blockflow.core.errors import ApplyError, TritonApiError
 from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, config_changes, parse_pbtxt
+from blockflow.ensemble_gen.configs import config_changes, parse_pbtxt
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
 
@@ -335,15 +335,6 @@ def stand_in_note(blocks: Sequence[str]) -> str:
     first = ", ".join(f"{b} as {b}{STAND_IN}" for b in blocks)
     return (f"first, under other names until the plan's ensembles use them: {first} "
             "(blocks that change what they compute, beside each other on a path)") if first else ""
-
-
-def as_served(files: Mapping[str, bytes]) -> list[Served]:
-    """The models of a rendered repository as a server would serve them once it is applied."""
-    out = []
-    for name, model_files in generator.by_model(files).items():
-        cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
-        out.append(Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value))
-    return out
 
 
 def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Counter[int | None]]:

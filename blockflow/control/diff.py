@@ -70,21 +70,27 @@ def digest_of(config: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
+def as_served(files: Mapping[str, bytes]) -> list[Served]:
+    """The models of a rendered repository as a server serves them once it is applied."""
+    out = []
+    for name, model_files in generator.by_model(files).items():
+        cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
+        out.append(Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value))
+    return out
+
+
 def compute_diff(files: Mapping[str, bytes], served: Iterable[Served]) -> Diff:
     """Compare a rendered repository (:func:`blockflow.ensemble_gen.generator.render`) with the served models."""
-    wanted = generator.by_model(files)
+    wanted = {w.name: w for w in as_served(files)}
     have = {s.name: s for s in served}
     changes: list[Change] = []
     unchanged: list[str] = []
-    for name, model_files in wanted.items():
-        cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
-        ensemble = cfg.platform == "ensemble"
-        digest = cfg.parameters[DIGEST_PARAMETER].string_value
+    for name, w in wanted.items():
         s = have.get(name)
         if s is None:
-            changes.append(Change(name, ensemble, "add"))
-        elif s.digest != digest:
-            changes.append(Change(name, ensemble, "change"))
+            changes.append(Change(name, w.ensemble, "add"))
+        elif s.digest != w.digest:
+            changes.append(Change(name, w.ensemble, "change"))
         else:
             unchanged.append(name)
     foreign = []

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from blockflow.control.apply import Applier, Report, as_served, expected_instances, stand_in_note
-from blockflow.control.diff import Change, Served, compute_diff
+from blockflow.control.apply import Applier, Report, expected_instances, stand_in_note
+from blockflow.control.diff import Change, Served, as_served, compute_diff
 from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, stand_ins, widening
 from blockflow.core import also_accepts
 from blockflow.core.also_accepts import AlsoAccepts
