@@ -89,7 +89,6 @@ class Report:
     total: int | None = None  # the steps to make, where not one per change of the diff (step 0)
     stand_ins: tuple[str, ...] = ()  # blocks that load under temporary names first (step 0)
 
-
     def progress(self) -> dict[str, Any]:
         """The steps done so far out of the changes to make (``GET /plan/progress``)."""
         total = self.total if self.total is not None else len(self.diff.changes)
@@ -146,11 +145,14 @@ class Applier:
         files = generator.render(plan)
         return self._with_fields(compute_diff(files, self.served()), generator.by_model(files))
 
-    def _with_fields(self, d: Diff, wanted: Mapping[str, Mapping[str, bytes]]) -> Diff:
-        """``d`` with what changes in each changed model's config, against the repository's files."""
+    def _with_fields(self, d: Diff, wanted: Mapping[str, Mapping[str, bytes]],
+                     files: Mapping[str, Mapping[str, bytes] | None] | None = None) -> Diff:
+        """``d`` with what changes in each changed model's config, against the repository's files
+        (``files``: those of ``d``'s models, already read)."""
         fields = {}
         for c in d.changes:
-            old = generator.read_model(self.repository, c.model) if c.action == "change" else None
+            old = None if c.action != "change" else (
+                files[c.model] if files is not None else generator.read_model(self.repository, c.model))
             if old is not None and "config.pbtxt" in old:
                 fields[c.model] = tuple(config_changes(old["config.pbtxt"].decode(), wanted[c.model]["config.pbtxt"].decode()))
         return Diff(d.changes, d.unchanged, d.foreign, fields)
@@ -228,9 +230,10 @@ class Applier:
                 raise ApplyError(f"{self.repository} is not a BlockFlow model repository (no {generator.MARKER}); "
                                  "give the --repository the server was started with")
             served = self.served()
-            d = self._with_fields(compute_diff(files, served), wanted)
+            changes = compute_diff(files, served)
+            old = {c.model: generator.read_model(self.repository, c.model) for c in changes.changes}
+            d = self._with_fields(changes, wanted, old)
             ensembles = {s.name: generator.read_model(self.repository, s.name) for s in served if s.ensemble}
-            old = {c.model: generator.read_model(self.repository, c.model) for c in d.changes}
             first = stand_ins(d.changes, ensembles, old, wanted)
             report = Report(d, stand_ins=first)
             if dry_run or d.empty:
@@ -239,9 +242,9 @@ class Applier:
             self.current = report
             try:
                 if not first:
-                    self._change(files, served, report)
+                    self._change(files, served, report, backup=old)
                 else:  # step 0
-                    names = ", ".join(f"{b} as {b}{STAND_IN}" for b in first)
+                    names = _stand_in_names(first)
                     self._log(f"loading {names} first: they change what they compute, beside each other on a path")
                     stone = generator.render(with_stand_ins(plan, first))
                     report.total = len(compute_diff(stone, served).changes) + len(compute_diff(files, as_served(stone)).changes)
@@ -254,13 +257,13 @@ class Applier:
         return report
 
     def _change(self, files: Mapping[str, bytes], served: list[Served], report: Report,
-                previous: str = "the previous plan") -> None:
+                previous: str = "the previous plan", backup: Mapping[str, Mapping[str, bytes] | None] | None = None) -> None:
         """Steps 3–5 for the rendered repository ``files`` against ``served``; undone if a load fails,
-        the server then serves ``previous``."""
+        the server then serves ``previous``. ``backup``: the changed models' files, if already read."""
         wanted = generator.by_model(files)
         d = compute_diff(files, served)
-        touched = [c.model for c in d.changes]
-        backup = {m: generator.read_model(self.repository, m) for m in touched}
+        if backup is None:
+            backup = {c.model: generator.read_model(self.repository, c.model) for c in d.changes}
         blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
         ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
         done: list[Change] = []
@@ -330,11 +333,14 @@ class Applier:
         """Nothing to release (clients live for one call); kept for callers that close appliers."""
 
 
+def _stand_in_names(blocks: Sequence[str]) -> str:
+    return ", ".join(f"{b} as {b}{STAND_IN}" for b in blocks)
+
+
 def stand_in_note(blocks: Sequence[str]) -> str:
     """What step 0 does first, for people (empty when nothing)."""
-    first = ", ".join(f"{b} as {b}{STAND_IN}" for b in blocks)
-    return (f"first, under other names until the plan's ensembles use them: {first} "
-            "(blocks that change what they compute, beside each other on a path)") if first else ""
+    return (f"first, under other names until the plan's ensembles use them: {_stand_in_names(blocks)} "
+            "(blocks that change what they compute, beside each other on a path)") if blocks else ""
 
 
 def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Counter[int | None]]:
