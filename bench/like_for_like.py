@@ -36,7 +36,8 @@ ROWS = (Row("fp16_host", "fp16, host memory", "fp16", "host"),
         Row("fp16_cudashm", "fp16, CUDA shared memory", "fp16", "cuda-shm"),
         Row("tf32_host", "tf32, host memory", "tf32", "host"),
         Row("fp32_host", "fp32, host memory", "fp32", "host"),
-        Row("tf32_cudashm", "tf32, CUDA shared memory", "tf32", "cuda-shm"))
+        Row("tf32_cudashm", "tf32, CUDA shared memory", "tf32", "cuda-shm"),
+        Row("fp32_cudashm", "fp32, CUDA shared memory", "fp32", "cuda-shm"))
 SPLIT, MONO, OTHERS = "tensormq", "monolithic-graph", ("triton-gpu", "triton-cpu")
 # The targets of the split's cost (issue 20): a hop at c1; split/mono p50 at c1 (at most) and
 # throughput at c32 (at least), by client input path.

@@ -17,7 +17,7 @@ RESULTS = ROOT / "bench" / "results" / "h100" / "like_for_like-2026-11-25-bbab3a
 
 
 HOST_ROWS = tuple(r for r in lfl.ROWS if r.input == "host")
-CUDA_SHM_ROWS = tuple(r for r in lfl.ROWS if r.input == "cuda-shm")
+CUDA_SHM_ROWS = tuple(r for r in lfl.ROWS if r.input == "cuda-shm" and r.precision != "fp32")  # as measured at 2ada004
 FOUR_ROWS = lfl.ROWS[:4]  # what the runs before tf32 with CUDA shared memory measured
 NOT_FP32 = tuple(r for r in lfl.ROWS if r.precision != "fp32")
 
@@ -59,7 +59,7 @@ def test_a_row_cut_short_is_measured_again(tmp_path: Path) -> None:
     res["meta"]["complete"] = False
     (tmp_path / "fp16_cudashm" / "results.json").write_text(json.dumps(res))
     md = lfl.summary(tmp_path)
-    assert md.count("| fp16, ") == 1 and "Not measured yet: fp16_cudashm, tf32_host, fp32_host, tf32_cudashm" in md
+    assert md.count("| fp16, ") == 1 and "Not measured yet: fp16_cudashm, tf32_host, fp32_host, tf32_cudashm, fp32_cudashm" in md
 
 
 def test_each_row_runs_blockflow_bench_at_its_precision_and_input() -> None:
