@@ -19,13 +19,12 @@ RESULTS = ROOT / "bench" / "results" / "h100" / "like_for_like-2026-11-25-bbab3a
 HOST_ROWS = tuple(r for r in lfl.ROWS if r.input == "host")
 CUDA_SHM_ROWS = tuple(r for r in lfl.ROWS if r.input == "cuda-shm" and r.precision != "fp32")  # as measured at 2ada004
 FOUR_ROWS = lfl.ROWS[:4]  # what the runs before tf32 with CUDA shared memory measured
-NOT_FP32 = tuple(r for r in lfl.ROWS if r.precision != "fp32")
 
 
 @pytest.mark.parametrize(("results", "measured"), [(RESULTS.with_name("like_for_like-2026-11-27-dd9afb6"), HOST_ROWS),
                                                    (RESULTS.with_name("like_for_like-2026-11-27-2ada004"), CUDA_SHM_ROWS),
                                                    (RESULTS.with_name("like_for_like-2026-11-26-9364086"), FOUR_ROWS),
-                                                   (ROOT / "bench" / "results" / "h200" / "like_for_like-2026-11-28-7fdf5a0", NOT_FP32)],
+                                                   (ROOT / "bench" / "results" / "h200" / "like_for_like-2026-11-28-e116978", lfl.ROWS)],
                          ids=lambda p: p.name if isinstance(p, Path) else str(len(p)))
 def test_readmes_tables_are_the_summaries_of_the_committed_results(results: Path, measured: tuple[lfl.Row, ...]) -> None:
     md = lfl.summary(results, measured)
