@@ -5,10 +5,11 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
 0. Where blocks that keep their names would compute something else (another cut, precision or
    weights) beside another such block on a served ensemble's path, or in an ensemble whose steps
    change (:func:`~blockflow.control.order.stand_ins`), the plan is first applied with those blocks
-   under temporary names (``<block>__next``), then as written. Triton takes an ensemble request's
-   models when it starts, so a request starting while blocks reload in place could run old and new
-   blocks together; under other names the new blocks join requests only with the new ensembles.
-   Each of the two applies is the steps below, a rename each: the blocks load twice.
+   under temporary names (``<block>__next``; the monolithic references, in no ensemble, as planned),
+   then as written. Triton takes an ensemble request's models when it starts, so a request starting
+   while blocks reload in place could run old and new blocks together; under other names the new
+   blocks join requests only with the new ensembles. Each of the two applies is the steps below, a
+   rename each: those blocks load twice, the references once.
 1. Read what the server runs: the READY models of its repository index and, from
    each one's config, the ``blockflow.digest`` the generator stamped on it.
    Models without a digest were not made by BlockFlow and are left alone.
@@ -66,6 +67,7 @@ from blockflow.control.order import (
     hand_over_order,
     stand_ins,
     widening,
+    with_planned_references,
     with_stand_ins,
 )
 from blockflow.core import also_accepts
@@ -246,7 +248,7 @@ class Applier:
                 else:  # step 0
                     names = _stand_in_names(first)
                     self._log(f"loading {names} first: they change what they compute, beside each other on a path")
-                    stone = generator.render(with_stand_ins(plan, first))
+                    stone = with_planned_references(generator.render(with_stand_ins(plan, first)), files, plan)
                     report.total = len(compute_diff(stone, served).changes) + len(compute_diff(files, as_served(stone)).changes)
                     self._change(stone, served, report)
                     self._change(files, self.served(), report,

@@ -178,3 +178,14 @@ def with_stand_ins(plan: Plan, blocks: Iterable[str]) -> Plan:
     tasks = {t: d.model_copy(update={"path": [rename.get(b, b) for b in d.path]}) for t, d in raw.tasks.items()}
     renamed = raw.model_copy(update={"blocks": {rename.get(k, k): v for k, v in raw.blocks.items()}, "tasks": tasks})
     return Plan(renamed, plan.source, plan.base_dir, plan.weights_dirs)
+
+
+def with_planned_references(stand_in_files: Mapping[str, bytes], files: Mapping[str, bytes], plan: Plan) -> dict[str, bytes]:
+    """The stand-in plan's rendered repository (``stand_in_files``) with ``plan``'s own reference
+    models (``files``): a reference is in no ensemble, so it loads once, as planned, in the first of
+    the two applies. Its parts name its blocks, so the stand-ins' names would change it twice."""
+    refs = {m for t in plan.tasks.values() for m in plan.reference_models(t)}
+    out = {k: v for k, v in stand_in_files.items() if k.split("/", 1)[0] not in refs}
+    out.update((k, v) for k, v in files.items() if k.split("/", 1)[0] in refs)
+    return out
+

@@ -333,13 +333,13 @@ def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_block
     assert generator.diff(old, repo) == []  # every old file back, no bridge, no new block
 
 
-def _recut_plans(path: str = "b0 b1 b2 b3 b4", **new_blocks: Any) -> dict[str, Plan]:
+def _recut_plans(path: str = "b0 b1 b2 b3 b4", references: tuple[str, ...] = (), **new_blocks: Any) -> dict[str, Plan]:
     """``long`` = b0 -> b1 -> b2 -> b3 -> b4 over five stages, and ``other`` = b0 -> b1 -> o; ``new``
     changes the blocks given, under their names, and ``long``'s path to ``path``."""
     from blockflow.plan import parse_plan
 
     raw: dict[str, Any] = {
-        "version": 1, "name": "recut", "transport": "tensormq", "references": [],
+        "version": 1, "name": "recut", "transport": "tensormq", "references": list(references),
         "models": {"m": {"arch": "resnet18", "cut_points": ["layer1", "layer2", "layer3", "layer4"],
                          "input_shape": [3, 32, 32], "num_classes": 10}},
         "blocks": {**{f"b{i}": {"model": "m", "stages": i} for i in range(5)}, "o": {"model": "m", "stages": [2, 4]}},
@@ -414,7 +414,7 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     """Every ensemble a request can start on names blocks of one plan only, at every wave; the
     server ends on the plan with no stand-in left. A failure in the second apply leaves the
     first one's (the new plan under other names) serving, and says so."""
-    plans = _recut_plans("b0 b1 b2 b3", b2={"model": "m", "stages": [2, 3]}, b3={"model": "m", "stages": 4})
+    plans = _recut_plans("b0 b1 b2 b3", references=("graph",), b2={"model": "m", "stages": [2, 3]}, b3={"model": "m", "stages": 4})
     old = generator.render(plans["old"])
     repo = tmp_path / "repo"
     generator.write(old, repo)
@@ -423,7 +423,8 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     dry = srv.apply(plans["new"], dry_run=True)  # says what it would do first, and does nothing
     assert dry.stand_ins == ("b2", "b3") and "b2 as b2__next, b3 as b3__next" in stand_in_note(dry.stand_ins) and srv.waves == []
     report = srv.apply(plans["new"])
-    assert srv.waves == [["b2__next", "b3__next"], ["long"], ["b2", "b3"], ["long"]]
+    # long's reference names its parts' blocks: it loads once, as planned, with the stand-ins.
+    assert srv.waves == [["b2__next", "b3__next", "long__ref_graph"], ["long"], ["b2", "b3"], ["long"]]
     old_long, stone, new_long = ("b0", "b1", "b2", "b3", "b4"), ("b0", "b1", "b2__next", "b3__next"), ("b0", "b1", "b2", "b3")
     assert [w["long"] for w in srv.seen] == [old_long, stone, stone, new_long]
     assert report.steps[-2:] == ["unloaded b2__next", "unloaded b3__next"] and "unloaded b4" in report.steps
@@ -438,6 +439,13 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     with pytest.raises(ApplyError, match=r"serves the new plan, with b2 as b2__next, b3 as b3__next \(apply the plan again"):
         failing.apply(plans["new"])
     assert failing.seen[-1]["long"] == stone and {"b2__next", "b3__next"} <= {s.name for s in failing.served()}
+    # Applying the plan again finishes it: a rename back, no block reloaded in place, no stand-in.
+    failing.fail_at, failing.waves, failing.seen = None, [], []
+    again = failing.apply(plans["new"])
+    assert again.stand_ins == () and failing.waves == [["b2", "b3"], ["long"]]
+    assert [w["long"] for w in failing.seen] == [stone, new_long]
+    assert {"unloaded b2__next", "unloaded b3__next"} <= set(again.steps)
+    assert generator.diff(generator.render(plans["new"]), repo2) == []
 
 
 def _stand_ins_between(old_plan: Plan, new_plan: Plan) -> tuple[str, ...]:
