@@ -434,7 +434,8 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
     ``long`` also takes c2b, a twin of c2, so c3 gets another feeder: reloaded before the ensemble,
     it accepts c2's tickets too until the change is over and then for the plan's lease, as old-path
     requests bring them (blockflow.core.also_accepts), and no other block's. Last, two of long's
-    blocks are re-cut under their names: they load under other names first (apply, step 0)."""
+    blocks are re-cut under their names: they load under other names first (apply, step 0), and
+    again when that change is rolled back."""
     import yaml
 
     raw = yaml.safe_load(PLAN_B.read_text())
@@ -502,6 +503,13 @@ def test_switching_direct_hand_overs_live_loses_no_request(live: Live, tmp_path:
         assert not any("__next" in m for m in _loaded(client)), _loaded(client)
         for task in ("long", "fork"):
             assert np.allclose(_infer(client, task, x), want, atol=1e-5), ("recut", task)
+        # Rolled back, still under load: the same re-cut the other way, through stand-ins again.
+        r = httpx.post(f"{live.control}/plan/rollback", headers=live.headers, timeout=900)
+        assert r.status_code == 200, r.text
+        assert r.json()["stand_ins"] == ["c2b", "c3"] and "loaded c4" in r.json()["steps"], r.json()
+        assert not any("__next" in m for m in _loaded(client)), _loaded(client)
+        for task in ("long", "fork"):
+            assert np.allclose(_infer(client, task, x), want, atol=1e-5), ("rollback", task)
     assert not load.failed, {t: (len(m), m[:3]) for t, m in load.failed.items()}
     assert min(load.ok[t] for t in ("long", "fork")) > 10, load.ok
     assert _apply_cli(live, PLAN_B).returncode == 0
