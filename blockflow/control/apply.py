@@ -52,7 +52,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,16 +145,20 @@ class Applier:
 
     def diff(self, plan: Plan) -> Diff:
         files = generator.render(plan)
-        return self._with_fields(compute_diff(files, self.served()), generator.by_model(files))
+        d = compute_diff(files, self.served())
+        return self._with_fields(d, generator.by_model(files), self._files_of(d.changes))
+
+    def _files_of(self, changes: Iterable[Change]) -> dict[str, Mapping[str, bytes] | None]:
+        """The repository's files of each changed model (None: none there)."""
+        return {c.model: generator.read_model(self.repository, c.model) for c in changes}
 
     def _with_fields(self, d: Diff, wanted: Mapping[str, Mapping[str, bytes]],
-                     files: Mapping[str, Mapping[str, bytes] | None] | None = None) -> Diff:
-        """``d`` with what changes in each changed model's config, against the repository's files
-        (``files``: those of ``d``'s models, already read)."""
+                     files: Mapping[str, Mapping[str, bytes] | None]) -> Diff:
+        """``d`` with what changes in each changed model's config, against the repository's ``files``
+        of its models."""
         fields = {}
         for c in d.changes:
-            old = None if c.action != "change" else (
-                files[c.model] if files is not None else generator.read_model(self.repository, c.model))
+            old = files[c.model] if c.action == "change" else None
             if old is not None and "config.pbtxt" in old:
                 fields[c.model] = tuple(config_changes(old["config.pbtxt"].decode(), wanted[c.model]["config.pbtxt"].decode()))
         return Diff(d.changes, d.unchanged, d.foreign, fields)
@@ -233,7 +237,7 @@ class Applier:
                                  "give the --repository the server was started with")
             served = self.served()
             changes = compute_diff(files, served)
-            old = {c.model: generator.read_model(self.repository, c.model) for c in changes.changes}
+            old = self._files_of(changes.changes)
             d = self._with_fields(changes, wanted, old)
             ensembles = {s.name: generator.read_model(self.repository, s.name) for s in served if s.ensemble}
             first = stand_ins(d.changes, ensembles, old, wanted)
@@ -265,7 +269,7 @@ class Applier:
         wanted = generator.by_model(files)
         d = compute_diff(files, served)
         if backup is None:
-            backup = {c.model: generator.read_model(self.repository, c.model) for c in d.changes}
+            backup = self._files_of(d.changes)
         blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
         ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
         done: list[Change] = []

@@ -188,4 +188,3 @@ def with_planned_references(stand_in_files: Mapping[str, bytes], files: Mapping[
     out = {k: v for k, v in stand_in_files.items() if k.split("/", 1)[0] not in refs}
     out.update((k, v) for k, v in files.items() if k.split("/", 1)[0] in refs)
     return out
-
