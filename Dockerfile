@@ -6,9 +6,10 @@
 # runtime directory, whose path `blockflow serve` prints.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.01-py3
 
-# The library that keeps the admin key off tritonserver's command line (blockflow/triton/argv_key.c),
-# built in a stage of its own from the same image, so that it links against the C library it runs
-# with while the image keeps no compiler. The ID is the one blockflow.triton.argv_key checks.
+# The library preloaded into tritonserver: it keeps the keys off its command line (blockflow/triton/argv_key.c)
+# and the server's shared-memory regions out of reach of Triton's shared-memory API (shm_guard.c). Built in a
+# stage of its own from the same image, so that it links against the C library it runs with while the image
+# keeps no compiler. The ID is the one blockflow.triton.argv_key checks.
 FROM ${TRITON_IMAGE} AS argv-key
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
@@ -16,8 +17,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /build
-COPY blockflow/triton/argv_key.c .
-RUN gcc -O2 -shared -fPIC -DARGV_KEY_ID="\"$(sha256sum argv_key.c | cut -c1-16)\"" -o argv_key.so argv_key.c
+COPY blockflow/triton/argv_key.c blockflow/triton/shm_guard.c ./
+RUN gcc -O2 -shared -fPIC -DARGV_KEY_ID="\"$(cat argv_key.c shm_guard.c | sha256sum | cut -c1-16)\"" -o argv_key.so argv_key.c shm_guard.c -ldl
 
 FROM ${TRITON_IMAGE}
 

@@ -91,9 +91,12 @@ def doctor(as_json: bool) -> None:
               help="Start in explicit model-control mode, its model-repository, trace and logging APIs behind the key "
                    "in this file (read when the script runs), so `blockflow apply --triton-grpc-url` can change the plan. "
                    "Without it, Triton's default mode: every model loaded, loads refused, those APIs behind a random key.")
+@click.option("--shm-key-file", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="Put Triton's shared-memory API (clients' CUDA and system shared-memory regions) behind the key in "
+                   "this file (read when the script runs). Without it, behind a random key: no client registers a region.")
 @TRITON_HOME
 def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend_dir: Path | None,
-                   admin_key_file: Path | None) -> None:
+                   admin_key_file: Path | None, shm_key_file: Path | None) -> None:
     """Print a shell script that starts tritonserver yourself on a generated REPOSITORY.
 
     \b
@@ -103,7 +106,8 @@ def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend
     from blockflow.triton.install import locate, standalone_script, user_cache
 
     backends = backend_dir or user_cache() / "triton-backends"
-    click.echo(standalone_script(locate(), repository, backends, list(tritonserver_args), admin_key_file), nl=False)
+    click.echo(standalone_script(locate(), repository, backends, list(tritonserver_args), admin_key_file, shm_key_file),
+               nl=False)
 
 
 @app.command("perf-analyzer", context_settings={"ignore_unknown_options": True, "help_option_names": []})

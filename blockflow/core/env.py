@@ -8,7 +8,8 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
 :mod:`blockflow.core.runtime_dir`)::
 
     <runtime>/
-        admin.key            the key of Triton's restricted APIs (0600)
+        admin.key            the admin key of Triton's restricted APIs (0600)
+        shm.key              the key of Triton's shared-memory API, unless --shm-key-file (0600, or 0640 for --shm-key-group)
         control.token        the control service's bearer token, unless --token-file (0600)
         tritonserver.log     the server's log
         model_repository/    the generated repository, unless --repository
@@ -36,7 +37,7 @@ PYTHONPATH = "BLOCKFLOW_PYTHONPATH"  # roots every generated model.py puts on sy
 ACTIVITY_FILE = "BLOCKFLOW_ACTIVITY_FILE"  # --warm-cores-ms: blocks stamp this file at each execute (blockflow.core.activity)
 # -- set for tritonserver alone, read by the argv-key library before its main (blockflow/triton/argv_key.c), which
 #    then removes them, so its block processes never see them
-ADMIN_KEY_FILE_VAR = "BLOCKFLOW_ADMIN_KEY_FILE"  # the file whose key replaces the placeholder in the server's arguments
+ADMIN_KEY_FILE_VAR = "BLOCKFLOW_ADMIN_KEY_FILE"  # the file whose key replaces the admin placeholder in the server's arguments
 ARGV_KEY_PRELOAD = "BLOCKFLOW_ARGV_KEY_PRELOAD"  # the LD_PRELOAD to give back to the server's children
 # -- set by the operator (or a benchmark)
 TRITON_HOME = "BLOCKFLOW_TRITON_HOME"  # another tritonserver directory of the nvidia-pytriton layout
@@ -52,6 +53,9 @@ LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU te
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
 # -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
 TOKEN_FILE = "BLOCKFLOW_TOKEN_FILE"  # a file holding that token
+# The file holding the key of Triton's shared-memory API: set for tritonserver by `blockflow serve` (its argv-key
+# library reads it, then removes it), and read by clients that register regions (else the endpoints file names it).
+SHM_KEY_FILE_VAR = "BLOCKFLOW_SHM_KEY_FILE"
 HTTP_URL = "BLOCKFLOW_HTTP_URL"  # Triton's HTTP endpoint, host:port
 GRPC_URL = "BLOCKFLOW_GRPC_URL"  # Triton's gRPC endpoint, host:port
 METRICS_URL = "BLOCKFLOW_METRICS_URL"  # Triton's metrics, http://host:port/metrics
@@ -63,6 +67,7 @@ BUNDLE = "BLOCKFLOW_BUNDLE"  # the GPU machines' bundle directory (scripts/gpu_e
 STAGE_CACHE = "BLOCKFLOW_STAGE_CACHE"  # "0": every block process builds its parts (no stages/ cache)
 
 ADMIN_KEY_FILE = "admin.key"
+SHM_KEY_FILE = "shm.key"
 CONTROL_TOKEN_FILE = "control.token"
 SERVER_LOG = "tritonserver.log"
 REPOSITORY_DIR = "model_repository"

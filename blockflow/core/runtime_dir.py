@@ -72,16 +72,20 @@ def private_dir(path: Path, create: bool = True, what: str = "runtime directory"
     return path
 
 
-def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` whole with ``text`` (and a newline), readable by this user only.
+def write_private(path: Path, text: str, group: int | None = None) -> None:
+    """Replace ``path`` whole with ``text`` (and a newline), readable by this user only (and, with ``group``,
+    read-only by that group's members: 0640).
 
     The text goes to a new 0600 file beside it (``O_EXCL``, never through a link) that is renamed
     over ``path``: a reader sees the old file or the new one, never a part, and never a mode wider
-    than 0600 (an existing file's mode would survive an in-place rewrite).
+    than asked (an existing file's mode would survive an in-place rewrite).
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
+        if group is not None:
+            os.fchown(fd, -1, group)
+            os.fchmod(fd, 0o640)
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
         os.replace(tmp, path)

@@ -1,6 +1,7 @@
 """Who may do what on a BlockFlow server: the restricted Triton APIs and the secrets that open them.
 
-Task clients get what inference needs and nothing that changes what the server runs:
+Task clients get what inference needs and nothing that changes what the server runs or reaches
+its memory:
 
 ========================  ==========  ==================================================================
 Triton API (HTTP / gRPC)  open?       why
@@ -8,20 +9,27 @@ Triton API (HTTP / gRPC)  open?       why
 health                    open        load balancers and readiness probes
 metadata                  open        a client learns a task's inputs and outputs
 inference                 open        the service itself
-shared-memory             open        registering a CUDA/system shared-memory region for inputs
-                                      (``TaskClient(input_memory="cuda")``, ``perf_analyzer --shared-memory``)
-model-config              open        read-only; ``perf_analyzer`` and ``tritonclient`` read it
-statistics                open        read-only counters; ``perf_analyzer`` reads them for its report
-model-repository          **key**     load/unload run code in the server (a load may carry its own
+model-config              open        read-only; ``perf_analyzer`` and ``tritonclient`` read a task's config
+                                      (a block's config names its weights file's path on the server)
+statistics                open        read-only counters; ``perf_analyzer`` and ``blockflow status`` read
+                                      them (they show how much each task and block serves)
+shared-memory             **shm key** a registered region is memory Triton reads and writes for whoever
+                                      names it, and Triton opens any ``/dev/shm`` name its user can
+                                      (``shm_guard.c`` keeps the server's own regions out even then);
+                                      local clients with CUDA/system shared-memory inputs read the key
+                                      from a file (:data:`SHM_KEY_FILE`, or ``serve --shm-key-file``)
+model-repository          **admin**   load/unload run code in the server (a load may carry its own
                                       ``model.py`` as a file override); the index lists internal models
-trace                     **key**     trace settings name a file the server writes
-logging                   **key**     log settings change what the server records
+trace                     **admin**   trace settings name a file the server writes
+logging                   **admin**   log settings change what the server records
 ========================  ==========  ==================================================================
 
-The key is random per server, written 0600 into the server's 0700 runtime directory
-(:data:`ADMIN_KEY_FILE`) and sent as header :data:`ADMIN_HEADER` by the applier, the heal loop
-and the tools that need it (over gRPC as metadata :data:`GRPC_ADMIN_HEADER`). Triton takes it only on
-its command line, which every local user can read in ``/proc``: :mod:`blockflow.triton.argv_key` keeps it off there.
+Each key is random per server and written 0600 (the shared-memory key 0640 for ``serve
+--shm-key-group``). The admin key lives in the server's 0700 runtime directory (:data:`ADMIN_KEY_FILE`) and
+is sent as header :data:`ADMIN_HEADER` by the applier, the heal loop and the tools that need it (over gRPC as
+metadata :data:`GRPC_ADMIN_HEADER`); the shared-memory key as :data:`SHM_HEADER` / :data:`GRPC_SHM_HEADER`.
+Triton takes keys only on its command line, which every local user can read in ``/proc``:
+:mod:`blockflow.triton.argv_key` keeps them off there.
 """
 
 from __future__ import annotations
@@ -30,13 +38,23 @@ import hmac
 import secrets
 from pathlib import Path
 
+from blockflow.core import env
+
 # gRPC metadata keys are lower case; Triton compares HTTP header names case-insensitively.
 ADMIN_HEADER = "blockflow-admin-key"
-# Triton looks for the gRPC form under this prefix.
-GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
-ADMIN_KEY_FILE = "admin.key"
-RESTRICTED_APIS = ("model-repository", "trace", "logging")
-OPEN_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "statistics")
+# Triton looks for a restricted protocol's gRPC metadata under this prefix.
+GRPC_PREFIX = "triton-grpc-protocol-"
+GRPC_ADMIN_HEADER = f"{GRPC_PREFIX}{ADMIN_HEADER}"
+SHM_HEADER = "blockflow-shm-key"
+GRPC_SHM_HEADER = f"{GRPC_PREFIX}{SHM_HEADER}"
+ADMIN_KEY_FILE = env.ADMIN_KEY_FILE
+SHM_KEY_FILE = env.SHM_KEY_FILE
+# Names Triton's shared-memory API may not open (shm_guard.c spells them again): BlockFlow's regions (the
+# stubs' IPC under env.stub_shm_prefix, TensorMQ's host pools) and the Python backend's default prefix.
+SERVER_SHM_PREFIXES = ("blockflow", "triton_")
+ADMIN_APIS = ("model-repository", "trace", "logging")
+SHM_APIS = ("shared-memory",)
+OPEN_APIS = ("health", "metadata", "inference", "model-config", "statistics")
 
 
 def new_secret() -> str:
@@ -47,11 +65,14 @@ def read_secret(path: Path) -> str:
     return path.read_text().strip()
 
 
-def restricted_args(key: str) -> list[str]:
-    """``tritonserver`` flags that put the restricted APIs behind ``key``, on HTTP and gRPC."""
-    apis = ",".join(RESTRICTED_APIS)
-    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}",
-            f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}"]
+def restricted_args(admin_key: str, shm_key: str) -> list[str]:
+    """``tritonserver`` flags that put the admin APIs behind ``admin_key`` and the shared-memory API behind
+    ``shm_key``, on HTTP and gRPC."""
+    out = []
+    for apis, header, key in ((ADMIN_APIS, ADMIN_HEADER, admin_key), (SHM_APIS, SHM_HEADER, shm_key)):
+        out += [f"--http-restricted-api={','.join(apis)}:{header}={key}",
+                f"--grpc-restricted-protocol={','.join(apis)}:{header}={key}"]
+    return out
 
 
 def admin_headers(key: str) -> dict[str, str]:
@@ -62,6 +83,16 @@ def admin_headers(key: str) -> dict[str, str]:
 def grpc_admin_headers(key: str) -> dict[str, str]:
     """gRPC metadata that opens the restricted protocols (Triton prefixes the key's name)."""
     return {GRPC_ADMIN_HEADER: key}
+
+
+def shm_headers(key: str) -> dict[str, str]:
+    """HTTP headers that open the shared-memory API."""
+    return {SHM_HEADER: key}
+
+
+def grpc_shm_headers(key: str) -> dict[str, str]:
+    """gRPC metadata that opens the shared-memory API."""
+    return {GRPC_SHM_HEADER: key}
 
 
 def same_secret(given: str, expected: str) -> bool:

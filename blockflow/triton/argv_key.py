@@ -1,11 +1,13 @@
-"""Keeps the admin key off tritonserver's command line.
+"""Keeps the keys off tritonserver's command line, and the library preloaded into it for that.
 
-Triton takes its restricted APIs' key only as an argument, and ``/proc/<pid>/cmdline`` is readable
-by every local user: with the key, any of them could load a model into the server, which runs its
-code as the server's user. So BlockFlow passes :data:`PLACEHOLDER` there and preloads a small
-library (``argv_key.c``, beside this module) that swaps the key in inside the process before
-Triton's ``main`` runs; the key travels in a 0600 file whose name is in the server's environment,
-which only its user can read.
+Triton takes its restricted APIs' keys only as arguments, and ``/proc/<pid>/cmdline`` is readable
+by every local user: with the admin key, any of them could load a model into the server, which runs
+its code as the server's user; with the shared-memory key, register regions. So BlockFlow passes
+placeholders there (:data:`ADMIN_PLACEHOLDER`, :data:`SHM_PLACEHOLDER`) and preloads a small
+library (``argv_key.c``, beside this module) that swaps the keys in inside the process before
+Triton's ``main`` runs; each key travels in a 0600 file whose name is in the server's environment,
+which only its user can read. The same library holds ``shm_guard.c`` (:mod:`blockflow.triton.shm_guard`):
+what Triton's shared-memory API may open, and the mode of the regions the server creates.
 
 The library is compiled once per user into BlockFlow's cache with the system's C compiler, or
 ahead of time where there is none (the container image builds it in a stage of its own) and named
@@ -34,26 +36,30 @@ from blockflow.core.errors import EnvironmentProblem
 
 log = logging.getLogger(__name__)
 
-# These three are spelled again in argv_key.c (a test checks that they agree).
-PLACEHOLDER = "@BLOCKFLOW_ADMIN_KEY@"
-KEY_FILE_VAR = blockflow_env.ADMIN_KEY_FILE_VAR
+# These five are spelled again in argv_key.c (a test checks that they agree).
+ADMIN_PLACEHOLDER = "@BLOCKFLOW_ADMIN_KEY@"
+SHM_PLACEHOLDER = "@BLOCKFLOW_SHM_KEY@"
+ADMIN_KEY_FILE_VAR = blockflow_env.ADMIN_KEY_FILE_VAR
+SHM_KEY_FILE_VAR = blockflow_env.SHM_KEY_FILE_VAR
 PRELOAD_VAR = blockflow_env.ARGV_KEY_PRELOAD
 LIB_VAR = blockflow_env.ARGV_KEY_LIB
 ALLOW_VAR = blockflow_env.ALLOW_KEY_ON_COMMAND_LINE
 SOURCE = Path(__file__).with_name("argv_key.c")
+# Every source the library is built from, in the order its ID hashes them.
+SOURCES = (SOURCE, Path(__file__).with_name("shm_guard.c"))
 ID_MARK = b"blockflow-argv-key-id:"  # argv_key.c's build_id, followed by source_id()
 
 
 @functools.cache
 def source_id() -> str:
-    """The ID a library built from this BlockFlow's ``argv_key.c`` carries: its SHA-256's first 16 hex digits
-    (``sha256sum argv_key.c | cut -c1-16``)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    """The ID a library built from this BlockFlow's sources carries: the first 16 hex digits of their SHA-256,
+    one after the other (``cat argv_key.c shm_guard.c | sha256sum | cut -c1-16``)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
 
 
 def build_command(out: Path | str, cc: str = "cc") -> list[str]:
     """The compiler's command line that builds the library into ``out``, ID included."""
-    return [cc, "-O2", "-shared", "-fPIC", f'-DARGV_KEY_ID="{source_id()}"', "-o", str(out), str(SOURCE)]
+    return [cc, "-O2", "-shared", "-fPIC", f'-DARGV_KEY_ID="{source_id()}"', "-o", str(out), *map(str, SOURCES), "-ldl"]
 
 
 def _cache_dir() -> Path:
@@ -111,7 +117,7 @@ def _prebuilt(named: str) -> Path:
     at = data.find(ID_MARK)
     found = data[at + len(ID_MARK):].split(b"\0", 1)[0][:64].decode("ascii", "replace") if at >= 0 else None
     if found != source_id():
-        raise EnvironmentProblem(f"{LIB_VAR}={named} was built from another argv_key.c (ID {found or 'none'}) than this "
+        raise EnvironmentProblem(f"{LIB_VAR}={named} was built from other sources (ID {found or 'none'}) than this "
                                  f"BlockFlow's ({source_id()}); {rebuild}")
     return lib
 
@@ -194,14 +200,16 @@ def library() -> Path | None:
         f"no other user can reach, {ALLOW_VAR}=1 accepts it")
 
 
-def server_env(env: dict[str, str], lib: Path, key_file: Path | None) -> dict[str, str]:
-    """``env`` with the library preloaded and the key file named (None: a random key nobody has)."""
+def server_env(env: dict[str, str], lib: Path, admin_key_file: Path | None,
+               shm_key_file: Path | None = None) -> dict[str, str]:
+    """``env`` with the library preloaded and the key files named (None: a random key nobody has)."""
     out = dict(env)
     theirs = out.get("LD_PRELOAD", "")
     out["LD_PRELOAD"] = f"{lib}:{theirs}" if theirs else str(lib)
     out[PRELOAD_VAR] = theirs  # given back to the server's own children
-    if key_file is not None:
-        out[KEY_FILE_VAR] = str(key_file.resolve())
-    else:
-        out.pop(KEY_FILE_VAR, None)
+    for var, key_file in ((ADMIN_KEY_FILE_VAR, admin_key_file), (SHM_KEY_FILE_VAR, shm_key_file)):
+        if key_file is not None:
+            out[var] = str(key_file.resolve())
+        else:
+            out.pop(var, None)
     return out

@@ -179,7 +179,7 @@ def server_env(install: TritonInstall, runtime_dir: Path) -> dict[str, str]:
 
 
 def standalone_script(install: TritonInstall, repository: Path, backend_base: Path, extra_args: list[str],
-                      admin_key_file: Path | None = None) -> str:
+                      admin_key_file: Path | None = None, shm_key_file: Path | None = None) -> str:
     """A POSIX shell script that starts ``tritonserver`` by hand on a generated ``repository``,
     with the environment the block processes need (``blockflow triton-command``).
 
@@ -188,7 +188,10 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
     read when the server starts; without it, in Triton's default mode, where loads are refused and
     those APIs are behind a random key nobody has. Either key reaches Triton through the argv-key
     library (:mod:`blockflow.triton.argv_key`), not on its command line (see :func:`argv_key.library`
-    for where it may go there). It listens on loopback unless told otherwise.
+    for where it may go there). With ``shm_key_file``, Triton's shared-memory API is behind the key in that
+    file; without it, behind a random key nobody has (no client registers a region). It listens on
+    loopback unless told otherwise, and what it creates (its shared-memory regions included) is its
+    user's alone (umask 077; see ``shm_guard.c``).
 
     TensorMQ needs no variable: its block processes share a private runtime directory derived
     from the repository's path (:mod:`blockflow.core.runtime_dir`).
@@ -207,26 +210,31 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
         # See ServerOptions.cuda_pool_mb: GPU tensors between Triton and the blocks need the pool.
         *[f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_MB * 2**20}" for gpu in range(gpu_count())],
         *(["--model-control-mode=explicit", "--load-model=*"] if admin_key_file is not None else []),
+        # The stubs' regions under a name Triton's shared-memory API may not open (shm_guard.c).
+        f"--backend-config=python,shm-region-prefix-name={blockflow_env.stub_shm_prefix(0, repository.resolve())}",
         *extra_args,
     ]
-    # The model-repository, trace and logging APIs are always behind a key: the one in the key file, or,
-    # without one, a random key made at each start and given to nobody (Triton's trace settings can write
-    # files wherever the server may). With the argv-key library, the key is put into tritonserver's
-    # arguments inside the process and never appears in /proc/<pid>/cmdline; without it (only where /proc
-    # hides other users' processes, or the operator accepts it), the shell reads it onto the command line.
+    # The model-repository, trace and logging APIs are always behind a key, and so is the shared-memory API:
+    # the one in its key file, or, without one, a random key made at each start and given to nobody (Triton's
+    # trace settings can write files wherever the server may). With the argv-key library, the keys are put into
+    # tritonserver's arguments inside the process and never appear in /proc/<pid>/cmdline; without it (only where
+    # /proc hides other users' processes, or the operator accepts it), the shell reads them onto the command line.
+    keys = ((argv_key.ADMIN_KEY_FILE_VAR, argv_key.ADMIN_PLACEHOLDER, "key", admin_key_file),
+            (argv_key.SHM_KEY_FILE_VAR, argv_key.SHM_PLACEHOLDER, "shm_key", shm_key_file))
     shim = argv_key.library()
+    key_lines = ["umask 077"]
     if shim is not None:
         lib = shlex.quote(str(shim))
-        key_lines = [f'[ -r {lib} ] || {{ echo "{shim} is missing: run blockflow triton-command again" >&2; exit 1; }}',
-                     f'export {argv_key.PRELOAD_VAR}="${{LD_PRELOAD:-}}"',
-                     f'export LD_PRELOAD={lib}"${{LD_PRELOAD:+:$LD_PRELOAD}}"']
-        key_lines.append(f"export {argv_key.KEY_FILE_VAR}={shlex.quote(str(admin_key_file.resolve()))}"
-                         if admin_key_file is not None else f"unset {argv_key.KEY_FILE_VAR}")
-        restricted = " " + " ".join(map(shlex.quote, access_args(argv_key.PLACEHOLDER)))
+        key_lines += [f'[ -r {lib} ] || {{ echo "{shim} is missing: run blockflow triton-command again" >&2; exit 1; }}',
+                      f'export {argv_key.PRELOAD_VAR}="${{LD_PRELOAD:-}}"',
+                      f'export LD_PRELOAD={lib}"${{LD_PRELOAD:+:$LD_PRELOAD}}"']
+        key_lines += [f"export {var}={shlex.quote(str(path.resolve()))}" if path is not None else f"unset {var}"
+                      for var, _, _, path in keys]
+        restricted = " " + " ".join(map(shlex.quote, access_args(argv_key.ADMIN_PLACEHOLDER, argv_key.SHM_PLACEHOLDER)))
     else:
-        key_lines = [f"key=\"$(cat {shlex.quote(str(admin_key_file.resolve()))})\"" if admin_key_file is not None
-                     else "key=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\""]
-        restricted = " " + " ".join(access_args('"$key"'))
+        key_lines += [f"{name}=\"$(cat {shlex.quote(str(path.resolve()))})\"" if path is not None
+                      else f"{name}=\"$(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\"" for _, _, name, path in keys]
+        restricted = " " + " ".join(access_args('"$key"', '"$shm_key"'))
     lines = ["#!/bin/sh",
              f"# tritonserver ({install.layout} layout at {install.home}) serving {repository.resolve()};",
              "# written by `blockflow triton-command`. Further tritonserver flags may follow on this script's command line."]

@@ -150,6 +150,11 @@ class ServerOptions:
     # The key of Triton's restricted APIs (model repository, trace, logging; see blockflow.triton.access).
     # Empty: a new random one, written to <runtime dir>/admin.key.
     admin_key: str = ""
+    # The key of Triton's shared-memory API. Empty: a new random one, written to shm_key_file (default
+    # <runtime dir>/shm.key), readable by this user, and by the members of group shm_key_group (a gid) if given.
+    shm_key: str = ""
+    shm_key_file: Path | None = None
+    shm_key_group: int | None = None
 
     @classmethod
     def on_free_ports(cls, repositories: Sequence[Path], **options: Any) -> ServerOptions:
@@ -173,6 +178,7 @@ class TritonServer:
         self.exited = threading.Event()
         self._stopping = False
         self.admin_key = options.admin_key or access.new_secret()
+        self.shm_key = options.shm_key or access.new_secret()
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -186,6 +192,11 @@ class TritonServer:
     @property
     def admin_key_file(self) -> Path:
         return self.runtime_dir / access.ADMIN_KEY_FILE
+
+    @property
+    def shm_key_file(self) -> Path:
+        """The file local clients read the shared-memory key from (they send it to register regions)."""
+        return self.options.shm_key_file or self.runtime_dir / access.SHM_KEY_FILE
 
     @property
     def http_url(self) -> str:
@@ -214,8 +225,9 @@ class TritonServer:
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             # The user's own --log-verbose (a pass-through argument) replaces this one.
             *([] if any(a.startswith("--log-verbose") for a in o.extra_args) else [f"--log-verbose={o.log_verbose}"]),
-            # Without the argv-key library, the key itself: only where /proc hides it, or the operator accepts it.
-            *access.restricted_args(self.admin_key if argv_key.library() is None else argv_key.PLACEHOLDER),
+            # Without the argv-key library, the keys themselves: only where /proc hides them, or the operator accepts it.
+            *(access.restricted_args(self.admin_key, self.shm_key) if argv_key.library() is None
+              else access.restricted_args(argv_key.ADMIN_PLACEHOLDER, argv_key.SHM_PLACEHOLDER)),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
             "--metrics-config=summary_latencies=true",
             "--exit-timeout-secs=20",
@@ -235,11 +247,12 @@ class TritonServer:
         cmd = self.command()
         ensure_tensormq(self.runtime_dir)
         write_private(self.admin_key_file, self.admin_key)
+        write_private(self.shm_key_file, self.shm_key, group=o.shm_key_group)
         env = server_env(self.install, self.runtime_dir)
         env.update(o.env)
         shim = argv_key.library()
         if shim is not None:
-            env = argv_key.server_env(env, shim, self.admin_key_file)
+            env = argv_key.server_env(env, shim, self.admin_key_file, self.shm_key_file)
         if self.warm_cores is not None:
             self.warm_cores.start()
             env.update(self.warm_cores.env)
@@ -250,8 +263,10 @@ class TritonServer:
             if self.mps is not None:
                 self.mps.start()
                 env.update(self.mps.env)
+            # umask 077: what the server and its block processes create is their user's alone (the Python
+            # backend's regions, which it fchmod()s to 0644, are kept 0600 by the preloaded shm_guard.c).
             self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, preexec_fn=die_with_parent)
+                                            env=env, start_new_session=True, preexec_fn=die_with_parent, umask=0o077)
         except BaseException:
             if self.mps is not None:
                 self.mps.stop()
@@ -274,12 +289,12 @@ class TritonServer:
     def _check_key_is_not_the_placeholder(self) -> None:
         """Fail closed: had the library not loaded, Triton's key would be the placeholder, a public string."""
         try:
-            TritonApi(grpc_url=self.grpc_url, admin_key=argv_key.PLACEHOLDER, timeout=10.0).index()
+            TritonApi(grpc_url=self.grpc_url, admin_key=argv_key.ADMIN_PLACEHOLDER, timeout=10.0).index()
         except TritonApiError as exc:
             if "restricted" in str(exc):
                 return  # refused, as it must be
             raise ServerError(f"could not check tritonserver's admin key against the placeholder: {exc}") from exc
-        raise ServerError(f"tritonserver took {argv_key.PLACEHOLDER} as its admin key: the library that puts the real key "
+        raise ServerError(f"tritonserver took {argv_key.ADMIN_PLACEHOLDER} as its admin key: the library that puts the real key "
                           f"in its arguments ({argv_key.library()}, LD_PRELOAD) did not run; it was stopped")
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:

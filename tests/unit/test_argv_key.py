@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 SHOW = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
         "'cmdline': open('/proc/self/cmdline', 'rb').read().decode().split(chr(0))[3:-1], "
         "'env': {k: v for k, v in os.environ.items() if k in ('LD_PRELOAD', "
-        f"{argv_key.KEY_FILE_VAR!r}, {argv_key.PRELOAD_VAR!r})}}}}))")
+        f"{argv_key.ADMIN_KEY_FILE_VAR!r}, {argv_key.SHM_KEY_FILE_VAR!r}, {argv_key.PRELOAD_VAR!r})}}}}))")
 
 
 @pytest.fixture
@@ -42,8 +42,9 @@ def clear() -> None:
     argv_key.library.cache_clear()
 
 
-def run(lib: Path, key_file: Path | None, *args: str, base: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = argv_key.server_env(dict(base if base is not None else os.environ), lib, key_file)
+def run(lib: Path, key_file: Path | None, *args: str, base: dict[str, str] | None = None,
+        shm_key_file: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = argv_key.server_env(dict(base if base is not None else os.environ), lib, key_file, shm_key_file)
     return subprocess.run([sys.executable, "-c", SHOW, *args], capture_output=True, text=True, env=env, timeout=60, check=False)
 
 
@@ -51,23 +52,37 @@ def test_the_key_reaches_main_and_never_the_command_line(lib: Path, tmp_path: Pa
     key_file = tmp_path / "admin.key"
     key_file.write_text("s3cret-key_0123\n")
     key_file.chmod(0o600)
-    res = run(lib, key_file, f"--http-restricted-api=model-repository:h={argv_key.PLACEHOLDER}", "--other=1")
+    res = run(lib, key_file, f"--http-restricted-api=model-repository:h={argv_key.ADMIN_PLACEHOLDER}", "--other=1")
     assert res.returncode == 0, res.stderr
     seen = json.loads(res.stdout)
     assert seen["argv"] == ["--http-restricted-api=model-repository:h=s3cret-key_0123", "--other=1"]
-    assert seen["cmdline"] == [f"--http-restricted-api=model-repository:h={argv_key.PLACEHOLDER}", "--other=1"]
+    assert seen["cmdline"] == [f"--http-restricted-api=model-repository:h={argv_key.ADMIN_PLACEHOLDER}", "--other=1"]
     assert seen["env"] == {}  # neither the library nor the key file's name goes on to the server's children
+
+
+def test_each_key_replaces_its_own_placeholder(lib: Path, tmp_path: Path) -> None:
+    for name, text in (("admin.key", "the-admin-key"), ("shm.key", "the-shm-key")):
+        (tmp_path / name).write_text(text + "\n")
+    res = run(lib, tmp_path / "admin.key", f"--a=h:{argv_key.ADMIN_PLACEHOLDER}", f"--s=h:{argv_key.SHM_PLACEHOLDER}",
+              f"--a2={argv_key.ADMIN_PLACEHOLDER}", shm_key_file=tmp_path / "shm.key")
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout)
+    assert seen["argv"] == ["--a=h:the-admin-key", "--s=h:the-shm-key", "--a2=the-admin-key"]
+    assert seen["env"] == {}  # neither key file's name goes on to the children
 
 
 def test_without_a_key_file_a_random_key_nobody_has(lib: Path) -> None:
     keys = []
     for _ in range(2):
-        res = run(lib, None, f"--k={argv_key.PLACEHOLDER}", f"--g={argv_key.PLACEHOLDER}")
+        res = run(lib, None, f"--k={argv_key.ADMIN_PLACEHOLDER}", f"--g={argv_key.ADMIN_PLACEHOLDER}")
         assert res.returncode == 0, res.stderr
         a, g = json.loads(res.stdout)["argv"]
-        assert a[4:] == g[4:] and len(a[4:]) == 64 and argv_key.PLACEHOLDER not in a  # one key per process
+        assert a[4:] == g[4:] and len(a[4:]) == 64 and argv_key.ADMIN_PLACEHOLDER not in a  # one key per process
         keys.append(a)
     assert keys[0] != keys[1]
+    res = run(lib, None, f"--k={argv_key.ADMIN_PLACEHOLDER}", f"--k={argv_key.SHM_PLACEHOLDER}")
+    admin, shm = json.loads(res.stdout)["argv"]
+    assert len(shm[4:]) == 64 and admin != shm  # the shared-memory key is not the admin key
 
 
 def test_the_users_own_preload_goes_on_to_the_children(lib: Path) -> None:
@@ -77,19 +92,20 @@ def test_the_users_own_preload_goes_on_to_the_children(lib: Path) -> None:
     assert json.loads(res.stdout)["env"] == {"LD_PRELOAD": theirs}
 
 
-@pytest.mark.parametrize("content", [None, "", "\n", argv_key.PLACEHOLDER])
+@pytest.mark.parametrize("content", [None, "", "\n", argv_key.ADMIN_PLACEHOLDER])
 def test_a_key_that_cannot_be_read_stops_the_process_before_main(lib: Path, tmp_path: Path, content: str | None) -> None:
     key_file = tmp_path / "admin.key"
     if content is not None:
         key_file.write_text(content)
-    res = run(lib, key_file, f"--k={argv_key.PLACEHOLDER}")
+    res = run(lib, key_file, f"--k={argv_key.ADMIN_PLACEHOLDER}")
     assert res.returncode == 78 and res.stdout == ""
     assert "blockflow argv-key:" in res.stderr and "tritonserver does not start" in res.stderr
 
 
 def test_the_library_and_blockflow_spell_the_placeholder_and_variables_alike() -> None:
     source = argv_key.SOURCE.read_text()
-    for name in (argv_key.PLACEHOLDER, argv_key.KEY_FILE_VAR, argv_key.PRELOAD_VAR):
+    for name in (argv_key.ADMIN_PLACEHOLDER, argv_key.SHM_PLACEHOLDER, argv_key.ADMIN_KEY_FILE_VAR,
+                 argv_key.SHM_KEY_FILE_VAR, argv_key.PRELOAD_VAR):
         assert f'"{name}"' in source
 
 
@@ -183,7 +199,8 @@ def prebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         pytest.skip("the image's stage builds with gcc")
     build = tmp_path / "build"
     build.mkdir()
-    shutil.copy(argv_key.SOURCE, build / "argv_key.c")
+    for source in argv_key.SOURCES:
+        shutil.copy(source, build / source.name)
     res = subprocess.run(["bash", "-o", "pipefail", "-c", dockerfile_build_line()], cwd=build, capture_output=True, text=True,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -199,14 +216,14 @@ def test_a_library_built_as_the_image_builds_it_is_preloaded(prebuilt: Path, tmp
     assert lib == prebuilt.resolve() and not (tmp_path / "no-cache").exists()
     key_file = tmp_path / "admin.key"
     key_file.write_text("image-key\n")
-    res = run(lib, key_file, f"--k={argv_key.PLACEHOLDER}")
+    res = run(lib, key_file, f"--k={argv_key.ADMIN_PLACEHOLDER}")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["argv"] == ["--k=image-key"]
 
 
 def test_a_named_library_built_from_another_source_is_refused(prebuilt: Path) -> None:
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(prebuilt), str(argv_key.SOURCE)], check=True, timeout=120)
-    with pytest.raises(EnvironmentProblem, match=r"another argv_key.c \(ID unversioned\).*build it with: cc .*-DARGV_KEY_ID="):
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(prebuilt), *map(str, argv_key.SOURCES)], check=True, timeout=120)
+    with pytest.raises(EnvironmentProblem, match=r"other sources \(ID unversioned\).*build it with: cc .*-DARGV_KEY_ID="):
         argv_key.library()
 
 
@@ -221,3 +238,60 @@ def test_a_named_library_that_is_missing_is_refused(prebuilt: Path) -> None:
     prebuilt.unlink()
     with pytest.raises(EnvironmentProblem, match=f"{argv_key.LIB_VAR}=.*No such file"):
         argv_key.library()
+
+
+# What the guard lets a process do with /dev/shm, seen from python3 with the library preloaded: shm_open through
+# _posixshmem (as Triton's shared-memory manager calls it), fchmod as Boost.Interprocess calls it after creating.
+GUARD = """
+import _posixshmem, json, os, sys, tempfile
+out = {}
+for name in sys.argv[1:]:
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+        os.close(fd)
+        out[name] = "opened"
+    except PermissionError:
+        out[name] = "refused"
+fd = _posixshmem.shm_open("/blockflow-guard-" + str(os.getpid()), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+os.fchmod(fd, 0o644)
+out["created"] = oct(os.fstat(fd).st_mode & 0o777)
+os.close(fd)
+_posixshmem.shm_unlink("/blockflow-guard-" + str(os.getpid()))
+with tempfile.NamedTemporaryFile() as f:
+    os.fchmod(f.fileno(), 0o644)
+    out["plain file"] = oct(os.fstat(f.fileno()).st_mode & 0o777)
+print(json.dumps(out))
+"""
+
+
+def test_the_guard_keeps_server_regions_out_of_reach_and_private(lib: Path) -> None:
+    from multiprocessing import shared_memory
+
+    from blockflow.triton.access import SERVER_SHM_PREFIXES
+
+    names = [f"{p}guard-test-{os.getpid()}" for p in SERVER_SHM_PREFIXES] + [f"client-region-{os.getpid()}"]
+    regions = [shared_memory.SharedMemory(n, create=True, size=4096) for n in names]
+    try:
+        res = subprocess.run([sys.executable, "-c", GUARD, *names, f"//{names[0]}"], capture_output=True, text=True,
+                             env=argv_key.server_env(dict(os.environ), lib, None), timeout=60, check=False)
+    finally:
+        for r in regions:
+            r.close()
+            r.unlink()
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout)
+    # A server's regions (any name with one of its prefixes, however many slashes lead) cannot be opened, a client's can.
+    assert [seen[n] for n in names] == ["refused"] * len(SERVER_SHM_PREFIXES) + ["opened"]
+    assert seen[f"//{names[0]}"] == "refused"
+    assert seen["created"] == "0o600" and seen["plain file"] == "0o644"  # only /dev/shm files lose group and other bits
+
+
+def test_the_guard_and_blockflow_spell_the_server_prefixes_alike() -> None:
+    from blockflow.core import env
+    from blockflow.triton.access import SERVER_SHM_PREFIXES
+
+    source = argv_key.SOURCES[1].read_text()
+    assert "{" + ", ".join(f'"{p}"' for p in SERVER_SHM_PREFIXES) + "}" in source
+    # Every region BlockFlow makes starts with one of them.
+    assert env.stub_shm_prefix(1, Path("/r")).startswith(SERVER_SHM_PREFIXES) and env.pool_shm_prefix(Path("/r")).startswith(
+        SERVER_SHM_PREFIXES)
