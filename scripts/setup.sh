@@ -54,6 +54,21 @@ if [ ! -x "$VENV/bin/prometheus" ] || [ ! -x "$VENV/bin/promtool" ]; then
   rm -rf "$PROM_TMP"
 fi
 
+# nginx, the HTTP front door of every server BlockFlow starts (blockflow/triton/front_door.py): the binary of
+# Debian's package, into the venv, so no system service is installed or started. One on PATH does as well.
+if [ ! -x "$VENV/bin/nginx" ] && ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+  NGINX_TMP="$(mktemp -d)"
+  if (cd "$NGINX_TMP" && { apt-get download -q nginx >/dev/null 2>&1 ||
+        { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download -q nginx >/dev/null; }; }); then
+    log "installing nginx (Debian's package) into $VENV/bin"
+    dpkg-deb -x "$NGINX_TMP"/nginx_*.deb "$NGINX_TMP/x"
+    install -m 0755 "$NGINX_TMP/x/usr/sbin/nginx" "$VENV/bin/"
+  else
+    log "could not download Debian's nginx package: install nginx (or name it in BLOCKFLOW_NGINX); serve needs it"
+  fi
+  rm -rf "$NGINX_TMP"
+fi
+
 STAMP="$VENV/.blockflow-setup"
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then

@@ -21,6 +21,8 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
             <producer id:016x>-<generation:08x>.claims
         stages/              built block parts kept for the next process that needs them (blockflow.backend.stage_cache)
         activity             the last execute's time, with --warm-cores-ms (blockflow.core.activity)
+        triton-http.sock     Triton's HTTP, behind the front door (blockflow.triton.front_door)
+        front-door/          nginx's configuration, logs and buffers
 
 POSIX shared memory under ``/dev/shm`` carries the runtime directory's name, so one server's
 leftovers are found and removed without touching another's: :func:`stub_shm_prefix` (Triton's
@@ -43,6 +45,7 @@ ARGV_KEY_PRELOAD = "BLOCKFLOW_ARGV_KEY_PRELOAD"  # the LD_PRELOAD to give back t
 TRITON_HOME = "BLOCKFLOW_TRITON_HOME"  # another tritonserver directory of the nvidia-pytriton layout
 ARGV_KEY_LIB = "BLOCKFLOW_ARGV_KEY_LIB"  # the argv-key library built ahead of time (no C compiler needed; the image's)
 ALLOW_KEY_ON_COMMAND_LINE = "BLOCKFLOW_ALLOW_KEY_ON_COMMAND_LINE"  # "1": without that library, the key goes on argv
+NGINX = "BLOCKFLOW_NGINX"  # the nginx binary of the HTTP front door (blockflow.triton.front_door)
 TRACE_DIR = "BLOCKFLOW_TRACE_DIR"  # block processes append JSON lines of their life cycle here
 DISABLE_CUDA_GRAPHS = "BLOCKFLOW_DISABLE_CUDA_GRAPHS"  # "1": run GPU blocks eagerly whatever the plan says
 KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cache after warm-up (memory runs)

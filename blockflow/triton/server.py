@@ -41,6 +41,7 @@ from blockflow.core.runtime_dir import ensure_tensormq, write_private
 from blockflow.triton import access, argv_key
 from blockflow.triton.api import TritonApi
 from blockflow.triton.flags import CUDA_POOL_MB, check_extra_args
+from blockflow.triton.front_door import DEFAULT_MAX_BODY_BYTES, FrontDoor
 from blockflow.triton.install import (
     TritonInstall,
     locate,
@@ -155,6 +156,11 @@ class ServerOptions:
     shm_key: str = ""
     shm_key_file: Path | None = None
     shm_key_group: int | None = None
+    # nginx on http_port, Triton's HTTP on a Unix socket behind it (blockflow.triton.front_door); False: Triton's
+    # HTTP on http_port itself, open to the chunked requests that crash Triton 2.51.
+    front_door: bool = True
+    # The largest request body the front door lets through.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     @classmethod
     def on_free_ports(cls, repositories: Sequence[Path], **options: Any) -> ServerOptions:
@@ -179,6 +185,8 @@ class TritonServer:
         self._stopping = False
         self.admin_key = options.admin_key or access.new_secret()
         self.shm_key = options.shm_key or access.new_secret()
+        self.front_door = (FrontDoor(self.runtime_dir, options.host, options.http_port, options.max_body_bytes)
+                           if options.front_door else None)
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -220,7 +228,8 @@ class TritonServer:
             "--model-control-mode=explicit",
             *[f"--load-model={m}" for m in o.load],
             "--disable-auto-complete-config",
-            f"--http-address={o.host}", f"--http-port={o.http_port}",
+            *([f"--http-address={o.host}", f"--http-port={o.http_port}"] if self.front_door is None
+              else [f"--http-address={self.front_door.triton_address}", "--http-port=0"]),
             f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             # The user's own --log-verbose (a pass-through argument) replaces this one.
@@ -258,6 +267,8 @@ class TritonServer:
             env.update(self.warm_cores.env)
             log.info("warm cores: %d pollers at SCHED_IDLE keep CPUs %s out of idle for %g ms after each block call",
                      len(self.warm_cores.cpus), ",".join(map(str, self.warm_cores.cpus)), o.warm_cores_ms)
+        if self.front_door is not None:
+            self.front_door.start()
         logfile = self.log_path.open("wb")
         try:
             if self.mps is not None:
@@ -272,6 +283,8 @@ class TritonServer:
                 self.mps.stop()
             if self.warm_cores is not None:
                 self.warm_cores.stop()
+            if self.front_door is not None:
+                self.front_door.stop()
             raise
         finally:
             logfile.close()
@@ -373,6 +386,8 @@ class TritonServer:
                 self.mps.stop()
             if self.warm_cores is not None:
                 self.warm_cores.stop()
+            if self.front_door is not None:
+                self.front_door.stop()
             return
         self._stopping = True
         if proc.poll() is None:
@@ -398,6 +413,8 @@ class TritonServer:
             self.mps.stop()  # after every client (stub) is gone
         if self.warm_cores is not None:
             self.warm_cores.stop()
+        if self.front_door is not None:
+            self.front_door.stop()  # after the server: it drained its requests through it
         if self._own_runtime:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
