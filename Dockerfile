@@ -22,6 +22,13 @@ RUN gcc -O2 -shared -fPIC -DARGV_KEY_ID="\"$(cat argv_key.c shm_guard.c | sha256
 
 FROM ${TRITON_IMAGE}
 
+# nginx, the HTTP front door blockflow serve puts before Triton's HTTP (blockflow/triton/front_door.py);
+# no service of it is started (serve runs its own, as the server's user).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends nginx \
+    && rm -rf /var/lib/apt/lists/*
+
 # The image's Python 3.12 is the one its Python-backend stub embeds, so BlockFlow goes into it
 # (PEP 668 marks it externally managed; this image is that environment's only user).
 ENV PIP_NO_CACHE_DIR=1 \
@@ -30,6 +37,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     BLOCKFLOW_TRITON_HOME=/opt/tritonserver \
     BLOCKFLOW_ARGV_KEY_LIB=/opt/blockflow/lib/argv_key.so \
+    BLOCKFLOW_NGINX=/usr/sbin/nginx \
     HOME=/tmp/home \
     MPLCONFIGDIR=/tmp/matplotlib
 

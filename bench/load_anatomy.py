@@ -123,10 +123,11 @@ def main() -> None:
             for label, m in models.items():
                 stages = m["blocks"] or [m["model"]]
                 # A window first, so every graph, mapping and pool is warm before the measured one.
-                perf_analyzer(server.http_url, m["model"], shape, 1, 1.0, args.concurrency, input_memory=inp, output_bytes=400_000)
+                perf_analyzer(server.http_url, m["model"], shape, 1, 1.0, args.concurrency, input_memory=inp, output_bytes=400_000,
+                              shm_key_file=server.shm_key_file)
                 before, t0 = model_stats(server.http_url), time.monotonic_ns()
                 pa = perf_analyzer(server.http_url, m["model"], shape, 1, args.seconds, args.concurrency, input_memory=inp,
-                                   output_bytes=400_000)
+                                   output_bytes=400_000, shm_key_file=server.shm_key_file)
                 t1, d = time.monotonic_ns(), delta(model_stats(server.http_url), before)
                 windows[f"{label}, {inp} inputs"] = (t0, t1, pa, {s: phases_per_execution(d[s]) for s in stages}, stages)
                 print(f"[load_anatomy] {label}, {inp}: {pa}", flush=True)

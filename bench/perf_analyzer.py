@@ -6,22 +6,25 @@ import csv
 import statistics
 import subprocess
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.doctor import perf_analyzer_path
-from blockflow.triton.install import perf_analyzer_env
+from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
 
 INPUTS = ("host", "cuda-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
 
 
 def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
-                  rate: float | None = None, input_memory: str = "host", output_bytes: int = 0) -> dict[str, Any]:
+                  rate: float | None = None, input_memory: str = "host", output_bytes: int = 0,
+                  shm_key_file: Path | None = None) -> dict[str, Any]:
     """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
 
     ``input_memory="cuda-shm"``: inputs and outputs through CUDA shared-memory regions
-    (perf_analyzer's ``--shared-memory cuda``), each output's region ``output_bytes`` large.
+    (perf_analyzer's ``--shared-memory cuda``), each output's region ``output_bytes`` large, registered
+    with the key in ``shm_key_file`` (the server's ``shm_key_file``).
     """
     pa = perf_analyzer_path()
     if pa is None:
@@ -32,18 +35,23 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
                "--stability-percentage", "20", "-f", f.name]
         if input_memory == "cuda-shm":
             cmd += ["--shared-memory", "cuda", "--output-shared-memory-size", str(max(output_bytes, 102400))]
+        env = perf_analyzer_env()
+        if input_memory == "cuda-shm":
+            if shm_key_file is None:
+                raise ValueError("CUDA shared-memory inputs need the server's shm_key_file")
+            cmd, env = perf_analyzer_shm_key(cmd, env, shm_key_file)
         if rate is not None:
             # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
             # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
             cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson", "--max-threads", "64"]
         else:
             cmd += ["--concurrency-range", str(concurrency or 1)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, env=perf_analyzer_env())
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, env=env)
         unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
         if unstable:
             # A busy or noisy machine: take the last window as it is, and say so in the results.
             res = subprocess.run(cmd + ["--stability-percentage", "1000", "--max-trials", "3"],
-                                 capture_output=True, text=True, timeout=600, check=False, env=perf_analyzer_env())
+                                 capture_output=True, text=True, timeout=600, check=False, env=env)
         if res.returncode != 0:
             return {"error": 1.0, "message": ((res.stderr or res.stdout).strip().splitlines() or ["?"])[-1]}
         rows = list(csv.DictReader(open(f.name)))

@@ -182,7 +182,7 @@ class Bench:
     def _pa(self, server: TritonServer, model: str, batch: int, seconds: float, concurrency: int | None = None,
             rate: float | None = None) -> dict[str, Any]:
         return perf_analyzer(server.http_url, model, self.shape, batch, seconds, concurrency, rate,
-                             self.cfg.input, self.output_bytes)
+                             self.cfg.input, self.output_bytes, server.shm_key_file)
 
     def _line(self, section: str, label: str, point: str, r: dict[str, Any]) -> None:
         keys = ("p50_ms", "p99_ms", "throughput", "energy_mj_per_inference")

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.clients.cuda_shm import CudaInputRegion, region_name
+from blockflow.core import endpoints
 from blockflow.core.errors import ClientError, Unreachable
 from blockflow.core.spec import IMAGE, LOGITS
 
@@ -85,14 +86,19 @@ class _Shared:
     timeout_s: float
     input_memory: Literal["host", "cuda"]
     device: int
+    shm_headers: dict[str, str]  # open Triton's shared-memory API (registering CUDA regions)
+    _shm_key: str
     _mod: Any
 
-    def _setup(self, url: str, protocol: Protocol, timeout_s: float, input_memory: str, device: int) -> None:
+    def _setup(self, url: str, protocol: Protocol, timeout_s: float, input_memory: str, device: int,
+               shm_key: str | None) -> None:
         if input_memory not in ("host", "cuda"):
             raise ClientError(f"input_memory must be 'host' or 'cuda', not {input_memory!r}")
         self.url, self.protocol, self.timeout_s, self.device = url, protocol, timeout_s, device
         self.input_memory = input_memory  # type: ignore[assignment]
         self._mod = _module(protocol)
+        self._shm_key = endpoints.shm_key() if shm_key is None and input_memory == "cuda" else shm_key or ""
+        self.shm_headers = endpoints.shm_headers(self._shm_key, protocol) if self._shm_key else {}
 
     def _request(self, task: str, images: Any, headers: dict[str, str] | None, request_id: str, priority: int,
                  timeout_s: float | None, region: CudaInputRegion | None = None) -> _Request:
@@ -154,13 +160,14 @@ class TaskClient(_Shared):
 
     ``input_memory="cuda"`` sends images through a CUDA shared-memory region on GPU ``device``
     (see blockflow.clients.cuda_shm): images already on that GPU (torch tensors) never cross the host.
-    Every call takes Triton's per-request options: ``headers``, ``request_id``, ``priority`` and
+    Registering the region takes the server's shared-memory key: ``shm_key``, else the file
+    ``$BLOCKFLOW_SHM_KEY_FILE`` names, else the local ``blockflow serve``'s (its endpoints file). Every call takes Triton's per-request options: ``headers``, ``request_id``, ``priority`` and
     ``timeout_s`` (Triton's own timeout for the request; over gRPC the client's deadline too).
     """
 
     def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
-                 input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:
-        self._setup(url, protocol, timeout_s, input_memory, device)
+                 input_memory: Literal["host", "cuda"] = "host", device: int = 0, shm_key: str | None = None) -> None:
+        self._setup(url, protocol, timeout_s, input_memory, device, shm_key)
         try:
             if protocol == "http":
                 self._client = self._mod.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
@@ -174,7 +181,7 @@ class TaskClient(_Shared):
         nbytes = self._image_bytes(images)
         if self._region is None or self._region.byte_size < nbytes:
             self._close_region()
-            self._region = CudaInputRegion(self._client, region_name(), nbytes, self.device)
+            self._region = CudaInputRegion(self._client, region_name(), nbytes, self.device, self.shm_headers)
         return self._region
 
     def _close_region(self) -> None:
@@ -236,8 +243,8 @@ class AsyncTaskClient(_Shared):
     (``tritonclient``'s aio clients); ``async with`` closes it."""
 
     def __init__(self, url: str, protocol: Protocol = "http", timeout_s: float = 120.0,
-                 input_memory: Literal["host", "cuda"] = "host", device: int = 0) -> None:
-        self._setup(url, protocol, timeout_s, input_memory, device)
+                 input_memory: Literal["host", "cuda"] = "host", device: int = 0, shm_key: str | None = None) -> None:
+        self._setup(url, protocol, timeout_s, input_memory, device, shm_key)
         if protocol == "http":
             import tritonclient.http.aio as aio
 
@@ -306,8 +313,8 @@ class AsyncTaskClient(_Shared):
             self._regions.remove(small)
             small.close()
         if self._sync is None:
-            self._sync = TaskClient(self.url, self.protocol, self.timeout_s)
-        region = CudaInputRegion(self._sync._client, region_name(), nbytes, self.device)
+            self._sync = TaskClient(self.url, self.protocol, self.timeout_s, shm_key=self._shm_key)
+        region = CudaInputRegion(self._sync._client, region_name(), nbytes, self.device, self.shm_headers)
         self._regions.append(region)
         return region
 

@@ -29,25 +29,27 @@ class CudaInputRegion:
     CUDA shared-memory API takes (torch's caching allocator would hand out part of a larger block).
     """
 
-    def __init__(self, client: Any, name: str, byte_size: int, device: int = 0) -> None:
+    def __init__(self, client: Any, name: str, byte_size: int, device: int = 0, headers: dict[str, str] | None = None) -> None:
         try:
             import torch
         except ImportError as exc:
             raise ClientError(f"CUDA shared-memory inputs need torch with CUDA: {exc}") from exc
         if not torch.cuda.is_available() or device >= torch.cuda.device_count():
             raise ClientError(f"CUDA shared-memory inputs need a CUDA GPU {device} on this machine; use input_memory='host'")
-        self._client, self.name, self.byte_size, self.device = client, name, byte_size, device
+        self._client, self.name, self.byte_size, self.device, self._headers = client, name, byte_size, device, headers
         with torch.cuda.device(device):
             torch.zeros(1, device=f"cuda:{device}")  # makes the primary context current for the driver calls
             self._ptr = cuda.mem_alloc(byte_size)
             handle = cuda.ipc_mem_handle(self._ptr)
             self._bytes = torch.as_tensor(cuda.DeviceBytes(self._ptr, byte_size), device=f"cuda:{device}")
         try:
-            client.register_cuda_shared_memory(name, base64.b64encode(handle).decode(), device, byte_size)
+            client.register_cuda_shared_memory(name, base64.b64encode(handle).decode(), device, byte_size, headers=headers)
         except Exception as exc:
             self._free()
+            hint = ("it needs the server's shared-memory key (TaskClient's shm_key, or BLOCKFLOW_SHM_KEY_FILE)"
+                    if "restricted" in str(exc) else "it must run on this machine and see this GPU")
             raise ClientError(f"the server refused CUDA shared-memory region {name!r} ({byte_size} bytes on GPU {device}): "
-                              f"{str(exc).strip()}; it must run on this machine and see this GPU") from exc
+                              f"{str(exc).strip()}; {hint}") from exc
         self._registered = True
 
     def write(self, images: Any) -> int:
@@ -68,7 +70,7 @@ class CudaInputRegion:
             return
         self._registered = False
         try:
-            self._client.unregister_cuda_shared_memory(self.name)
+            self._client.unregister_cuda_shared_memory(self.name, headers=self._headers)
         finally:
             self._free()
 

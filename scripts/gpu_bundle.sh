@@ -4,6 +4,8 @@
 #   triton.tar.xz   tritonserver, the Python backend, the 3.12 stub and only the libraries they load
 #   site.tar.xz     pure-Python / cp312 packages: pyzmq, pydantic, tritonclient (HTTP+gRPC), gevent ...
 #   perf_analyzer.xz the perf_analyzer binary from the tritonclient 2.50 wheel
+#   nginx.xz        the HTTP front door (Debian 12's nginx binary, as setup.sh puts in .venv/bin; it loads
+#                   libssl3, libpcre2-8, zlib and libcrypt, which Ubuntu 24.04 has)
 # Run here (after ./scripts/setup.sh); then carry .bundle to the GPU machine and run scripts/gpu_test.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,5 +44,8 @@ PKGS=(pyzmq pydantic pydantic-core annotated-types typing-inspection "tritonclie
 BIN="$(find "$WORK/site" -path '*/bin/perf_analyzer' | head -1)"
 xz -T0 -9 -c "$BIN" > "$OUT/perf_analyzer.xz"
 rm -rf "$WORK/site/bin"
+NGINX="$(command -v "$VENV/bin/nginx" nginx /usr/sbin/nginx 2>/dev/null | head -1)"
+[ -n "$NGINX" ] || { echo "[bundle] no nginx: run ./scripts/setup.sh first" >&2; exit 1; }
+xz -T0 -9 -c "$NGINX" > "$OUT/nginx.xz"
 tar -C "$WORK/site" -cf - . | xz -T0 -9 > "$OUT/site.tar.xz"
 du -ch "$OUT"/* | sed 's/^/[bundle] /'

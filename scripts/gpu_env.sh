@@ -9,11 +9,12 @@ if [ ! -f "$BUNDLE/triton.tar.xz" ]; then
   echo "no bundle at $BUNDLE: run ./scripts/gpu_bundle.sh on the development machine and carry .bundle" >&2
   return 1 2>/dev/null || exit 1
 fi
-if [ ! -x "$DEST/bin/perf_analyzer" ]; then
+if [ ! -x "$DEST/bin/perf_analyzer" ] || [ ! -x "$DEST/bin/nginx" ]; then
   mkdir -p "$DEST/triton" "$DEST/site" "$DEST/bin" "$DEST/lib"
   tar -C "$DEST/triton" -xJf "$BUNDLE/triton.tar.xz"
   tar -C "$DEST/site" -xJf "$BUNDLE/site.tar.xz"
   xz -dc "$BUNDLE/perf_analyzer.xz" > "$DEST/lib/perf_analyzer"; chmod +x "$DEST/lib/perf_analyzer"
+  xz -dc "$BUNDLE/nginx.xz" > "$DEST/bin/nginx"; chmod +x "$DEST/bin/nginx"
   LIBS="$DEST/triton/nvidia_pytriton.libs"
   ln -sf "$(ls "$LIBS"/libb64-*.so.0d | head -1)" "$DEST/lib/libb64.so.0d"
   ln -sf "$(ls "$LIBS"/libcudart-*.so.12* | head -1)" "$DEST/lib/libcudart.so.12"

@@ -55,10 +55,19 @@ log = logging.getLogger("blockflow.serve")
               help="Passed to tritonserver as it is (repeatable), e.g. --tritonserver-arg=--log-verbose=1 or "
                    "--tritonserver-arg=--trace-config=rate=100. Flags BlockFlow sets itself (ports, addresses, "
                    "repository, model control, restricted APIs) are refused.")
+@click.option("--shm-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Where to write the key that opens Triton's shared-memory API to local clients with CUDA or system "
+                   "shared-memory inputs (default: <runtime dir>/shm.key, this user's only).")
+@click.option("--shm-key-group", default=None, metavar="GROUP",
+              help="Let this group's members read the shared-memory key file (0640); its directory must let them in.")
+@click.option("--http-max-body-mb", type=click.IntRange(1), default=None,
+              help="The largest HTTP request body the front door lets through (default: 64, or twice the largest "
+                   "batch a task of the plan takes, if more).")
 @TRITON_HOME
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
-          mps: bool, warm_cores_ms: float, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...]) -> None:
+          mps: bool, warm_cores_ms: float, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...],
+          shm_key_file: Path | None, shm_key_group: str | None, http_max_body_mb: int | None) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
@@ -74,7 +83,8 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     token = _control_token(token_file) if control_port else ""
     service = Service(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
                                    control_port, token, token_file, state_dir, mps, warm_cores_ms, list(weights_dirs),
-                                   load_timeout, list(tritonserver_args)),
+                                   load_timeout, list(tritonserver_args), shm_key_file, _group_id(shm_key_group),
+                                   http_max_body_mb << 20 if http_max_body_mb else None),
                       say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
         for w in service.plan.warnings():
@@ -100,6 +110,17 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
         endpoints.remove(os.getpid())
         service.stop()
     log.info("stopped; no process left behind")
+
+
+def _group_id(group: str | None) -> int | None:
+    if group is None:
+        return None
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise click.BadParameter(f"no group named {group!r} on this machine", param_hint="--shm-key-group") from None
 
 
 def _control_token(token_file: Path | None) -> str:
@@ -129,7 +150,8 @@ def _write_endpoints(service: Service, plan: Path) -> Path:
     server = service.server
     found = endpoints.Endpoints(http=server.http_url, grpc=server.grpc_url, metrics=server.metrics_url,
                                 control=service.control.url if service.control is not None else "",
-                                token_file=str(service.token_path or ""), pid=os.getpid(), plan=str(plan))
+                                token_file=str(service.token_path or ""), pid=os.getpid(), plan=str(plan),
+                                shm_key_file=str(server.shm_key_file))
     return endpoints.write(found)
 
 

@@ -113,14 +113,35 @@ def triton_command(repository: Path, tritonserver_args: tuple[str, ...], backend
 @app.command("perf-analyzer", context_settings={"ignore_unknown_options": True, "help_option_names": []})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def perf_analyzer(args: tuple[str, ...]) -> None:
-    """Run Triton's perf_analyzer (from tritonclient) with the libraries it needs; every argument goes to it."""
-    import os
+    """Run Triton's perf_analyzer (from tritonclient) with the libraries it needs; every argument goes to it.
 
+    With ``--shared-memory system|cuda`` it also sends the server's shared-memory key (from the file
+    $BLOCKFLOW_SHM_KEY_FILE names, else the local `blockflow serve`'s), kept off its command line."""
+    import os
+    from pathlib import Path
+
+    from blockflow.core import endpoints, env
     from blockflow.core.errors import EnvironmentProblem
     from blockflow.triton.doctor import perf_analyzer_path
-    from blockflow.triton.install import perf_analyzer_env
+    from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
 
     pa = perf_analyzer_path()
     if pa is None:
         raise EnvironmentProblem("perf_analyzer not found; fix: pip install 'blockflow[client]'")
-    os.execve(pa, [pa, *args], perf_analyzer_env())
+    cmd, run_env = [pa, *args], perf_analyzer_env()
+    if _uses_shared_memory(args) and not any(endpoints.SHM_HEADER in a for a in args):
+        found = endpoints.read()
+        key_file = os.environ.get(env.SHM_KEY_FILE_VAR) or (found.shm_key_file if found is not None else "")
+        if key_file:
+            cmd, run_env = perf_analyzer_shm_key(cmd, run_env, Path(key_file))
+    os.execve(pa, cmd, run_env)
+
+
+def _uses_shared_memory(args: tuple[str, ...]) -> bool:
+    """Whether perf_analyzer's arguments ask for system or CUDA shared memory (``--shared-memory[=]system|cuda``)."""
+    for i, a in enumerate(args):
+        value = a.partition("=")[2] if a.startswith("--shared-memory=") else (
+            args[i + 1] if a == "--shared-memory" and i + 1 < len(args) else "")
+        if value in ("system", "cuda"):
+            return True
+    return False

@@ -12,6 +12,7 @@ runtime directory.
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 import time
@@ -30,6 +31,7 @@ from blockflow.core.runtime_dir import write_private
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
 from blockflow.triton.flags import CUDA_POOL_MB
+from blockflow.triton.front_door import DEFAULT_MAX_BODY_BYTES
 from blockflow.triton.server import ServerOptions, TritonServer, check_port, make_runtime_dir
 
 # From this many block processes on one GPU, `blockflow serve` suggests --mps.
@@ -57,6 +59,20 @@ class ServeOptions:
     weights_dirs: list[Path] = field(default_factory=list)  # default: the plan's directory
     load_timeout: float = 300.0  # one model load during a plan change or a block reload
     tritonserver_args: list[str] = field(default_factory=list)  # passed through (checked: triton.flags.check_extra_args)
+    shm_key_file: Path | None = None  # where the shared-memory key is written; default: <runtime dir>/shm.key
+    shm_key_group: int | None = None  # a gid whose members may read it (0640)
+    max_body_bytes: int | None = None  # the HTTP front door's limit; default: front_door_limit(plan)
+
+
+def front_door_limit(plan: Plan) -> int:
+    """The largest HTTP request body the plan's tasks need, with room: twice the largest batch a task takes, as
+    fp32 (binary inputs), and never less than the front door's default (JSON-encoded inputs of smaller tasks).
+    Fixed at start-up: a plan applied later whose tasks take more needs ``serve --http-max-body-mb``."""
+    largest = 0
+    for task in plan.tasks.values():
+        first = plan.blocks[task.path[0]]
+        largest = max(largest, first.max_batch_size * 4 * math.prod(plan.block_in_shape(first)))
+    return max(DEFAULT_MAX_BODY_BYTES, 2 * largest)
 
 
 def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
@@ -95,7 +111,10 @@ class Service:
         self.files = generator.render(self.plan)
         o = options
         self.server = TritonServer(ServerOptions([self.repository], o.host, o.http_port, o.grpc_port, o.metrics_port,
-                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, warm_cores_ms=o.warm_cores_ms, extra_args=list(o.tritonserver_args)),
+                                                 cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, warm_cores_ms=o.warm_cores_ms,
+                                                 extra_args=list(o.tritonserver_args), shm_key_file=o.shm_key_file,
+                                                 shm_key_group=o.shm_key_group,
+                                                 max_body_bytes=o.max_body_bytes or front_door_limit(self.plan)),
                                    runtime_dir=self.runtime)
         self.lock = threading.Lock()  # one plan change at a time; the supervisor waits for it
         self.controller: Controller | None = None

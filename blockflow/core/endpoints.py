@@ -20,11 +20,16 @@ from blockflow.core import env
 from blockflow.core.runtime_dir import private_dir, write_private
 
 FILE_NAME = "endpoints.json"
+# The header that opens Triton's shared-memory API (blockflow.triton.access); over gRPC, Triton looks for a restricted
+# protocol's metadata under the prefix.
+SHM_HEADER = "blockflow-shm-key"
+GRPC_PROTOCOL_PREFIX = "triton-grpc-protocol-"
 
 
 @dataclass(frozen=True)
 class Endpoints:
-    """The addresses of one ``blockflow serve``; ``control`` and ``token_file`` are empty without a control service."""
+    """The addresses of one ``blockflow serve``; ``control`` and ``token_file`` are empty without a control service.
+    ``shm_key_file`` holds the key of Triton's shared-memory API (clients with CUDA or system shared-memory inputs)."""
 
     http: str
     grpc: str
@@ -33,6 +38,27 @@ class Endpoints:
     token_file: str
     pid: int
     plan: str
+    shm_key_file: str = ""
+
+
+def shm_headers(key: str, protocol: str = "http") -> dict[str, str]:
+    """The headers (``http``) or metadata (``grpc``) that open Triton's shared-memory API with ``key``."""
+    return {(GRPC_PROTOCOL_PREFIX if protocol == "grpc" else "") + SHM_HEADER: key}
+
+
+def shm_key() -> str:
+    """The key that opens Triton's shared-memory API: from the file ``$BLOCKFLOW_SHM_KEY_FILE`` names, else the one
+    the endpoints file names (the local ``blockflow serve``'s), else '' (registration is then refused: 403)."""
+    named = os.environ.get(env.SHM_KEY_FILE_VAR)
+    if not named:
+        found = read()
+        named = found.shm_key_file if found is not None else ""
+    if not named:
+        return ""
+    try:
+        return Path(named).read_text().strip()
+    except OSError:
+        return ""
 
 
 def path() -> Path:

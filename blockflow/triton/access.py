@@ -38,14 +38,14 @@ import hmac
 import secrets
 from pathlib import Path
 
-from blockflow.core import env
+from blockflow.core import endpoints, env
 
 # gRPC metadata keys are lower case; Triton compares HTTP header names case-insensitively.
 ADMIN_HEADER = "blockflow-admin-key"
 # Triton looks for a restricted protocol's gRPC metadata under this prefix.
-GRPC_PREFIX = "triton-grpc-protocol-"
+GRPC_PREFIX = endpoints.GRPC_PROTOCOL_PREFIX
 GRPC_ADMIN_HEADER = f"{GRPC_PREFIX}{ADMIN_HEADER}"
-SHM_HEADER = "blockflow-shm-key"
+SHM_HEADER = endpoints.SHM_HEADER  # clients send it too (blockflow.clients), so the core spells it
 GRPC_SHM_HEADER = f"{GRPC_PREFIX}{SHM_HEADER}"
 ADMIN_KEY_FILE = env.ADMIN_KEY_FILE
 SHM_KEY_FILE = env.SHM_KEY_FILE
@@ -83,16 +83,6 @@ def admin_headers(key: str) -> dict[str, str]:
 def grpc_admin_headers(key: str) -> dict[str, str]:
     """gRPC metadata that opens the restricted protocols (Triton prefixes the key's name)."""
     return {GRPC_ADMIN_HEADER: key}
-
-
-def shm_headers(key: str) -> dict[str, str]:
-    """HTTP headers that open the shared-memory API."""
-    return {SHM_HEADER: key}
-
-
-def grpc_shm_headers(key: str) -> dict[str, str]:
-    """gRPC metadata that opens the shared-memory API."""
-    return {GRPC_SHM_HEADER: key}
 
 
 def same_secret(given: str, expected: str) -> bool:

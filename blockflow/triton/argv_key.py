@@ -200,7 +200,7 @@ def library() -> Path | None:
         f"no other user can reach, {ALLOW_VAR}=1 accepts it")
 
 
-def server_env(env: dict[str, str], lib: Path, admin_key_file: Path | None,
+def preload_env(env: dict[str, str], lib: Path, admin_key_file: Path | None,
                shm_key_file: Path | None = None) -> dict[str, str]:
     """``env`` with the library preloaded and the key files named (None: a random key nobody has)."""
     out = dict(env)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockflow import __version__
-from blockflow.core import nvml
+from blockflow.core import env, nvml
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton import argv_key
+from blockflow.triton.front_door import find_nginx
 from blockflow.triton.install import locate, perf_analyzer_env
 
 
@@ -128,4 +129,16 @@ def run_checks() -> list[Check]:
     rows.append(_nvml_check())
     rows += _triton_checks()
     rows.append(_argv_key_check())
+    rows.append(_nginx_check())
     return rows
+
+
+def _nginx_check() -> Check:
+    try:
+        nginx = find_nginx()
+    except EnvironmentProblem as exc:
+        return Check("nginx (HTTP front door)", False, str(exc))
+    if nginx is None:
+        return Check("nginx (HTTP front door)", False, "not found; fix: ./scripts/setup.sh, apt-get install nginx, or name "
+                     f"the binary in {env.NGINX}")
+    return Check("nginx (HTTP front door)", True, str(nginx))

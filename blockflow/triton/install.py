@@ -35,7 +35,7 @@ from pathlib import Path
 from blockflow.core import env as blockflow_env
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.nvml import gpu_count
-from blockflow.triton import argv_key
+from blockflow.triton import access, argv_key
 from blockflow.triton.access import restricted_args as access_args
 from blockflow.triton.flags import CUDA_POOL_MB
 
@@ -242,6 +242,18 @@ def standalone_script(install: TritonInstall, repository: Path, backend_base: Pa
     lines += key_lines
     lines.append(" ".join(["exec", shlex.quote(str(install.server)), *map(shlex.quote, args)]) + restricted + ' "$@"')
     return "\n".join(lines) + "\n"
+
+
+def perf_analyzer_shm_key(cmd: list[str], env: dict[str, str], shm_key_file: Path) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` (a perf_analyzer command line) and ``env`` with the server's shared-memory key sent on its calls, so
+    that ``--shared-memory system|cuda`` may register regions: ``-H`` as an HTTP header and as gRPC metadata alike
+    (each protocol ignores the other's). The key stays off its command line as it does off tritonserver's: the
+    argv-key library swaps it in for a placeholder (where there is none, :func:`argv_key.library` says whether it
+    may go there)."""
+    lib = argv_key.library()
+    value = argv_key.SHM_PLACEHOLDER if lib is not None else shm_key_file.read_text().strip()
+    flags = ["-H", f"{access.SHM_HEADER}:{value}", "-H", f"{access.GRPC_SHM_HEADER}:{value}"]
+    return [cmd[0], *flags, *cmd[1:]], env if lib is None else argv_key.preload_env(env, lib, None, shm_key_file)
 
 
 def perf_analyzer_env(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -261,7 +261,7 @@ class TritonServer:
         env.update(o.env)
         shim = argv_key.library()
         if shim is not None:
-            env = argv_key.server_env(env, shim, self.admin_key_file, self.shm_key_file)
+            env = argv_key.preload_env(env, shim, self.admin_key_file, self.shm_key_file)
         if self.warm_cores is not None:
             self.warm_cores.start()
             env.update(self.warm_cores.env)

@@ -44,7 +44,7 @@ def clear() -> None:
 
 def run(lib: Path, key_file: Path | None, *args: str, base: dict[str, str] | None = None,
         shm_key_file: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = argv_key.server_env(dict(base if base is not None else os.environ), lib, key_file, shm_key_file)
+    env = argv_key.preload_env(dict(base if base is not None else os.environ), lib, key_file, shm_key_file)
     return subprocess.run([sys.executable, "-c", SHOW, *args], capture_output=True, text=True, env=env, timeout=60, check=False)
 
 
@@ -273,7 +273,7 @@ def test_the_guard_keeps_server_regions_out_of_reach_and_private(lib: Path) -> N
     regions = [shared_memory.SharedMemory(n, create=True, size=4096) for n in names]
     try:
         res = subprocess.run([sys.executable, "-c", GUARD, *names, f"//{names[0]}"], capture_output=True, text=True,
-                             env=argv_key.server_env(dict(os.environ), lib, None), timeout=60, check=False)
+                             env=argv_key.preload_env(dict(os.environ), lib, None), timeout=60, check=False)
     finally:
         for r in regions:
             r.close()

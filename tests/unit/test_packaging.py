@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from blockflow.core.env import NGINX
+from blockflow.triton.front_door import find_nginx
 from blockflow.triton.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +91,10 @@ def _serve_and_infer(bin_dir: Path, where: Path) -> None:
     http_port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    # nginx, the HTTP front door, is the machine's (no wheel carries it): the one this checkout's setup installed.
+    nginx = find_nginx()
+    assert nginx is not None, "run ./scripts/setup.sh: it installs nginx"
+    env[NGINX] = str(nginx)
     log = where / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([str(bin_dir / "blockflow"), "serve", "--plan", str(plan), "--http-port", str(http_port),
