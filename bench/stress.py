@@ -54,14 +54,15 @@ def main() -> None:
 
         for memory in inputs:
             for r in range(args.rounds):
-                results = _round(server.http_url, memory, jobs, args.workers)
+                results = _round(server.http_url, memory, jobs, args.workers, server.shm_key)
                 errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected, strict=True)]
                 bad = sum(1 for e in errs if not e <= 1e-4)
                 print(f"[stress {args.label}] {memory} inputs, round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}",
                       flush=True)
 
 
-def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: int) -> list[np.ndarray]:  # type: ignore[type-arg]
+def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: int,  # type: ignore[type-arg]
+           shm_key: str) -> list[np.ndarray]:  # type: ignore[type-arg]
     """Every job once, by ``workers`` threads; the logits in job order.
 
     Each thread makes, uses and closes a client of its own: a CUDA region serves one request at a
@@ -75,7 +76,7 @@ def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: i
 
     def work() -> None:
         try:
-            with TaskClient(url, input_memory="cuda" if memory == "cuda" else "host") as client:
+            with TaskClient(url, input_memory="cuda" if memory == "cuda" else "host", shm_key=shm_key) as client:
                 while True:
                     try:
                         i = todo.get_nowait()

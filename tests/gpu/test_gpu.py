@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from blockflow.backend.runtime import DTYPES, BlockRunner
+from blockflow.core import endpoints
+from blockflow.core.env import SHM_KEY_FILE_VAR
 from blockflow.core.spec import hop_dtype
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan
@@ -168,10 +172,24 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     generator.write(generator.render(load_plan(ROOT / "tests" / "plans" / "gpu_precisions.yaml")), repo)
     server = TritonServer(ServerOptions.on_free_ports([repo]))
     server.start(600)
+    # The clients of these tests find the shared-memory key as a user's would: through BLOCKFLOW_SHM_KEY_FILE.
+    before = os.environ.get(SHM_KEY_FILE_VAR)
+    os.environ[SHM_KEY_FILE_VAR] = str(server.shm_key_file)
     try:
         yield server.http_url
     finally:
         server.stop()
+        if before is None:
+            os.environ.pop(SHM_KEY_FILE_VAR, None)
+        else:
+            os.environ[SHM_KEY_FILE_VAR] = before
+
+
+def _cuda_regions(url: str) -> list[Any]:
+    """The CUDA shared-memory regions registered with the server (the status call needs the shared-memory key)."""
+    import tritonclient.http as th
+
+    return list(th.InferenceServerClient(url).get_cuda_shared_memory_status(headers=endpoints.shm_headers(endpoints.shm_key())))
 
 
 @pytest.mark.parametrize(("task", "tol"), [("g_fp32_eager", 1e-4), ("g_fp16", 1e-2), ("g_bf16", 1e-2)])
@@ -202,7 +220,6 @@ def test_blocks_are_placed_on_the_gpu(gpu_server: str) -> None:
 
 @pytest.mark.parametrize("task", ["g_fp32_eager", "g_fp16"])  # eager, and a CUDA graph's input copy
 def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str, task: str) -> None:
-    import tritonclient.http as th
 
     from blockflow.clients.client import TaskClient
 
@@ -214,18 +231,15 @@ def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str, task: str)
             want = host.infer(task, x)
             assert np.array_equal(dev.infer(task, x), want)
             assert np.array_equal(dev.infer(task, torch.from_numpy(x).cuda()), want)  # never via the host
-        regions = th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status()
+        regions = _cuda_regions(gpu_server)
         assert len(regions) == 1 and regions[0]["byte_size"] == 8 * 3 * 224 * 224 * 4
-    assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # unregistered on close
+    assert _cuda_regions(gpu_server) == []  # unregistered on close
 
 
 def test_concurrent_async_cuda_inputs_each_get_their_own_answer(gpu_server: str) -> None:
     """Calls in flight together on one AsyncTaskClient never share a CUDA region: the server reads
     a request's region while it serves it, so a shared one would hand a request another's images."""
     import asyncio
-    from typing import Any
-
-    import tritonclient.http as th
 
     from blockflow.clients.client import AsyncTaskClient, TaskClient
 
@@ -236,7 +250,7 @@ def test_concurrent_async_cuda_inputs_each_get_their_own_answer(gpu_server: str)
     async def rounds() -> tuple[list[list[Any]], int]:
         async with AsyncTaskClient(gpu_server, input_memory="cuda") as c:
             got = [list(await asyncio.gather(*(c.infer("g_fp16", x) for x in xs))) for _ in range(3)]
-            return got, len(th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status())
+            return got, len(_cuda_regions(gpu_server))
 
     got, regions = asyncio.run(rounds())
     for r, answers in enumerate(got):
@@ -244,7 +258,7 @@ def test_concurrent_async_cuda_inputs_each_get_their_own_answer(gpu_server: str)
             # Batched with other requests, a request may run at another batch size than alone (fp16 rounding).
             assert g.shape == w.shape and rel_err(g, w) <= 1e-2, (r, i, rel_err(g, w))
     assert 1 <= regions <= len(xs)  # one per call in flight, reused by the later rounds
-    assert th.InferenceServerClient(gpu_server).get_cuda_shared_memory_status() == []  # all unregistered on close
+    assert _cuda_regions(gpu_server) == []  # all unregistered on close
 
 
 def test_load_through_cuda_regions(gpu_server: str) -> None:

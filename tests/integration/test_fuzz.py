@@ -24,7 +24,7 @@ import tritonclient.http as th
 
 from blockflow.clients.client import TaskClient
 from blockflow.triton import argv_key
-from blockflow.triton.access import ADMIN_HEADER, grpc_admin_headers
+from blockflow.triton.access import ADMIN_HEADER, SHM_HEADER, grpc_admin_headers
 
 from ..conftest import Served
 
@@ -236,15 +236,18 @@ def test_the_admin_key_is_not_on_tritonservers_command_line(served: Served) -> N
     assert served.server.process is not None
     pid = served.server.process.pid
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    assert served.server.admin_key.encode() not in cmdline
-    assert cmdline.count(argv_key.PLACEHOLDER.encode()) == 2  # HTTP's and gRPC's restricted APIs
+    assert served.server.admin_key.encode() not in cmdline and served.server.shm_key.encode() not in cmdline
+    assert cmdline.count(argv_key.ADMIN_PLACEHOLDER.encode()) == 2  # HTTP's and gRPC's restricted APIs
+    assert cmdline.count(argv_key.SHM_PLACEHOLDER.encode()) == 2
     host, port = served.http.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v2/repository/index", body=b"{}", headers={ADMIN_HEADER: argv_key.PLACEHOLDER})
+    conn.request("POST", "/v2/repository/index", body=b"{}", headers={ADMIN_HEADER: argv_key.ADMIN_PLACEHOLDER})
     assert conn.getresponse().status == 403
     conn.close()
     with pytest.raises(Exception, match="restricted"):
-        tg.InferenceServerClient(served.grpc).get_model_repository_index(headers=grpc_admin_headers(argv_key.PLACEHOLDER))
+        th.InferenceServerClient(served.http).get_system_shared_memory_status(headers={SHM_HEADER: argv_key.SHM_PLACEHOLDER})
+    with pytest.raises(Exception, match="restricted"):
+        tg.InferenceServerClient(served.grpc).get_model_repository_index(headers=grpc_admin_headers(argv_key.ADMIN_PLACEHOLDER))
     # The block processes tritonserver started do not carry the library.
     stubs = [p for pids in served.server.stub_processes().values() for p in pids]
     assert stubs and not [p for p in stubs if b"argv-key" in Path(f"/proc/{p}/environ").read_bytes()]

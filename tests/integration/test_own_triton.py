@@ -125,7 +125,7 @@ def own_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     try:
         if argv_key.library() is not None:  # the key reaches tritonserver inside the process, never on its command line
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
-            assert cmdline.count(argv_key.PLACEHOLDER.encode()) == 2
+            assert cmdline.count(argv_key.ADMIN_PLACEHOLDER.encode()) == 2 and cmdline.count(argv_key.SHM_PLACEHOLDER.encode()) == 2
             if home_args:
                 assert access.read_secret(where / "admin.key").encode() not in cmdline
         yield url, where / "repo", runtime_base, where / "admin.key"
@@ -173,14 +173,18 @@ def test_its_runtime_directory_and_key_are_private(own_server: tuple[str, Path, 
     key = runtime / env.TMQ_KEY_FILE
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.stat().st_size == 32
     assert not [p for p in runtime.iterdir() if p.name.startswith(".tmq-key-")], "a key's temporary file was left"
+    # The stubs' regions are named so that Triton's shared-memory API may not open them, and only their user may.
+    regions = list(Path("/dev/shm").glob(env.stub_shm_prefix(0, repo.resolve()) + "*"))
+    assert regions and all(stat.S_IMODE(r.stat().st_mode) == 0o600 for r in regions), regions
 
 
-def test_its_model_repository_trace_and_logging_apis_need_the_key(own_server: tuple[str, Path, Path, Path]) -> None:
+def test_its_model_repository_trace_logging_and_shared_memory_apis_need_a_key(own_server: tuple[str, Path, Path, Path]) -> None:
     url, _, _, key_file = own_server
     client = http.InferenceServerClient(url)
     try:
         # Behind a key in both modes: the key file's, or a random one nobody has (Triton's default mode).
-        for call in (lambda: client.load_model("trunk"), client.get_trace_settings, client.get_log_settings):
+        for call in (lambda: client.load_model("trunk"), client.get_trace_settings, client.get_log_settings,
+                     client.get_system_shared_memory_status, client.get_cuda_shared_memory_status):
             with pytest.raises(InferenceServerException, match="restricted"):
                 call()
         if key_file.exists():  # explicit mode: the key opens it
