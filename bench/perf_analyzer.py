@@ -13,7 +13,7 @@ from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
 
-INPUTS = ("host", "cuda-shm")
+INPUTS = ("host", "cuda-shm", "system-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
 
 
@@ -22,9 +22,9 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
                   shm_key_file: Path | None = None) -> dict[str, Any]:
     """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
 
-    ``input_memory="cuda-shm"``: inputs and outputs through CUDA shared-memory regions
-    (perf_analyzer's ``--shared-memory cuda``), each output's region ``output_bytes`` large, registered
-    with the key in ``shm_key_file`` (the server's ``shm_key_file``).
+    ``input_memory="cuda-shm"`` (``"system-shm"``): inputs and outputs through CUDA (system) shared-memory
+    regions (perf_analyzer's ``--shared-memory cuda|system``), each output's region ``output_bytes`` large,
+    registered with the key in ``shm_key_file`` (the server's ``shm_key_file``).
     """
     pa = perf_analyzer_path()
     if pa is None:
@@ -33,12 +33,12 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
         cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
                "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
                "--stability-percentage", "20", "-f", f.name]
-        if input_memory == "cuda-shm":
-            cmd += ["--shared-memory", "cuda", "--output-shared-memory-size", str(max(output_bytes, 102400))]
+        if input_memory in ("cuda-shm", "system-shm"):
+            cmd += ["--shared-memory", input_memory.removesuffix("-shm"), "--output-shared-memory-size", str(max(output_bytes, 102400))]
         env = perf_analyzer_env()
-        if input_memory == "cuda-shm":
+        if input_memory != "host":
             if shm_key_file is None:
-                raise ValueError("CUDA shared-memory inputs need the server's shm_key_file")
+                raise ValueError("shared-memory inputs need the server's shm_key_file")
             cmd, env = perf_analyzer_shm_key(cmd, env, shm_key_file)
         if rate is not None:
             # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
