@@ -94,10 +94,10 @@ def test_a_tensormq_pools_cuda_handle_is_refused_without_the_key(server: TritonS
     h, g = th.InferenceServerClient(server.http_url), tg.InferenceServerClient(server.grpc_url)
     registered = 0
     for pool in pools:
-        raw, device, nbytes = bytes.fromhex(str(pool["handle"])), int(str(pool["device"])), int(str(pool["nbytes"]))
+        raw = base64.b64encode(bytes.fromhex(str(pool["handle"]))).decode()  # as both of tritonclient's clients take it
+        device, nbytes = int(str(pool["device"])), int(str(pool["nbytes"]))
         for http_headers, grpc_headers in ((None, None), (endpoints.shm_headers("wrong"), endpoints.shm_headers("wrong", "grpc"))):
-            for call in (partial(h.register_cuda_shared_memory, "pool", base64.b64encode(raw).decode(), device, nbytes,
-                                 headers=http_headers),
+            for call in (partial(h.register_cuda_shared_memory, "pool", raw, device, nbytes, headers=http_headers),
                          partial(g.register_cuda_shared_memory, "pool", raw, device, nbytes, headers=grpc_headers)):
                 try:
                     call()
