@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--cuda-pool-mb", type=int, default=CUDA_POOL_MB)
     ap.add_argument("--mps", action="store_true", help="block processes as clients of a private MPS daemon (as `blockflow serve --mps`)")
-    ap.add_argument("--calibration", type=Path, default=ROOT / "bench" / "results" / "h100" / "memory_calibration.json")
+    ap.add_argument("--calibration", type=Path, default=memory.shipped_calibration())
     args = ap.parse_args()
     unknown = set(args.variants.split(",")) - {*VARIANTS, "packed2"}
     if unknown:

@@ -1,3 +1,3 @@
 """BlockFlow: DNNs cut into shared blocks, served on NVIDIA Triton."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -217,7 +217,7 @@ def generate(plan: Path, output: Path, check: bool, as_json: bool) -> None:
 @click.argument("plan", type=click.Path(path_type=Path), required=False)
 @click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs to place on (default: the GPUs NVML sees, at least 1).")
 @click.option("--calibration", type=click.Path(path_type=Path, exists=True), default=None,
-              help="Constants measured by `python -m blockflow.bench.memory` (default: bench/results/h100/memory_calibration.json if present).")
+              help="Constants measured by `python -m blockflow.bench.memory` (default: the calibration BlockFlow ships, fitted on an H100).")
 @click.option("--scenarios", "arch", type=click.Choice(["resnet50", "resnet152"]), default=None,
               help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
 @click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
@@ -227,12 +227,9 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
                 cuda_pool_mb: int, as_json: bool) -> None:
     """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""
     from blockflow.core.nvml import gpu_count
-    from blockflow.core.shipped import shipped
     from blockflow.plan import load_plan, memory
 
-    default_cal = shipped("bench/results/h100/memory_calibration.json")
-    cal_path = calibration or (default_cal if default_cal.is_file() else None)
-    cal = memory.Calibration.load(cal_path) if cal_path else memory.Calibration()
+    cal = memory.Calibration.load(calibration or memory.shipped_calibration())
     calibration_doc = {"source": cal.source, "process_mib": cal.process_mib, "activation_factor": cal.activation_factor,
                        "server_mib": cal.server_mib, "cuda_pool_mib": cuda_pool_mb}
     if as_json and arch is not None:

@@ -1,8 +1,9 @@
-"""Files BlockFlow ships besides code: the plans, the memory calibration, the Grafana dashboard.
+"""Files BlockFlow ships besides code from folders outside the package: the plans, the Grafana dashboard.
 
 A source checkout has them at the repository's root (``plans/default.yaml``); the wheel carries
 them inside the package, under ``blockflow/data/`` (``pyproject.toml`` maps each folder there), and
-they are found through :mod:`importlib.resources`.
+they are found through :mod:`importlib.resources`. Data that lives inside the package in a checkout too
+(``blockflow/data/calibration/``) is read with :mod:`importlib.resources` directly.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 # Where each shipped folder of the checkout lives inside the wheel's blockflow/data/.
-FOLDERS = {"plans": "plans", "monitoring/grafana": "grafana", "bench/results/h100": "calibration"}
+FOLDERS = {"plans": "plans", "monitoring/grafana": "grafana"}
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 

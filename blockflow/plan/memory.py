@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,11 @@ class Calibration:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def shipped_calibration() -> Path:
+    """The calibration file BlockFlow ships, inside the package in a checkout and in a wheel alike."""
+    return Path(str(resources.files("blockflow") / "data" / "calibration" / "h100.json"))
 
 
 @dataclass(frozen=True)

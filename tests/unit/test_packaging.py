@@ -5,6 +5,7 @@ processes run from the wheel; its base install (the client) needs no torch."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -24,18 +25,68 @@ from blockflow.triton.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["blockflow/data/plans/default.yaml", "blockflow/data/plans/bench_r50.yaml", "blockflow/data/plans/examples/skipnet.yaml",
-           "blockflow/data/calibration/memory_calibration.json", "blockflow/data/grafana/blockflow.json", "blockflow/clients/imagenet_classes.txt",
+           "blockflow/data/calibration/h100.json", "blockflow/data/grafana/blockflow.json", "blockflow/clients/imagenet_classes.txt",
            "blockflow/triton/argv_key.c"]
+
+
+def _ignored(rel: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore's ``patterns`` leave ``rel`` out of the build context: a pattern that matches the
+    path or any folder above it (Docker's rule; ``**`` matches any number of folders)."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        bare = pattern.removeprefix("**/")
+        if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+            return True
+        if pattern.startswith("**/") and any(fnmatch.fnmatchcase(part, bare) for part in parts):
+            return True
+    return False
+
+
+def docker_context(dest: Path) -> Path:
+    """What the Dockerfile's last stage copies, as ``docker build`` would send it: the sources of its COPY lines
+    (not those ``--from`` another stage), less what .dockerignore leaves out; links stay links. Returns ``dest``."""
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    last_stage = max(i for i, line in enumerate(lines) if line.startswith("FROM "))
+    sources = [src for line in lines[last_stage:] if line.startswith("COPY ") and "--from=" not in line
+               for src in line.split()[1:-1]]
+    patterns = [p.strip().rstrip("/") for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    assert sources, "no COPY line in the Dockerfile's last stage"
+    for src in sources:
+        top = ROOT / src.rstrip("/")
+        for path in [top, *sorted(top.rglob("*"))] if top.is_dir() and not top.is_symlink() else [top]:
+            rel = path.relative_to(ROOT).as_posix()
+            if _ignored(rel, patterns):
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_symlink():
+                target.symlink_to(os.readlink(path))
+            elif path.is_dir():
+                target.mkdir(exist_ok=True)
+            else:
+                shutil.copy2(path, target)
+    return dest
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The wheel built from exactly what the image's install step has: its build context (docker_context)."""
+    context = docker_context(tmp_path_factory.mktemp("context"))
     out = tmp_path_factory.mktemp("wheel")
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(context)],
                          capture_output=True, text=True, timeout=300, cwd=out)
     assert res.returncode == 0, res.stderr[-2000:]
     (found,) = out.glob("blockflow-*.whl")
     yield found
+
+
+def test_the_build_context_is_what_the_dockerfile_copies_less_dockerignore(tmp_path: Path) -> None:
+    context = docker_context(tmp_path / "context")
+    assert (context / "pyproject.toml").is_file() and (context / "blockflow" / "data" / "calibration" / "h100.json").is_file()
+    assert not (context / "tests").exists() and not (context / "bench" / "results").exists()
+    assert not list(context.rglob("__pycache__"))
+    assert (context / "blockflow" / "backend").is_symlink()
 
 
 def test_the_wheel_has_one_package_py_typed_the_license_and_the_shipped_files(wheel: Path) -> None:
@@ -72,6 +123,8 @@ def test_installed_in_a_fresh_venv_it_validates_passes_doctor_and_serves(wheel: 
     bin_dir = fresh_venv
     res = _run(bin_dir, "pip", "install", "-q", f"{wheel}[server]", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    res = _run(bin_dir, "blockflow", "--version", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("blockflow, version "), res.stdout + res.stderr
     where = _run(bin_dir, "python", "-c", "from blockflow.core.shipped import shipped; print(shipped('plans/default.yaml'))", cwd=tmp_path)
     default = Path(where.stdout.strip())
     assert str(tmp_path / "venv") in str(default) and default.is_file(), where.stdout + where.stderr
@@ -140,3 +193,18 @@ def test_the_client_install_needs_no_torch(wheel: Path, fresh_venv: Path, tmp_pa
     where = _run(bin_dir, "python", "-c", "from blockflow.core.shipped import shipped; print(shipped('plans/default.yaml'))", cwd=tmp_path)
     res = _run(bin_dir, "blockflow", "validate", where.stdout.strip(), cwd=tmp_path)
     assert res.returncode == 3 and "pip install 'blockflow[runtime]'" in res.stderr, res.stdout + res.stderr
+
+
+def test_one_python_range_everywhere() -> None:
+    """pyproject's requires-python, the versions scripts/setup.sh accepts, README's words and the stub's hint agree."""
+    import re
+
+    found = re.search(r'^requires-python = ">=3\.(\d+),<3\.(\d+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert found is not None, "requires-python is not of the form >=3.X,<3.Y"
+    low, high = found.groups()
+    minors = list(range(int(low), int(high)))
+    words = f"3.{minors[0]}–3.{minors[-1]}"
+    assert f"case \"$PYVER\" in {'|'.join(f'3.{m}' for m in minors)})" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert f"Python {words}" in (ROOT / "README.md").read_text()
+    assert f"use Python 3.{minors[0]}-3.{minors[-1]}" in (ROOT / "blockflow" / "triton" / "install.py").read_text()
+    assert all(f"3.{m}" in {"3.8", "3.9", "3.10", "3.11", "3.12", "3.13"} for m in minors)  # stubs nvidia-pytriton ships
