@@ -10,6 +10,7 @@ every request. Endpoints:
 ``GET /plan``             the plan being served, and the history kept on disk.
 ``POST /plan/rollback``   apply the plan before the current one (``?steps=N`` goes further back).
 ``GET /status``           tasks and blocks with their readiness on the server.
+``GET /metrics``          serve's own metrics, Prometheus' text format (blockflow.control.metrics).
 ``GET /health/ready``     for probes, the one endpoint without a token: 200 while Triton says it is
                           ready, else 503; it tells nothing more. It answers once both the server
                           and this service are up (a probe of Triton alone passes before this
@@ -29,10 +30,12 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from blockflow.control.apply import Applier, Report, expected_instances
+from blockflow.control.metrics import ServeMetrics
 from blockflow.core.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, naming, parse_plan_text
@@ -62,8 +65,10 @@ class Controller:
     """Plan history plus the applier; one plan change at a time."""
 
     def __init__(self, applier: Applier, state_dir: Path, base_dir: Path, gpus: int = 0, keep: int = 10,
-                 weights_dirs: Sequence[Path] | None = None, limits: Limits = Limits()) -> None:
+                 weights_dirs: Sequence[Path] | None = None, limits: Limits = Limits(),
+                 metrics: ServeMetrics | None = None) -> None:
         self.applier = applier
+        self.metrics = metrics or ServeMetrics()
         self.state_dir = state_dir
         self.base_dir = base_dir  # relative weights files in posted plans are resolved from here
         # Posted plans may name weights files only under these directories (default: the plan's own).
@@ -115,21 +120,29 @@ class Controller:
         self.plan = plan
         self.expected = expected_instances(generator.render(plan), self.gpus)
         self._record(text, plan)
+        self.metrics.serving(plan.raw.name, text)
 
     # ------------------------------------------------------------------ changes
 
-    def submit(self, text: str, dry_run: bool = False, source: str = "POST /plan") -> Report:
+    def submit(self, text: str, dry_run: bool = False, source: str = "POST /plan", rollback: bool = False) -> Report:
         plan = self.parse(text, source)
         if not self._serial.acquire(timeout=self.limits.busy_wait_s):
             raise ApplyError(f"another plan change is still in progress after {self.limits.busy_wait_s:g} s; "
                              "nothing was changed, try again later")
+        counter = self.metrics.rollbacks if rollback else self.metrics.applies
         try:
-            report = self.applier.apply(plan, dry_run=dry_run)
+            try:
+                report = self.applier.apply(plan, dry_run=dry_run)
+            except ApplyError:
+                counter.labels("failed").inc()
+                raise
             if not dry_run:
+                counter.labels("ok").inc()
                 self.plan = plan
                 self.expected = expected_instances(generator.render(plan), self.gpus)
                 if not report.diff.empty or not self.history():
                     self._record(text, plan)
+                self.metrics.serving(plan.raw.name, text)
         finally:
             self._serial.release()
         return report
@@ -140,7 +153,7 @@ class Controller:
             raise ApplyError(f"cannot roll back {steps} plan(s): {len(entries)} plan(s) kept, so at most "
                              f"{max(0, len(entries) - 1)} step(s) back")
         text = entries[-1 - steps].path.read_text().split("\n", 1)[1]
-        return self.submit(text, source=f"rollback to plan #{entries[-1 - steps].number}")
+        return self.submit(text, source=f"rollback to plan #{entries[-1 - steps].number}", rollback=True)
 
     # ------------------------------------------------------------------ reading
 
@@ -231,6 +244,10 @@ def create_app(controller: Controller, token: str) -> FastAPI:
     @app.get("/status", dependencies=[Depends(authorized)])
     async def status() -> dict[str, Any]:
         return await run_in_threadpool(controller.status)
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    def metrics() -> Response:
+        return Response(controller.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health/ready")
     def health_ready() -> JSONResponse:  # no token: Kubernetes probes cannot send one; it tells only ready or not

@@ -89,6 +89,7 @@ class Supervisor:
             self.server.start(self.start_timeout)
         except ServerError as exc:
             self._failed_starts += 1
+            self.controller.metrics.failed_starts.inc()
             if self._failed_starts >= self.max_failed_starts:
                 raise ServerError(f"tritonserver could not start {self._failed_starts} times in a row; giving up: {exc}") from exc
             self._delay = min(self.max_backoff_s, max(self.backoff_s, 2 * self._delay))
@@ -97,6 +98,7 @@ class Supervisor:
                      f"trying again in {self._delay:g} s: {exc}")
             return
         self.restarts += 1
+        self.controller.metrics.restarts.inc()
         self._failed_starts = 0
         self._next_start = None
         self._up_since = time.monotonic()
@@ -108,6 +110,7 @@ class Supervisor:
         try:
             for model in self.server.heal(expected, timeout=self.load_timeout):
                 self._heal_failures.pop(model, None)
+                self.controller.metrics.block_reloads.inc()
                 self.say(f"block {model}: a process died; reloaded it")
         except ModelReloadError as exc:  # keeps serving the other blocks; tried again in 10 s
             self._heal_failures[exc.model] = now

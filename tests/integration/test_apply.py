@@ -652,3 +652,8 @@ def test_a_killed_tritonserver_is_restarted_with_the_same_plan(live: Live) -> No
         np.testing.assert_allclose(_infer(client, t, _image()), before[t], rtol=0, atol=1e-4)
     text = live.log.read_text()
     assert "restarting it with plan 'live-b'" in text and "serves plan 'live-b' again" in text
+    # serve's own metrics count the restart and name the plan it serves; they want the token like the rest.
+    assert httpx.get(f"{live.control}/metrics").status_code == 401
+    metrics = httpx.get(f"{live.control}/metrics", headers=live.headers).text
+    restarts = float(next(ln.split()[1] for ln in metrics.splitlines() if ln.startswith("blockflow_tritonserver_restarts_total ")))
+    assert restarts >= 1 and 'name="live-b"} 1.0' in metrics, metrics

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from blockflow.control import supervisor as sup
+from blockflow.control.metrics import ServeMetrics
 from blockflow.core.errors import ServerError
 
 
@@ -58,7 +59,7 @@ def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[sup.Supervisor, StandInServe
     server = StandInServer()
     server.clock = clock
     said: list[str] = []
-    controller: Any = SimpleNamespace(plan=SimpleNamespace(raw=SimpleNamespace(name="p")), expected={})
+    controller: Any = SimpleNamespace(plan=SimpleNamespace(raw=SimpleNamespace(name="p")), expected={}, metrics=ServeMetrics())
     s = sup.Supervisor(server, controller, threading.Lock(), backoff_s=1.0, max_backoff_s=60.0, stable_s=300.0,  # type: ignore[arg-type]
                        max_failed_starts=3, say=said.append)
     return s, server, clock, said
@@ -95,6 +96,7 @@ def test_a_server_that_keeps_dying_keeps_being_brought_back_with_a_growing_back_
     waits = [round(start - death) for start, death in zip(server.starts, deaths, strict=True)]
     assert waits == [0, 1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60]  # never more than max_backoff_s apart, never given up
     assert s.restarts == 12 and any("in 60 s" in m for m in said)
+    assert b"blockflow_tritonserver_restarts_total 12.0" in s.controller.metrics.text()
     # Up for stable_s: the next death is brought back at once again.
     _run_for(s, clock, 301)
     server.die()
@@ -113,3 +115,27 @@ def test_a_server_that_cannot_start_ends_serve_after_a_few_tries(setup: tuple[su
     server.failing_starts = 3
     with pytest.raises(ServerError, match="could not start 3 times in a row; giving up"):
         _run_for(s, clock, 120)
+    assert b"blockflow_tritonserver_failed_starts_total 5.0" in s.controller.metrics.text()
+
+
+def test_serve_metrics_lint_clean_with_promtool() -> None:
+    """The families serve exports pass Prometheus' own lint (names, _total counters, help, types)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    promtool = shutil.which("promtool", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing: scripts/setup.sh installs Debian's prometheus package into the venv")
+        pytest.skip("promtool is not installed (scripts/setup.sh installs it)")
+    m = ServeMetrics()
+    m.serving("default", "version: 1\n")
+    m.applies.labels("ok").inc()
+    text = m.text()
+    assert b'blockflow_plan_info{digest="' in text and b'name="default"} 1.0' in text
+    assert b'blockflow_plan_applies_total{result="ok"} 1.0' in text and b'blockflow_plan_rollbacks_total{result="failed"} 0.0' in text
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert res.returncode == 0, (res.stdout + res.stderr).decode()
