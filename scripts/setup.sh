@@ -16,10 +16,10 @@ if [ -z "$PY" ]; then
     if [ -n "$c" ] && [ -x "$c" ]; then PY="$c"; break; fi
   done
 fi
-[ -n "$PY" ] || { log "no python3 found; install Python 3.10-3.13"; exit 1; }
+[ -n "$PY" ] || { log "no python3 found; install Python 3.11-3.13"; exit 1; }
 PYVER="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 # The range pyproject.toml's requires-python gives (a test checks that they agree).
-case "$PYVER" in 3.10|3.11|3.12|3.13) ;; *) log "$PY is Python $PYVER; BlockFlow needs Python 3.10-3.13 (set PYTHON=...)"; exit 1;; esac
+case "$PYVER" in 3.11|3.12|3.13) ;; *) log "$PY is Python $PYVER; BlockFlow needs Python 3.11-3.13 (set PYTHON=...)"; exit 1;; esac
 
 apt_install() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

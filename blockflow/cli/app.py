@@ -8,9 +8,11 @@ non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -40,17 +42,30 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @click.option("-v", "--verbose", count=True, help="More log lines: -v BlockFlow's debug lines, -vv every library's too.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None, envvar=env.LOG_LEVEL, show_envvar=True,
               help="The lowest level of BlockFlow's log lines on stderr (default: info).")
-def app(verbose: int, log_level: str | None) -> None:
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", envvar=env.LOG_FORMAT, show_envvar=True,
+              help="text: a line with time, level and message; json: one JSON object a line (time, level, logger, message), for log collectors.")
+def app(verbose: int, log_level: str | None, log_format: str) -> None:
     """Serve DNNs cut into shared blocks on NVIDIA Triton."""
-    import logging
-
     # Log lines (serve's progress, the supervisor, apply) on stderr, one line each with its time
     # and level, never wrapped (logs are grepped); other libraries' only from warnings up unless
     # -vv (httpx alone logs every request at info).
     level = "debug" if verbose else (log_level or "info")
-    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S%z")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S%z"))
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.WARNING, handlers=[handler])
     logging.getLogger("blockflow").setLevel(level.upper())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (ISO 8601, UTC), level, logger, message, and the traceback if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
 
 
 PLAN = click.argument("plan", type=click.Path(path_type=Path))

@@ -65,6 +65,7 @@ METRICS_URL = "BLOCKFLOW_METRICS_URL"  # Triton's metrics, http://host:port/metr
 CONTROL_URL = "BLOCKFLOW_CONTROL_URL"  # the control service, http://host:port
 ENDPOINTS = "BLOCKFLOW_ENDPOINTS"  # the endpoints file `blockflow serve` writes and the client commands read
 LOG_LEVEL = "BLOCKFLOW_LOG_LEVEL"  # the CLI's --log-level: debug, info, warning, error
+LOG_FORMAT = "BLOCKFLOW_LOG_FORMAT"  # the CLI's --log-format: text, json
 COMMIT = "BLOCKFLOW_COMMIT"  # the commit benchmark reports name, where the checkout is a copy without its history
 BUNDLE = "BLOCKFLOW_BUNDLE"  # the GPU machines' bundle directory (scripts/gpu_env.sh), where the tree's stamp lies (bench/stamp.py)
 STAGE_CACHE = "BLOCKFLOW_STAGE_CACHE"  # "0": every block process builds its parts (no stages/ cache)

@@ -88,7 +88,7 @@ class TritonInstall:
             out.append(f"Python backend missing at {self.python_backend}; {fix}")
         here = f"{sys.version_info.major}.{sys.version_info.minor}"
         if not self.stub().is_file():
-            out.append(f"no Python-backend stub for Python {here} at {self.stub()}; use Python 3.10-3.13")
+            out.append(f"no Python-backend stub for Python {here} at {self.stub()}; use Python 3.11-3.13")
         elif self.layout == "container" and self.stub_python() not in (None, here):
             out.append(f"the Python-backend stub {self.stub()} is built for Python {self.stub_python()}, this is {here}; "
                        f"install BlockFlow into that Python (python{self.stub_python()} -m pip install blockflow)")
