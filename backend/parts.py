@@ -77,19 +77,39 @@ def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
         raise BlockError(str(exc)) from None
     stages = arch.slice_stages(net, spec.arch, spec.cut_points, part.first, part.last)
     if part.weights.file is not None:
-        # Keys are those of the full torchvision model (the stages keep its names); the file may hold
-        # the whole model or just this block.
-        state = _load_state_dict(part.weights.file)
-        wanted = set(stages.state_dict())
-        missing = sorted(wanted - state.keys())
-        if missing:
-            raise BlockError(f"weights file {part.weights.file} lacks {len(missing)} tensor(s) of block "
-                             f"{part.block!r}, e.g. {missing[:3]}; keys must be named as in {_state_dict_of(spec.arch)}")
-        try:
-            stages.load_state_dict({k: state[k] for k in wanted}, strict=True)
-        except RuntimeError as exc:
-            raise BlockError(f"weights file {part.weights.file} does not fit block {part.block!r}: {exc}") from exc
+        _load_into(stages, part, _load_state_dict(part.weights.file), f"weights file {part.weights.file}", spec.arch)
+    elif part.weights.torchvision is not None:
+        _load_into(stages, part, _trained_state_dict(spec.arch, part.weights.torchvision),
+                   f"torchvision's {spec.arch} weights {part.weights.torchvision}", spec.arch)
     return stages
+
+
+def _load_into(stages: nn.Module, part: Part, state: dict[str, torch.Tensor], what: str, network: str) -> None:
+    """Load ``state`` (keyed as the full network; it may hold the whole model or just this block) into ``stages``."""
+    wanted = set(stages.state_dict())
+    missing = sorted(wanted - state.keys())
+    if missing:
+        raise BlockError(f"{what} lacks {len(missing)} tensor(s) of block {part.block!r}, e.g. {missing[:3]}; keys must "
+                         f"be named as in {_state_dict_of(network)}")
+    try:
+        stages.load_state_dict({k: state[k] for k in wanted}, strict=True)
+    except RuntimeError as exc:
+        raise BlockError(f"{what} does not fit block {part.block!r}: {exc}") from exc
+
+
+def _trained_state_dict(network: str, name: str) -> dict[str, torch.Tensor]:
+    """torchvision's trained weights ``name`` of ``network``: from torch hub's cache, downloaded there first if they
+    are not (torchvision's weights API); where they can be neither, an error that says which file to put where."""
+    trained = arch.trained_weights(network, name)
+    if Path(trained.cached).is_file():
+        return _load_state_dict(trained.cached)
+    try:
+        torch.hub.load_state_dict_from_url(trained.url, progress=False, map_location="cpu", weights_only=True)
+    except Exception as exc:  # no network, a proxy, a full disk: urllib and torch raise many kinds
+        raise BlockError(f"torchvision's {network} weights {name} are not in torch hub's cache and could not be "
+                         f"downloaded ({type(exc).__name__}: {exc}); on a machine that is online, download {trained.url} "
+                         f"and put it at {trained.cached} (the cache is $TORCH_HOME/hub/checkpoints)") from exc
+    return _load_state_dict(trained.cached)
 
 
 def _state_dict_of(network: str) -> str:

@@ -67,7 +67,11 @@ class StageCache:
         return cls(Path(runtime) / env.STAGE_CACHE_DIR)
 
     def path(self, spec: ModelSpec, part: Part) -> Path:
-        weights = {"seed": part.weights.seed} if part.weights.file is None else {"file": _file_digest(part.weights.file)}
+        weights: dict[str, object] = {"seed": part.weights.seed}
+        if part.weights.file is not None:
+            weights = {"file": _file_digest(part.weights.file)}
+        elif part.weights.torchvision is not None:  # torchvision's file names carry a hash of their content
+            weights = {"torchvision": part.weights.torchvision, "url": arch.trained_weights(spec.arch, part.weights.torchvision).url}
         # An exported program is keyed by its bytes (its weights and graph), not only its path.
         network: object = spec.arch
         if arch.is_program(spec.arch):

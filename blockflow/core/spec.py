@@ -46,10 +46,12 @@ class _Strict(BaseModel):
 
 
 class WeightsSource(_Strict):
-    """Where a part's weights come from: a seed, or a state-dict file keyed like the full torchvision model."""
+    """Where a part's weights come from: a seed, a state-dict file keyed like the full torchvision model, or
+    torchvision's trained weights of that name (its weights API's canonical name, ``IMAGENET1K_V2``)."""
 
     seed: int | None = None
     file: str | None = None
+    torchvision: str | None = None
 
 
 class Part(_Strict):

@@ -90,12 +90,16 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
             yield PlanIssue(f"{loc}.weights", f"model {b.model!r} is cut into stage files, which carry their own weights; "
                                               "leave weights out")
             continue
-        if weights is not None and weights.seed is None and weights.file is None:
-            yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file" + (", or leave weights out for the program's own" if program else ""))
+        given = [] if weights is None else [k for k in ("seed", "file", "torchvision") if getattr(weights, k) is not None]
+        if weights is not None and len(given) != 1:
+            yield PlanIssue(f"{loc}.weights", "give exactly one of seed, file or torchvision" +
+                            (f", not {' and '.join(given)}" if given else ", or leave weights out for the program's own" if program else ""))
             continue
-        if weights is not None and weights.seed is not None and weights.file is not None:
-            yield PlanIssue(f"{loc}.weights", "give exactly one of seed or file, not both")
-            continue
+        if weights is not None and weights.torchvision is not None:
+            issue = torchvision_weights_issue(f"{loc}.weights.torchvision", raw.models[b.model], weights.torchvision)
+            if issue:
+                yield issue
+                continue
         if program and weights is not None and weights.seed is not None:
             yield PlanIssue(f"{loc}.weights.seed", f"model {b.model!r} is an exported program with its own weights; leave "
                                                    "weights out, or give weights.file to replace them")
@@ -153,6 +157,21 @@ def _stage_file_issues(plan: Plan, name: str, written: ModelDef) -> Iterable[Pla
             yield PlanIssue(f"models.{name}.stage_files[{k}]",
                             f"{files[k]} takes {_shapes([list(t) for t in shapes[k][0]])} but {files[k - 1]} gives "
                             f"{_shapes([list(t) for t in shapes[k - 1][1]])}; list files whose tensors match, in order")
+
+
+def torchvision_weights_issue(loc: str, model: ModelDef, name: str) -> PlanIssue | None:
+    """Why torchvision's weights ``name`` cannot serve ``model``, or None."""
+    if model.arch is None:
+        return PlanIssue(loc, "torchvision's trained weights are for torchvision models (arch); an exported program or "
+                              "stage files carry their own: give weights.file to replace them")
+    try:
+        trained = archs.trained_weights(model.arch, name)
+    except ValueError as exc:
+        return PlanIssue(loc, str(exc))
+    if trained.num_classes and trained.num_classes != model.num_classes:
+        return PlanIssue(loc, f"{model.arch} weights {trained.name} have {trained.num_classes} classes, the model "
+                              f"{model.num_classes} (num_classes): use the same, or give weights.file")
+    return None
 
 
 def _file_issue(plan: Plan, loc: str, written: str, what: str) -> PlanIssue | None:

@@ -359,6 +359,13 @@ def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Pa
         weights = WeightsSource(seed=None if own else 0)
     elif b.weights.file is not None:
         weights = WeightsSource(file=str((base_dir / b.weights.file).resolve()))
+    elif b.weights.torchvision is not None and model is not None and model.arch is not None:
+        # The canonical name (DEFAULT is an alias): what the block's digest and stage cache key on. A name
+        # torchvision does not know stays as written; the plan's checks report it.
+        try:
+            weights = WeightsSource(torchvision=archs.trained_weights(model.arch, b.weights.torchvision).name)
+        except ValueError:
+            weights = WeightsSource(torchvision=b.weights.torchvision)
     else:
         weights = WeightsSource(seed=b.weights.seed)
     return Block(

@@ -93,11 +93,13 @@ class ModelDef(_Strict):
 
 
 class Weights(_Strict):
-    """Exactly one of ``seed`` (deterministic random weights) or ``file`` (a state dict); an
-    exported program's blocks may leave both out and run the program's own weights."""
+    """Exactly one of ``seed`` (deterministic random weights), ``file`` (a state dict) or ``torchvision``
+    (the name of torchvision's trained weights for the model, as its weights API names them: ``IMAGENET1K_V2``,
+    ``DEFAULT``); an exported program's blocks may leave all out and run the program's own weights."""
 
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     file: str | None = None
+    torchvision: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_]{1,64}$")
 
 
 class BlockSettings(_Strict):

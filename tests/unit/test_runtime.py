@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from blockflow.backend.runtime import BlockRunner, batch_buckets, bucket_for
 from blockflow.core import arch
-from blockflow.core.errors import BlockError, RequestError
+from blockflow.core.errors import BlockError, PlanError, RequestError
 from blockflow.core.spec import ModelSpec, Part, WeightsSource
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan, parse_plan
@@ -141,3 +142,70 @@ def test_plan_with_weights_file_round_trip(tmp_path: Path) -> None:
         y = BlockRunner(block_spec(plan, plan.blocks[b], "triton-gpu"), CPU).run(y)
     with torch.inference_mode():
         assert rel_err(y, net(x)) <= 1e-5
+
+
+TRAINED_PLAN = """
+version: 1
+models: {r18: {arch: resnet18, cut_points: [layer2], input_shape: [3, 64, 64]}}
+defaults: {placement: cpu, max_batch_size: 2, cuda_graphs: false}
+blocks:
+  a: {model: r18, stages: 0, weights: {torchvision: DEFAULT}}
+  b: {model: r18, stages: 1, weights: {torchvision: IMAGENET1K_V1}}
+tasks: {t: {path: [a, b]}}
+transport: tensormq
+"""
+
+
+def test_torchvisions_trained_weights_come_from_torch_hubs_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``weights: {torchvision: NAME}``: the file torchvision's weights API keeps in torch hub's cache, read without a
+    network (here a seeded network's weights, put there under torchvision's file name)."""
+    from blockflow.plan import parse_plan_text
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    trained = arch.trained_weights("resnet18", "DEFAULT")
+    assert trained.name == "IMAGENET1K_V1" and trained.cached.startswith(str(tmp_path / "torch" / "hub" / "checkpoints"))
+    net = arch.build_network("resnet18", 1000, seed=7, input_shape=(3, 64, 64))
+    Path(trained.cached).parent.mkdir(parents=True)
+    torch.save(net.state_dict(), trained.cached)
+    plan = parse_plan_text(TRAINED_PLAN, source="trained.yaml")
+    assert {b.weights.torchvision for b in plan.blocks.values()} == {"IMAGENET1K_V1"}  # DEFAULT, as torchvision names it
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        expected = net(x)
+        got = x
+        for name in ("a", "b"):
+            got = BlockRunner(block_spec(plan, plan.blocks[name], "triton-gpu"), CPU).run(got)
+    assert rel_err(got, expected) <= 1e-5
+
+
+def test_trained_weights_that_cannot_be_had_fail_with_the_file_and_where_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from urllib.error import URLError
+
+    from blockflow.backend import parts
+    from blockflow.plan import parse_plan_text
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise URLError("no network")
+
+    monkeypatch.setattr(parts.torch.hub, "load_state_dict_from_url", offline)  # the machine is offline
+    plan = parse_plan_text(TRAINED_PLAN, source="trained.yaml")
+    trained = arch.trained_weights("resnet18", "IMAGENET1K_V1")
+    with pytest.raises(BlockError, match=f"not in torch hub's cache and could not be downloaded.*download {re.escape(trained.url)} "
+                                         f"and put it at {re.escape(trained.cached)}"):
+        BlockRunner(block_spec(plan, plan.blocks["a"], "triton-gpu"), CPU)
+
+
+@pytest.mark.parametrize(("weights", "fragment"), [
+    ("{torchvision: IMAGENET9K}", "has no weights named 'IMAGENET9K'; it has DEFAULT, IMAGENET1K_V1"),
+    ("{torchvision: DEFAULT, seed: 1}", "give exactly one of seed, file or torchvision, not seed and torchvision"),
+])
+def test_trained_weights_are_checked_with_the_plan(weights: str, fragment: str) -> None:
+    from blockflow.plan import parse_plan_text
+
+    with pytest.raises(PlanError, match=re.escape(fragment)):
+        parse_plan_text(TRAINED_PLAN.replace("{torchvision: DEFAULT}", weights), source="trained.yaml")
+    with pytest.raises(PlanError, match="have 1000 classes, the model 10"):
+        parse_plan_text(TRAINED_PLAN.replace("input_shape: [3, 64, 64]}", "input_shape: [3, 64, 64], num_classes: 10}"),
+                        source="trained.yaml")
