@@ -87,6 +87,12 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
                                    http_max_body_mb << 20 if http_max_body_mb else None),
                       say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
+        if service.resumed is not None:
+            log.info("serving plan #%d %r, applied live before serve last stopped (kept in %s); %s is unchanged since",
+                     service.resumed.number, service.resumed.name, state_dir, plan)
+        elif state_dir is None and control_port:
+            log.info("plans applied live are kept in the runtime directory and go when serve stops; --state-dir on a "
+                     "persistent volume keeps them, and serve then starts again on the last one")
         for w in service.plan.warnings():
             log.warning(w)
         if service.hint():

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockflow.control.apply import Applier, instances_by_device
-from blockflow.control.service import Controller, ControlServer, create_app
+from blockflow.control.service import Controller, ControlServer, Entry, create_app, entry_text, resumable
 from blockflow.control.supervisor import Supervisor
 from blockflow.core import env
 from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
 from blockflow.core.runtime_dir import write_private
 from blockflow.ensemble_gen import generator
-from blockflow.plan import Plan, load_plan
+from blockflow.plan import Plan, load_plan, parse_plan_text
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.front_door import DEFAULT_MAX_BODY_BYTES
 from blockflow.triton.server import ServerOptions, TritonServer, check_port, make_runtime_dir
@@ -100,6 +100,13 @@ class Service:
         self.say = say  # warnings and hints, for a person
         self._log_apply = log_apply or (lambda m: say(f"apply: {m}"))
         self.plan: Plan = load_plan(options.plan)
+        self.plan_file_text = options.plan.read_text(encoding="utf-8")
+        self.plan_text = self.plan_file_text  # what is served: the plan file's, or the one resumed from --state-dir
+        self.resumed: Entry | None = resumable(options.state_dir, self.plan_file_text) if options.state_dir else None
+        if self.resumed is not None:
+            self.plan_text = entry_text(self.resumed)
+            self.plan = parse_plan_text(self.plan_text, source=f"plan #{self.resumed.number} of {options.state_dir}",
+                                        base_dir=options.plan.parent.resolve(), weights_dirs=options.weights_dirs or None)
         self.gpus = gpu_count()
         issues = self.plan.device_issues(self.gpus)
         if issues:
@@ -144,7 +151,9 @@ class Service:
                           admin_key=self.server.admin_key, timeout=o.load_timeout)
         self.controller = Controller(applier, o.state_dir or self.runtime / env.PLANS_DIR, base_dir=o.plan.parent.resolve(),
                                      gpus=self.gpus, weights_dirs=o.weights_dirs or None)
-        self.controller.adopt(o.plan.read_text(encoding="utf-8"), self.plan)
+        self.controller.kept = o.state_dir is not None
+        self.controller.resumed_from = self.resumed.number if self.resumed is not None else None
+        self.controller.adopt(self.plan_text, self.plan, started_from=self.plan_file_text)
         if o.control_port:
             self.control = ControlServer(create_app(self.controller, o.token), o.host, o.control_port)
             self.token_path = o.token_file or self.runtime / env.CONTROL_TOKEN_FILE

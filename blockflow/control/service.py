@@ -16,11 +16,15 @@ every request. Endpoints:
                           and this service are up (a probe of Triton alone passes before this
                           service listens).
 
-Plans are kept as numbered files in ``state_dir`` (the last ``keep``).
+Plans are kept as numbered files in ``state_dir`` (the last ``keep``), beside ``started-from``: the digest of
+the plan file ``serve`` was started with. A ``serve`` started again with the same plan file and the same
+``state_dir`` (a persistent volume) serves the newest plan of the history, applied live before it stopped
+(:func:`resumable`); started with another plan file, it serves that one (the operator changed it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Sequence
@@ -61,6 +65,42 @@ class Limits:
     busy_wait_s: float = 60.0
 
 
+STARTED_FROM = "started-from"  # in state_dir: the sha256 of the plan file serve was started with
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def history_in(state_dir: Path) -> list[Entry]:
+    """The plans kept in ``state_dir``, oldest first."""
+    out = []
+    for path in sorted(state_dir.glob("plan-*.yaml")):
+        number = int(path.stem.split("-")[1])
+        text = path.read_text()
+        name = text.split("\n", 1)[0].removeprefix("# ").strip()
+        out.append(Entry(number, path, name, path.stat().st_mtime))
+    return out
+
+
+def entry_text(entry: Entry) -> str:
+    """The plan's text as posted (the file's first line is its name)."""
+    return entry.path.read_text().split("\n", 1)[1]
+
+
+def resumable(state_dir: Path, plan_text: str) -> Entry | None:
+    """The newest plan of ``state_dir``'s history, if a ``serve`` started with ``plan_text`` applied it there and
+    it differs from ``plan_text``: what a restarted ``serve`` on a persistent state directory serves again."""
+    try:
+        started_from = (state_dir / STARTED_FROM).read_text().strip()
+    except OSError:
+        return None
+    entries = history_in(state_dir)
+    if started_from != _digest(plan_text) or not entries or entry_text(entries[-1]) == plan_text:
+        return None
+    return entries[-1]
+
+
 class Controller:
     """Plan history plus the applier; one plan change at a time."""
 
@@ -79,18 +119,15 @@ class Controller:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.plan: Plan | None = None
         self.expected: dict[str, int] = {}  # stub processes per block model, for healing
+        # Whether the history outlives this serve (--state-dir), and the plan it resumed from it, if it did.
+        self.kept = False
+        self.resumed_from: int | None = None
         self._serial = threading.Lock()
 
     # ------------------------------------------------------------------ history
 
     def history(self) -> list[Entry]:
-        out = []
-        for path in sorted(self.state_dir.glob("plan-*.yaml")):
-            number = int(path.stem.split("-")[1])
-            text = path.read_text()
-            name = text.split("\n", 1)[0].removeprefix("# ").strip()
-            out.append(Entry(number, path, name, path.stat().st_mtime))
-        return out
+        return history_in(self.state_dir)
 
     def _record(self, text: str, plan: Plan) -> None:
         entries = self.history()
@@ -115,11 +152,15 @@ class Controller:
             raise PlanError(issues, source)
         return plan
 
-    def adopt(self, text: str, plan: Plan) -> None:
-        """Record ``plan`` as the one the server already runs (after ``blockflow serve`` started it)."""
+    def adopt(self, text: str, plan: Plan, started_from: str | None = None) -> None:
+        """Record ``plan`` as the one the server already runs (after ``blockflow serve`` started it), started from
+        the plan file ``started_from`` (default: ``text``; another when ``serve`` resumed the history's newest)."""
         self.plan = plan
         self.expected = expected_instances(generator.render(plan), self.gpus)
-        self._record(text, plan)
+        entries = self.history()
+        if not entries or entry_text(entries[-1]) != text:
+            self._record(text, plan)
+        (self.state_dir / STARTED_FROM).write_text(_digest(started_from if started_from is not None else text) + "\n")
         self.metrics.serving(plan.raw.name, text)
 
     # ------------------------------------------------------------------ changes
@@ -152,7 +193,7 @@ class Controller:
         if steps < 1 or steps >= len(entries):
             raise ApplyError(f"cannot roll back {steps} plan(s): {len(entries)} plan(s) kept, so at most "
                              f"{max(0, len(entries) - 1)} step(s) back")
-        text = entries[-1 - steps].path.read_text().split("\n", 1)[1]
+        text = entry_text(entries[-1 - steps])
         return self.submit(text, source=f"rollback to plan #{entries[-1 - steps].number}", rollback=True)
 
     # ------------------------------------------------------------------ reading
@@ -164,7 +205,9 @@ class Controller:
     def status(self) -> dict[str, Any]:
         served = {s.name for s in self.applier.served()}
         plan = self.plan
-        out: dict[str, Any] = {"plan": plan.raw.name if plan else None, "tasks": {}, "blocks": {}}
+        out: dict[str, Any] = {"plan": plan.raw.name if plan else None, "tasks": {}, "blocks": {},
+                               "history": {"dir": str(self.state_dir), "kept_across_restarts": self.kept,
+                                           "resumed_from": self.resumed_from}}
         if plan is None:
             return out
         counts = self.applier.request_counts()
@@ -232,7 +275,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         current = entries[-1] if entries else None
         return {
             "name": controller.plan.raw.name if controller.plan else None,
-            "text": current.path.read_text().split("\n", 1)[1] if current else None,
+            "text": entry_text(current) if current else None,
             "history": [{"number": e.number, "name": e.name, "applied_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(e.applied_at))}
                         for e in entries],
         }

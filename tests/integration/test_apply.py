@@ -90,6 +90,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     finally:
         # A client that stays connected (keep-alive) while nothing is in flight must not hold the
         # stop for Triton's exit timeout (20 s): the models are unloaded, then the server stopped.
+        served = httpx.get(f"{lv.control}/plan", headers=lv.headers, timeout=30).json()["name"]
         idle = HTTPConnection("127.0.0.1", http)
         idle.request("GET", "/v2/health/live")
         idle.getresponse().read()
@@ -107,6 +108,40 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         assert not endpoints_file.exists(), "the stopped server left its endpoints file"
         triton_log = (base / "triton.log").read_text()
         assert "Exit timeout expired" not in triton_log and took < 12, f"stop took {took:.1f} s:\n{triton_log[-2000:]}"
+        _restart_resumes(cmd, lv, served, endpoints_file)
+
+
+def _restart_resumes(cmd: list[str], lv: Live, served: str, endpoints_file: Path) -> None:
+    """serve started again with the same plan file and --state-dir (a pod restarted on its persistent volume)
+    serves the plan applied live before it stopped, and says so."""
+    log = lv.base / "serve-again.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "BLOCKFLOW_ENDPOINTS": str(endpoints_file)})
+    try:
+        deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                status = httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5)
+                if status.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        history = status.json()["history"]
+        assert status.json()["plan"] == served and history["kept_across_restarts"] is True, status.json()
+        assert (history["resumed_from"] is not None) == (served != "live-a"), history
+        if served != "live-a":
+            assert "applied live before serve last stopped" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _image(seed: int = 0) -> np.ndarray:

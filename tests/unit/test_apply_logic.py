@@ -489,3 +489,24 @@ def test_the_plan_history_keeps_the_last_ten(tmp_path: Path) -> None:
     assert [e.number for e in history] == list(range(3, 13)) and [e.name for e in history[-2:]] == ["live-b", "live-a"]
     with pytest.raises(ApplyError, match="at most 9 step"):
         c.rollback(10)
+
+
+def test_a_restarted_serve_resumes_the_plan_applied_live_unless_the_plan_file_changed(tmp_path: Path) -> None:
+    """The history in --state-dir: a serve started again with the same plan file serves the newest plan applied live
+    (a pod restarted on its persistent volume); one started with another plan file serves that file."""
+    from blockflow.control.service import Controller, entry_text, resumable
+
+    state = tmp_path / "plans"
+    a_text, b_text = (ROOT / "tests" / "plans" / "live_a.yaml").read_text(), (ROOT / "tests" / "plans" / "live_b.yaml").read_text()
+    a, b = load_plan(ROOT / "tests" / "plans" / "live_a.yaml"), load_plan(ROOT / "tests" / "plans" / "live_b.yaml")
+    controller = Controller(SimpleNamespace(), state, base_dir=tmp_path)  # type: ignore[arg-type]
+    assert resumable(state, a_text) is None  # nothing kept yet
+    controller.adopt(a_text, a)
+    assert resumable(state, a_text) is None  # the history's newest is the file's plan
+    controller._record(b_text, b)  # what a successful POST /plan of plan B records
+    resumed = resumable(state, a_text)
+    assert resumed is not None and resumed.name == "live-b" and entry_text(resumed) == b_text
+    assert resumable(state, "version: 1\n# the operator's new plan file\n") is None
+    again = Controller(SimpleNamespace(), state, base_dir=tmp_path)  # type: ignore[arg-type]
+    again.adopt(b_text, b, started_from=a_text)  # serve resumed: no second entry, still started from A
+    assert [e.name for e in again.history()] == ["live-a", "live-b"] and resumable(state, a_text) == resumed
