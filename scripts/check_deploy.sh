@@ -2,14 +2,16 @@
 # Check the deployment files with the real tools, from nothing (CI has no Docker engine and no cluster):
 #   hadolint on the Dockerfile; helm lint --strict and helm template of deploy/helm/blockflow (default values
 #   and every values file under deploy/helm/ci/); kubeconform -strict on what helm renders, against the schemas of
-#   Kubernetes' own OpenAPI document. helm and kubeconform are built with `go install`; the schemas are
-#   made from k8s.io/kubernetes' api/openapi-spec/swagger.json (Go module proxy) by openapi2jsonschema.
+#   Kubernetes' own OpenAPI document, and the ServiceMonitor against the Prometheus operator's own CRD. helm and
+#   kubeconform are built with `go install`; the schemas are made from k8s.io/kubernetes' api/openapi-spec/swagger.json
+#   (Go module proxy) by openapi2jsonschema, the ServiceMonitor's from the CRD in the prometheus-operator module.
 # Tools are kept in .tools/ (BLOCKFLOW_TOOLS); a second run only checks.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${BLOCKFLOW_VENV:-$ROOT/.venv}"
 TOOLS="${BLOCKFLOW_TOOLS:-$ROOT/.tools}"
 HELM_VERSION=v3.19.5
+PROMETHEUS_OPERATOR_VERSION=v0.78.2
 KUBECONFORM_VERSION=v0.8.0
 K8S_VERSION=1.34.4
 CHART="$ROOT/deploy/helm/blockflow"
@@ -41,6 +43,32 @@ if [ ! -f "$SCHEMAS/v$K8S_VERSION-standalone-strict/deployment-apps-v1.json" ]; 
      -o "v$K8S_VERSION-standalone-strict" "$SPEC_DIR/api/openapi-spec/swagger.json")
 fi
 
+CRD_SCHEMAS="$TOOLS/crd-schemas"
+if [ ! -f "$CRD_SCHEMAS/monitoring.coreos.com/servicemonitor_v1.json" ]; then
+  log "making the ServiceMonitor's JSON schema from prometheus-operator $PROMETHEUS_OPERATOR_VERSION's CRD"
+  OP_DIR="$(cd "$TOOLS" && GOFLAGS=-mod=mod go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+  mkdir -p "$CRD_SCHEMAS/monitoring.coreos.com"
+  # The CRD's openAPIV3Schema, strict as kubeconform's own schemas are: an object with properties takes no others.
+  "$VENV/bin/python" - "$OP_DIR/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml" \
+      "$CRD_SCHEMAS/monitoring.coreos.com/servicemonitor_v1.json" <<'PY'
+import json, sys, yaml
+crd = yaml.safe_load(open(sys.argv[1]))
+schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+def strict(node):
+    if isinstance(node, dict):
+        if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+                and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        for value in node.values():
+            strict(value)
+    elif isinstance(node, list):
+        for value in node:
+            strict(value)
+strict(schema)
+json.dump(schema, open(sys.argv[2], "w"))
+PY
+fi
+
 echo "== hadolint (Dockerfile)"
 "$VENV/bin/hadolint" --failure-threshold info "$ROOT/Dockerfile"
 echo "== helm lint --strict, helm template | kubeconform -strict (deploy/helm/blockflow)"
@@ -48,5 +76,6 @@ echo "== helm lint --strict, helm template | kubeconform -strict (deploy/helm/bl
 for values in "" "$ROOT"/deploy/helm/ci/*.yaml; do
   "$TOOLS/bin/helm" template blockflow "$CHART" ${values:+-f "$values"} \
     | "$TOOLS/bin/kubeconform" -strict -summary -kubernetes-version "$K8S_VERSION" \
-        -schema-location "$SCHEMAS/{{ .NormalizedKubernetesVersion }}-standalone{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json" -
+        -schema-location "$SCHEMAS/{{ .NormalizedKubernetesVersion }}-standalone{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
+        -schema-location "$CRD_SCHEMAS/{{ .Group }}/{{ .ResourceKind }}_{{ .ResourceAPIVersion }}.json" -
 done

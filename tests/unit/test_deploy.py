@@ -87,3 +87,49 @@ def test_the_image_installs_every_package_the_wheel_has() -> None:
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     copied = set(re.findall(r"^COPY (\S+)/ ", (ROOT / "Dockerfile").read_text(), flags=re.M))
     assert {p.split(".")[0] for p in packages} <= copied
+
+
+def test_a_weights_volume_is_mounted_read_only_and_opened_to_posted_plans() -> None:
+    objects = render("-f", str(ROOT / "deploy" / "helm" / "ci" / "plan-history.yaml"))
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {"name": "weights", "mountPath": "/weights", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "weights", "nfs": {"server": "nfs.example.com", "path": "/exports/weights"}} in pod["volumes"]
+    assert "--weights-dir=/weights" in container["args"]
+    assert "/weights/resnet50.safetensors" in objects["ConfigMap"]["data"]["plan.yaml"]  # the plan reads it there
+    assert "--weights-dir=/weights" not in render()["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_plan_history_outlives_the_pod_on_a_claim_one_server_at_a_time() -> None:
+    objects = render("-f", str(ROOT / "deploy" / "helm" / "ci" / "plan-history.yaml"))
+    deployment = objects["Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--state-dir=/var/lib/blockflow/plans" in container["args"]
+    assert {"name": "plan-history", "mountPath": "/var/lib/blockflow"} in container["volumeMounts"]
+    claim = objects["PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOncePod"] and claim["spec"]["storageClassName"] == "fast"
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    mine = render("--set", "planHistory.persistence=true", "--set", "planHistory.existingClaim=mine")
+    assert "PersistentVolumeClaim" not in mine
+    assert {"name": "plan-history", "persistentVolumeClaim": {"claimName": "mine"}} in mine["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    res = subprocess.run([helm(), "template", "bf", str(CHART), "--set", "planHistory.persistence=true", "--set", "replicaCount=2"],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode != 0 and "set replicaCount to 1" in res.stderr
+    assert "--state-dir=/var/lib/blockflow/plans" not in render()["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_service_monitor_disruption_budget_and_network_policy_when_asked() -> None:
+    assert not {"ServiceMonitor", "PodDisruptionBudget", "NetworkPolicy"} & set(render())
+    objects = render("-f", str(ROOT / "deploy" / "helm" / "ci" / "everything.yaml"))
+    monitor = objects["ServiceMonitor"]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    triton, serve = monitor["spec"]["endpoints"]
+    assert triton["port"] == "metrics" and serve["port"] == "control" and serve["path"] == "/metrics"
+    assert serve["authorization"]["credentials"] == {"name": "blockflow-token", "key": "bearer"}  # the control token
+    assert objects["PodDisruptionBudget"]["spec"]["minAvailable"] == 2
+    rules = objects["NetworkPolicy"]["spec"]["ingress"]
+    assert [sorted(p["port"] for p in r["ports"]) for r in rules] == [[8000, 8001], [8002], [8003]]
+    assert rules[2]["from"] == [{"podSelector": {"matchLabels": {"app": "optimizer"}}}]
+    no_control = render("--set", "networkPolicy.enabled=true")["NetworkPolicy"]["spec"]["ingress"]
+    assert len(no_control) == 2 and "from" not in no_control[0]  # inference from anywhere; control from nowhere

@@ -31,3 +31,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "blockflow.tokenSecret" -}}
 {{- .Values.controlToken.existingSecret | default (printf "%s-control" (include "blockflow.fullname" .)) -}}
 {{- end -}}
+
+{{- define "blockflow.historyClaim" -}}
+{{- .Values.planHistory.existingClaim | default (printf "%s-plans" (include "blockflow.fullname" .)) -}}
+{{- end -}}
