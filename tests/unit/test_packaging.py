@@ -23,6 +23,8 @@ from blockflow.core.env import NGINX
 from blockflow.triton.front_door import find_nginx
 from blockflow.triton.server import free_port
 
+from ..conftest import Served
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["blockflow/data/plans/default.yaml", "blockflow/data/plans/bench_r50.yaml", "blockflow/data/plans/examples/skipnet.yaml",
            "blockflow/data/calibration/h100.json", "blockflow/data/grafana/blockflow.json", "blockflow/clients/imagenet_classes.txt",
@@ -178,10 +180,18 @@ def _ready(http_port: int) -> bool:
         return False
 
 
-def test_the_client_install_needs_no_torch(wheel: Path, fresh_venv: Path, tmp_path: Path) -> None:
+@pytest.mark.integration
+def test_the_client_install_needs_no_torch_takes_numpy_2_and_answers(wheel: Path, fresh_venv: Path, tmp_path: Path,
+                                                                    served: Served) -> None:
     bin_dir = fresh_venv
-    res = _run(bin_dir, "pip", "install", "-q", f"{wheel}[client]", cwd=tmp_path)
+    res = _run(bin_dir, "pip", "install", "-q", f"{wheel}[client]", "numpy>=2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    res = _run(bin_dir, "python", "-c", "import numpy, tritonclient; print(numpy.__version__)", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("2."), res.stdout + res.stderr
+    # A task of the session's server answers this client, over HTTP and gRPC.
+    for url, protocol in ((served.http, "http"), (served.grpc, "grpc")):
+        res = _run(bin_dir, "blockflow", "infer", "p_one", "--random", "--url", url, "--protocol", protocol, cwd=tmp_path)
+        assert res.returncode == 0 and "latency" in res.stdout, res.stdout + res.stderr
     res = _run(bin_dir, "python", "-c", "import importlib.util as u; print(u.find_spec('torch') is None)", cwd=tmp_path)
     assert res.stdout.strip() == "True"
     code = ("from blockflow.clients.client import TaskClient; from blockflow.clients.images import class_names; "
