@@ -218,3 +218,13 @@ def test_one_python_range_everywhere() -> None:
     assert f"Python {words}" in (ROOT / "README.md").read_text()
     assert f"use Python 3.{minors[0]}-3.{minors[-1]}" in (ROOT / "blockflow" / "triton" / "install.py").read_text()
     assert all(f"3.{m}" in {"3.8", "3.9", "3.10", "3.11", "3.12", "3.13"} for m in minors)  # stubs nvidia-pytriton ships
+
+
+def test_results_are_data_and_investigations_stay_out_of_the_wheel(wheel: Path) -> None:
+    """bench/results holds results, not code (git keeps the scripts of past experiments); the wheel ships none of it."""
+    tracked = subprocess.run(["git", "ls-files", "bench/results"], capture_output=True, text=True, cwd=ROOT, check=False)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    code = [f for f in tracked.stdout.splitlines() if f.endswith((".py", ".sh", ".diff", ".patch", ".ipynb"))]
+    assert code == [], f"code in bench/results (results are data; experiments live in git history): {code[:10]}"
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if "/results/" in n]
