@@ -267,10 +267,10 @@ class TritonServer:
             env.update(self.warm_cores.env)
             log.info("warm cores: %d pollers at SCHED_IDLE keep CPUs %s out of idle for %g ms after each block call",
                      len(self.warm_cores.cpus), ",".join(map(str, self.warm_cores.cpus)), o.warm_cores_ms)
-        if self.front_door is not None:
-            self.front_door.start()
         logfile = self.log_path.open("wb")
         try:
+            if self.front_door is not None:
+                self.front_door.start()
             if self.mps is not None:
                 self.mps.start()
                 env.update(self.mps.env)
@@ -279,12 +279,7 @@ class TritonServer:
             self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, start_new_session=True, preexec_fn=die_with_parent, umask=0o077)
         except BaseException:
-            if self.mps is not None:
-                self.mps.stop()
-            if self.warm_cores is not None:
-                self.warm_cores.stop()
-            if self.front_door is not None:
-                self.front_door.stop()
+            self._stop_companions()
             raise
         finally:
             logfile.close()
@@ -382,12 +377,7 @@ class TritonServer:
         """SIGTERM the server (it unloads models and ends its stubs), then SIGKILL its whole process group."""
         proc = self.process
         if proc is None:
-            if self.mps is not None:
-                self.mps.stop()
-            if self.warm_cores is not None:
-                self.warm_cores.stop()
-            if self.front_door is not None:
-                self.front_door.stop()
+            self._stop_companions()
             return
         self._stopping = True
         if proc.poll() is None:
@@ -409,14 +399,16 @@ class TritonServer:
         reap_orphans(proc.pid)  # what is left of them, where this process is the container's init
         self._remove_shm()
         self.process = None
-        if self.mps is not None:
-            self.mps.stop()  # after every client (stub) is gone
-        if self.warm_cores is not None:
-            self.warm_cores.stop()
-        if self.front_door is not None:
-            self.front_door.stop()  # after the server: it drained its requests through it
+        self._stop_companions()
         if self._own_runtime:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _stop_companions(self) -> None:
+        """Stop what runs beside the server, once it is gone: the MPS daemon (after every client, the stubs), the
+        warm-core pollers, the HTTP front door (the server drained its requests through it)."""
+        for companion in (self.mps, self.warm_cores, self.front_door):
+            if companion is not None:
+                companion.stop()
 
     def _remove_shm(self) -> None:
         # The Python backend's regions, and TensorMQ host pools of stubs that were killed.
