@@ -156,7 +156,8 @@ def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
     try:
         wait_for("Ctrl-C stops the server.", float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
         (serve,) = [p.pid for p in psutil.Process(ns.pid).children()]  # PID 1 inside; these are the PIDs this process sees
-        (triton,) = [p.pid for p in psutil.Process(serve).children() if p.status() != psutil.STATUS_ZOMBIE]
+        # serve's children: tritonserver and nginx, its HTTP front door.
+        (triton,) = [p.pid for p in psutil.Process(serve).children() if p.status() != psutil.STATUS_ZOMBIE and p.name() == "tritonserver"]
         stubs = [p for p in group_members(triton) if p != triton]
         assert stubs, "the server started no stub"
         os.kill(triton, signal.SIGKILL)
@@ -165,7 +166,7 @@ def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
         zombies = [p.pid for p in psutil.Process(serve).children() if p.status() == psutil.STATUS_ZOMBIE]
         threads = {p: sorted(stat_fields(p, int(t.name))[0] for t in Path(f"/proc/{p}/task").iterdir()) for p in zombies}
         assert zombies == [], f"zombies left under PID 1: {zombies}, thread states {threads} (the old server's stubs were {stubs})"
-        (new,) = [p.pid for p in psutil.Process(serve).children()]
+        (new,) = [p.pid for p in psutil.Process(serve).children() if p.name() == "tritonserver"]
         os.kill(serve, signal.SIGTERM)
         assert ns.wait(60) == 0, log.read_text()[-3000:]
         assert list(group_members(new)) == []
