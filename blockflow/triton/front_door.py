@@ -33,7 +33,7 @@ from pathlib import Path
 
 from blockflow.core import env
 from blockflow.core.errors import EnvironmentProblem, ServerError
-from blockflow.triton.process_group import die_with_parent
+from blockflow.triton.process_group import die_with_parent, kill_group, reap_orphans
 
 SOCKET_NAME = "triton-http.sock"
 DIR_NAME = "front-door"
@@ -164,7 +164,8 @@ class FrontDoor:
         return "\n".join(text[-lines:]) or "(no log)"
 
     def stop(self) -> None:
-        """SIGQUIT (nginx's graceful stop: requests in flight finish), then SIGKILL after 10 s."""
+        """SIGQUIT (nginx's graceful stop: requests in flight finish; the master waits for its workers), then
+        SIGKILL to its whole group after 10 s; workers left to this process (``serve`` as PID 1) are reaped."""
         proc, self.process = self.process, None
         if proc is None:
             return
@@ -173,8 +174,10 @@ class FrontDoor:
                 os.killpg(proc.pid, signal.SIGQUIT)
                 proc.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                pass
             except ProcessLookupError:
                 pass
+        kill_group(proc.pid)
+        proc.wait()
+        reap_orphans(proc.pid)
         self.upstream.unlink(missing_ok=True)
