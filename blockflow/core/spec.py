@@ -205,4 +205,7 @@ class ModelSpec(_Strict):
         optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over")
         omitted = {k for k in optional if not getattr(self, k)} | {k for k in ("in_dtype", "out_dtype") if getattr(self, k) == "fp32"}
         data = self.model_dump(mode="json", exclude=omitted)
+        for part in [*data["parts"], *(p for h in data.get("heads", ()) for p in h["parts"])]:
+            if part["weights"]["torchvision"] is None:  # as above: specs without trained weights keep their bytes
+                del part["weights"]["torchvision"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

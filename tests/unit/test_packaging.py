@@ -114,10 +114,19 @@ def fresh_venv(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def _run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    # A user's shell: this venv first on PATH, nothing of the checkout importable.
+def _user_env(bin_dir: Path) -> dict[str, str]:
+    """A user's shell: this venv first on PATH, nothing of the checkout importable, and the machine's nginx (the
+    HTTP front door; no wheel carries it): the one this checkout's setup installed."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    nginx = find_nginx()
+    assert nginx is not None, "run ./scripts/setup.sh: it installs nginx"
+    env[NGINX] = str(nginx)
+    return env
+
+
+def _run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = _user_env(bin_dir)
     return subprocess.run([str(bin_dir / args[0]), *args[1:]], capture_output=True, text=True, timeout=1200, cwd=cwd, env=env)
 
 
@@ -144,12 +153,7 @@ def _serve_and_infer(bin_dir: Path, where: Path) -> None:
     plan = where / "one_block.yaml"
     plan.write_text((ROOT / "tests" / "plans" / "one_block.yaml").read_text())
     http_port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    # nginx, the HTTP front door, is the machine's (no wheel carries it): the one this checkout's setup installed.
-    nginx = find_nginx()
-    assert nginx is not None, "run ./scripts/setup.sh: it installs nginx"
-    env[NGINX] = str(nginx)
+    env = _user_env(bin_dir)
     log = where / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([str(bin_dir / "blockflow"), "serve", "--plan", str(plan), "--http-port", str(http_port),
