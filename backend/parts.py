@@ -14,6 +14,7 @@ from blockflow.backend.stage_cache import StageCache
 from blockflow.core import arch, stage_files
 from blockflow.core.errors import BlockError
 from blockflow.core.spec import ModelSpec, Part
+from blockflow.core.trained_weights import trained_weights
 
 
 class Chain(nn.Module):
@@ -100,7 +101,7 @@ def _load_into(stages: nn.Module, part: Part, state: dict[str, torch.Tensor], wh
 def _trained_state_dict(network: str, name: str) -> dict[str, torch.Tensor]:
     """torchvision's trained weights ``name`` of ``network``: from torch hub's cache, downloaded there first if they
     are not (torchvision's weights API); where they can be neither, an error that says which file to put where."""
-    trained = arch.trained_weights(network, name)
+    trained = trained_weights(network, name)
     if Path(trained.cached).is_file():
         return _load_state_dict(trained.cached)
     try:

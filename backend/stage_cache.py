@@ -30,6 +30,7 @@ from torch import nn
 
 from blockflow.core import arch, env
 from blockflow.core.spec import ModelSpec, Part
+from blockflow.core.trained_weights import trained_weights
 
 FORMAT = 1
 # Parts larger than this are not kept: the runtime directory may be in memory (tmpfs).
@@ -71,7 +72,7 @@ class StageCache:
         if part.weights.file is not None:
             weights = {"file": _file_digest(part.weights.file)}
         elif part.weights.torchvision is not None:  # torchvision's file names carry a hash of their content
-            weights = {"torchvision": part.weights.torchvision, "url": arch.trained_weights(spec.arch, part.weights.torchvision).url}
+            weights = {"torchvision": part.weights.torchvision, "url": trained_weights(spec.arch, part.weights.torchvision).url}
         # An exported program is keyed by its bytes (its weights and graph), not only its path.
         network: object = spec.arch
         if arch.is_program(spec.arch):

@@ -82,39 +82,6 @@ def supported_archs() -> tuple[str, ...]:
     return tuple(sorted(tvm.list_models(module=tvm)))
 
 
-@dataclass(frozen=True)
-class TrainedWeights:
-    """One of torchvision's trained weights for a model: its canonical name, where it downloads from, and the
-    file it is kept in, in torch hub's cache (``$TORCH_HOME/hub/checkpoints``)."""
-
-    name: str
-    url: str
-    num_classes: int
-
-    @property
-    def cached(self) -> str:
-        from urllib.parse import urlparse
-
-        return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(self.url).path))
-
-
-def trained_weights(arch: str, name: str) -> TrainedWeights:
-    """torchvision's weights ``name`` (``IMAGENET1K_V2``, or an alias such as ``DEFAULT``) of model ``arch``;
-    ValueError naming the ones there are."""
-    import torchvision.models as tvm
-
-    try:
-        enum = tvm.get_model_weights(arch)
-    except ValueError:
-        raise ValueError(f"torchvision has no trained weights for {arch!r}") from None
-    try:
-        w = enum[name]
-    except KeyError:
-        names = ", ".join(["DEFAULT", *(m.name for m in enum)])
-        raise ValueError(f"torchvision's {arch} has no weights named {name!r}; it has {names}") from None
-    return TrainedWeights(w.name, w.url, len(w.meta.get("categories") or ()))
-
-
 def _factory_kwargs(arch: str, num_classes: int, input_shape: Sequence[int]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
     if arch.startswith("vit_"):  # a ViT's position embedding is sized for one image size

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
+from blockflow.core.trained_weights import trained_weights
 from blockflow.plan.deployment import Plan
 from blockflow.plan.schema import NAME_RE, NAME_RULE, BlockDef, ModelDef, TaskDef
 
@@ -165,7 +166,7 @@ def torchvision_weights_issue(loc: str, model: ModelDef, name: str) -> PlanIssue
         return PlanIssue(loc, "torchvision's trained weights are for torchvision models (arch); an exported program or "
                               "stage files carry their own: give weights.file to replace them")
     try:
-        trained = archs.trained_weights(model.arch, name)
+        trained = trained_weights(model.arch, name)
     except ValueError as exc:
         return PlanIssue(loc, str(exc))
     if trained.num_classes and trained.num_classes != model.num_classes:

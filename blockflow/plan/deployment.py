@@ -14,6 +14,7 @@ from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TransportName, WeightsSource, hop_dtype
+from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import handover, naming
 from blockflow.plan.schema import (
     DEFAULT_SETTINGS,
@@ -363,7 +364,7 @@ def _resolve_block(name: str, b: BlockDef, defaults: BlockSettings, base_dir: Pa
         # The canonical name (DEFAULT is an alias): what the block's digest and stage cache key on. A name
         # torchvision does not know stays as written; the plan's checks report it.
         try:
-            weights = WeightsSource(torchvision=archs.trained_weights(model.arch, b.weights.torchvision).name)
+            weights = WeightsSource(torchvision=trained_weights(model.arch, b.weights.torchvision).name)
         except ValueError:
             weights = WeightsSource(torchvision=b.weights.torchvision)
     else:

@@ -12,6 +12,7 @@ from blockflow.backend.runtime import BlockRunner, batch_buckets, bucket_for
 from blockflow.core import arch
 from blockflow.core.errors import BlockError, PlanError, RequestError
 from blockflow.core.spec import ModelSpec, Part, WeightsSource
+from blockflow.core.trained_weights import trained_weights
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan, parse_plan
 
@@ -162,7 +163,7 @@ def test_torchvisions_trained_weights_come_from_torch_hubs_cache_offline(tmp_pat
     from blockflow.plan import parse_plan_text
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    trained = arch.trained_weights("resnet18", "DEFAULT")
+    trained = trained_weights("resnet18", "DEFAULT")
     assert trained.name == "IMAGENET1K_V1" and trained.cached.startswith(str(tmp_path / "torch" / "hub" / "checkpoints"))
     net = arch.build_network("resnet18", 1000, seed=7, input_shape=(3, 64, 64))
     Path(trained.cached).parent.mkdir(parents=True)
@@ -191,7 +192,7 @@ def test_trained_weights_that_cannot_be_had_fail_with_the_file_and_where_it_goes
 
     monkeypatch.setattr(parts.torch.hub, "load_state_dict_from_url", offline)  # the machine is offline
     plan = parse_plan_text(TRAINED_PLAN, source="trained.yaml")
-    trained = arch.trained_weights("resnet18", "IMAGENET1K_V1")
+    trained = trained_weights("resnet18", "IMAGENET1K_V1")
     with pytest.raises(BlockError, match=f"not in torch hub's cache and could not be downloaded.*download {re.escape(trained.url)} "
                                          f"and put it at {re.escape(trained.cached)}"):
         BlockRunner(block_spec(plan, plan.blocks["a"], "triton-gpu"), CPU)
