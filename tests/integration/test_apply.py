@@ -66,26 +66,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
            "--metrics-port", str(free_port()), "--control-port", str(control), "--token-file", str(token_file),
            "--state-dir", str(base / "plans"), "--weights-dir", str(base), f"--tritonserver-arg=--log-file={base / 'triton.log'}"]
     endpoints_file = base / "endpoints.json"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "BLOCKFLOW_ENDPOINTS": str(endpoints_file)})
+    proc = _start_serve(cmd, log, endpoints_file)
     lv = Live(f"127.0.0.1:{http}", f"http://127.0.0.1:{control}", token, token_file, log, base, proc,
               {"Authorization": f"Bearer {token}"})
-    deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"blockflow serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}", pytrace=False)
-            try:
-                if httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5).status_code == 200:
-                    # serve writes its endpoints file before its control service answers.
-                    assert endpoints_file.exists(), "the control service answered before the endpoints file was written"
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"control service did not come up:\n{log.read_text()[-3000:]}", pytrace=False)
-            time.sleep(0.5)
+        _status_once_up(proc, lv, log)
+        # serve writes its endpoints file before its control service answers.
+        assert endpoints_file.exists(), "the control service answered before the endpoints file was written"
         yield lv
     finally:
         # A client that stays connected (keep-alive) while nothing is in flight must not hold the
@@ -95,12 +82,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         idle.request("GET", "/v2/health/live")
         idle.getresponse().read()
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop_serve(proc)
         took = time.monotonic() - t0
         idle.close()
         assert proc.returncode == 0, log.read_text()[-3000:]
@@ -111,37 +93,52 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         _restart_resumes(cmd, lv, served, endpoints_file)
 
 
+def _start_serve(cmd: list[str], log: Path, endpoints_file: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "BLOCKFLOW_ENDPOINTS": str(endpoints_file)})
+
+
+def _status_once_up(proc: subprocess.Popen[bytes], lv: Live, log: Path) -> httpx.Response:
+    """The control service's first ``GET /status`` answer; a failed test if serve exits or does not come up."""
+    deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"blockflow serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}", pytrace=False)
+        try:
+            status = httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5)
+            if status.status_code == 200:
+                return status
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"control service did not come up:\n{log.read_text()[-3000:]}", pytrace=False)
+        time.sleep(0.5)
+
+
+def _stop_serve(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _restart_resumes(cmd: list[str], lv: Live, served: str, endpoints_file: Path) -> None:
     """serve started again with the same plan file and --state-dir (a pod restarted on its persistent volume)
     serves the plan applied live before it stopped, and says so."""
     log = lv.base / "serve-again.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "BLOCKFLOW_ENDPOINTS": str(endpoints_file)})
+    proc = _start_serve(cmd, log, endpoints_file)
     try:
-        deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                status = httpx.get(f"{lv.control}/status", headers=lv.headers, timeout=5)
-                if status.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        status = _status_once_up(proc, lv, log)
         history = status.json()["history"]
         assert status.json()["plan"] == served and history["kept_across_restarts"] is True, status.json()
         assert (history["resumed_from"] is not None) == (served != "live-a"), history
         if served != "live-a":
             assert "applied live before serve last stopped" in log.read_text()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop_serve(proc)
 
 
 def _image(seed: int = 0) -> np.ndarray:
