@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.bench.harness import rendered
-from blockflow.bench.transports import perf
+from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -36,11 +36,11 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     with TritonServer(opts) as server:
         for task in ("monitored", "unmonitored"):  # warm both before measuring
-            perf(server.http_url, task, f"IMAGE:{c},{h},{w}", 1, 1, 2)
+            perf_analyzer(server.http_url, task, f"IMAGE:{c},{h},{w}", 1, 2, concurrency=1)
         for i in range(args.rounds):
             row: dict[str, Any] = {"round": i + 1}
             for task in (("monitored", "unmonitored") if i % 2 == 0 else ("unmonitored", "monitored")):
-                row[task] = perf(server.http_url, task, f"IMAGE:{c},{h},{w}", 1, 1, args.seconds)
+                row[task] = perf_analyzer(server.http_url, task, f"IMAGE:{c},{h},{w}", 1, args.seconds, concurrency=1)
             rounds.append(row)
             print(f"[monitor] round {i + 1}: on {row['monitored'].get('p50_ms')} ms, off {row['unmonitored'].get('p50_ms')} ms", flush=True)
     ok = [r for r in rounds if "p50_ms" in r["monitored"] and "p50_ms" in r["unmonitored"]]

@@ -2,7 +2,7 @@
 
 Without MPS, each block process has its own CUDA context and the GPU time-slices between
 them: kernels of different blocks never overlap. Under MPS the block processes' kernels share
-the GPU concurrently. On an H100 (bench/results/h100/mps/) that raised the 4-block ResNet-50's
+the GPU concurrently. On an H100 (docs/performance.md) that raised the 4-block ResNet-50's
 throughput at concurrency 32 from 0.85x to 1.20x the monolithic CUDA-graph model's; per-process
 memory did not change.
 

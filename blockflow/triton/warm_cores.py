@@ -4,7 +4,8 @@ At low load every block process sleeps between requests, and each step of a task
 wakes threads on cores that were idle. In a VM an idle vCPU halts and gives its core back to
 the host, so each wake-up costs an exit to the hypervisor and then a cold core; on an H100
 machine (16 vCPUs under KVM) that made one ensemble step cost 0.43-0.48 ms with idle cores
-against 0.19 ms with none (bench/results/h100/ensemble_floor_warm-2026-11-24-9414387/).
+against 0.19 ms with none (docs/performance.md; docs/triton-notes.md, *An ensemble step is a chain of thread
+and process wake-ups*).
 
 This does in user space what guest halt polling (``cpuidle_haltpoll``) or ``idle=poll`` do in
 the kernel: one poller process per CPU the server may use, pinned to it at ``SCHED_IDLE``
@@ -14,7 +15,7 @@ priority, busy-loops while a block has started an ``execute`` of one request wit
 :data:`IDLE_POLL_S`. A call of several requests means requests wait in a queue: the server is
 bound by its throughput, not by wake-ups, and its threads keep the CPUs busy themselves. There
 pollers that spun after every call gained nothing and cost throughput (2-19% at concurrency 32,
-``bench/results/h100/warm_cores_ab-2026-11-26-b42c2d1/``), so they stand down until calls hold one
+docs/deploy.md, *The host under the server*), so they stand down until calls hold one
 request again. A ``SCHED_IDLE`` thread gives way to any other thread at
 once, so it takes no CPU time from the server; what it changes is that a core running it never
 halts. The price is CPU time: while requests come closer together than the window, every CPU
@@ -93,7 +94,8 @@ class WarmCores:
     """One poller process per CPU in ``cpus`` (default: the CPUs this process may run on).
 
     ``stamp``: the activity stamp the pollers follow, spinning for ``window_ms`` after each
-    call of one request unless a call of several came within it; ``None`` spins all the time (a measurement, :mod:`blockflow.bench.ensemble_floor`).
+    call of one request unless a call of several came within it; ``None`` spins all the time (the *warm-cpus*
+    condition of ``blockflow.bench.lab.ensemble_floor``).
     """
 
     def __init__(self, stamp: Path | None, window_ms: float = 0.0, cpus: Iterable[int] | None = None) -> None:

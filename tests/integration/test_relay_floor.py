@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from blockflow.bench import relay_floor
+from blockflow.bench.lab import relay_floor
 from blockflow.triton.server import ServerOptions, TritonServer
 
 pytestmark = pytest.mark.integration

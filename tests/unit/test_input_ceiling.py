@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from blockflow.bench import input_ceiling
+from blockflow.bench.lab import input_ceiling
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 

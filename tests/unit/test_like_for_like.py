@@ -1,4 +1,4 @@
-"""The like-for-like table, from the committed results of README's tables."""
+"""The like-for-like table, from runs' results trimmed under tests/fixtures/results."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from blockflow.bench import like_for_like as lfl
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results" / "h100" / "like_for_like-2026-11-25-bbab3a1"
+FIXTURES = ROOT / "tests" / "fixtures" / "results"
+RESULTS = FIXTURES / "h100" / "like_for_like-2026-11-25-bbab3a1"
 
 
 HOST_ROWS = tuple(r for r in lfl.ROWS if r.input == "host")
@@ -24,17 +25,14 @@ FOUR_ROWS = lfl.ROWS[:4]  # what the runs before tf32 with CUDA shared memory me
 @pytest.mark.parametrize(("results", "measured"), [(RESULTS.with_name("like_for_like-2026-11-27-dd9afb6"), HOST_ROWS),
                                                    (RESULTS.with_name("like_for_like-2026-11-27-2ada004"), CUDA_SHM_ROWS),
                                                    (RESULTS.with_name("like_for_like-2026-11-26-9364086"), FOUR_ROWS),
-                                                   (ROOT / "bench" / "results" / "h200" / "like_for_like-2026-11-28-e116978", lfl.ROWS)],
+                                                   (FIXTURES / "h200" / "like_for_like-2026-11-28-e116978", lfl.ROWS)],
                          ids=lambda p: p.name if isinstance(p, Path) else str(len(p)))
-def test_readmes_tables_are_the_summaries_of_the_committed_results(results: Path, measured: tuple[lfl.Row, ...]) -> None:
+def test_each_runs_table_is_the_summary_of_its_rows(results: Path, measured: tuple[lfl.Row, ...]) -> None:
     md = lfl.summary(results, measured)
     rows = [line for line in md.splitlines() if line.startswith("| ") and "×" in line]
-    readme = (ROOT / "README.md").read_text()
-    assert len(rows) == len(measured) and lfl.HEADER[0] in readme
-    for row in rows:
-        assert row in readme, row
+    assert len(rows) == len(measured) and "\n".join(lfl.HEADER) in md
     assert f"commit {results.name.rsplit('-', 1)[1]}" in md and "Not measured yet" not in md
-    assert (results / "like_for_like.md").read_text() == md  # as committed
+    assert (results / "like_for_like.md").read_text() == md  # the table that run wrote
 
 
 def test_the_rows_dates_span_from_the_first_started_to_the_last() -> None:
@@ -79,7 +77,7 @@ def test_a_model_that_failed_leaves_its_row_uncompared(tmp_path: Path) -> None:
 
 
 def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path: Path) -> None:
-    from blockflow.bench import turns
+    from blockflow.bench.lab import turns
 
     row = lfl.ROWS[0]
     base = json.loads((RESULTS / row.name / "results.json").read_text())
@@ -101,7 +99,7 @@ def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path
 
 
 def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> None:
-    from blockflow.bench import turns
+    from blockflow.bench.lab import turns
 
     cmd = lfl.bench_command(lfl.ROWS[0], Path("plan.yaml"), tmp_path, 3, 1.0, mps=False)
     by_env, environ = turns.turn_call(cmd, "BLOCKFLOW_TMQ_EARLY", None, "0")
@@ -109,7 +107,7 @@ def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> 
     by_option, environ = turns.turn_call(cmd, None, "--warm-cores-ms", "50")
     assert by_option == [*cmd, "--warm-cores-ms", "50"] and "--warm-cores-ms" not in cmd
     # An option is spelled as `blockflow bench` takes it; a bare word is refused before any turn runs.
-    run = subprocess.run([sys.executable, "-m", "blockflow.bench.turns", "--option=warm-cores-ms", "--values", "0,50",
+    run = subprocess.run([sys.executable, "-m", "blockflow.bench.lab.turns", "--option=warm-cores-ms", "--values", "0,50",
                           "--out", str(tmp_path / "t")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--option takes the option as `blockflow bench` spells it" in run.stderr, run.stderr
     assert not (tmp_path / "t").exists()
@@ -117,7 +115,7 @@ def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> 
 
 def test_a_turns_value_that_is_a_path_names_its_directory() -> None:
     """``--option=--plan`` alternates plans: the turn's directory keeps the path readable, without slashes."""
-    from blockflow.bench import turns
+    from blockflow.bench.lab import turns
 
     assert turns.turn_names(["/tmp/r50_x1.yaml", "plans/b.yaml"]) == ["1__tmp_r50_x1.yaml", "2_plans_b.yaml"]
     cmd, _ = turns.turn_call(["python", "-m", "blockflow", "bench", "--plan", "plans/a.yaml"], None, "--plan", "plans/b.yaml")
@@ -125,12 +123,12 @@ def test_a_turns_value_that_is_a_path_names_its_directory() -> None:
 
 
 def test_turns_already_measured_in_the_output_directory_are_named_and_not_run_again(tmp_path: Path) -> None:
-    from blockflow.bench import turns
+    from blockflow.bench.lab import turns
 
     row = lfl.ROWS[0]
     for name in turns.turn_names(["0", "1"]):
         shutil.copytree(RESULTS / row.name, tmp_path / name / row.name)
-    run = subprocess.run([sys.executable, "-m", "blockflow.bench.turns", "--env", "X", "--values", "0,1", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, "-m", "blockflow.bench.lab.turns", "--env", "X", "--values", "0,1", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     for name in turns.turn_names(["0", "1"]):
@@ -140,7 +138,7 @@ def test_turns_already_measured_in_the_output_directory_are_named_and_not_run_ag
 
 def test_a_turn_measured_at_concurrency_1_only_shows_its_c1_figures(tmp_path: Path) -> None:
     """``turns --also="--concurrency 1"``: the c32 cells stay empty and the turn is compared, not called failed."""
-    from blockflow.bench import turns
+    from blockflow.bench.lab import turns
 
     row = lfl.ROWS[0]
     res = json.loads((RESULTS / row.name / "results.json").read_text())

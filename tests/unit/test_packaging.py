@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -210,25 +211,59 @@ def test_the_client_install_needs_no_torch_takes_numpy_2_and_answers(wheel: Path
 
 
 def test_one_python_range_everywhere() -> None:
-    """pyproject's requires-python, the versions scripts/setup.sh accepts, README's words and the stub's hint agree."""
-    import re
-
+    """pyproject's requires-python, the versions scripts/setup.sh accepts, the install doc's words and the stub's hint agree."""
     found = re.search(r'^requires-python = ">=3\.(\d+),<3\.(\d+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
     assert found is not None, "requires-python is not of the form >=3.X,<3.Y"
     low, high = found.groups()
     minors = list(range(int(low), int(high)))
-    words = f"3.{minors[0]}–3.{minors[-1]}"
-    assert f"case \"$PYVER\" in {'|'.join(f'3.{m}' for m in minors)})" in (ROOT / "scripts" / "setup.sh").read_text()
-    assert f"Python {words}" in (ROOT / "README.md").read_text()
-    assert f"use Python 3.{minors[0]}-3.{minors[-1]}" in (ROOT / "blockflow" / "triton" / "install.py").read_text()
+    span = f"3.{minors[0]}-3.{minors[-1]}"
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert f"case \"$PYVER\" in {'|'.join(f'3.{m}' for m in minors)})" in setup
+    assert f"needs Python {span}" in setup
+    assert f"Python {span.replace('-', '–')}" in (ROOT / "docs" / "serving.md").read_text()  # *Setting up*
+    assert f"use Python {span}" in (ROOT / "blockflow" / "triton" / "install.py").read_text()
     assert all(f"3.{m}" in {"3.8", "3.9", "3.10", "3.11", "3.12", "3.13"} for m in minors)  # stubs nvidia-pytriton ships
 
 
 def test_results_are_data_and_investigations_stay_out_of_the_wheel(wheel: Path) -> None:
-    """bench/results holds results, not code (git keeps the scripts of past experiments); the wheel ships none of it."""
+    """bench/results holds results, not code (git keeps the scripts of past experiments); bench/lab holds investigations,
+    run from a checkout. The build context has both packages' sources; the wheel ships neither."""
     tracked = subprocess.run(["git", "ls-files", "bench/results"], capture_output=True, text=True, cwd=ROOT, check=False)
     if tracked.returncode != 0:
         pytest.skip("not a git checkout")
     code = [f for f in tracked.stdout.splitlines() if f.endswith((".py", ".sh", ".diff", ".patch", ".ipynb"))]
     assert code == [], f"code in bench/results (results are data; experiments live in git history): {code[:10]}"
-    assert not [n for n in zipfile.ZipFile(wheel).namelist() if "/results/" in n]
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "/results/" in n]
+    assert (ROOT / "bench" / "lab" / "__init__.py").is_file() and "blockflow/bench/suite.py" in names
+    assert not [n for n in names if n.startswith("blockflow/bench/lab/")], "an investigation in the wheel"
+
+
+# A result's folder named by its date (``bench/results/h100/tail_ab-2026-11-26-b42c2d1/``).
+DATED_RESULTS = re.compile(r"bench/results/\w+/\S+-20\d\d-")
+
+
+def dated_citations(text: str) -> list[int]:
+    """The lines of ``text`` that cite a dated folder under bench/results."""
+    return [i for i, line in enumerate(text.splitlines(), 1) if DATED_RESULTS.search(line)]
+
+
+def test_the_finder_sees_a_dated_folder_and_nothing_else() -> None:
+    text = ("# measured there (bench/results/h100/warm_cores_ab-2026-11-26-b42c2d1/)\n"
+            "# docs/performance.md, *Where the time goes*\n"
+            "    python -m blockflow.bench.memory --out bench/results/h100\n"
+            "    python -m blockflow.bench.precision --out bench/results/h100/precision-DATE-COMMIT\n")
+    assert dated_citations(text) == [1]
+
+
+def test_code_cites_docs_not_dated_result_folders() -> None:
+    """Code outside the tests and the investigations cites the docs for a finding: the docs say what was measured
+    and keep up with it, a dated folder holds one run."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], capture_output=True, text=True,
+                            cwd=ROOT, check=False)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [f for f in listed.stdout.splitlines() if not f.startswith(("tests/", "bench/lab/")) and (ROOT / f).is_file()]
+    assert "blockflow/triton/warm_cores.py" in files
+    found = [f"{f}:{lines}" for f in files if (lines := dated_citations((ROOT / f).read_text()))]
+    assert found == [], f"cite a docs section instead of a dated bench/results folder: {found}"

@@ -1,4 +1,4 @@
-"""bench.timeline's request anatomy, from hand-made trace records."""
+"""bench.timeline's request anatomy, from hand-made trace records and two turns' timelines under tests/fixtures/results."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from blockflow.bench import traced_turns
+from blockflow.bench.lab import traced_turns
 from blockflow.bench.timeline import anatomy, step_order, write_report
 
 
@@ -28,7 +28,7 @@ def test_a_hop_starts_where_the_block_answered() -> None:
     assert m["a.run:reply"] == 0.03 and m["a.execute"] == 0.21 and m["last_to_client"] == 0.09
 
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h100" / "side_thread_ab-2026-11-27-f716af3" / "timeline"
+RESULTS = Path(__file__).resolve().parents[1] / "fixtures" / "results" / "h100" / "side_thread_ab-2026-11-27-f716af3" / "timeline"
 
 
 def test_the_report_lists_each_block_s_steps_in_request_order(tmp_path: Path) -> None:

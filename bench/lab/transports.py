@@ -4,7 +4,7 @@ For each model it runs ``perf_analyzer`` (batch 1 and 8 at concurrency 1, and ba
 concurrency 32) and reads Triton's per-model statistics around each run, so the report
 splits an ensemble's latency into block compute and per-hop overhead.
 
-    python -m blockflow.bench.transports --plan plans/bench_r50.yaml --out bench/results/h100
+    python -m blockflow.bench.lab.transports --plan plans/bench_r50.yaml --out bench/results/h100
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
 
 def write_report(res: dict[str, Any], out: Path) -> None:
     lines = [f"# Transports side by side — {res['device']}", "",
-             f"`python -m blockflow.bench.transports --plan {res['plan']}`: one server; task `{res['task']}` = "
+             f"`python -m blockflow.bench.lab.transports --plan {res['plan']}`: one server; task `{res['task']}` = "
              f"{' → '.join(res['path'])} on every transport, and its monolithic references. perf_analyzer over HTTP; "
              "latencies in ms. Compute = Triton's compute input+infer+output per execution. "
              "'non-compute / block' = (average latency − Σ block compute) / blocks; 'per extra hop' = (that non-compute time "

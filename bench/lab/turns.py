@@ -2,10 +2,10 @@
 each, with an environment variable or one of its options set to the turn's value, then one table of
 every turn.
 
-    python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
-    python -m blockflow.bench.turns --option=--warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
-    python -m blockflow.bench.turns --env BLOCKFLOW_TMQ_OVERLAP --values 0,1,0,1 --also="--warm-cores-ms 50" --plan PLAN --out DIR
-    python -m blockflow.bench.turns --option=--plan --values A.yaml,B.yaml,B.yaml,A.yaml --out DIR   # two plans
+    python -m blockflow.bench.lab.turns --env BLOCKFLOW_TMQ_EARLY --values 0,1,0,1 --row fp16_host --plan PLAN --out DIR
+    python -m blockflow.bench.lab.turns --option=--warm-cores-ms --values 0,50,0,50 --plan PLAN --out DIR
+    python -m blockflow.bench.lab.turns --env BLOCKFLOW_TMQ_OVERLAP --values 0,1,0,1 --also="--warm-cores-ms 50" --plan PLAN --out DIR
+    python -m blockflow.bench.lab.turns --option=--plan --values A.yaml,B.yaml,B.yaml,A.yaml --out DIR   # two plans
 
 These machines drift by up to 40% between leases and by several percent within one, so a setting is
 judged by turns on one machine, each against its neighbouring turns of the other value; a single

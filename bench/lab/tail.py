@@ -1,6 +1,6 @@
 """Tail latency under open-loop (Poisson) load: where do the slow requests come from?
 
-    python -m blockflow.bench.tail --plan plans/bench_r50.yaml --rate 400 --seconds 8 --out DIR [--variants default,trace,nomonitor,mps]
+    python -m blockflow.bench.lab.tail --plan plans/bench_r50.yaml --rate 400 --seconds 8 --out DIR [--variants default,trace,nomonitor,mps]
 
 The `rate` section of `blockflow bench` showed, on H100s, a p99 of ~120 ms for the 4-block
 `tensormq` pipeline at half the monolithic model's peak rate, where the monolithic CUDA graph

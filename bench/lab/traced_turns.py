@@ -2,10 +2,10 @@
 server each, with an environment variable or one of its options set to the turn's value, then every
 turn's end-to-end times and the split's steps side by side.
 
-    python -m blockflow.bench.traced_turns --env BLOCKFLOW_TMQ_EARLY --values 1,0,1,0 --precision fp16 \\
+    python -m blockflow.bench.lab.traced_turns --env BLOCKFLOW_TMQ_EARLY --values 1,0,1,0 --precision fp16 \\
         --also="--warm-cores-ms 50" --plan PLAN --out DIR
 
-Where ``blockflow.bench.turns`` says whether a setting moves perf_analyzer's figures, this says
+Where ``blockflow.bench.lab.turns`` says whether a setting moves perf_analyzer's figures, this says
 which steps of a request it moves. Traced calls are a little slower than untraced ones, and a
 turn's server can be slower in every step than its neighbours (these machines drift by up to 40%),
 so a step is judged by how it moves against the others and against its neighbouring turns. Each
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from blockflow.bench.lab.turns import run_turns, setting_parser, turn_names
 from blockflow.bench.timeline import step_order
-from blockflow.bench.turns import run_turns, setting_parser, turn_names
 
 
 def _finished(turn: Path) -> dict[str, Any] | None:

@@ -3,7 +3,7 @@
 In-process (no Triton): each measurement times ``BlockRunner.run`` exactly as a block instance
 calls it (input copy, compute, fp32 output copy) with CUDA events, median of many runs.
 
-    python -m blockflow.bench.cuda_graphs --plan plans/default.yaml --out bench/results/h100
+    python -m blockflow.bench.lab.cuda_graphs --plan plans/default.yaml --out bench/results/h100
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
     device = torch.cuda.get_device_name(0)
     meta = {"device": device, "torch": torch.__version__, "plan": str(args.plan), "iters": args.iters, "precision": "fp32 (TF32 off)"}
     (args.out / "cuda_graphs.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# CUDA graphs vs eager — {device}", "", f"`python -m blockflow.bench.cuda_graphs --plan {args.plan}`; "
+    lines = [f"# CUDA graphs vs eager — {device}", "", f"`python -m blockflow.bench.lab.cuda_graphs --plan {args.plan}`; "
              f"torch {torch.__version__}; fp32, TF32 off; median of {args.iters} runs of `BlockRunner.run` (CUDA events).", "",
              "| model | " + " | ".join(f"eager b{b} (ms) | graph b{b} (ms) | speed-up b{b}" for b in batches) + " |",
              "|---|" + "---|---|---|" * len(batches)]

@@ -1,6 +1,6 @@
 """What one block process costs in GPU memory inside Triton, step by step.
 
-    python -m blockflow.bench.stub_memory --out bench/results/h100 [--plan plans/bench_r50.yaml] [--models b0 r50__ref ...]
+    python -m blockflow.bench.lab.stub_memory --out bench/results/h100 [--plan plans/bench_r50.yaml] [--models b0 r50__ref ...]
 
 Starts a server with nothing loaded and ``BLOCKFLOW_TRACE_DIR`` set, then loads the given
 models one at a time. For each it records the GPU's used memory before and after the load

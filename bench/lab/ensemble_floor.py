@@ -24,7 +24,7 @@ measured under ``--conditions``, switched in turns on one server:
 Each combination is measured ``--repeats`` times, alternating, and reported as the median and
 its spread. Triton's per-model statistics of the 4-step chain say where a step's time goes.
 
-    python -m blockflow.bench.ensemble_floor --out DIR [--conditions 'free;cpus=0;cpus=0-1;cpu-latency']
+    python -m blockflow.bench.lab.ensemble_floor --out DIR [--conditions 'free;cpus=0;cpus=0-1;cpu-latency']
 """
 
 from __future__ import annotations

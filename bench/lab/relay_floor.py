@@ -2,7 +2,7 @@
 
 Today a task's ensemble is a chain: each block's step is scheduled when the previous block has
 answered, and each such ensemble step is a chain of thread and process wake-ups in Triton
-(``python -m blockflow.bench.ensemble_floor``). This bench measures, with Python-backend models
+(``python -m blockflow.bench.lab.ensemble_floor``). This bench measures, with Python-backend models
 that do no work beyond moving 256 bytes, what a *relay* would cost instead: the ensemble's first
 step mints a key (16 random bytes, made in the server, so a client cannot choose one), and every
 later step takes that step's output, so Triton schedules them all at once; each model then waits
@@ -28,7 +28,7 @@ distinct inputs before anything is timed. perf_analyzer (HTTP, batch 1) measures
 concurrency 1 and 32; a one-step ensemble of the copy model gives the ensemble's own entry and exit,
 so a hop is ``(p50(4 steps) - p50(1 step)) / 3``.
 
-    python -m blockflow.bench.relay_floor --out DIR [--seconds 1 --repeats 3]
+    python -m blockflow.bench.lab.relay_floor --out DIR [--seconds 1 --repeats 3]
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from blockflow.bench.ensemble_floor import TICKET, _chain_config, _copy_config, copy_model
 from blockflow.bench.harness import commit, device_name, write_results
+from blockflow.bench.lab.ensemble_floor import TICKET, _chain_config, _copy_config, copy_model
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.report import spread_text
 from blockflow.bench.suite import model_stats

@@ -15,7 +15,7 @@ much more than the unsplit model at c32 with host inputs, whatever its blocks do
 that plan's first task too, split and as its unsplit CUDA graph (``--precision``), in the same
 server, measured in the same turns: sink and models side by side in one run.
 
-    python -m blockflow.bench.input_ceiling --out DIR [--plan plans/bench_r50.yaml --precision fp16]
+    python -m blockflow.bench.lab.input_ceiling --out DIR [--plan plans/bench_r50.yaml --precision fp16]
         [--seconds 2] [--repeats 3]
 """
 

@@ -7,7 +7,7 @@ runs its own block into its own pool and queues the release. Each step is timed 
 (``time.perf_counter_ns``), the GPU drained between iterations (untimed), so the figures are
 the Python and driver work each ``execute`` adds, which Triton's "compute infer" contains.
 
-    python -m blockflow.bench.hop_host --plan plans/bench_r50.yaml --precision fp16 --out DIR
+    python -m blockflow.bench.lab.hop_host --plan plans/bench_r50.yaml --precision fp16 --out DIR
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], ite
             raise RuntimeError("the producer process did not start")
         for i in range(iters + 50):
             here.send("go")
-            # As a block reads them: into a NumPy array (backend/model.py, ``_input``).
+            # As a block reads them: into a NumPy array (backend/request_inputs.py, ``RequestInputs.read``).
             raw = np.frombuffer(here.recv(), dtype=np.uint8).reshape(batch, TICKET_BYTES)
             if profile is not None and i >= 50:
                 profile.enable()
@@ -143,7 +143,7 @@ def measure(plan_path: Path, precision: str | None, blocks: tuple[int, int], ite
             t0 = laps.lap("c.run_into_slot", t0)
             tickets = producer.commit(res, stream)
             t0 = laps.lap("c.commit_and_sign", t0)
-            consumer.release_after(releases, stream, producer.done_event(res))  # as a middle block does (backend/model.py)
+            consumer.release_after(releases, stream, producer.done_event(res))  # as a middle block does (backend/tensormq_ends.py)
             laps.lap("c.release_after", t0)
             if profile is not None:
                 profile.disable()

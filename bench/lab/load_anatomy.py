@@ -1,6 +1,6 @@
 """Where each block's time goes under load: traced ``execute`` calls and Triton's phases at concurrency C.
 
-    python -m blockflow.bench.load_anatomy --plan plans/bench_r50.yaml --precision fp16 --out DIR \\
+    python -m blockflow.bench.lab.load_anatomy --plan plans/bench_r50.yaml --precision fp16 --out DIR \\
         [--concurrency 32] [--seconds 4] [--input host,cuda-shm] [--mps]
 
 One server with ``BLOCKFLOW_TRACE_DIR`` set (backend/trace.py) serves the plan's first task
