@@ -39,7 +39,7 @@ from blockflow.ensemble_gen.configs import (
     python_model_config,
     to_pbtxt,
 )
-from blockflow.plan import Block, HeadPack, Plan, Task, handover, naming
+from blockflow.plan import Block, HeadPack, Plan, Task, direct_pairs, naming
 
 MARKER = ".blockflow-repository"
 
@@ -190,10 +190,10 @@ def render(plan: Plan) -> dict[str, bytes]:
              for a, b in plan.hand_overs.items()}
     paths = {e: [st.model for st in steps] for e, steps, t in ensembles
              if relay and t.hand_over == "direct" and t.transport == "tensormq" and steps[0].spec.transport == "tensormq"}
-    roles = handover.roles(paths, relay)
+    roles = direct_pairs.roles(paths, relay)
     for ename, steps, task in ensembles:
         first, last = plan.blocks[task.path[0]], plan.blocks[task.path[-1]]
-        wiring = handover.wiring(paths[ename], relay) if ename in paths else None
+        wiring = direct_pairs.wiring(paths[ename], relay) if ename in paths else None
         cfg = ensemble_config(ename, steps, plan.block_in_shape(first), plan.block_out_shape(last), wiring)
         _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
     for mname, (spec, deploy) in blocks.items():

@@ -110,20 +110,20 @@ Cancel, crash, restart:
   released.
 
 Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handover.py``,
-``blockflow/plan/handover.py`` for which pairs of blocks qualify):
+``blockflow/plan/direct_pairs.py`` for which pairs of blocks qualify):
 
 - A *sender* and the one block after it, the *receiver*, run in the same ensemble step: the
   ensemble gives both the ticket the sender takes as its input. For the receiver that ticket is a
   *key*: it is checked (MAC, fields, and it must come from one of the blocks whose tickets key its
   hand-overs, ``HandOver.keys_from``, or, during a live plan change, one that ``also_accepts.json``
   names as ``keys``) but never claimed; the sender claims it as any consumer.
-- The sender pushes, for each sample, ``[key MAC, status, ticket]`` to every instance of the
-  receiver (Triton, not the sender, picks the instance a request goes to): status empty and its
-  own ticket, sent when the tickets are issued, before the sample's GPU work (the receiver's
+- The sender pushes, for each sample, a hand-over (key, status, ticket; frames in ``wire.py``) to
+  every instance of the receiver (Triton, not the sender, picks the instance a request goes to):
+  its own ticket, sent when the tickets are issued, before the sample's GPU work (the receiver's
   consumer then waits for the commit, as for a ticket handed on early); or the reason it failed
-  that sample's request, UTF-8, and no ticket. A sender does not answer the ensemble early.
-- Each receiver instance binds a PULL socket ``tmq/ho<model id, 14 hex>-<pid, 8 hex>.sock``;
-  senders list the directory again when it changes. An instance keeps what it was not asked for
+  that sample's request. A sender does not answer the ensemble early.
+- Each receiver instance binds its own socket (``wire.hand_over_path``); senders list the
+  directory again when it changes. An instance keeps what it was not asked for
   until the claim window ends (its tickets are refused by then), and so long the keys it served.
 - The receiver refuses a key it has served (a replay), waits for a key's hand-over at most
   ``COMMIT_WAIT_S``, and then reads the sender's ticket as its input, with every check above (MAC,
@@ -145,27 +145,14 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   ``HANDED_AFTER_<k>`` and never reads them: Triton runs only the steps whose outputs some step
   takes (``docs/triton-notes.md``).
 
-Messages (ZeroMQ multipart, a consumer's DEALER to the producer generation's ROUTER; the
-constants and frame layouts are in ``backend/tensormq/wire.py``):
+Messages: everything on these sockets (consumer to producer: HELLO, RELEASE, STATS; sender to
+receiver: the hand-overs), frame by frame, is in ``backend/tensormq/wire.py``.
 
-=========  ===========================================  ====================================
-kind       request frames                               answer
-=========  ===========================================  ====================================
-HELLO      ``HELLO``                                    ``WELCOME`` + JSON: producer, generation,
-                                                        segment (kind, name or CUDA IPC handle,
-                                                        bytes), event handles, max_slots
-RELEASE    ``RELEASE``, n × ``<IIII`` items             none (fire and forget)
-           (generation, slot, sequence, sample)
-STATS      ``STATS``                                    ``STATS`` + JSON of the producer's counters
-                                                        (``slots_in_use`` and ``bytes_in_use``: lent
-                                                        or reserved; ``slots_ready``: prepared)
-other      anything else                                ``ERROR`` + a short text
-=========  ===========================================  ====================================
-
-The ticket (256 bytes, inside Triton's tensors, never on these sockets) is laid out in
+The ticket (256 bytes, inside Triton's tensors and inside hand-overs) is laid out in
 ``backend/tensormq/ticket.py``; the claim table's layout in ``backend/tensormq/claims.py``.
 
-Nothing on any socket is pickled. Files (named in ``blockflow/core/env.py``): in the runtime
+Nothing on any socket is pickled. Files (named in ``blockflow/core/env.py``, the receivers'
+sockets in ``wire.py``): in the runtime
 directory ``$BLOCKFLOW_RUNTIME_DIR``, ``tmq.key`` (ticket MAC key, 0600) and
 ``tmq/<id>-<generation>.sock`` and ``.claims`` (one pair per producer generation), and
 ``tmq/ho<model id>-<pid>.sock`` (one per receiver instance of direct hand-overs); host pools

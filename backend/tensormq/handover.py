@@ -1,10 +1,11 @@
 """Direct hand-overs: a block gives its tickets to the next block itself, not through the ensemble.
 
 Where the plan says ``hand_over: direct``, the generator pairs a *sender* with the one block
-after it, the *receiver* (``blockflow.plan.handover`` says which pairs qualify), and the task's
+after it, the *receiver* (``blockflow.plan.direct_pairs`` says which pairs qualify), and the task's
 ensemble runs both at once, each given the ticket the sender takes as its input (the receiver's
 *key*). The rules, with the rest of the protocol, are in the package note
-(``backend/tensormq/__init__.py``, "Direct hand-overs").
+(``backend/tensormq/__init__.py``, "Direct hand-overs"); the messages and the receivers' sockets
+in ``backend/tensormq/wire.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
-from blockflow.backend.tensormq.wire import listening
+from blockflow.backend.tensormq.wire import HANDED, failed, hand_over_of, hand_over_path, hand_over_prefix, handed, listening
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
 from blockflow.core import also_accepts, env
 from blockflow.core.errors import RequestError
@@ -32,9 +33,8 @@ from blockflow.core.spec import HandOver
 
 T = TypeVar("T")
 
-MAC = slice(tk.TICKET_BYTES - tk.MAC_BYTES, tk.TICKET_BYTES)
-MODEL = slice(152, 160)  # the producing block's model id (ticket.py's layout)
-OK = b""
+MAC = tk.LAYOUT["mac"]
+MODEL = tk.LAYOUT["model"]  # the producing block's model id
 # Hand-overs a sender queues for one receiver instance that is not reading (then they are dropped).
 SEND_HWM = 65536
 # Kept at most, received or served (beyond the window a receiver expires them in).
@@ -47,15 +47,6 @@ LOOK_EVERY_S = 0.5
 # How long after its claim window a key's hand-over may still arrive (its sender claimed it at the
 # end of the window, and the message is on its way).
 LATE_S = 1.0
-
-
-def _prefix(model: str) -> str:
-    return f"ho{tk.model_id(model) & (2**56 - 1):014x}-"
-
-
-def socket_path(runtime_dir: Path, model: str, pid: int) -> Path:
-    """A receiver instance's socket: as long as a producer's, so the runtime directory's limit holds."""
-    return runtime_dir / env.TMQ_DIR / f"{_prefix(model)}{pid:08x}.sock"
 
 
 def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
@@ -71,7 +62,7 @@ class HandOut:
 
     def __init__(self, runtime_dir: Path, to_model: str) -> None:
         self.dir = runtime_dir / env.TMQ_DIR
-        self.prefix = _prefix(to_model)
+        self.prefix = hand_over_prefix(to_model)
         self.to = to_model
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[Any]] = {}
@@ -107,12 +98,11 @@ class HandOut:
     def send(self, tickets: Sequence[bytes]) -> None:
         """This call's tickets, one per sample of its batch, in the order of its keys."""
         keys, self._keys = self._keys, []
-        self._push([(k, OK, t) for k, t in zip(keys, tickets, strict=True)])
+        self._push([handed(k, t) for k, t in zip(keys, tickets, strict=True)])
 
     def fail(self, keys: Sequence[bytes], reason: str) -> None:
         """The receiver fails these samples' requests at once, with ``reason``, instead of waiting."""
-        status = f"{reason} (in block {self.to}'s sender)".encode()[:4096] or b"failed"
-        self._push([(k, status, b"") for k in keys])
+        self._push([failed(k, f"{reason} (in block {self.to}'s sender)") for k in keys])
 
     def finish(self, reason: str) -> None:
         """End of the call: keys read but never sent (the batch failed before its tickets) fail."""
@@ -120,12 +110,12 @@ class HandOut:
         if keys:
             self.fail(keys, reason)
 
-    def _push(self, items: list[tuple[bytes, bytes, bytes]]) -> None:
+    def _push(self, messages: list[list[bytes]]) -> None:
         socks = self._receivers()
-        for key, status, ticket in items:
+        for message in messages:
             for sock in socks:
                 try:
-                    sock.send_multipart([key, status, ticket], flags=zmq.NOBLOCK, copy=False)
+                    sock.send_multipart(message, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self.dropped += 1
 
@@ -141,7 +131,7 @@ class HandIn:
     def __init__(self, runtime_dir: Path, model: str, role: HandOver, mac_key: bytes, wait_s: float, keep_s: float,
                  pid: int | None = None, also: also_accepts.Reader | None = None) -> None:
         self.runtime_dir = runtime_dir
-        self.path = socket_path(runtime_dir, model, os.getpid() if pid is None else pid)
+        self.path = hand_over_path(runtime_dir, model, os.getpid() if pid is None else pid)
         self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
@@ -192,7 +182,7 @@ class HandIn:
                 raise TicketError("replayed ticket: this block already took the hand-over keyed by it")
             status, ticket = self._take(key, t, deadline)
             self.served[key] = time.monotonic()
-            if status != OK:
+            if status != HANDED:
                 raise ProducerGoneError(status.decode(errors="replace"))
             out[i] = np.frombuffer(ticket, dtype=np.uint8)
         self._expire()
@@ -257,10 +247,11 @@ class HandIn:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[0]) != tk.MAC_BYTES:
+            message = hand_over_of(frames)
+            if message is None:
                 continue  # only senders of this server reach the socket; nothing else is read
-            key, status, ticket = frames
-            if key in self.served or key in self.pending or (status == OK and len(ticket) != tk.TICKET_BYTES):
+            key, status, ticket = message
+            if key in self.served or key in self.pending:
                 continue
             self.pending[key] = (now, status, ticket)
 

@@ -1,33 +1,36 @@
 """TensorMQ tickets: the 256 bytes that cross an ensemble step instead of an activation.
 
-One ticket names one sample (one row of a batch) that lies in a producer's pool::
+One ticket names one sample (one row of a batch) that lies in a producer's pool. Its layout,
+little-endian, no padding (:data:`FIELDS` defines it, :data:`LAYOUT` gives each field's bytes;
+``tests/unit/test_ticket_layout.py`` keeps this table in step with them)::
 
-    offset size  field
-    0      4     magic b"BFTQ"
-    4      2     version (1)
-    6      2     flags (0)
-    8      8     producer id
-    16     4     generation of the producer process
-    20     4     slot (allocation index; also the producer's IPC event index)
-    24     4     slot sequence number (changes each time the slot is reused)
-    28     4     sample index within the slot
-    32     8     byte offset of the sample in the segment
-    40     8     bytes of the sample
-    48     1     dtype code          49  1  ndim (<= 8)
-    50     1     device type (0 host shared memory, 1 CUDA)
-    51     1     device index
-    52     4     segment index
-    56     32    shape, 8 x u32 (per sample; unused dims 0)
-    88     64    strides, 8 x i64 (elements; only row-major is accepted)
-    152    8     model id of the producing block (:func:`model_id` of its Triton model name)
-    160    8     layout id of a record (flag RECORD), else 0
-    168    72    reserved, zero
+    offset  size  field         what
+    0       4     magic         b"BFTQ" (MAGIC)
+    4       2     version       2 (VERSION)
+    6       2     flags         FLAG_RECORD (1) for a record, else 0
+    8       8     producer      producer id
+    16      4     generation    generation of the producer process
+    20      4     slot          allocation index; also the producer's IPC event index
+    24      4     seq           slot sequence number (changes each time the slot is reused)
+    28      4     sample        sample index within the slot
+    32      8     offset        byte offset of the sample in the segment
+    40      8     nbytes        bytes of the sample
+    48      1     dtype         dtype code (DTYPES)
+    49      1     ndim          dimensions, 1 to 8 (MAX_DIMS)
+    50      1     device_type   0 host shared memory (DEVICE_HOST), 1 CUDA (DEVICE_CUDA)
+    51      1     device_index  device index
+    52      4     segment       segment index
+    56      32    shape         8 x u32 (per sample; unused dims 0)
+    88      64    strides       8 x i64 (elements; only row-major is accepted)
+    152     8     model         model id of the producing block (:func:`model_id` of its Triton model name)
+    160     8     layout        :func:`layout_id` of a record's tensors (flag RECORD), else 0
+    168     72    reserved      zero
+    240     16    mac           keyed BLAKE2b-128 over bytes 0..239
 
 A hop that carries several tensors (a skip connection across the cut) hands over one record per
 sample: the tensors one after another, row-major, all in the ticket's dtype. Its ticket has flag
-RECORD (1), describes the record as a 1-D tensor of all its elements, and carries
-:func:`layout_id` of the tensors' shapes, which the consumer checks against the shapes it takes.
-    240    16    MAC: keyed BLAKE2b-128 over bytes 0..239
+RECORD, describes the record as a 1-D tensor of all its elements, and carries :func:`layout_id`
+of the tensors' shapes, which the consumer checks against the shapes it takes.
 
 A ticket is untrusted input (a client can send one straight to a block model):
 :func:`decode` checks the MAC (the key lives in the server's private runtime
@@ -57,15 +60,36 @@ VERSION = 2
 MAX_DIMS = 8
 MAC_BYTES = 16
 FLAG_RECORD = 1
-_HEAD = struct.Struct("<4sHHQIIIIQQBBBBI8I8qQQ")
+# The fields of a ticket's head, in order: name and struct code. The head, the layout and the
+# module note's table all follow from this.
+FIELDS: tuple[tuple[str, str], ...] = (
+    ("magic", "4s"), ("version", "H"), ("flags", "H"), ("producer", "Q"), ("generation", "I"), ("slot", "I"),
+    ("seq", "I"), ("sample", "I"), ("offset", "Q"), ("nbytes", "Q"), ("dtype", "B"), ("ndim", "B"),
+    ("device_type", "B"), ("device_index", "B"), ("segment", "I"), ("shape", f"{MAX_DIMS}I"),
+    ("strides", f"{MAX_DIMS}q"), ("model", "Q"), ("layout", "Q"),
+)
+_HEAD = struct.Struct("<" + "".join(code for _, code in FIELDS))
 _BODY_END = TICKET_BYTES - MAC_BYTES
+
+
+def _layout() -> dict[str, slice]:
+    out: dict[str, slice] = {}
+    at = 0
+    for name, code in FIELDS:
+        out[name] = slice(at, at + struct.calcsize("<" + code))
+        at = out[name].stop
+    return out | {"reserved": slice(at, _BODY_END), "mac": slice(_BODY_END, TICKET_BYTES)}
+
+
+# Each field's bytes in a ticket, the reserved bytes and the MAC included.
+LAYOUT: dict[str, slice] = _layout()
 # slot, seq, sample and offset: the only fields that differ between tickets of one producer
 # generation and one tensor shape. Everything else is checked once per distinct value of it.
 _VARYING = struct.Struct("<IIIQ")
-_VARYING_AT = 20
+_VARYING_AT = LAYOUT["slot"].start
 _VARYING_END = _VARYING_AT + _VARYING.size
 _CHECKED_MAX = 4096
-assert _HEAD.size == 168
+assert _HEAD.size == LAYOUT["reserved"].start == 168 and _VARYING_END == LAYOUT["offset"].stop
 
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.uint8}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}

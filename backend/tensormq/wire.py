@@ -1,15 +1,34 @@
 """Everything TensorMQ puts on a socket: the message kinds, their frames, and where the sockets are.
 
-The rules these messages serve (who owns a slot when, what a ticket promises) are in the
-package note, ``backend/tensormq/__init__.py``; the ticket itself, which travels inside Triton
-and not on these sockets, is laid out in ``backend/tensormq/ticket.py``.
+The rules these messages serve (who owns a slot when, what a ticket promises, when a sender hands
+over) are in the package note, ``backend/tensormq/__init__.py``; the ticket itself, which travels
+inside Triton and inside hand-overs, is laid out in ``backend/tensormq/ticket.py``.
 
-Frames (ZeroMQ multipart, a consumer's DEALER to the producer generation's ROUTER)::
+Consumer to producer: ZeroMQ multipart, a consumer's DEALER to the ROUTER of one producer
+generation, at :func:`endpoint` (``tmq/<producer id, 16 hex>-<generation, 8 hex>.sock``)::
 
-    HELLO                     -> WELCOME, JSON {producer, generation, segment, events, max_slots}
-    RELEASE, n x RELEASE_ITEM -> (no answer)
-    STATS                     -> STATS, JSON of the producer's counters
-    anything else             -> ERROR, a short text
+    kind     request frames                       answer
+    HELLO    HELLO                                WELCOME, JSON of WELCOME_KEYS: producer, generation,
+                                                  segment (kind, name or CUDA IPC handle in hex, nbytes,
+                                                  device), events (one CUDA IPC event handle per slot, hex;
+                                                  none on the host), max_slots
+    RELEASE  RELEASE, n x RELEASE_ITEM            none (fire and forget)
+             (generation, slot, seq, sample)
+    STATS    STATS                                STATS, JSON of the producer's counters (slots_in_use and
+                                                  bytes_in_use: lent or reserved; slots_ready: prepared)
+    other    anything else                        ERROR, a short text
+
+Sender to receiver (direct hand-overs): ZeroMQ multipart, a sender's PUSH to the PULL of each
+instance of its receiver, at :func:`hand_over_path` (``tmq/ho<model id, 14 hex>-<pid, 8 hex>.sock``);
+one message per sample, no answer::
+
+    frame   bytes         what
+    key     MAC_BYTES     the MAC of the ticket the sender took as its input (the receiver's key)
+    status  0 to 4096     empty (HANDED): the sample's ticket follows; else why the sender failed
+                          the sample's request, UTF-8 (STATUS_MAX bytes at most)
+    ticket  TICKET_BYTES  the sender's ticket for the sample; empty with a failure
+
+:func:`handed` and :func:`failed` build a message, :func:`hand_over_of` reads one.
 """
 
 from __future__ import annotations
@@ -18,14 +37,15 @@ import socket
 import struct
 from pathlib import Path
 
+from blockflow.backend.tensormq.ticket import MAC_BYTES, TICKET_BYTES, model_id
 from blockflow.core import env
 
 HELLO, WELCOME, RELEASE, STATS, ERROR = b"HELLO", b"WELCOME", b"RELEASE", b"STATS", b"ERROR"
 RELEASE_ITEM = struct.Struct("<IIII")  # generation, slot, seq, sample: one claimed sample handed back
-# WELCOME's JSON: the producer's id and generation, its pool segment (HostSegment/CudaSegment.describe():
-# kind, name or CUDA IPC handle in hex, nbytes, device), one CUDA IPC event handle per slot (hex;
-# none on the host), and the slot count.
 WELCOME_KEYS = ("producer", "generation", "segment", "events", "max_slots")
+
+HANDED = b""  # a hand-over's status when it carries the sample's ticket
+STATUS_MAX = 4096
 
 
 def socket_path(runtime_dir: Path, pid: int, generation: int) -> Path:
@@ -54,3 +74,33 @@ def listening(path: Path) -> bool:
         except OSError:
             return False
     return True
+
+
+def hand_over_prefix(model: str) -> str:
+    """The start of the socket names of receiver ``model``'s instances (its senders list them)."""
+    return f"ho{model_id(model) & (2**56 - 1):014x}-"
+
+
+def hand_over_path(runtime_dir: Path, model: str, pid: int) -> Path:
+    """A receiver instance's socket: as long as a producer's, so the runtime directory's limit holds."""
+    return runtime_dir / env.TMQ_DIR / f"{hand_over_prefix(model)}{pid:08x}.sock"
+
+
+def handed(key: bytes, ticket: bytes) -> list[bytes]:
+    """The hand-over of one sample's ticket under ``key``."""
+    return [key, HANDED, ticket]
+
+
+def failed(key: bytes, reason: str) -> list[bytes]:
+    """The hand-over of one sample's failure under ``key``: the receiver fails its request with ``reason``."""
+    return [key, reason.encode()[:STATUS_MAX] or b"failed", b""]
+
+
+def hand_over_of(frames: list[bytes]) -> tuple[bytes, bytes, bytes] | None:
+    """``(key, status, ticket)`` of a well-formed hand-over; None for anything else."""
+    if len(frames) != 3 or len(frames[0]) != MAC_BYTES:
+        return None
+    key, status, ticket = frames
+    if status == HANDED and len(ticket) != TICKET_BYTES:
+        return None
+    return key, status, ticket

@@ -2,7 +2,8 @@
 
 ``schema`` is the file format, ``load`` reads and checks a plan, ``checks`` holds the checks
 that need the whole graph, ``deployment`` is the validated :class:`Plan` and how it deploys,
-``naming`` names the generated Triton models, ``memory`` estimates what a plan needs.
+``naming`` names the generated Triton models, ``direct_pairs`` says which neighbouring blocks
+may hand over directly, ``memory`` estimates what a plan needs.
 """
 
 from blockflow.plan.deployment import Block, Deployed, HeadPack, Plan, Task

@@ -15,7 +15,7 @@ from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
-from blockflow.plan import handover, naming
+from blockflow.plan import direct_pairs, naming
 from blockflow.plan.schema import (
     DEFAULT_SETTINGS,
     BlockDef,
@@ -307,13 +307,13 @@ class Plan:
     @cached_property
     def hand_overs(self) -> dict[str, str]:
         """Sender -> receiver of each pair of deployed models (names before any transport suffix) that
-        hand over directly on the tasks that ask for it (``blockflow.plan.handover``)."""
+        hand over directly on the tasks that ask for it (``blockflow.plan.direct_pairs``)."""
         paths = {t.name: [d.name for d in self.deployed(t)] for t in self.tasks.values()
                  if t.hand_over == "direct" and t.transport == "tensormq"}
         if not paths:
             return {}
         kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
-        return handover.pairs(paths, {p.name for p in self.head_packs.values()}, kept)
+        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept)
 
     def task_hand_overs(self, task: Task) -> list[tuple[str, str]]:
         """The pairs of :meth:`hand_overs` on ``task``'s deployed path, in order."""

@@ -22,18 +22,18 @@ from blockflow.core import also_accepts
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver
 from blockflow.ensemble_gen import generator
-from blockflow.plan import handover, load_plan, parse_plan
+from blockflow.plan import direct_pairs, load_plan, parse_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAIN = {"t": ["b0", "b1", "b2", "b3", "b4"]}
 
 
 def test_a_chain_hands_over_between_its_middle_blocks_and_its_head_joins() -> None:
-    relay = handover.pairs(CHAIN)
+    relay = direct_pairs.pairs(CHAIN)
     assert relay == {"b1": "b2", "b2": "b3"}  # b1 takes b0's ticket; b4 is last
-    w = handover.wiring(CHAIN["t"], relay)
+    w = direct_pairs.wiring(CHAIN["t"], relay)
     assert w.takes == (None, 0, 0, 0, 3) and w.after == {4: (1, 2)}
-    roles = handover.roles(CHAIN, relay)
+    roles = direct_pairs.roles(CHAIN, relay)
     assert roles["b1"] == HandOver(to="b2")
     assert roles["b2"] == HandOver(to="b3", takes_from="b1", keys_from=("b0",))
     assert roles["b3"] == HandOver(takes_from="b2", keys_from=("b0",))
@@ -49,16 +49,16 @@ def test_a_chain_hands_over_between_its_middle_blocks_and_its_head_joins() -> No
     ({"t": ["b0", "b1", "p", "b3"]}, {"p"}),  # a head pack
 ])
 def test_pairs_whose_part_differs_between_tasks_keep_their_ensemble_step(paths: dict[str, list[str]], packs: set[str]) -> None:
-    assert handover.pairs(paths, packs) == {}
+    assert direct_pairs.pairs(paths, packs) == {}
 
 
 def test_a_run_that_starts_later_is_keyed_by_its_senders_input_and_tasks_may_start_apart() -> None:
     paths = {"t": ["a0", "x", "s", "r", "j"], "u": ["c0", "x", "s", "r", "j"], "v": ["a0", "x", "k"]}
-    relay = handover.pairs(paths)
+    relay = direct_pairs.pairs(paths)
     assert relay == {"s": "r"}  # x has two blocks after it
-    w = handover.wiring(paths["t"], relay)
+    w = direct_pairs.wiring(paths["t"], relay)
     assert w.takes == (None, 0, 1, 1, 3) and w.after == {4: (2,)}
-    assert handover.roles(paths, relay)["r"] == HandOver(takes_from="s", keys_from=("x",))
+    assert direct_pairs.roles(paths, relay)["r"] == HandOver(takes_from="s", keys_from=("x",))
 
 
 def _spec(config: bytes) -> dict[str, object]:
