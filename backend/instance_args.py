@@ -1,5 +1,6 @@
 """What Triton tells one block instance at ``initialize``: its model's spec (a parameter of its
-``config.pbtxt``, written by the generator) and the device Triton placed it on."""
+``config.pbtxt``, written by the generator), the tensor names that spec gives it, and the device
+Triton placed it on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 
 from blockflow.core.errors import BlockError
-from blockflow.core.spec import SPEC_PARAMETER, ModelSpec
+from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, ModelSpec, activation_names
 
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -19,6 +20,15 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     except (KeyError, ValueError) as exc:
         raise BlockError(f"model {config.get('name')!r} has no valid {SPEC_PARAMETER!r} parameter "
                          f"(regenerate the repository with `blockflow generate`): {exc}") from exc
+
+
+def tensor_names(spec: ModelSpec) -> tuple[list[str], list[str]]:
+    """Triton's input and output tensor names: a TensorMQ hop is one ticket per sample whatever it
+    carries; other hops have one tensor per value that crosses the cut."""
+    tmq = spec.transport == "tensormq"
+    ins = [IMAGE] if spec.takes_image else activation_names(ACTIVATION_IN, 1 if tmq else len(spec.in_shapes))
+    outs = [LOGITS] if spec.gives_logits else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
+    return ins, outs
 
 
 def device(args: dict[str, str]) -> torch.device:

@@ -60,8 +60,8 @@ class _Graph:
 class _PlainHop:
     """A TensorMQ hop checked once: its input and output tensors (the same pool views come back
     request after request), its graph, and the plain copies' addresses. Checking a hop costs ~20
-    torch calls, ~16-18 us a call on an H100 host that woke for the request
-    (bench/results/h100/hot_path_laps-2026-11-26-b4b1fcd/); finding it again costs a dict lookup."""
+    torch calls, ~16-18 us a call on an H100 host that woke for the request (docs/performance.md,
+    "The split's cost"); finding it again costs a dict lookup."""
 
     __slots__ = ("x", "out", "graph", "copies_in", "copies_out")
 

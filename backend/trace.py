@@ -13,7 +13,7 @@ JSON lines to ``<dir>/<model>.<instance>.<pid>.jsonl``:
   report names them); and the GPU time between two CUDA events around the block's own kernels
   (after it waited for its producer).
 
-Unset, nothing is created and each call costs one attribute test. ``blockflow.bench.timeline`` and
+Unset, the block gets a :class:`NoTracer`: nothing is created and each step costs one empty call. ``blockflow.bench.timeline`` and
 ``blockflow.bench.stub_memory`` read these files. What a traced ``execute`` does beyond the untraced
 one is kept small, as it is part of what the trace measures: timestamps, laps and two CUDA event
 records (events from a free list, not created per call). Reading the events and writing the lines
@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +44,12 @@ FLUSH_S = 0.2  # how often the writer thread reads finished calls' events and wr
 def trace_dir() -> Path | None:
     value = os.environ.get(ENV)
     return Path(value) if value else None
+
+
+def tracer_for(model: str, instance: str, device: torch.device) -> Tracer | NoTracer:
+    """The tracer of one block instance: a :class:`Tracer` where ``BLOCKFLOW_TRACE_DIR`` is set, else a :class:`NoTracer`."""
+    directory = trace_dir()
+    return Tracer(directory, model, instance, device) if directory else NoTracer()
 
 
 def process_gpu_mib(device: torch.device | None = None) -> dict[str, float]:
@@ -66,12 +73,45 @@ def process_gpu_mib(device: torch.device | None = None) -> dict[str, float]:
         return out
 
 
+class NoTracer:
+    """The tracer of an untraced block instance: every step is an empty call, and the block's parts get no lap."""
+
+    part_lap: Callable[[str], None] | None = None
+
+    def start(self) -> None:
+        pass
+
+    def memory(self, step: str, **extra: Any) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def mark(self) -> None:
+        pass
+
+    def lap(self, name: str) -> None:
+        pass
+
+    def gpu_begin(self) -> None:
+        pass
+
+    def end(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Tracer:
     """Writes one block instance's trace lines (see the module docstring)."""
 
     def __init__(self, directory: Path, model: str, instance: str, device: torch.device) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.device = device
+        # Handed to the consumer, the runner and the producer, which time the hop's finer steps with it
+        # (None untraced: they then skip even the call).
+        self.part_lap: Callable[[str], None] | None = self.lap
         self._file: IO[str] = (directory / f"{model}.{instance}.{os.getpid()}.jsonl").open("a", buffering=1)
         # Records of finished calls, with their event pair (or None), for the writer thread. deque's
         # append and popleft are atomic, so the execute thread takes no lock.
@@ -87,6 +127,13 @@ class Tracer:
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="bf-trace", daemon=True)
         self._writer.start()
+
+    def start(self) -> None:
+        """The first memory lines: the stub's start and, on a GPU, its CUDA context (made here to measure it)."""
+        self.memory("start", cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING"))
+        if self.device.type == "cuda":
+            torch.zeros(1, device=self.device)
+            self.memory("context")
 
     def memory(self, step: str, **extra: Any) -> None:
         self._write({"kind": "memory", "step": step, "t": time.perf_counter_ns(), **process_gpu_mib(self.device), **extra})

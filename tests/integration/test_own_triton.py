@@ -226,7 +226,7 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE  # still not reaped
         left = [pid for pid in stubs if not exiting(pid)]
         threads = "\n".join(where_threads_are(pid) for pid in left)
-        for pid in left:  # and where their Python threads are, in the log (backend/model.py registers it)
+        for pid in left:  # and where their Python threads are, in the log (backend/health.py registers it)
             os.kill(pid, signal.SIGUSR2)
         time.sleep(2 if left else 0)
         log = (tmp_path / "tritonserver.log").read_text(errors="replace")

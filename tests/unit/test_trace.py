@@ -13,7 +13,7 @@ from blockflow.backend import trace
 from blockflow.backend.trace import Tracer
 
 
-def _calls(tracer: Tracer, n: int) -> None:
+def _calls(tracer: Tracer | trace.NoTracer, n: int) -> None:
     for i in range(n):
         tracer.begin()
         tracer.lap("read:input")
@@ -52,3 +52,23 @@ def test_lines_land_while_the_block_runs(tmp_path: Path, monkeypatch: pytest.Mon
         assert len(_lines(tmp_path)) == 3
     finally:
         tracer.close()
+
+
+def test_an_untraced_block_gets_a_tracer_that_does_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace.ENV, raising=False)
+    untraced = trace.tracer_for("m", "m_0", torch.device("cpu"))
+    assert isinstance(untraced, trace.NoTracer) and untraced.part_lap is None
+    untraced.start()
+    _calls(untraced, 3)
+    untraced.close()
+    monkeypatch.setenv(trace.ENV, str(tmp_path / "traces"))
+    traced = trace.tracer_for("m", "m_0", torch.device("cpu"))
+    assert isinstance(traced, Tracer) and traced.part_lap is not None
+    traced.start()
+    traced.close()
+    assert [r["step"] for r in _lines(tmp_path / "traces")] == ["start"]
+
+
+def test_the_no_op_tracer_has_every_step_of_the_tracer() -> None:
+    public = {n for n in vars(Tracer) if not n.startswith("_")}
+    assert public <= {n for n in vars(trace.NoTracer) if not n.startswith("_")}

@@ -1,0 +1,131 @@
+"""A block's TensorMQ ends: the producer that writes its outputs into pool slots and hands out tickets,
+the consumer that reads the tickets it is given, and the relay of direct hand-overs
+(``backend/tensormq/__init__.py`` has the protocol). A block of another transport has none of them.
+
+Inside a stub only (it needs ``triton_python_backend_utils``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from blockflow.backend.health import Health
+from blockflow.backend.replies import EarlyReply, Packed, packer, ticket_tensor
+from blockflow.backend.runtime import BlockRunner
+from blockflow.backend.tensormq.consumer import Consumer, Release
+from blockflow.backend.tensormq.handover import HandOut, Relay
+from blockflow.backend.tensormq.producer import Producer
+from blockflow.backend.trace import NoTracer, Tracer
+from blockflow.core import also_accepts, env, runtime_dir
+from blockflow.core.spec import ModelSpec
+
+
+class TensorMQEnds:
+    """Opens, runs a call through and closes one block instance's producer, consumer and relay."""
+
+    def __init__(self, producer: Producer | None, consumer: Consumer | None, relay: Relay | None, answers_early: bool,
+                 spec: ModelSpec, stream: int, tracer: Tracer | NoTracer) -> None:
+        self.producer, self.consumer, self.relay = producer, consumer, relay
+        self.out_shapes = spec.out_shapes
+        self.sender: HandOut | None = relay.out if relay is not None else None  # of direct hand-overs
+        self.early = producer is not None and answers_early
+        self.stream, self.tracer = stream, tracer
+        self.committed: int | None = None  # the event of the current call's last committed pool slot
+
+    @classmethod
+    def open(cls, args: dict[str, str], spec: ModelSpec, device: torch.device, out_name: str, stream: int,
+             health: Health, tracer: Tracer | NoTracer) -> TensorMQEnds:
+        """The ends ``spec`` gives the instance Triton describes in ``args``; their files go when the server does."""
+        # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
+        # A sender of direct hand-overs answers after its commit (backend/tensormq/handover.py).
+        answers_early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0" and not (spec.hand_over and spec.hand_over.to)
+        if spec.transport != "tensormq" or spec.tensormq is None:
+            return cls(None, None, None, answers_early, spec, stream, tracer)
+        model = args["model_name"]
+        # BLOCKFLOW_RUNTIME_DIR under `blockflow serve`; beside the repository under a tritonserver started by hand.
+        runtime = runtime_dir.locate(Path(args["model_repository"]).parent)
+        runtime_dir.ensure_tensormq(runtime)
+        t = spec.tensormq
+        producer = consumer = None
+        if not spec.gives_logits:
+            producer = Producer(f"{model}/{args['model_instance_name']}", runtime, device,
+                                t.pool_mb * 2**20, t.slots, t.lease_s, t.wait_s, model=model,
+                                max_samples=spec.max_batch_size, claim_s=t.claim_window_s,
+                                prepare=os.environ.get(env.TMQ_PREPARE) != "0", pack=packer(out_name if answers_early else None))
+            health.on_gone(producer.remove_files)
+        if not spec.takes_image:
+            consumer = Consumer(runtime, device, accepts_from=spec.accepts_from,
+                                also_accepts=Path(args["model_repository"]) / also_accepts.FILE)
+        relay = Relay.open(runtime, model, spec.hand_over, consumer, producer is not None, t.claim_window_s)
+        if relay is not None:
+            health.on_gone(relay.remove_files)
+        tracer.memory("tensormq")
+        return cls(producer, consumer, relay, answers_early, spec, stream, tracer)
+
+    def begin(self) -> None:
+        """A new call."""
+        self.committed = None
+        if self.relay is not None:
+            self.relay.begin()  # a sender's keys and a receiver's wait start afresh with each call
+
+    def produce(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None) -> list[torch.Tensor]:
+        """One batch through ``runner`` straight into a pool slot: its event recorded, its tickets handed out. No host sync.
+
+        ``early``: sends the tickets as the call's response before the GPU work is queued (a
+        failure after that marks them failed: their consumer refuses them)."""
+        producer, tracer, lap = self.producer, self.tracer, self.tracer.part_lap
+        assert producer is not None  # the block's _run asked
+        reservation = producer.reserve_tensors(int(xs[0].shape[0]), self.out_shapes, runner.out_dtype)
+        tracer.lap("run:reserve")
+        # A prepared reservation's tickets come packed (by the preparer thread, between two calls).
+        packed: Packed | None = reservation.packed
+        handed = packed.tensor if packed is not None else None  # the tickets as the block hands them on
+        try:
+            sender = self.sender
+            if early is not None or sender is not None:
+                tickets = producer.issue(reservation)  # marks them handed on early, also when packed
+                handed = ticket_tensor(tickets) if handed is None else handed
+                if sender is not None:
+                    sender.send(tickets)
+                if early is not None:
+                    early(handed, packed.response if packed is not None else None)
+                tracer.lap("run:reply")
+            runner.run_all(xs, outs=reservation.views, lap=lap)
+        except BaseException:
+            producer.abort(reservation)
+            raise
+        tracer.lap("run:graph")
+        tickets = producer.commit(reservation, self.stream, lap)
+        self.committed = producer.done_event(reservation)
+        tracer.lap("run:commit")
+        return [handed if handed is not None else ticket_tensor(tickets)]
+
+    def end_sends(self) -> None:
+        """The call is over: a sender fails the hand-overs of the keys it took but never sent."""
+        if self.sender is not None:
+            self.sender.finish("the batch failed before its tickets were issued")
+
+    def end(self, releases: list[Release], synced: bool, failed: bool) -> None:
+        """After the call's responses: release its producers' slots and prepare this block's next one."""
+        if self.consumer is not None and releases:
+            # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
+            # at once after the stream's sync; else after this block's own slot event, recorded at its
+            # commit after that work (one driver call less); else after an event recorded now.
+            self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
+            self.tracer.lap("respond:release")
+        if self.producer is not None:
+            self.producer.prepare_ahead()  # the next small batch's slot and tickets, while this block waits
+            self.tracer.lap("respond:prepare")
+
+    def close(self, drain_s: float) -> None:
+        if self.relay is not None:
+            self.relay.close()
+        if self.consumer is not None:
+            self.consumer.close()  # sends the releases still queued
+        if self.producer is not None:
+            # Triton unloads an instance once its own requests are done, but tickets it issued may
+            # still be on their way to the next block (a plan update, a reload): wait for them.
+            self.producer.close(drain_s=drain_s)
