@@ -21,7 +21,7 @@ from blockflow.core.spec import (
     activation_names,
 )
 from blockflow.plan import Block
-from blockflow.plan.handover import Wiring
+from blockflow.plan.direct_pairs import Wiring
 
 # Triton's Python backend copies GPU inputs to host memory unless told otherwise.
 FORCE_CPU_PARAM = "FORCE_CPU_ONLY_INPUT_TENSORS"
@@ -97,8 +97,8 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     # - with =no, an input in host memory still reaches the stub in host memory, and one in GPU
     #   memory (a CUDA shared-memory region) is copied by the server, GPU to GPU, into the CUDA pool
     #   it shares with the stub, per request (docs/triton-notes.md): the block copies it into its
-    #   own memory and waits for that copy before execute returns (backend/model.py,
-    #   ``_own_device_inputs``), when the server takes the pool's buffer back.
+    #   own memory and waits for that copy before execute returns (backend/device_inputs.py,
+    #   ``DeviceInputs.own``), when the server takes the pool's buffer back.
     # So a GPU block that takes the image takes it on the GPU, never through the host. TensorMQ tickets are
     # 256 host bytes: they stay in host memory; so does everything of a CPU block or a
     # triton-cpu plan.
@@ -124,7 +124,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
     """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop.
 
     ``wiring``: which step's output each step takes, where blocks hand over directly
-    (``blockflow.plan.handover``); by default each takes the step before's."""
+    (``blockflow.plan.direct_pairs``); by default each takes the step before's."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.platform = "ensemble"
@@ -201,12 +201,13 @@ def parse_pbtxt(text: str) -> mc.ModelConfig:
     return cfg
 
 
-def config_changes(old: str, new: str) -> list[str]:
-    """Each field that differs between two ``config.pbtxt`` texts, ``path: old → new`` (the block's
-    spec parameter compared field by field as ``spec.<field>``; the digest, which follows from the
-    rest, left out)."""
-    def flat(text: str) -> dict[str, object]:
-        cfg = json_format.MessageToDict(parse_pbtxt(text), preserving_proto_field_name=True)
+def config_changes(old: str | mc.ModelConfig, new: str | mc.ModelConfig) -> list[str]:
+    """Each field that differs between two configs (``config.pbtxt`` texts or parsed), ``path: old → new``
+    (the block's spec parameter compared field by field as ``spec.<field>``; the digest, which follows
+    from the rest, left out)."""
+    def flat(given: str | mc.ModelConfig) -> dict[str, object]:
+        parsed = parse_pbtxt(given) if isinstance(given, str) else given
+        cfg = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
         params = cfg.pop("parameters", {})
         params.pop(DIGEST_PARAMETER, None)
         spec = params.pop(SPEC_PARAMETER, None)

@@ -5,7 +5,7 @@ Commands import what they call inside their bodies: ``blockflow --help`` and the
 then start without importing torch, Triton's client or the benchmark harness.
 """
 
-from blockflow.cli import ops, plans, serve, tasks, tools  # noqa: F401  (each registers its commands on `app`)
+from blockflow.cli import apply, plan_memory, plans, serve, status, tasks, tools  # noqa: F401  (each registers its commands on `app`)
 from blockflow.cli.app import app, main
 
 __all__ = ["app", "main"]

@@ -1,4 +1,4 @@
-"""``blockflow serve``: the command around :class:`blockflow.control.serve.Service`."""
+"""``blockflow serve``: the command around :class:`blockflow.control.serve.Serving`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
-    from blockflow.control.serve import Service
+    from blockflow.control.serve import Serving
 
 log = logging.getLogger("blockflow.serve")
 
@@ -73,7 +73,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     Plan changes arrive through the control service (`blockflow apply`) and are applied
     through Triton's model control API while the server keeps serving.
     """
-    from blockflow.control.serve import ServeOptions, Service
+    from blockflow.control.serve import ServeOptions, Serving
     from blockflow.triton.flags import check_extra_args
 
     try:
@@ -81,40 +81,40 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--tritonserver-arg") from None
     token = _control_token(token_file) if control_port else ""
-    service = Service(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
+    serving = Serving(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
                                    control_port, token, token_file, state_dir, mps, warm_cores_ms, list(weights_dirs),
                                    load_timeout, list(tritonserver_args), shm_key_file, _group_id(shm_key_group),
                                    http_max_body_mb << 20 if http_max_body_mb else None),
                       say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
-        if service.resumed is not None:
+        if serving.resumed is not None:
             log.info("serving plan #%d %r, applied live before serve last stopped (kept in %s); %s is unchanged since",
-                     service.resumed.number, service.resumed.name, state_dir, plan)
+                     serving.resumed.number, serving.resumed.name, state_dir, plan)
         elif state_dir is None and control_port:
             log.info("plans applied live are kept in the runtime directory and go when serve stops; --state-dir on a "
                      "persistent volume keeps them, and serve then starts again on the last one")
-        for w in service.plan.warnings():
+        for w in serving.plan.warnings():
             log.warning(w)
-        if service.hint():
-            log.info("hint: %s", service.hint())
+        if serving.hint():
+            log.info("hint: %s", serving.hint())
         stop = _install_stop_handlers()
-        log.info("starting tritonserver with %d models from %s (log: %s)", service.model_count, plan, service.server.log_path)
+        log.info("starting tritonserver with %d models from %s (log: %s)", serving.model_count, plan, serving.server.log_path)
         written: list[Path] = []
 
-        def publish(svc: Service) -> None:  # before the control service answers: a caller it answered finds the file
+        def publish(svc: Serving) -> None:  # before the control service answers: a caller it answered finds the file
             try:
                 written.append(_write_endpoints(svc, plan))
             except (EnvironmentProblem, OSError) as exc:  # the server runs; clients then need flags or variables
                 log.warning("endpoints file not written: %s", exc)
 
-        service.start(ready=publish)
-        log.info("ready in %.1f s", service.seconds_to_ready)
-        _print_endpoints(service, written[0] if written else None)
-        service.run(stop)
+        serving.start(ready=publish)
+        log.info("ready in %.1f s", serving.seconds_to_ready)
+        _print_endpoints(serving, written[0] if written else None)
+        serving.run(stop)
         log.info("stopping")
     finally:
         endpoints.remove(os.getpid())
-        service.stop()
+        serving.stop()
     log.info("stopped; no process left behind")
 
 
@@ -152,21 +152,21 @@ def _install_stop_handlers() -> threading.Event:
     return stop
 
 
-def _write_endpoints(service: Service, plan: Path) -> Path:
-    server = service.server
+def _write_endpoints(serving: Serving, plan: Path) -> Path:
+    server = serving.server
     found = endpoints.Endpoints(http=server.http_url, grpc=server.grpc_url, metrics=server.metrics_url,
-                                control=service.control.url if service.control is not None else "",
-                                token_file=str(service.token_path or ""), pid=os.getpid(), plan=str(plan),
+                                control=serving.control.url if serving.control is not None else "",
+                                token_file=str(serving.token_path or ""), pid=os.getpid(), plan=str(plan),
                                 shm_key_file=str(server.shm_key_file))
     return endpoints.write(found)
 
 
-def _print_endpoints(service: Service, written: Path | None) -> None:
+def _print_endpoints(serving: Serving, written: Path | None) -> None:
     from blockflow.plan import naming
     from blockflow.triton.doctor import perf_analyzer_path
 
-    p, server = service.plan, service.server
-    out.print(f"[green]ready[/] in {service.seconds_to_ready:.1f} s")
+    p, server = serving.plan, serving.server
+    out.print(f"[green]ready[/] in {serving.seconds_to_ready:.1f} s")
     out.print(f"  HTTP    {server.http_url}")
     out.print(f"  gRPC    {server.grpc_url}")
     out.print(f"  metrics {server.metrics_url}")
@@ -186,7 +186,7 @@ def _print_endpoints(service: Service, written: Path | None) -> None:
     out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
     out.print(f"  blockflow infer {first.name} --random --protocol grpc --url {server.grpc_url}")
     out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{c},{h},{w} --concurrency-range 1:4 -b 1")
-    if service.control is not None:
-        out.print(f"  control {service.control.url} (bearer token in {service.token_path})")
-        out.print(f"  blockflow apply PLAN --url {service.control.url} --token-file {service.token_path}")
+    if serving.control is not None:
+        out.print(f"  control {serving.control.url} (bearer token in {serving.token_path})")
+        out.print(f"  blockflow apply PLAN --url {serving.control.url} --token-file {serving.token_path}")
     out.print("Ctrl-C stops the server.")

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from blockflow.control.diff import Change, Diff, Served, as_served, compute_diff, digest_of
 from blockflow.control.order import (
@@ -72,12 +72,13 @@ from blockflow.control.order import (
 )
 from blockflow.core import also_accepts
 from blockflow.core.errors import ApplyError, TritonApiError
-from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import config_changes, parse_pbtxt
+from blockflow.ensemble_gen import generator, rendered
+from blockflow.ensemble_gen.configs import config_changes
+from blockflow.ensemble_gen.rendered import RenderedModel, RenderedRepository
 from blockflow.plan import Plan
 from blockflow.triton.api import TritonApi
 
-_Files = TypeVar("_Files", Mapping[str, bytes], Mapping[str, bytes] | None)  # one model's files (None: none)
+_Model = TypeVar("_Model", RenderedModel, RenderedModel | None)  # one model (None: no directory)
 
 
 @dataclass
@@ -144,23 +145,21 @@ class Applier:
         return {name: (count(s, "success"), count(s, "fail")) for name, s in stats.items()}
 
     def diff(self, plan: Plan) -> Diff:
-        files = generator.render(plan)
-        d = compute_diff(files, self.served())
-        return self._with_fields(d, generator.by_model(files), self._files_of(d.changes))
+        wanted = rendered.render(plan)
+        d = compute_diff(wanted, self.served())
+        return self._with_fields(d, wanted, self._models_of(d.changes))
 
-    def _files_of(self, changes: Iterable[Change]) -> dict[str, Mapping[str, bytes] | None]:
-        """The repository's files of each changed model (None: none there)."""
-        return {c.model: generator.read_model(self.repository, c.model) for c in changes}
+    def _models_of(self, changes: Iterable[Change]) -> dict[str, RenderedModel | None]:
+        """Each changed model as the repository holds it (None: no directory there)."""
+        return {c.model: rendered.read_model(self.repository, c.model) for c in changes}
 
-    def _with_fields(self, d: Diff, wanted: Mapping[str, Mapping[str, bytes]],
-                     files: Mapping[str, Mapping[str, bytes] | None]) -> Diff:
-        """``d`` with what changes in each changed model's config, against the repository's ``files``
-        of its models."""
+    def _with_fields(self, d: Diff, wanted: RenderedRepository, old: Mapping[str, RenderedModel | None]) -> Diff:
+        """``d`` with what changes in each changed model's config, against the repository's ``old`` models."""
         fields = {}
         for c in d.changes:
-            old = files[c.model] if c.action == "change" else None
-            if old is not None and "config.pbtxt" in old:
-                fields[c.model] = tuple(config_changes(old["config.pbtxt"].decode(), wanted[c.model]["config.pbtxt"].decode()))
+            before = old[c.model] if c.action == "change" else None
+            if before is not None:
+                fields[c.model] = tuple(config_changes(before.config, wanted.models[c.model].config))
         return Diff(d.changes, d.unchanged, d.foreign, fields)
 
     # ------------------------------------------------------------------ changing it
@@ -192,9 +191,9 @@ class Applier:
         with self._failing_as_apply():
             self.control.unload(model)
 
-    def _load_waves(self, blocks: list[Change], ensembles: list[Change], wanted: Mapping[str, Mapping[str, bytes]],
+    def _load_waves(self, blocks: list[Change], ensembles: list[Change], wanted: Mapping[str, RenderedModel],
                     done: list[Change], report: Report, order: HandOverOrder | None = None,
-                    old: Mapping[str, Mapping[str, bytes] | None] | None = None) -> None:
+                    old: Mapping[str, RenderedModel | None] | None = None) -> None:
         """Parallel waves: ensembles that stop handing over (``order``, module docstring step 4), every
         new and changed block, then every other new and changed ensemble and the bridged ones as planned.
 
@@ -209,38 +208,37 @@ class Applier:
         order = order or HandOverOrder()
         self._wave(list(order.first), wanted, done, report)
         if order.bridged:
-            assert old is not None, "bridged ensembles need their old files"
-            bridges = {c.model: bridge(old[c.model] or {}) for c in order.bridged}
+            assert old is not None, "bridged ensembles need their old versions"
+            bridges = {c.model: bridge(_present(old[c.model])) for c in order.bridged}
             self._wave(list(order.bridged), bridges, done, report, how=" without hand-overs")
         self._wave(blocks, wanted, done, report)
         self._wave([c for c in ensembles if c not in order.first], wanted, done, report)
 
-    def _wave(self, changes: list[Change], files: Mapping[str, Mapping[str, bytes]], done: list[Change],
+    def _wave(self, changes: list[Change], models: Mapping[str, RenderedModel], done: list[Change],
               report: Report, how: str = "") -> None:
-        """Write ``changes``' ``files`` (noted in ``done`` for an undo), then load them in parallel."""
+        """Write ``changes``' ``models`` (noted in ``done`` for an undo), then load them in parallel."""
         if not changes:
             return
         for c in changes:
             if c not in done:
                 done.append(c)
-            generator.write_model(self.repository, c.model, files[c.model])
+            generator.write_model(self.repository, c.model, models[c.model].files)
         self._load_all(changes, report, how)
 
     def apply(self, plan: Plan, dry_run: bool = False) -> Report:
         """Make the server run ``plan`` (see the module docstring for the order and the guarantees)."""
         t0 = time.monotonic()
-        files = generator.render(plan)
-        wanted = generator.by_model(files)
+        wanted = rendered.render(plan)
         with self.lock:
             if not (self.repository / generator.MARKER).is_file():
                 raise ApplyError(f"{self.repository} is not a BlockFlow model repository (no {generator.MARKER}); "
                                  "give the --repository the server was started with")
             served = self.served()
-            changes = compute_diff(files, served)
-            old = self._files_of(changes.changes)
+            changes = compute_diff(wanted, served)
+            old = self._models_of(changes.changes)
             d = self._with_fields(changes, wanted, old)
-            ensembles = {s.name: generator.read_model(self.repository, s.name) for s in served if s.ensemble}
-            first = stand_ins(d.changes, ensembles, old, wanted)
+            ensembles = {s.name: rendered.read_model(self.repository, s.name) for s in served if s.ensemble}
+            first = stand_ins(d.changes, ensembles, old, wanted.models)
             report = Report(d, stand_ins=first)
             if dry_run or d.empty:
                 report.seconds = time.monotonic() - t0
@@ -248,28 +246,28 @@ class Applier:
             self.current = report
             try:
                 if not first:
-                    self._change(files, served, report, backup=old)
+                    self._change(wanted, served, report, backup=old)
                 else:  # step 0
                     names = _stand_in_names(first)
                     self._log(f"loading {names} first: they change what they compute, beside each other on a path")
-                    stone = with_planned_references(generator.render(with_stand_ins(plan, first)), files, plan)
-                    report.total = len(compute_diff(stone, served).changes) + len(compute_diff(files, as_served(stone)).changes)
+                    stone = with_planned_references(rendered.render(with_stand_ins(plan, first)), wanted, plan)
+                    report.total = len(compute_diff(stone, served).changes) + len(compute_diff(wanted, as_served(stone)).changes)
                     self._change(stone, served, report)
-                    self._change(files, self.served(), report,
+                    self._change(wanted, self.served(), report,
                                  previous=f"the new plan, with {names} (apply the plan again to finish)")
             finally:
                 self.current = None
         report.seconds = time.monotonic() - t0
         return report
 
-    def _change(self, files: Mapping[str, bytes], served: list[Served], report: Report,
-                previous: str = "the previous plan", backup: Mapping[str, Mapping[str, bytes] | None] | None = None) -> None:
-        """Steps 3–5 for the rendered repository ``files`` against ``served``; undone if a load fails,
-        the server then serves ``previous``. ``backup``: the changed models' files, if already read."""
-        wanted = generator.by_model(files)
-        d = compute_diff(files, served)
+    def _change(self, repository: RenderedRepository, served: list[Served], report: Report,
+                previous: str = "the previous plan", backup: Mapping[str, RenderedModel | None] | None = None) -> None:
+        """Steps 3–5 for the rendered ``repository`` against ``served``; undone if a load fails, the
+        server then serves ``previous``. ``backup``: the changed models as the repository holds them, if already read."""
+        wanted = repository.models
+        d = compute_diff(repository, served)
         if backup is None:
-            backup = self._files_of(d.changes)
+            backup = self._models_of(d.changes)
         blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
         ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
         done: list[Change] = []
@@ -289,18 +287,18 @@ class Applier:
                 generator.write_model(self.repository, c.model, None)
                 report.steps.append(f"unloaded {c.model}")
                 self._log(f"unloaded {c}")
-        generator.write_marker(self.repository, files)
+        generator.write_marker(self.repository, {generator.MARKER: repository.marker})
 
-    def _widened(self, files: Mapping[str, _Files], feeders: Mapping[str, also_accepts.AlsoAccepts]) -> dict[str, _Files]:
-        """``files`` with each block of ``feeders`` also accepting those feeders' tickets until the change
+    def _widened(self, models: Mapping[str, _Model], feeders: Mapping[str, also_accepts.AlsoAccepts]) -> dict[str, _Model]:
+        """``models`` with each block of ``feeders`` also accepting those feeders' tickets until the change
         is over (:mod:`blockflow.core.also_accepts`; loads take at most ``timeout`` each, in four waves)."""
         until = time.time() + 4 * self.control.timeout
-        out = dict(files)
+        out = dict(models)
         for m, f in feeders.items():
             old = out.get(m)
             if old is not None:
                 also = f.model_copy(update={"until": until})
-                out[m] = cast(_Files, {**old, also_accepts.FILE: also.dumps()})
+                out[m] = old.with_file(also_accepts.FILE, also.dumps())
         return out
 
     def _close_widening(self, feeders: Mapping[str, also_accepts.AlsoAccepts], wider: Widening, written: set[str]) -> None:
@@ -312,11 +310,12 @@ class Applier:
             except OSError as exc:  # the block then accepts them until the bound _widened set
                 self._log(f"could not shorten what {m} also accepts: {exc}")
 
-    def _undo(self, done: list[Change], backup: Mapping[str, Mapping[str, bytes] | None]) -> list[str]:
+    def _undo(self, done: list[Change], backup: Mapping[str, RenderedModel | None]) -> list[str]:
         """Put back what a failed apply changed: blocks before ensembles for reloads, the reverse for unloads."""
         notes = []
         for c in done:
-            generator.write_model(self.repository, c.model, backup.get(c.model))
+            before = backup.get(c.model)
+            generator.write_model(self.repository, c.model, before.files if before is not None else None)
         for c in sorted((c for c in done if c.action == "change"), key=lambda c: c.ensemble):
             try:
                 self._load(c.model)
@@ -339,6 +338,11 @@ class Applier:
         """Nothing to release (clients live for one call); kept for callers that close appliers."""
 
 
+def _present(model: RenderedModel | None) -> RenderedModel:
+    assert model is not None, "a bridged ensemble has its old version"
+    return model
+
+
 def _stand_in_names(blocks: Sequence[str]) -> str:
     return ", ".join(f"{b} as {b}{STAND_IN}" for b in blocks)
 
@@ -349,13 +353,13 @@ def stand_in_note(blocks: Sequence[str]) -> str:
             "(blocks that change what they compute, beside each other on a path)") if blocks else ""
 
 
-def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Counter[int | None]]:
+def instances_by_device(repository: RenderedRepository, gpus: int) -> dict[str, Counter[int | None]]:
     """Stub processes of each Python-backend model of a rendered repository, by GPU index (``None``: the CPU)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     out = {}
-    for name, model_files in generator.by_model(files).items():
-        cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
+    for name, model in repository.models.items():
+        cfg = model.config
         if cfg.backend != "python":
             continue
         devices: Counter[int | None] = Counter()
@@ -369,6 +373,6 @@ def instances_by_device(files: Mapping[str, bytes], gpus: int) -> dict[str, Coun
     return out
 
 
-def expected_instances(files: Mapping[str, bytes], gpus: int) -> dict[str, int]:
+def expected_instances(repository: RenderedRepository, gpus: int) -> dict[str, int]:
     """Stub processes each Python-backend model of a rendered repository should have."""
-    return {name: sum(devices.values()) for name, devices in instances_by_device(files, gpus).items()}
+    return {name: sum(devices.values()) for name, devices in instances_by_device(repository, gpus).items()}

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from blockflow.ensemble_gen import generator
-from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, parse_pbtxt
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER
+from blockflow.ensemble_gen.rendered import RenderedRepository
 
 Action = Literal["add", "change", "remove"]
 
@@ -70,18 +70,14 @@ def digest_of(config: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
-def as_served(files: Mapping[str, bytes]) -> list[Served]:
+def as_served(repository: RenderedRepository) -> list[Served]:
     """The models of a rendered repository as a server serves them once it is applied."""
-    out = []
-    for name, model_files in generator.by_model(files).items():
-        cfg = parse_pbtxt(model_files["config.pbtxt"].decode())
-        out.append(Served(name, cfg.platform == "ensemble", cfg.parameters[DIGEST_PARAMETER].string_value))
-    return out
+    return [Served(m.name, m.ensemble, m.digest) for m in repository.models.values()]
 
 
-def compute_diff(files: Mapping[str, bytes], served: Iterable[Served]) -> Diff:
-    """Compare a rendered repository (:func:`blockflow.ensemble_gen.generator.render`) with the served models."""
-    wanted = {w.name: w for w in as_served(files)}
+def compute_diff(repository: RenderedRepository, served: Iterable[Served]) -> Diff:
+    """Compare a rendered repository (:func:`blockflow.ensemble_gen.rendered.render`) with the served models."""
+    wanted = {w.name: w for w in as_served(repository)}
     have = {s.name: s for s in served}
     changes: list[Change] = []
     unchanged: list[str] = []

@@ -5,21 +5,15 @@ blocks that get other feeders, and blocks that change what they compute under th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from blockflow.control.diff import Change, Served
 from blockflow.core.also_accepts import AlsoAccepts
-from blockflow.core.spec import SPEC_PARAMETER
-from blockflow.ensemble_gen.configs import (
-    DIGEST_PARAMETER,
-    handed_pairs,
-    parse_pbtxt,
-    to_pbtxt,
-    without_hand_overs,
-)
+from blockflow.core.spec import ModelSpec
+from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, handed_pairs, without_hand_overs
+from blockflow.ensemble_gen.rendered import RenderedModel, RenderedRepository
 from blockflow.plan import Plan, naming
 
 # What a block's spec may change without changing what it computes: how it is served, and where its
@@ -39,33 +33,32 @@ class HandOverOrder:
     bridged: tuple[Change, ...] = ()
 
 
-def hand_over_order(ensembles: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
-                    new: Mapping[str, Mapping[str, bytes]], served: Iterable[Served]) -> HandOverOrder:
-    """Which changed ``ensembles`` load before the blocks, given their ``old`` (repository) and ``new`` files."""
+def hand_over_order(ensembles: Iterable[Change], old: Mapping[str, RenderedModel | None],
+                    new: Mapping[str, RenderedModel], served: Iterable[Served]) -> HandOverOrder:
+    """Which changed ``ensembles`` load before the blocks, given their ``old`` (repository) and ``new`` models."""
     ready = {s.name for s in served}
     first, bridged = [], []
     for c in ensembles:
         before = old.get(c.model)
-        if c.action != "change" or before is None or "config.pbtxt" not in before:
+        if c.action != "change" or before is None:
             continue
-        cfg = parse_pbtxt(new[c.model]["config.pbtxt"].decode())
-        had, has = handed_pairs(parse_pbtxt(before["config.pbtxt"].decode())), handed_pairs(cfg)
+        now = new[c.model]
+        had, has = handed_pairs(before.config), handed_pairs(now.config)
         if had <= has:
             continue  # no block stops handing over: blocks first
-        if has < had and {s.model_name for s in cfg.ensemble_scheduling.step} <= ready:
+        if has < had and set(now.steps) <= ready:
             first.append(c)
         else:
             bridged.append(c)
     return HandOverOrder(tuple(first), tuple(bridged))
 
 
-def bridge(files: Mapping[str, bytes]) -> dict[str, bytes]:
-    """An ensemble's files with its steps as a plain chain, stamped so that no plan's digest matches
-    it: a server left running it (an apply cut short) is brought in step by the next apply."""
-    cfg = without_hand_overs(parse_pbtxt(files["config.pbtxt"].decode()))
-    digest = cfg.parameters[DIGEST_PARAMETER].string_value
-    cfg.parameters[DIGEST_PARAMETER].string_value = f"bridge-{digest}"
-    return {**files, "config.pbtxt": to_pbtxt(cfg).encode()}
+def bridge(ensemble: RenderedModel) -> RenderedModel:
+    """An ensemble with its steps as a plain chain, stamped so that no plan's digest matches it: a
+    server left running it (an apply cut short) is brought in step by the next apply."""
+    cfg = without_hand_overs(ensemble.config)
+    cfg.parameters[DIGEST_PARAMETER].string_value = f"bridge-{ensemble.digest}"
+    return ensemble.with_config(cfg)
 
 
 @dataclass(frozen=True)
@@ -81,38 +74,33 @@ class Widening:
     lease_s: Mapping[str, float] = field(default_factory=dict)
 
 
-def _spec(files: Mapping[str, bytes]) -> dict[str, Any]:
-    cfg = parse_pbtxt(files["config.pbtxt"].decode())
-    p = cfg.parameters.get(SPEC_PARAMETER)
-    spec = json.loads(p.string_value) if p is not None else {}
-    return spec if isinstance(spec, dict) else {}
+def _lease_s(spec: ModelSpec | None) -> float:
+    return spec.tensormq.lease_s if spec is not None and spec.tensormq is not None else 0.0
 
 
-def _lease_s(spec: Mapping[str, Any]) -> float:
-    return float((spec.get("tensormq") or {}).get("lease_s") or 0.0)
-
-
-def _others(was: Mapping[str, Any], now: Mapping[str, Any]) -> AlsoAccepts:
+def _others(was: ModelSpec | None, now: ModelSpec | None) -> AlsoAccepts:
     """What ``was`` took that ``now`` does not: feeders and hand-over keys, where both take some."""
-    def taken(spec: Mapping[str, Any]) -> tuple[set[str], set[str]]:
-        return set(spec.get("accepts_from") or ()), set((spec.get("hand_over") or {}).get("keys_from") or ())
+    def taken(spec: ModelSpec | None) -> tuple[set[str], set[str]]:
+        if spec is None:
+            return set(), set()
+        return set(spec.accepts_from), set(spec.hand_over.keys_from if spec.hand_over is not None else ())
 
     (had, had_keys), (has, has_keys) = taken(was), taken(now)
     return AlsoAccepts(models=tuple(sorted(had - has)) if has else (),
                        keys=tuple(sorted(had_keys - has_keys)) if has_keys else ())
 
 
-def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | None],
-             new: Mapping[str, Mapping[str, bytes]]) -> Widening:
-    """Which changed ``blocks`` get other feeders, given their ``old`` (repository) and ``new`` files."""
+def widening(blocks: Iterable[Change], old: Mapping[str, RenderedModel | None],
+             new: Mapping[str, RenderedModel]) -> Widening:
+    """Which changed ``blocks`` get other feeders, given their ``old`` (repository) and ``new`` models."""
     to_new: dict[str, AlsoAccepts] = {}
     to_old: dict[str, AlsoAccepts] = {}
     lease: dict[str, float] = {}
     for c in blocks:
         before = old.get(c.model)
-        if c.action != "change" or before is None or "config.pbtxt" not in before:
+        if c.action != "change" or before is None:
             continue
-        was, now = _spec(before), _spec(new[c.model])
+        was, now = before.spec, new[c.model].spec
         for side, extra in ((to_new, _others(was, now)), (to_old, _others(now, was))):
             if extra != AlsoAccepts():
                 side[c.model] = extra
@@ -120,18 +108,15 @@ def widening(blocks: Iterable[Change], old: Mapping[str, Mapping[str, bytes] | N
     return Widening(to_new, to_old, lease)
 
 
-def _steps(files: Mapping[str, bytes]) -> tuple[str, ...]:
-    return tuple(s.model_name for s in parse_pbtxt(files["config.pbtxt"].decode()).ensemble_scheduling.step)
+def _computes(model: RenderedModel) -> dict[str, Any]:
+    """What a model's spec says it computes (its fields but those of ``_SERVING``); nothing for an ensemble."""
+    return model.spec.model_dump(exclude=set(_SERVING)) if model.spec is not None else {}
 
 
-def _computes(files: Mapping[str, bytes]) -> dict[str, Any]:
-    return {k: v for k, v in _spec(files).items() if k not in _SERVING}
-
-
-def stand_ins(changes: Iterable[Change], ensembles: Mapping[str, Mapping[str, bytes] | None],
-              old: Mapping[str, Mapping[str, bytes] | None], new: Mapping[str, Mapping[str, bytes]]) -> tuple[str, ...]:
+def stand_ins(changes: Iterable[Change], ensembles: Mapping[str, RenderedModel | None],
+              old: Mapping[str, RenderedModel | None], new: Mapping[str, RenderedModel]) -> tuple[str, ...]:
     """The plan's blocks that must first load under temporary names (step 0), given the served
-    ``ensembles``' files and the changed models' ``old`` (repository) and ``new`` files.
+    ``ensembles`` and the changed models' ``old`` (repository) and ``new`` versions.
 
     Triton takes every step's model when an ensemble request starts, so a request that starts
     while a wave reloads blocks in place runs the served ensemble's steps on whichever of its
@@ -145,29 +130,28 @@ def stand_ins(changes: Iterable[Change], ensembles: Mapping[str, Mapping[str, by
     computing = set()
     for c in changes:
         before = old.get(c.model)
-        if not c.ensemble and c.action == "change" and before is not None and "config.pbtxt" in before \
-                and _computes(before) != _computes(new[c.model]):
+        if not c.ensemble and c.action == "change" and before is not None and _computes(before) != _computes(new[c.model]):
             computing.add(c.model)
     models: set[str] = set()
-    for name, files in ensembles.items():
-        if not files or "config.pbtxt" not in files:
+    for name, ensemble in ensembles.items():
+        if ensemble is None:
             continue
-        steps = _steps(files)
+        steps = ensemble.steps
         hit = [m for m in steps if m in computing]
         now = new.get(name)
-        if len(hit) > 1 or (hit and (now is None or _steps(now) != steps)):
+        if len(hit) > 1 or (hit and (now is None or now.steps != steps)):
             models.update(hit)
     # A head pack is named after the model before it (blockflow.plan.naming), so that one is renamed too.
-    for files in new.values():
-        if "config.pbtxt" in files and parse_pbtxt(files["config.pbtxt"].decode()).platform == "ensemble":
-            steps = _steps(files)
+    for model in new.values():
+        if model.ensemble:
+            steps = model.steps
             models.update(before for before, m in zip(steps, steps[1:], strict=False)
-                          if m in models and _spec(new[m]).get("kind") == "pack")
+                          if m in models and (spec := new[m].spec) is not None and spec.kind == "pack")
     blocks: set[str] = set()
     for m in models:
-        spec = _spec(new[m])
-        for part in [*spec.get("parts", ()), *(p for h in spec.get("heads", ()) for p in h.get("parts", ()))]:
-            blocks.add(str(part["block"]))
+        spec = new[m].spec
+        if spec is not None:
+            blocks.update(part.block for part in [*spec.parts, *(p for h in spec.heads for p in h.parts)])
     return tuple(sorted(blocks))
 
 
@@ -180,11 +164,11 @@ def with_stand_ins(plan: Plan, blocks: Iterable[str]) -> Plan:
     return Plan(renamed, plan.source, plan.base_dir, plan.weights_dirs)
 
 
-def with_planned_references(stand_in_files: Mapping[str, bytes], files: Mapping[str, bytes], plan: Plan) -> dict[str, bytes]:
-    """The stand-in plan's rendered repository (``stand_in_files``) with ``plan``'s own reference
-    models (``files``): a reference is in no ensemble, so it loads once, as planned, in the first of
+def with_planned_references(stand_in: RenderedRepository, planned: RenderedRepository, plan: Plan) -> RenderedRepository:
+    """The stand-in plan's rendered repository (``stand_in``) with ``plan``'s own reference models
+    (from ``planned``): a reference is in no ensemble, so it loads once, as planned, in the first of
     the two applies. Its parts name its blocks, so the stand-ins' names would change it twice."""
     refs = {m for t in plan.tasks.values() for m in plan.reference_models(t)}
-    out = {k: v for k, v in stand_in_files.items() if k.split("/", 1)[0] not in refs}
-    out.update((k, v) for k, v in files.items() if k.split("/", 1)[0] in refs)
-    return out
+    models = {name: m for name, m in stand_in.models.items() if name not in refs}
+    models.update((name, m) for name, m in planned.models.items() if name in refs)
+    return RenderedRepository(models, stand_in.marker)

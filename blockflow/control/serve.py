@@ -1,6 +1,6 @@
 """The life of ``blockflow serve``: start a Triton on a plan, keep it serving, stop it cleanly.
 
-:class:`Service` is what the command runs, without the command line: tests and embedding
+:class:`Serving` is what the command runs, without the command line: tests and embedding
 programs drive it the same way (``start``, ``run`` until an event is set, ``stop``).
 
 Start-up, in order: check the plan against the GPUs present, render and write the repository,
@@ -17,7 +17,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,8 @@ from blockflow.core import env
 from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
 from blockflow.core.runtime_dir import write_private
-from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen import generator, rendered
+from blockflow.ensemble_gen.rendered import RenderedRepository
 from blockflow.plan import Plan, load_plan, parse_plan_text
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.front_door import DEFAULT_MAX_BODY_BYTES
@@ -75,10 +76,10 @@ def front_door_limit(plan: Plan) -> int:
     return max(DEFAULT_MAX_BODY_BYTES, 2 * largest)
 
 
-def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
+def mps_hint(repository: RenderedRepository, gpus: int) -> str:
     """A suggestion to serve under MPS when many block processes of a rendered repository share a GPU, or ''."""
     per_gpu: Counter[int | None] = Counter()
-    for devices in instances_by_device(files, gpus).values():
+    for devices in instances_by_device(repository, gpus).values():
         per_gpu.update(devices)
     per_gpu.pop(None, None)  # processes on the CPU
     if not per_gpu:
@@ -88,11 +89,12 @@ def mps_hint(files: Mapping[str, bytes], gpus: int) -> str:
         return ""
     return (f"{count} block processes share GPU {gpu}; without MPS they take turns on it under load. "
             "--mps lets their kernels run together (2.5x the throughput for a 22-process plan on an H100: "
-            "bench/results/h100/scenario2_r50_n20_packs/)")
+            "docs/performance.md)")
 
 
-class Service:
-    """One served plan: a ``tritonserver``, its applier and plan history, and the control service."""
+class Serving:
+    """One served plan: a ``tritonserver``, its applier and plan history, and the control service
+    (:mod:`blockflow.control.service`)."""
 
     def __init__(self, options: ServeOptions, say: Callable[[str], None] = print,
                  log_apply: Callable[[str], None] | None = None) -> None:
@@ -115,7 +117,7 @@ class Service:
             check_port(options.host, options.control_port, "control")
         self.runtime = make_runtime_dir()
         self.repository = options.repository or self.runtime / env.REPOSITORY_DIR
-        self.files = generator.render(self.plan)
+        self.rendered = rendered.render(self.plan)
         o = options
         self.server = TritonServer(ServerOptions([self.repository], o.host, o.http_port, o.grpc_port, o.metrics_port,
                                                  cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, warm_cores_ms=o.warm_cores_ms,
@@ -131,13 +133,13 @@ class Service:
 
     @property
     def model_count(self) -> int:
-        return len(generator.model_names(self.files))
+        return len(self.rendered.models)
 
     def hint(self) -> str:
         """Advice on how this plan would serve better here (today: MPS), or ''."""
-        return "" if self.options.mps else mps_hint(self.files, self.gpus)
+        return "" if self.options.mps else mps_hint(self.rendered, self.gpus)
 
-    def start(self, ready: Callable[[Service], None] | None = None) -> None:
+    def start(self, ready: Callable[[Serving], None] | None = None) -> None:
         """Write the repository, start the server with every model loaded, then the control service.
 
         ``ready`` runs once the server serves and before the control service answers (``serve``
@@ -145,7 +147,7 @@ class Service:
         """
         o = self.options
         t0 = time.monotonic()
-        generator.write(self.files, self.repository)
+        generator.write(self.rendered.files, self.repository)
         self.server.start(o.timeout)
         applier = Applier(self.server.grpc_url, self.repository, lock=self.lock, log=self._log_apply,
                           admin_key=self.server.admin_key, timeout=o.load_timeout)

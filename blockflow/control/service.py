@@ -41,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from blockflow.control.apply import Applier, Report, expected_instances
 from blockflow.control.metrics import ServeMetrics
 from blockflow.core.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
-from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen import rendered
 from blockflow.plan import Plan, naming, parse_plan_text
 from blockflow.triton.access import same_secret
 
@@ -156,7 +156,7 @@ class Controller:
         """Record ``plan`` as the one the server already runs (after ``blockflow serve`` started it), started from
         the plan file ``started_from`` (default: ``text``; another when ``serve`` resumed the history's newest)."""
         self.plan = plan
-        self.expected = expected_instances(generator.render(plan), self.gpus)
+        self.expected = expected_instances(rendered.render(plan), self.gpus)
         entries = self.history()
         if not entries or entry_text(entries[-1]) != text:
             self._record(text, plan)
@@ -180,7 +180,7 @@ class Controller:
             if not dry_run:
                 counter.labels("ok").inc()
                 self.plan = plan
-                self.expected = expected_instances(generator.render(plan), self.gpus)
+                self.expected = expected_instances(rendered.render(plan), self.gpus)
                 if not report.diff.empty or not self.history():
                     self._record(text, plan)
                 self.metrics.serving(plan.raw.name, text)

@@ -65,52 +65,52 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
     import numpy as np
 
     from blockflow.clients.client import TaskClient
-    from blockflow.control.serve import ServeOptions, Service
+    from blockflow.control.serve import ServeOptions, Serving
     from blockflow.triton.server import free_port
 
     token = "a-token-for-the-service-test"
     plan = PLAN.parent / "one_block.yaml"
     said: list[str] = []
-    service = Service(ServeOptions(plan, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    serving = Serving(ServeOptions(plan, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                    control_port=free_port(), token=token, state_dir=tmp_path / "plans",
                                    warm_cores_ms=20, tritonserver_args=["--log-format=ISO8601"]), say=said.append)
-    runtime = service.runtime
+    runtime = serving.runtime
     try:
-        service.start()
+        serving.start()
         # The pass-through flag reached tritonserver: its log lines start with an ISO 8601 time.
-        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", service.server.log_path.read_text()), \
-            service.server.log_path.read_text()[:300]
-        assert service.control is not None and service.token_path is not None
-        assert service.token_path.read_text().strip() == token and service.token_path.stat().st_mode & 0o077 == 0
+        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", serving.server.log_path.read_text()), \
+            serving.server.log_path.read_text()[:300]
+        assert serving.control is not None and serving.token_path is not None
+        assert serving.token_path.read_text().strip() == token and serving.token_path.stat().st_mode & 0o077 == 0
         # --warm-cores-ms: a poller per CPU, and the block stamps its execute for them.
-        assert service.server.warm_cores is not None
-        pollers = [p.pid for p in service.server.warm_cores.processes]
+        assert serving.server.warm_cores is not None
+        pollers = [p.pid for p in serving.server.warm_cores.processes]
         assert len(pollers) == len(os.sched_getaffinity(0))
         stamp = ActivityStamp(runtime / env.ACTIVITY_STAMP, writable=False)
         assert stamp.last() == 0
-        with TaskClient(service.server.http_url) as client:
+        with TaskClient(serving.server.http_url) as client:
             assert client.infer("only", np.zeros((2, 3, 32, 32), np.float32)).shape == (2, 10)
         assert 0 < time.monotonic_ns() - stamp.last() < 30e9
         stamp.close()
-        r = httpx.get(f"{service.control.url}/status", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        r = httpx.get(f"{serving.control.url}/status", headers={"Authorization": f"Bearer {token}"}, timeout=30)
         assert r.status_code == 200 and r.json()["plan"] == "one-block", r.text
         stop = threading.Event()
-        runner = threading.Thread(target=service.run, args=(stop,))
+        runner = threading.Thread(target=serving.run, args=(stop,))
         runner.start()
         time.sleep(1)  # a few supervisor rounds: nothing to restart, nothing to heal
         stop.set()
         runner.join(30)
         assert not runner.is_alive() and said == []
-        pgid = service.server.process.pid if service.server.process else None
+        pgid = serving.server.process.pid if serving.server.process else None
     finally:
-        service.stop()
+        serving.stop()
     assert not runtime.exists()
     assert pgid is not None and list(group_members(pgid)) == []
     assert not any(Path(f"/proc/{pid}").exists() for pid in pollers)
 
 
 def test_serve_refuses_a_plan_for_gpus_this_machine_lacks(tmp_path: Path) -> None:
-    from blockflow.control.serve import ServeOptions, Service
+    from blockflow.control.serve import ServeOptions, Serving
     from blockflow.core.errors import PlanError
     from blockflow.core.nvml import gpu_count
 
@@ -119,7 +119,7 @@ def test_serve_refuses_a_plan_for_gpus_this_machine_lacks(tmp_path: Path) -> Non
     plan = tmp_path / "p.yaml"
     plan.write_text((PLAN.parent / "one_block.yaml").read_text().replace("placement: cpu", "placement: [3]"))
     with pytest.raises(PlanError, match="GPU 3"):
-        Service(ServeOptions(plan, control_port=0))
+        Serving(ServeOptions(plan, control_port=0))
 
 
 def _pid_namespace() -> list[str] | None:

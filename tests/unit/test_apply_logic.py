@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,8 +17,9 @@ from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_o
 from blockflow.core import also_accepts
 from blockflow.core.also_accepts import AlsoAccepts
 from blockflow.core.errors import ApplyError
-from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen import generator, rendered
 from blockflow.ensemble_gen.configs import DIGEST_PARAMETER, handed_pairs, parse_pbtxt, to_pbtxt, without_hand_overs
+from blockflow.ensemble_gen.rendered import RenderedModel, RenderedRepository
 from blockflow.plan import Plan, load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,13 +31,13 @@ _served = as_served  # a server that runs the rendered repository given
 
 
 def test_same_plan_is_no_change() -> None:
-    files = generator.render(A)
-    d = compute_diff(files, _served(files))
+    a = rendered.render(A)
+    d = compute_diff(a, _served(a))
     assert d.empty and d.lines()[0].startswith("no change") and len(d.unchanged) == 7
 
 
 def test_a_to_b_in_order_blocks_then_ensembles_then_removals() -> None:
-    d = compute_diff(generator.render(B), _served(generator.render(A)) + [Served("someone_elses", False, None)])
+    d = compute_diff(rendered.render(B), _served(rendered.render(A)) + [Served("someone_elses", False, None)])
     assert [str(c) for c in d.changes] == [
         "+ block head_new", "+ block head_swap_b", "~ block head_keep", "+ ensemble new", "~ ensemble swap",
         "- ensemble gone", "- block head_gone", "- block head_swap_a"]
@@ -51,16 +53,16 @@ def test_digest_follows_weights_file_contents(tmp_path: Path) -> None:
     torch.save({}, w)
     raw = A.raw.model_dump(mode="json", exclude_none=True)
     raw["blocks"]["head_keep"]["weights"] = {"file": str(w)}
-    before = generator.render(parse_plan(raw, base_dir=tmp_path))
+    before = rendered.render(parse_plan(raw, base_dir=tmp_path))
     torch.save({"x": torch.zeros(1)}, w)
-    after = generator.render(parse_plan(raw, base_dir=tmp_path))
+    after = rendered.render(parse_plan(raw, base_dir=tmp_path))
     assert [str(c) for c in compute_diff(after, _served(before)).changes] == ["~ block head_keep"]
 
 
 def test_expected_instances_per_device() -> None:
-    files = generator.render(B)
-    assert expected_instances(files, gpus=0) == {"trunk": 1, "head_keep": 2, "head_swap_b": 1, "head_new": 1}
-    assert expected_instances(files, gpus=2)["head_keep"] == 4  # placement auto: each GPU gets the instances
+    b = rendered.render(B)
+    assert expected_instances(b, gpus=0) == {"trunk": 1, "head_keep": 2, "head_swap_b": 1, "head_new": 1}
+    assert expected_instances(b, gpus=2)["head_keep"] == 4  # placement auto: each GPU gets the instances
 
 
 class _Recorder(Applier):
@@ -81,11 +83,11 @@ class _Recorder(Applier):
 
 def test_load_waves_respect_dependencies(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
-    generator.write(generator.render(A), repo)
+    generator.write(rendered.render(A).files, repo)
     rec = _Recorder(repo)
-    files = generator.render(B)
-    wanted = generator.by_model(files)
-    d = compute_diff(files, _served(generator.render(A)))
+    b = rendered.render(B)
+    wanted = b.models
+    d = compute_diff(b, _served(rendered.render(A)))
     blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
     ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
     done: list[Change] = []
@@ -103,7 +105,7 @@ def test_load_waves_respect_dependencies(tmp_path: Path) -> None:
     assert all(rec.on_disk.values()) and {c.model for c in done} == set(rec.waves[0]) | set(rec.waves[1])
 
 
-def _hand_over_plans() -> dict[str, dict[str, bytes]]:
+def _hand_over_plans() -> dict[str, RenderedRepository]:
     """tests/plans/hand_over.yaml rendered with hand_over direct and ensemble (its references and compare
     variants left out)."""
     import yaml
@@ -114,17 +116,18 @@ def _hand_over_plans() -> dict[str, dict[str, bytes]]:
     out = {}
     for mode in ("direct", "ensemble"):
         plan = parse_plan({**raw, "hand_over": mode, "compare": [], "references": []}, source=mode, base_dir=ROOT)
-        out[mode] = generator.render(plan)
+        out[mode] = rendered.render(plan)
     return out
 
 
-def _cfg(files: dict[str, dict[str, bytes]], model: str) -> Any:
-    return parse_pbtxt(files[model]["config.pbtxt"].decode())
+def _cfg(models: Mapping[str, RenderedModel], model: str) -> Any:
+    """A copy of ``model``'s config, free to change."""
+    return parse_pbtxt(models[model].files["config.pbtxt"].decode())
 
 
 def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: Path) -> None:
     plans = _hand_over_plans()
-    direct, chain = generator.by_model(plans["direct"]), generator.by_model(plans["ensemble"])
+    direct, chain = plans["direct"].models, plans["ensemble"].models
     assert handed_pairs(_cfg(direct, "task_a")) == {("mid_a", "mid_b"), ("mid_b", "mid_c")}
     assert handed_pairs(_cfg(chain, "task_a")) == frozenset()
     # direct -> ensemble: both tasks' ensembles first, then every block whose part changed.
@@ -133,7 +136,7 @@ def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: P
     order = hand_over_order(ensembles, direct, chain, _served(plans["direct"]))
     assert order == HandOverOrder(first=tuple(ensembles))
     repo = tmp_path / "repo"
-    generator.write(plans["direct"], repo)
+    generator.write(plans["direct"].files, repo)
     rec = _Recorder(repo)
     blocks = [c for c in d.changes if not c.ensemble]
     rec._load_waves(blocks, ensembles, chain, [], Report(d), order)
@@ -149,7 +152,7 @@ def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: P
 
 def test_without_hand_overs_is_the_ensemble_the_generator_wires_without_them() -> None:
     plans = _hand_over_plans()
-    direct, chain = generator.by_model(plans["direct"]), generator.by_model(plans["ensemble"])
+    direct, chain = plans["direct"].models, plans["ensemble"].models
     for task in ("task_a", "task_b"):
         bare = without_hand_overs(_cfg(direct, task))
         want = _cfg(chain, task)
@@ -157,13 +160,13 @@ def test_without_hand_overs_is_the_ensemble_the_generator_wires_without_them() -
             del cfg.parameters[DIGEST_PARAMETER]
         assert to_pbtxt(bare) == to_pbtxt(want)
         assert handed_pairs(bare) == frozenset()
-    bridged = parse_pbtxt(bridge(direct["task_a"])["config.pbtxt"].decode())
+    bridged = parse_pbtxt(bridge(direct["task_a"]).files["config.pbtxt"].decode())
     assert bridged.parameters[DIGEST_PARAMETER].string_value == "bridge-" + _cfg(direct, "task_a").parameters[DIGEST_PARAMETER].string_value
 
 
-def _mixed_plans() -> dict[str, dict[str, bytes]]:
+def _mixed_plans() -> dict[str, RenderedRepository]:
     """:func:`_mixed_plan_objects`, rendered."""
-    return {k: generator.render(p) for k, p in _mixed_plan_objects().items()}
+    return {k: rendered.render(p) for k, p in _mixed_plan_objects().items()}
 
 
 def _mixed_plan_objects() -> dict[str, Plan]:
@@ -188,7 +191,7 @@ def test_an_ensemble_that_trades_hand_overs_runs_as_a_plain_chain_while_its_bloc
     """Neither order is safe when a task's ensemble loses one hand-over and gains another: its old
     steps fail on the new blocks and its new steps on the old ones. A plain chain runs on both."""
     plans = _mixed_plans()
-    old, new = generator.by_model(plans["old"]), generator.by_model(plans["new"])
+    old, new = plans["old"].models, plans["new"].models
     assert handed_pairs(_cfg(old, "long")) == {("b1", "b2")} and handed_pairs(_cfg(new, "long")) == {("b2", "b3")}
     served = _served(plans["old"])
     d = compute_diff(plans["new"], served)
@@ -197,7 +200,7 @@ def test_an_ensemble_that_trades_hand_overs_runs_as_a_plain_chain_while_its_bloc
     # long trades pairs; fork loses its pair and names a new block, g: both are bridged.
     assert order == HandOverOrder(bridged=(Change("fork", True, "change"), Change("long", True, "change")))
     repo = tmp_path / "repo"
-    generator.write(plans["old"], repo)
+    generator.write(plans["old"].files, repo)
     rec = _Recorder(repo)
     seen: dict[str, str] = {}
 
@@ -213,7 +216,7 @@ def test_an_ensemble_that_trades_hand_overs_runs_as_a_plain_chain_while_its_bloc
     assert rec.waves == [["fork", "long"], sorted(c.model for c in blocks), ["fork", "long"]]
     assert {"b1", "b2", "b3", "b4", "g"} <= set(rec.waves[1])
     assert all(handed_pairs(parse_pbtxt(text)) == frozenset() and "bridge-" in text for text in seen.values())
-    assert (repo / "long" / "config.pbtxt").read_bytes() == new["long"]["config.pbtxt"]
+    assert (repo / "long" / "config.pbtxt").read_bytes() == new["long"].files["config.pbtxt"]
     assert len(done) == len(set(done))  # each change is undone once
 
 
@@ -238,11 +241,11 @@ def test_a_receiver_whose_keys_come_from_another_block_also_takes_the_old_ones()
     b1's feeder and the receivers' keys. Their pairs stay, so the blocks load first, and the old
     ensemble gives the new b2 and b3 b0's tickets as keys."""
     plans = _swap_plans(at=0, hand_over="direct")
-    old, new = (generator.render(plans[k]) for k in ("old", "new"))
+    old, new = (rendered.render(plans[k]) for k in ("old", "new"))
     d = compute_diff(new, _served(old))
-    assert hand_over_order([c for c in d.changes if c.ensemble], generator.by_model(old), generator.by_model(new),
+    assert hand_over_order([c for c in d.changes if c.ensemble], old.models, new.models,
                            _served(old)) == HandOverOrder()
-    w = widening(d.changes, generator.by_model(old), generator.by_model(new))
+    w = widening(d.changes, old.models, new.models)
     assert w.new == {"b1": AlsoAccepts(models=("b0",)), "b2": AlsoAccepts(keys=("b0",)), "b3": AlsoAccepts(keys=("b0",))}
     assert w.old == {"b1": AlsoAccepts(models=("h",)), "b2": AlsoAccepts(keys=("h",)), "b3": AlsoAccepts(keys=("h",))}
 
@@ -289,13 +292,13 @@ def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_
     """b3 reloads to take h's tickets while the old ensemble still sends it b2's: it accepts both
     until the new ensemble has loaded, then for the plan's lease. Undone, the restored b3 accepts h's."""
     plans = _swap_plans()
-    old, new = (generator.render(plans[k]) for k in ("old", "new"))
+    old, new = (rendered.render(plans[k]) for k in ("old", "new"))
     d = compute_diff(new, _served(old))
-    assert widening(d.changes, generator.by_model(old), generator.by_model(new)) == Widening(
+    assert widening(d.changes, old.models, new.models) == Widening(
         new={"b3": AlsoAccepts(models=("b2",))}, old={"b3": AlsoAccepts(models=("h",))}, lease_s={"b3": 20.0})
     for fail_at, feeders in ((None, ("b2",)), (2, ("h",))):
         repo = tmp_path / f"repo{fail_at}"
-        generator.write(old, repo)
+        generator.write(old.files, repo)
         rec = _Applying(repo, _served(old), fail_at)
         t0 = time.time()
         if fail_at is None:
@@ -311,7 +314,7 @@ def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_
         if fail_at is not None:
             assert rec.reloaded == ["b3", "long"]  # the previous block, then the previous ensemble
         # Not the plan's: the repository is in step with the plan it serves, file or not.
-        assert generator.diff(old if fail_at else new, repo) == []
+        assert generator.diff((old if fail_at else new).files, repo) == []
 
 
 def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_blocks_before_ensembles(tmp_path: Path) -> None:
@@ -319,9 +322,9 @@ def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_block
     hand-overs) go back, the previous blocks reload before them, and the new block that had loaded
     is unloaded."""
     plans = _mixed_plan_objects()
-    old = generator.render(plans["old"])
+    old = rendered.render(plans["old"])
     repo = tmp_path / "repo"
-    generator.write(old, repo)
+    generator.write(old.files, repo)
     served = _served(old)
     rec = _Applying(repo, served, fail_at=2)
     with pytest.raises(ApplyError, match="rolled back"):
@@ -330,7 +333,7 @@ def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_block
     assert rec.loaded[-1] == "g"  # the wave's first load (added blocks come first) succeeded
     assert rec.reloaded == [m for m in rec.waves[1] if m != "g"] + ["fork", "long"]
     assert rec.unloaded == ["g"]
-    assert generator.diff(old, repo) == []  # every old file back, no bridge, no new block
+    assert generator.diff(old.files, repo) == []  # every old file back, no bridge, no new block
 
 
 def _recut_plans(path: str = "b0 b1 b2 b3 b4", references: tuple[str, ...] = (), **new_blocks: Any) -> dict[str, Plan]:
@@ -351,9 +354,9 @@ def _recut_plans(path: str = "b0 b1 b2 b3 b4", references: tuple[str, ...] = (),
 
 
 def _stand_ins_of(plans: dict[str, Plan]) -> tuple[str, ...]:
-    old, new = (generator.by_model(generator.render(plans[k])) for k in ("old", "new"))
-    served = _served(generator.render(plans["old"]))
-    d = compute_diff(generator.render(plans["new"]), served)
+    old, new = (rendered.render(plans[k]).models for k in ("old", "new"))
+    served = _served(rendered.render(plans["old"]))
+    d = compute_diff(rendered.render(plans["new"]), served)
     return stand_ins(d.changes, {s.name: old[s.name] for s in served if s.ensemble}, {c.model: old.get(c.model) for c in d.changes}, new)
 
 
@@ -415,9 +418,9 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     server ends on the plan with no stand-in left. A failure in the second apply leaves the
     first one's (the new plan under other names) serving, and says so."""
     plans = _recut_plans("b0 b1 b2 b3", references=("graph",), b2={"model": "m", "stages": [2, 3]}, b3={"model": "m", "stages": 4})
-    old = generator.render(plans["old"])
+    old = rendered.render(plans["old"])
     repo = tmp_path / "repo"
-    generator.write(old, repo)
+    generator.write(old.files, repo)
     srv = _Server(repo)
     srv.models = {s.name: s for s in _served(old)}
     dry = srv.apply(plans["new"], dry_run=True)  # says what it would do first, and does nothing
@@ -429,11 +432,11 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     assert [w["long"] for w in srv.seen] == [old_long, stone, stone, new_long]
     assert report.steps[-2:] == ["unloaded b2__next", "unloaded b3__next"] and "unloaded b4" in report.steps
     assert report.total == len(report.steps)
-    assert {s.name for s in srv.served()} == set(generator.by_model(generator.render(plans["new"])))
-    assert generator.diff(generator.render(plans["new"]), repo) == []
+    assert {s.name for s in srv.served()} == set(rendered.render(plans["new"]).models)
+    assert generator.diff(rendered.render(plans["new"]).files, repo) == []
 
     repo2 = tmp_path / "repo2"
-    generator.write(old, repo2)
+    generator.write(old.files, repo2)
     failing = _Server(repo2, fail_at=3)
     failing.models = {s.name: s for s in _served(old)}
     with pytest.raises(ApplyError, match=r"serves the new plan, with b2 as b2__next, b3 as b3__next \(apply the plan again"):
@@ -445,7 +448,7 @@ def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned
     assert again.stand_ins == () and failing.waves == [["b2", "b3"], ["long"]]
     assert [w["long"] for w in failing.seen] == [stone, new_long]
     assert {"unloaded b2__next", "unloaded b3__next"} <= set(again.steps)
-    assert generator.diff(generator.render(plans["new"]), repo2) == []
+    assert generator.diff(rendered.render(plans["new"]).files, repo2) == []
 
 
 def _stand_ins_between(old_plan: Plan, new_plan: Plan) -> tuple[str, ...]:
@@ -469,11 +472,11 @@ def test_a_changed_head_pack_is_renamed_with_the_model_it_is_named_after() -> No
     raw["blocks"]["a"]["weights"] = {"seed": 3}
     raw["blocks"]["h1"]["weights"] = {"seed": 4}
     new = parse_plan(raw, source="new", base_dir=ROOT)
-    assert "b__heads" in generator.by_model(generator.render(new))
+    assert "b__heads" in rendered.render(new).models
     first = _stand_ins_between(old, new)
     assert first == ("a", "b", "h1", "h2")
     stone = with_stand_ins(new, first)
-    assert "b__next__heads" in generator.by_model(generator.render(stone))
+    assert "b__next__heads" in rendered.render(stone).models
     assert _stand_ins_between(old, stone) == () and _stand_ins_between(stone, new) == ()
 
 

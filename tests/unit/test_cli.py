@@ -141,7 +141,7 @@ def test_serve_refuses_a_gpu_placement_without_gpus(tmp_path: Path) -> None:
 
 def test_serve_suggests_mps_only_when_many_processes_share_a_gpu() -> None:
     from blockflow.control.serve import MPS_HINT_PROCESSES, mps_hint
-    from blockflow.ensemble_gen.generator import render
+    from blockflow.ensemble_gen.rendered import render
     from blockflow.plan import load_plan, memory
 
     many = render(memory.scenario_plan("resnet50", 20, memory.SCENARIOS[2], fuse=True))  # 22 processes on GPU 0
