@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.report import split_rows, spread_text
+from blockflow.bench.report import gpu_alone, split_rows, spread_text
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ C1_RATIO = {"host": 1.3, "cuda-shm": 1.35}
 C32_RATIO = {"host": 1.3, "cuda-shm": 1.0}
 HEADER = ["| precision, client input | monolithic CUDA graph | 4-block `tensormq` | split/mono p50, c32 | hop | `triton-gpu` | `triton-cpu` |",
           "|---|---|---|---|---|---|---|"]
+# The column runs with the GPU alone's figures (blockflow.bench.gpu_alone) add; tables of runs without them keep their bytes.
+GPU_ALONE_HEADER = [" served / GPU alone (b32) |", "---|"]
 
 
 def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float, mps: bool) -> list[str]:
@@ -110,6 +112,13 @@ def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | No
     return "| " + " | ".join(cells) + " |", figures
 
 
+def served_over_alone(res: dict[str, Any]) -> str:
+    """The split's throughput at c32 as a share of the GPU alone's at batch 32 (``meta.gpu_alone``); "—" without either."""
+    b32 = (gpu_alone(res) or {}).get("images_per_s", {}).get("32")
+    fig = None if _failed(res["concurrency"], SPLIT) else _figure(res["concurrency"], SPLIT, "32")
+    return f"{100 * fig['throughput'] / b32:.0f}% of {b32:,.0f}/s" if b32 and fig is not None else "—"
+
+
 def _verdict(value: float, target: float, at_most: bool, unit: str = "×") -> str:
     met = value <= target if at_most else value >= target
     # Three decimals: 1.301 misses 1.3, which two would show as 1.30.
@@ -134,11 +143,16 @@ def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
               f"commit {', '.join(commits)}; rows started {started_span(metas)}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "
               "range, batch 1: p50 at concurrency 1 (throughput at 32). Compare within a row: these machines drift by up to 40%.",
-              "", *HEADER]
+              ""]
+    alone = any(gpu_alone(res) for _, res in done)
+    if alone:
+        lines += ["served / GPU alone (b32): the split's throughput at c32 against the task's whole network in a plain "
+                  "process at batch 32, same precision, channels-last, CUDA graph (each row's `meta.gpu_alone`).", ""]
+    lines += [h + g for h, g in zip(HEADER, GPU_ALONE_HEADER, strict=True)] if alone else HEADER
     checks = []
     for row, res in done:
         line, f = table_row(row, res)
-        lines.append(line)
+        lines.append(line + f" {served_over_alone(res)} |" if alone else line)
         if f is None or not {"c1_ratio", "c32_ratio", "hop_ms"} <= set(f):  # the rows run at both concurrencies: a figure missing is a failure
             checks.append(f"- {row.label}: not compared, the split or the unsplit model failed (its report.md says why)")
             continue

@@ -61,6 +61,50 @@ def split_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def gpu_alone(res: dict[str, Any]) -> dict[str, Any] | None:
+    """The figures of the task's whole network in a plain process (``meta.gpu_alone``), if measured."""
+    figures: dict[str, Any] | None = res.get("meta", {}).get("gpu_alone")
+    return figures
+
+
+def _share(r: dict[str, Any], images_per_s: float | None) -> str:
+    """" (N%)": a served throughput as a share of the GPU alone's; "" where either is missing."""
+    if not images_per_s or "error" in r or r.get("throughput") is None:
+        return ""
+    return f" ({100 * r['throughput'] / images_per_s:.0f}%)"
+
+
+def _latency_ratio(r: dict[str, Any] | None, batch1_ms: float) -> str:
+    """A served p50 at concurrency 1 against the GPU alone's batch 1, "N×"; "—" where it was not measured."""
+    if r is None or "error" in r or r.get("p50_ms") is None:
+        return "—"
+    return f"{r['p50_ms'] / batch1_ms:.1f}×"
+
+
+def gpu_alone_section(res: dict[str, Any]) -> list[str]:
+    """"The GPU alone": its figures, or why there are none; nothing for results that predate it."""
+    meta = res.get("meta", {})
+    if "gpu_alone" not in meta:
+        return []
+    figures = meta["gpu_alone"]
+    L = ["## The GPU alone: the task's whole network in a plain process", ""]
+    if figures is None:
+        return [*L, f"Not measured: {meta.get('gpu_alone_reason', 'no reason recorded')}.", ""]
+    ips = figures.get("images_per_s", {})
+    sizes = sorted(ips, key=int)
+    replays = figures.get("replays", {})
+    L += [f"Before the server started, in a process of its own: the task's network unsplit, built as a block builds it "
+          f"({figures.get('precision', '?')}, {figures.get('memory_format', '?')}, one CUDA graph per batch size) on "
+          f"{figures.get('device', '?')}; the median of {', '.join(f'{n} (b{b})' for b, n in replays.items()) or 'several'} "
+          "graph replays timed with CUDA events. No server, no transport, no client: what the GPU gives at most. The "
+          "concurrency table gives each served throughput as a share of batch 32's, and c1 p50 against batch 1.", "",
+          "| batch 1 ms | " + " | ".join(f"batch {b} images/s" for b in sizes) + " |", "|---|" + "---|" * len(sizes),
+          f"| {_f(figures.get('batch1_ms'), '.3f')} | " + " | ".join(f"{ips[b]:,.0f}" for b in sizes) + " |", ""]
+    if figures.get("skipped"):
+        L += ["Not measured: " + "; ".join(f"batch {b} ({why})" for b, why in figures["skipped"].items()) + ".", ""]
+    return L
+
+
 def plots(res: dict[str, Any], out: Path) -> list[str]:
     """Draw every figure the results allow; returns the file names."""
     import matplotlib
@@ -189,6 +233,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     "Latencies are perf_analyzer's (HTTP, binary tensors) unless noted.", ""]
     if not meta.get("complete", True):  # results.json of a run cut short (results files before this flag are complete)
         L += ["**Incomplete run**: it stopped before its end; the sections below are those it finished.", ""]
+    L += gpu_alone_section(res)
     split = split_rows(res)
     if split:
         L += [f"## The split against the unsplit model ({split[0]['mono']}, same precision, same run)", "",
@@ -224,12 +269,18 @@ def write_report(res: dict[str, Any], out: Path) -> None:
     conc = res.get("concurrency", {})
     if conc:
         cs = sorted({c for rows in conc.values() for c in rows}, key=int)
-        L += ["## Concurrency (Fig 4.11), batch 1: p50 / p99 ms, inferences per s", "",
-              "| model | " + " | ".join(f"c{c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+        alone = gpu_alone(res)
+        b32 = (alone or {}).get("images_per_s", {}).get("32")
+        b1 = (alone or {}).get("batch1_ms")
+        L += ["## Concurrency (Fig 4.11), batch 1: p50 / p99 ms, inferences per s"
+              + (" (% of the GPU alone at batch 32)" if b32 else ""), "",
+              "| model | " + " | ".join(f"c{c}" for c in cs) + " |" + (" c1 p50 / GPU alone b1 |" if b1 else ""),
+              "|---|" + "---|" * (len(cs) + bool(b1))]
         for k in _labels(conc):
             rows = conc[k]
             L.append(f"| {k} | " + " | ".join(f"{_cell(rows[c], 'p50_ms')} / {_cell(rows[c], 'p99_ms')}, {_cell(rows[c], 'throughput', '.0f')}/s"
-                                              if c in rows else "—" for c in cs) + " |")
+                                              + _share(rows[c], b32) if c in rows else "—" for c in cs) + " |"
+                     + (f" {_latency_ratio(rows.get('1'), b1)} |" if b1 else ""))
         L.append("")
         if any("energy_mj_per_inference" in r for rows in conc.values() for r in rows.values()):
             L += ["## Energy per inference (Fig 4.10), GPU utilisation and power (NVML, all GPUs)", "",

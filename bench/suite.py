@@ -2,6 +2,8 @@
 
 What it measures (each maps to a figure of the thesis, ch. 4; see bench/report.py):
 
+* gpu alone — first, in a process of its own: the task's whole network as a block builds it, CUDA graph
+              replays at batch 1, 32 and 128, what every served row is compared with (bench/gpu_alone.py);
 * pipeline  — batch 1, concurrency 1: p50/p99 and, per ensemble, each block's compute time
               and the rest (overhead) from Triton's statistics (Fig. 4.3, 4.4);
 * batch     — batch 1, 8, 32 at concurrency 1 (Fig. 4.7);
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blockflow.bench import gpu_alone
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import INPUTS, median_of, perf_analyzer
@@ -58,6 +61,7 @@ class BenchConfig:
     repeats: int = 3  # perf_analyzer runs per figure: the median is reported, with the runs' spread
     input: str = "host"  # how perf_analyzer sends inputs: "host" (in the request) or "cuda-shm"
     precision: str | None = None  # every block in this precision instead of the plan's
+    gpu_alone: bool = True  # measure the task's whole network in a plain process first (blockflow.bench.gpu_alone)
 
     @classmethod
     def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
@@ -203,6 +207,7 @@ class Bench:
         cfg = self.cfg
         res: dict[str, Any] = {"meta": self._meta(), "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                                "task": self.task.name, "path": list(self.task.path)}
+        self._gpu_alone(res["meta"])  # before the server starts: its process and CUDA context are gone by then
         self.gpus.start()
         server = self._serve(self.plan)
         try:
@@ -263,6 +268,20 @@ class Bench:
                 "mps": self.cfg.mps, "warm_cores_ms": self.cfg.warm_cores_ms, "input": self.cfg.input, "repeats": self.cfg.repeats,
                 "cuda_graphs": sorted({self.plan.blocks[b].cuda_graphs for b in self.task.path}),
                 "complete": False}
+
+    def _gpu_alone(self, meta: dict[str, Any]) -> None:
+        """``meta.gpu_alone``: the task's whole network in a plain process, what each served row is
+        compared with; None, and ``gpu_alone_reason`` why, where it was not measured."""
+        figures: dict[str, Any] | None = None
+        reason: str | None = "not asked for (--no-gpu-alone)"
+        if self.cfg.gpu_alone:
+            figures, reason = gpu_alone.measure_in_child(self.cfg.plan, self.task.name, self.plan.task_precision(self.task))
+        meta["gpu_alone"] = figures
+        if figures is None:
+            meta["gpu_alone_reason"] = reason
+            self.log(f"[bench] gpu alone   not measured: {reason}")
+        else:
+            self.log(f"[bench] gpu alone   {gpu_alone.describe(figures)}")
 
     def _peak(self, conc: dict[str, dict[str, dict[str, Any]]]) -> float:
         """The offered-load scale: the best throughput any model reached in the concurrency sweep."""
