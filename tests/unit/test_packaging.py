@@ -239,6 +239,38 @@ def test_results_are_data_and_investigations_stay_out_of_the_wheel(wheel: Path) 
     assert not [n for n in names if n.startswith("blockflow/bench/lab/")], "an investigation in the wheel"
 
 
+def _cited_results(results: Path, pages: str) -> tuple[list[str], set[str]]:
+    """Every ``<machine>/<folder>`` under ``results``, and those a page cites, directly or through the
+    markdown of a cited folder (a summary such as ``memory_scenarios.md`` names the runs it rests on)."""
+    folders = sorted(f"{m.name}/{d.name}" for m in results.iterdir() if m.is_dir() for d in m.iterdir())
+
+    def markdown(folder: str) -> str:
+        p = results / folder
+        files = [p] if p.is_file() else sorted(p.rglob("*.md"))
+        return "".join(f.read_text(errors="replace") for f in files if f.suffix == ".md")
+
+    def cites(text: str, folder: str) -> bool:
+        return folder in text or re.search(rf"(?<![\w-]){re.escape(folder.split('/', 1)[1])}(?![\w-])", text) is not None
+
+    cited = {f for f in folders if f in pages}
+    while True:
+        text = "".join(markdown(f) for f in cited)
+        more = {f for f in folders if f not in cited and cites(text, f)}
+        if not more:
+            return folders, cited
+        cited |= more
+
+
+def test_every_results_folder_backs_a_published_figure() -> None:
+    """bench/results keeps what a reader needs to check a figure that docs/ or the CHANGELOG publish (directly or
+    through a cited summary; the README's figures are performance.md's); anything else lives in git history."""
+    pages = "".join(p.read_text() for p in [ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))])
+    folders, cited = _cited_results(ROOT / "bench" / "results", pages)
+    assert folders, "no results folders found"
+    uncited = [f for f in folders if f not in cited]
+    assert uncited == [], f"results no page cites (cite them or let git keep them): {uncited[:10]}"
+
+
 # A result's folder named by its date (``bench/results/h100/tail_ab-2026-11-26-b42c2d1/``).
 DATED_RESULTS = re.compile(r"bench/results/\w+/\S+-20\d\d-")
 
