@@ -115,7 +115,11 @@ class _HelperMemory:
         except Exception as exc:  # no such device, no driver: the CUDA error is the cause, its text in bytes
             why = (exc.__cause__ or exc).args[:1] or ("",)
             raise _no_gpu(device, f" ({why[0].decode() if isinstance(why[0], bytes) else why[0]})") from exc
-        self.raw_handle = helper.get_raw_handle(self._handle).decode()
+        try:
+            self.raw_handle = helper.get_raw_handle(self._handle).decode()
+        except Exception:
+            helper.destroy_shared_memory_region(self._handle)  # or tritonclient's list keeps it for the process's life
+            raise
 
     def write(self, images: Any, name: str) -> int:
         torch = sys.modules.get("torch")  # a torch tensor means torch is loaded; numpy images need no torch

@@ -37,6 +37,7 @@ class RenderedModel:
     files: Mapping[str, bytes]
     config: mc.ModelConfig
     spec: ModelSpec | None  # the ``blockflow.spec`` parameter; None for ensembles
+    unreadable: str = ""  # why a served model's config or spec did not parse (read leniently); '' when it did
 
     @classmethod
     def parse(cls, name: str, files: Mapping[str, bytes], where: str = "the rendered repository") -> RenderedModel:
@@ -106,7 +107,19 @@ def render(plan: Plan) -> RenderedRepository:
     return RenderedRepository.parse(generator.render(plan))
 
 
-def read_model(root: Path, name: str) -> RenderedModel | None:
-    """Model ``name`` of the repository at ``root`` as the disk holds it, or None when it has no directory."""
+def read_model(root: Path, name: str, lenient: bool = False) -> RenderedModel | None:
+    """Model ``name`` of the repository at ``root`` as the disk holds it, or None when it has no directory.
+
+    ``lenient``: a directory whose config or spec does not parse (edited by hand, or written by another
+    version) comes back with its files, an empty config, no spec and ``unreadable`` saying why, instead of
+    a :class:`GenerateError`: a plan change replaces or removes such a model (it computes something
+    else as far as any comparison goes) and can put its files back on a rollback."""
     files = generator.read_model(root, name)
-    return RenderedModel.parse(name, files, where=str(root)) if files is not None else None
+    if files is None:
+        return None
+    try:
+        return RenderedModel.parse(name, files, where=str(root))
+    except GenerateError as exc:
+        if not lenient:
+            raise
+        return RenderedModel(name, dict(files), mc.ModelConfig(), None, unreadable=str(exc))

@@ -42,7 +42,7 @@ log = logging.getLogger("blockflow.serve")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=None,
               help="Where the control service keeps the last plans (default: the runtime dir).")
 @click.option("--mps", is_flag=True, help="Run the block processes under a private NVIDIA MPS daemon, so blocks' "
-              "kernels share the GPU concurrently (more throughput under load; see README, Benchmarks).")
+              "kernels share the GPU concurrently (more throughput under load: docs/performance.md, *Host tuning*).")
 @click.option("--warm-cores-ms", type=click.FloatRange(0), default=0.0, show_default=True, metavar="MS",
               help="Keep every CPU of the server out of idle for MS after each block call (pollers at SCHED_IDLE "
                    "priority): lower latency at low load for the CPU time of idle cores; 0 is off. See docs/deploy.md.")

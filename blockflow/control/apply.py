@@ -150,8 +150,9 @@ class Applier:
         return self._with_fields(d, wanted, self._models_of(d.changes))
 
     def _models_of(self, changes: Iterable[Change]) -> dict[str, RenderedModel | None]:
-        """Each changed model as the repository holds it (None: no directory there)."""
-        return {c.model: rendered.read_model(self.repository, c.model) for c in changes}
+        """Each changed model as the repository holds it (None: no directory there); one whose files do not
+        parse is read leniently, so a plan can still replace or remove it."""
+        return {c.model: rendered.read_model(self.repository, c.model, lenient=True) for c in changes}
 
     def _with_fields(self, d: Diff, wanted: RenderedRepository, old: Mapping[str, RenderedModel | None]) -> Diff:
         """``d`` with what changes in each changed model's config, against the repository's ``old`` models."""
@@ -237,7 +238,7 @@ class Applier:
             changes = compute_diff(wanted, served)
             old = self._models_of(changes.changes)
             d = self._with_fields(changes, wanted, old)
-            ensembles = {s.name: rendered.read_model(self.repository, s.name) for s in served if s.ensemble}
+            ensembles = {s.name: rendered.read_model(self.repository, s.name, lenient=True) for s in served if s.ensemble}
             first = stand_ins(d.changes, ensembles, old, wanted.models)
             report = Report(d, stand_ins=first)
             if dry_run or d.empty:

@@ -69,3 +69,8 @@ def test_a_bad_config_is_refused_with_the_models_name(tmp_path: Path) -> None:
     (repo / "trunk" / "config.pbtxt").write_text("{{{")
     with pytest.raises(GenerateError, match=rf"model trunk in {repo}: its config.pbtxt does not parse"):
         rendered.read_model(repo, "trunk")
+    # Read for a plan change, the broken model comes back with its files and why, so the change can replace it.
+    lenient = rendered.read_model(repo, "trunk", lenient=True)
+    assert lenient is not None and lenient.spec is None and lenient.files["config.pbtxt"] == b"{{{"
+    assert "does not parse" in lenient.unreadable and not lenient.ensemble and lenient.digest == ""
+    assert on_disk.unreadable == ""
