@@ -22,37 +22,18 @@ from blockflow.backend.tensormq.wire import HELLO, WELCOME
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.clients.client import TaskClient
 from blockflow.core import endpoints, env
-from blockflow.ensemble_gen import generator
-from blockflow.plan import load_plan
-from blockflow.triton.server import ServerOptions, TritonServer
+from blockflow.triton.server import TritonServer
+
+from .small_plan import plan_text, served
 
 pytestmark = pytest.mark.gpu
-PLAN = """
-version: 1
-name: gpu-doors
-models: {r18: {arch: resnet18, cut_points: [layer2], input_shape: [3, 64, 64], num_classes: 10}}
-defaults: {placement: gpu, max_batch_size: 8, precision: fp16}
-blocks:
-  d0: {model: r18, stages: 0, weights: {seed: 3}}
-  d1: {model: r18, stages: 1, weights: {seed: 3}}
-tasks:
-  doors: {path: [d0, d1]}
-transport: tensormq
-references: [graph]
-"""
+PLAN = plan_text("gpu-doors", "doors", ('d0', 'd1'), seed=3)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    where = tmp_path_factory.mktemp("doors")
-    (where / "plan.yaml").write_text(PLAN)
-    generator.write(generator.render(load_plan(where / "plan.yaml")), where / "repo")
-    s = TritonServer(ServerOptions.on_free_ports([where / "repo"]))
-    s.start(600)
-    try:
+    with served(tmp_path_factory.mktemp("doors"), PLAN) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _processes(s: TritonServer) -> tuple[int, dict[str, list[int]]]:

@@ -19,25 +19,13 @@ import torch
 from blockflow.clients import cuda_shm
 from blockflow.clients.client import TaskClient
 from blockflow.core import endpoints
-from blockflow.ensemble_gen import generator
-from blockflow.plan import load_plan
-from blockflow.triton.server import ServerOptions, TritonServer
+from blockflow.triton.server import TritonServer
+
+from .small_plan import plan_text, served
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-PLAN = """
-version: 1
-name: gpu-cuda-regions
-models: {r18: {arch: resnet18, cut_points: [layer2], input_shape: [3, 64, 64], num_classes: 10}}
-defaults: {placement: gpu, max_batch_size: 8, precision: fp16}
-blocks:
-  h0: {model: r18, stages: 0, weights: {seed: 5}}
-  h1: {model: r18, stages: 1, weights: {seed: 5}}
-tasks:
-  regions: {path: [h0, h1]}
-transport: tensormq
-references: [graph]
-"""
+PLAN = plan_text("gpu-cuda-regions", "regions", ('h0', 'h1'), seed=5)
 
 
 def _helper() -> Any:
@@ -58,15 +46,8 @@ def allocated_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    where = tmp_path_factory.mktemp("regions")
-    (where / "plan.yaml").write_text(PLAN)
-    generator.write(generator.render(load_plan(where / "plan.yaml")), where / "repo")
-    s = TritonServer(ServerOptions.on_free_ports([where / "repo"]))
-    s.start(600)
-    try:
+    with served(tmp_path_factory.mktemp("regions"), PLAN) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _key(s: TritonServer) -> str:
