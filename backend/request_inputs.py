@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
 from blockflow.backend.device_inputs import DeviceInputs
+from blockflow.backend.image_input import feed_dtype
 from blockflow.backend.replies import error, failure_code
 from blockflow.backend.runtime import DTYPES
 from blockflow.backend.tensormq.consumer import Release
@@ -30,7 +31,7 @@ class RequestInputs:
                  tracer: Tracer | NoTracer) -> None:
         self.names = names
         self.shapes = spec.in_shapes
-        self.dtype = torch.float32 if spec.takes_image else DTYPES[spec.in_dtype]
+        self.dtype = feed_dtype(spec) or DTYPES[spec.in_dtype]
         self.consumer, self.relay = ends.consumer, ends.relay
         self.stream, self.tracer = stream, tracer
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.

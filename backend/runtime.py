@@ -3,7 +3,8 @@
 Pure PyTorch, no Triton: ``blockflow.backend.model`` wraps it for the Python backend and
 tests drive it directly. On a GPU it runs channels-last, in the plan's
 precision, and (optionally) replays one CUDA graph per batch-size bucket;
-inputs and outputs at its edges are always fp32 in standard layout.
+inputs and outputs at its edges are in standard layout, in the hop's dtype (a task's image as the
+plan gives it, converted by ``blockflow.backend.image_input`` inside what the block runs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from blockflow.backend.host_pins import HostPins, join_to_device
+from blockflow.backend.image_input import ImageConversion, feed_dtype
 from blockflow.backend.parts import Chain, build_part, fold_batchnorm
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
@@ -88,7 +90,7 @@ class BlockRunner:
         self.spec = spec
         self.device = device
         self.dtype = DTYPES[spec.precision]
-        self.in_dtype = torch.float32 if spec.takes_image else DTYPES[spec.in_dtype]  # what the block is fed
+        self.in_dtype = feed_dtype(spec) or DTYPES[spec.in_dtype]  # what the block is fed
         self.out_dtype = DTYPES[spec.out_dtype]  # what the next block takes (fp32 for logits)
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
@@ -106,6 +108,9 @@ class BlockRunner:
         self.in_shapes = spec.in_shapes
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
+        # A uint8, HWC or normalised image: converted on the device before the first stage.
+        self.image = (ImageConversion(spec.image, device, self.dtype, self.formats[0])
+                      if spec.takes_image and spec.image is not None else None)
         self.module = module.to(device=device, dtype=self.dtype)
         if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
             self.module = self.module.to(memory_format=torch.channels_last)
@@ -125,6 +130,8 @@ class BlockRunner:
         self._host_inputs = False  # torch's copies read page-locked host inputs: wait for the stream
 
     def _zeros(self, batch: int) -> list[torch.Tensor]:
+        if self.image is not None:  # converted by the block itself: as it arrives
+            return [torch.zeros((batch, *self.in_shapes[0]), device=self.device, dtype=self.in_dtype)]
         return [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
                 for s, f in zip(self.in_shapes, self.formats, strict=True)]
 
@@ -157,6 +164,8 @@ class BlockRunner:
         to the block's dtype and layout, the block, its outputs converted to the next hop's dtype,
         row-major. Conversions inside the graph leave a request's copies in and out as plain
         same-layout memcpys (``Tensor.copy_`` across layouts cost ~25 us of host time each)."""
+        if self.image is not None:
+            return [y.to(self.out_dtype).contiguous() for y in self.module(self.image(static_ins[0]))]
         ins = [s.to(self.dtype).contiguous(memory_format=f) for s, f in zip(static_ins, self.formats, strict=True)]
         return [y.to(self.out_dtype).contiguous() for y in self.module(*ins)]
 
@@ -204,6 +213,11 @@ class BlockRunner:
         return [y[:batch] for y in self._eager(padded)]
 
     def _eager(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.image is not None:
+            ins = [self.image(xs[0].to(device=self.device, non_blocking=True))]
+            self._inputs_copied()
+            image_out: list[torch.Tensor] = self.module(*ins)
+            return image_out
         ins = [x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=f)
                for x, f in zip(xs, self.formats, strict=True)]
         self._inputs_copied()
@@ -220,7 +234,8 @@ class BlockRunner:
 
     def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
                 lap: Callable[[str], None] | None = None) -> list[torch.Tensor]:
-        """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device, any float dtype.
+        """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device, any float dtype
+        (a task's image: the plan's dtype, uint8 or float32).
 
         Returns one ``[B, *shape]`` tensor per output on this device, row-major, in the hop's dtype
         (``spec.out_dtype``: fp32 for logits, the block's fp16/bf16 for a hop); or, when
@@ -241,6 +256,8 @@ class BlockRunner:
         for x, shape in zip(xs, self.in_shapes, strict=True):
             if tuple(x.shape[1:]) != shape or x.shape[0] < 1 or int(x.shape[0]) != batch:
                 raise RequestError(f"input shape {list(x.shape)} does not match [{batch}, {', '.join(map(str, shape))}]")
+        if self.image is not None and xs[0].dtype != self.in_dtype:  # a float image would not be scaled as uint8 is
+            raise RequestError(f"the image is {xs[0].dtype}; this block takes {self.in_dtype}")
         if self.use_graphs and outs is not None:
             g = self._graphs.get(batch)
             # The usual TensorMQ hop: a graph of exactly this batch, every copy a plain memcpy. No

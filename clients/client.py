@@ -1,6 +1,7 @@
 """A small typed client for BlockFlow tasks over Triton's HTTP or gRPC API.
 
-Every task is a Triton ensemble that takes ``IMAGE`` (fp32 ``[batch, 3, H, W]``)
+Every task is a Triton ensemble that takes ``IMAGE`` (fp32 ``[batch, 3, H, W]``, or uint8
+``[batch, 3, H, W]`` or ``[batch, H, W, 3]`` where its plan says so: :meth:`TaskClient.input_of`)
 and gives ``LOGITS`` (fp32 ``[batch, classes]``)::
 
     with TaskClient("127.0.0.1:8000") as c:
@@ -9,6 +10,7 @@ and gives ``LOGITS`` (fp32 ``[batch, classes]``)::
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -43,10 +45,50 @@ def _module(protocol: Protocol) -> Any:
     return mod
 
 
-def _check_images(images: npt.NDArray[Any]) -> Array:
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ClientError(f"images must be [batch, 3, H, W]; got shape {list(images.shape)}")
-    return np.ascontiguousarray(images, dtype=np.float32)
+@dataclass(frozen=True)
+class TaskInput:
+    """What a task's ``IMAGE`` takes: Triton's datatype (``FP32`` or ``UINT8``) and one image's shape."""
+
+    datatype: str = "FP32"
+    shape: tuple[int, ...] | None = None  # None: not known (a model without an IMAGE input)
+
+    @property
+    def layout(self) -> Literal["CHW", "HWC"]:
+        return "HWC" if self.shape is not None and len(self.shape) == 3 and self.shape[0] != 3 and self.shape[-1] == 3 else "CHW"
+
+    @property
+    def uint8(self) -> bool:
+        return self.datatype == "UINT8"
+
+    @staticmethod
+    def of(meta: Any) -> TaskInput:
+        """From a model's metadata (HTTP: a dict, gRPC: a message)."""
+        inputs = meta["inputs"] if isinstance(meta, dict) else [
+            {"name": i.name, "datatype": i.datatype, "shape": list(i.shape)} for i in meta.inputs]
+        for i in inputs:
+            if i["name"] == IMAGE:
+                return TaskInput(str(i["datatype"]), tuple(int(d) for d in i["shape"])[-3:])
+        return TaskInput()
+
+    def check(self, task: str, images: Any) -> Any:
+        """``images`` as the task takes them (contiguous; numpy stays numpy, torch stays torch). A float
+        array for a uint8 task (or uint8 for a float one) is refused, never cast: the values would be
+        scaled wrongly, not merely rounded."""
+        shape = list(images.shape)
+        want = f"[batch, {', '.join(map(str, self.shape))}]" if self.shape else "[batch, 3, H, W]"
+        if len(shape) != 4 or (tuple(shape[1:]) != self.shape if self.shape else shape[1] != 3):
+            raise ClientError(f"images for {task!r} must be {want}; got shape {shape}")
+        is_u8 = str(images.dtype).removeprefix("torch.") == "uint8"
+        if self.uint8 != is_u8:
+            got = str(images.dtype).removeprefix("torch.")
+            raise ClientError(f"task {task!r} takes {'uint8' if self.uint8 else 'float32'} images {want}, got {got}: "
+                              + ("send the image's uint8 values (blockflow.clients.images.load_image_uint8), "
+                                 "not normalised floats; the task normalises them on the GPU" if self.uint8 else
+                                 "send float32 images normalised as the model expects (blockflow.clients.images.load_image)"))
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(images, torch.Tensor):
+            return images.detach().to(torch.uint8 if self.uint8 else torch.float32).contiguous()
+        return np.ascontiguousarray(images, dtype=np.uint8 if self.uint8 else np.float32)
 
 
 # What a retry can help with: the server busy, restarting or out of time, not a wrong request.
@@ -100,16 +142,16 @@ class _Shared:
         self._shm_key = endpoints.shm_key() if shm_key is None and input_memory == "cuda" else shm_key or ""
         self.shm_headers = endpoints.shm_headers(self._shm_key, protocol) if self._shm_key else {}
 
-    def _request(self, task: str, images: Any, headers: dict[str, str] | None, request_id: str, priority: int,
-                 timeout_s: float | None, region: CudaInputRegion | None = None) -> _Request:
-        """The call's arguments: the image input (in the request, or written into ``region``), the
-        wanted output, and Triton's options: its own timeout in microseconds (and, over gRPC, the
-        client's deadline), the priority, the request id, the headers."""
+    def _request(self, task: str, images: Any, kind: TaskInput, headers: dict[str, str] | None, request_id: str,
+                 priority: int, timeout_s: float | None, region: CudaInputRegion | None = None) -> _Request:
+        """The call's arguments: the image input (``images`` checked by ``kind``; in the request, or
+        written into ``region``), the wanted output, and Triton's options: its own timeout in
+        microseconds (and, over gRPC, the client's deadline), the priority, the request id, the headers."""
         if region is not None:
-            inp = self._cuda_input(images, region)
+            inp = self._cuda_input(images, kind.datatype, region)
         else:
-            x = _check_images(images)
-            inp = self._mod.InferInput(IMAGE, list(x.shape), "FP32")
+            x = np.asarray(images)  # checked: a contiguous array of the task's dtype (or a CPU tensor of it)
+            inp = self._mod.InferInput(IMAGE, list(x.shape), kind.datatype)
             inp.set_data_from_numpy(x)
         kwargs: dict[str, Any] = {"outputs": [self._mod.InferRequestedOutput(LOGITS)], "request_id": request_id,
                                   "priority": priority, "headers": headers}
@@ -121,14 +163,13 @@ class _Shared:
 
     @staticmethod
     def _image_bytes(images: Any) -> int:
-        shape = list(images.shape)
-        if len(shape) != 4 or shape[1] != 3:
-            raise ClientError(f"images must be [batch, 3, H, W]; got shape {shape}")
-        return 4 * int(shape[0]) * int(shape[1]) * int(shape[2]) * int(shape[3])
+        """The bytes of checked ``images`` (numpy or torch)."""
+        size = images.element_size() if callable(getattr(images, "element_size", None)) else images.itemsize
+        return int(np.prod(images.shape)) * int(size)
 
-    def _cuda_input(self, images: Any, region: CudaInputRegion) -> Any:
+    def _cuda_input(self, images: Any, datatype: str, region: CudaInputRegion) -> Any:
         nbytes = region.write(images)
-        inp = self._mod.InferInput(IMAGE, list(images.shape), "FP32")
+        inp = self._mod.InferInput(IMAGE, list(images.shape), datatype)
         inp.set_shared_memory(region.name, nbytes)
         return inp
 
@@ -154,6 +195,9 @@ class _Shared:
         dims = [int(d) for d in inputs[0]["shape"]][-3:]
         return dims[0], dims[1], dims[2]
 
+    def _not_served(self, task: str, names: list[str]) -> str:
+        return f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})"
+
 
 class TaskClient(_Shared):
     """Synchronous client. ``url`` is ``host:port`` of the HTTP or gRPC endpoint.
@@ -176,6 +220,7 @@ class TaskClient(_Shared):
         except Exception as exc:
             raise ClientError(f"cannot create a {protocol} client for {url}: {exc}") from exc
         self._region: CudaInputRegion | None = None  # one call at a time: one region, grown when a batch needs more
+        self._inputs: dict[str, TaskInput] = {}  # each task's input, read from its metadata on its first call
 
     def _region_for(self, images: Any) -> CudaInputRegion:
         nbytes = self._image_bytes(images)
@@ -203,12 +248,22 @@ class TaskClient(_Shared):
             raise _failure(exc, "listing the models", self.url) from exc
 
     def input_shape(self, task: str) -> tuple[int, int, int]:
-        """The (channels, height, width) of one image the task takes."""
+        """The shape of one image the task takes: (channels, height, width), or (height, width,
+        channels) for a task that takes HWC images (:meth:`input_of`)."""
+        return self._shape(self._metadata(task))
+
+    def input_of(self, task: str) -> TaskInput:
+        """The task's image input (dtype and shape), read once per task."""
+        if task not in self._inputs:
+            self._inputs[task] = TaskInput.of(self._metadata(task))
+        return self._inputs[task]
+
+    def _metadata(self, task: str) -> Any:
         try:
-            return self._shape(self._client.get_model_metadata(task))
+            return self._client.get_model_metadata(task)
         except Exception as exc:
             names = [m["name"] for m in self.models()]
-            raise ClientError(f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})",
+            raise ClientError(self._not_served(task, names),
                               str(getattr(exc, "status", lambda: "")() or "").removeprefix("StatusCode.") or None) from exc
 
     def infer(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
@@ -218,8 +273,14 @@ class TaskClient(_Shared):
 
     def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                     priority: int = 0, timeout_s: float | None = None) -> Timed:
+        if task not in self._inputs:
+            try:
+                self._inputs[task] = TaskInput.of(self._client.get_model_metadata(task))
+            except Exception:  # the call itself says why (not served, unreachable, loading)
+                pass
+        images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
         region = self._region_for(images) if self.input_memory == "cuda" else None
-        req = self._request(task, images, headers, request_id, priority, timeout_s, region)
+        req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region)
         start = time.perf_counter()
         try:
             result = self._client.infer(*req.args, **req.kwargs)
@@ -258,6 +319,7 @@ class AsyncTaskClient(_Shared):
         # call in flight writes a region of its own, taken from these and given back when it ends.
         self._regions: list[CudaInputRegion] = []
         self._idle: list[CudaInputRegion] = []
+        self._inputs: dict[str, TaskInput] = {}
 
     async def is_ready(self) -> bool:
         try:
@@ -272,11 +334,20 @@ class AsyncTaskClient(_Shared):
             raise _failure(exc, "listing the models", self.url) from exc
 
     async def input_shape(self, task: str) -> tuple[int, int, int]:
+        return self._shape(await self._metadata(task))
+
+    async def input_of(self, task: str) -> TaskInput:
+        """The task's image input (dtype and shape), read once per task."""
+        if task not in self._inputs:
+            self._inputs[task] = TaskInput.of(await self._metadata(task))
+        return self._inputs[task]
+
+    async def _metadata(self, task: str) -> Any:
         try:
-            return self._shape(await self._client.get_model_metadata(task))
+            return await self._client.get_model_metadata(task)
         except Exception as exc:
             names = [m["name"] for m in await self.models()]
-            raise ClientError(f"task {task!r} is not served at {self.url} (ready models: {', '.join(names) or 'none'})") from exc
+            raise ClientError(self._not_served(task, names)) from exc
 
     async def infer(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                     priority: int = 0, timeout_s: float | None = None) -> Array:
@@ -285,9 +356,15 @@ class AsyncTaskClient(_Shared):
 
     async def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                           priority: int = 0, timeout_s: float | None = None) -> Timed:
+        if task not in self._inputs:
+            try:
+                self._inputs[task] = TaskInput.of(await self._client.get_model_metadata(task))
+            except Exception:  # the call itself says why (not served, unreachable, loading)
+                pass
+        images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
         region = self._take_region(images) if self.input_memory == "cuda" else None
         try:
-            req = self._request(task, images, headers, request_id, priority, timeout_s, region)
+            req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region)
             start = time.perf_counter()
             try:
                 result = await self._client.infer(*req.args, **req.kwargs)

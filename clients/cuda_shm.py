@@ -81,7 +81,8 @@ class CudaInputRegion:
         self._registered = True
 
     def write(self, images: Any) -> int:
-        """Copy ``images`` (numpy or torch, fp32, contiguous) into the region; returns the bytes written."""
+        """Copy ``images`` (numpy or torch; uint8 as it is, anything else as fp32) into the region;
+        returns the bytes written."""
         return self._memory.write(images, self.name)
 
     def close(self) -> None:
@@ -96,6 +97,11 @@ class CudaInputRegion:
 
 def _no_gpu(device: int, why: str = "") -> ClientError:
     return ClientError(f"CUDA shared-memory inputs need a CUDA GPU {device} on this machine{why}; use input_memory='host'")
+
+
+def _host_dtype(images: Any) -> type[np.generic]:
+    """What a host array is written as: uint8 images as they are (a task that takes them), else fp32."""
+    return np.uint8 if np.asarray(images).dtype == np.uint8 else np.float32
 
 
 def _fits(nbytes: int, byte_size: int, name: str) -> None:
@@ -124,17 +130,18 @@ class _HelperMemory:
     def write(self, images: Any, name: str) -> int:
         torch = sys.modules.get("torch")  # a torch tensor means torch is loaded; numpy images need no torch
         if torch is not None and isinstance(images, torch.Tensor):
-            x = images.detach().to(torch.float32).contiguous()
+            x = images.detach()
+            x = (x if x.dtype == torch.uint8 else x.to(torch.float32)).contiguous()
             if x.is_cuda:
-                _fits(x.numel() * 4, self.byte_size, name)
+                _fits(x.numel() * x.element_size(), self.byte_size, name)
                 # The helper copies on a stream of its own, and 2.73 asks for the DLPack capsule without
                 # a stream (it compares the device's (type, id) to the type alone), so torch orders
                 # nothing: the work that made ``x`` must be done first.
                 torch.cuda.current_stream(x.device).synchronize()
                 self._helper.set_shared_memory_region_from_dlpack(self._handle, [x])
-                return int(x.numel() * 4)
+                return int(x.numel() * x.element_size())
             images = x.numpy()  # on the CPU, the helper's numpy path (torch takes no stream there)
-        a = np.ascontiguousarray(images, dtype=np.float32)
+        a = np.ascontiguousarray(images, dtype=_host_dtype(images))
         _fits(a.nbytes, self.byte_size, name)
         self._helper.set_shared_memory_region(self._handle, [a])
         return int(a.nbytes)
@@ -168,11 +175,11 @@ class _HandMemory:
     def write(self, images: Any, name: str) -> int:
         import torch
 
-        x = images if isinstance(images, torch.Tensor) else torch.from_numpy(images)
-        x = x.to(torch.float32).contiguous()
-        nbytes = x.numel() * 4
+        x = images if isinstance(images, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(images, dtype=_host_dtype(images)))
+        x = (x if x.dtype == torch.uint8 else x.to(torch.float32)).contiguous()
+        nbytes = x.numel() * x.element_size()
         _fits(nbytes, self.byte_size, name)
-        self._bytes[:nbytes].view(torch.float32).view(x.shape).copy_(x)
+        self._bytes[:nbytes].view(x.dtype).view(x.shape).copy_(x)
         torch.cuda.synchronize(self.device)  # the server reads the region as soon as the request arrives
         return int(nbytes)
 

@@ -1,13 +1,15 @@
 """Images in, class names out: what a task client needs around the tensors (no torch needed).
 
 Inputs are prepared the way torchvision's ImageNet models were trained: RGB, resized (bilinear,
-antialiased), scaled to [0, 1] and normalised with ImageNet's mean and standard deviation.
+antialiased), scaled to [0, 1] and normalised with ImageNet's mean and standard deviation; for a
+task that takes uint8 images, RGB and resized only (the task normalises them on its GPU).
 """
 
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -19,18 +21,29 @@ IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 
-def load_image(path: Path, height: int, width: int) -> npt.NDArray[np.float32]:
-    """The image at ``path`` as one float32 ``(3, height, width)`` input, ImageNet-normalised."""
+def _rgb(path: Path, height: int, width: int) -> npt.NDArray[np.uint8]:
+    """The image at ``path``, RGB, resized to ``(height, width, 3)`` uint8."""
     if not path.is_file():
         raise ClientError(f"image file not found: {path}")
     try:
         with Image.open(path) as im:
             # PIL's bilinear resize antialiases when it shrinks, as torchvision's resize(antialias=True) does.
-            rgb = np.asarray(im.convert("RGB").resize((width, height), Image.Resampling.BILINEAR), dtype=np.float32)
+            return np.asarray(im.convert("RGB").resize((width, height), Image.Resampling.BILINEAR), dtype=np.uint8)
     except (UnidentifiedImageError, OSError) as exc:
         raise ClientError(f"cannot decode image {path}: {exc}") from exc
-    x = (rgb / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+
+
+def load_image(path: Path, height: int, width: int) -> npt.NDArray[np.float32]:
+    """The image at ``path`` as one float32 ``(3, height, width)`` input, ImageNet-normalised."""
+    x = (_rgb(path, height, width).astype(np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32)
+
+
+def load_image_uint8(path: Path, height: int, width: int, layout: Literal["CHW", "HWC"] = "CHW") -> npt.NDArray[np.uint8]:
+    """The image at ``path`` as one uint8 input, ``(3, height, width)`` or ``(height, width, 3)``, not
+    normalised: for a task that takes uint8 images (its first block normalises them on its device)."""
+    rgb = _rgb(path, height, width)
+    return rgb if layout == "HWC" else np.ascontiguousarray(rgb.transpose(2, 0, 1))
 
 
 def class_names(n: int) -> list[str]:

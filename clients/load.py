@@ -17,11 +17,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
-from blockflow.clients.client import AsyncTaskClient, Protocol
+from blockflow.clients.client import AsyncTaskClient, Protocol, TaskInput
+from blockflow.core.errors import ClientError
+
+Images = npt.NDArray[Any]
 
 
 @dataclass(frozen=True)
@@ -58,21 +62,37 @@ async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out
         out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, False, str(exc)[:200]))
 
 
+async def _inputs(client: AsyncTaskClient, spec: LoadSpec) -> dict[str, Images]:
+    """Each task's (seeded, random) batch, in the dtype its input takes: standard normal float32, or
+    uint8 noise for a task that takes uint8 images."""
+    floats = np.random.default_rng(spec.seed).standard_normal((spec.batch, *spec.shape), dtype=np.float32)
+    out: dict[str, Images] = {}
+    for task in dict.fromkeys(spec.tasks):
+        try:
+            kind = await client.input_of(task)
+        except ClientError:  # its requests fail and say why
+            kind = TaskInput()
+        out[task] = (np.random.default_rng(spec.seed).integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8)
+                     if kind.uint8 else floats)
+    return out
+
+
 async def run_load(spec: LoadSpec, progress: Callable[[int], None] | None = None) -> list[Record]:
     """Run the load described by ``spec``; returns one record per request."""
     rng = random.Random(spec.seed)
-    x = np.random.default_rng(spec.seed).standard_normal((spec.batch, *spec.shape), dtype=np.float32)
     records: list[Record] = []
     limit = spec.max_requests or 10**12
-    t0 = time.perf_counter()
-    deadline = t0 + spec.duration_s
     client = AsyncTaskClient(spec.url, spec.protocol, input_memory=spec.input_memory)
     try:
+        xs = await _inputs(client, spec)
+        t0 = time.perf_counter()
+        deadline = t0 + spec.duration_s
         if spec.rate is None:
             async def worker(i: int) -> None:
                 k = i
                 while time.perf_counter() < deadline and len(records) < limit:
-                    await _one(client, spec.tasks[k % len(spec.tasks)], x, t0, records)
+                    task = spec.tasks[k % len(spec.tasks)]
+                    await _one(client, task, xs[task], t0, records)
                     k += 1
                     if progress:
                         progress(1)
@@ -85,7 +105,8 @@ async def run_load(spec: LoadSpec, progress: Callable[[int], None] | None = None
             while next_at < deadline and sent < limit:
                 next_at += rng.expovariate(spec.rate)
                 await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-                task = asyncio.ensure_future(_one(client, rng.choice(list(spec.tasks)), x, t0, records))
+                name = rng.choice(list(spec.tasks))
+                task = asyncio.ensure_future(_one(client, name, xs[name], t0, records))
                 if progress:
                     task.add_done_callback(lambda _: progress(1))
                 pending.add(task)

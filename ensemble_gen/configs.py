@@ -34,6 +34,11 @@ DIGEST_PARAMETER = "blockflow.digest"
 HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
 
 
+def image_type(spec: ModelSpec) -> int:
+    """Triton's type of the image a model that takes it is given (fp32 unless the plan says uint8)."""
+    return int(mc.TYPE_UINT8 if spec.image is not None and spec.image.dtype == "uint8" else mc.TYPE_FP32)
+
+
 def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput],
             data_type: int = mc.TYPE_FP32) -> mc.ModelInput | mc.ModelOutput:
     t = cls()
@@ -67,7 +72,7 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.max_batch_size = spec.max_batch_size
     tmq = spec.transport == "tensormq"
     if spec.takes_image:
-        cfg.input.append(_tensor(IMAGE, spec.in_shape, mc.ModelInput))
+        cfg.input.append(_tensor(IMAGE, spec.in_shape, mc.ModelInput, image_type(spec)))
     elif tmq:  # a TensorMQ hop carries one 256-byte ticket per sample
         cfg.input.append(_tensor(ACTIVATION_IN, [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8))
     else:  # one input per tensor that crosses the cut
@@ -129,7 +134,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
     cfg.name = name
     cfg.platform = "ensemble"
     cfg.max_batch_size = min(s.spec.max_batch_size for s in steps)
-    cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput))
+    cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput, image_type(steps[0].spec)))
     cfg.output.append(_tensor(LOGITS, logits_shape, mc.ModelOutput))
     given: list[list[str]] = []  # each step's output tensors
     for i, s in enumerate(steps):

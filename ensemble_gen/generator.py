@@ -83,7 +83,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         cuda_graphs=cuda_graphs,
         max_batch_size=max_batch_size,
         transport=transport,
-        in_shape=plan.block_in_shape(blocks[0]),
+        in_shape=model.image_shape if blocks[0].first == 0 else plan.block_in_shape(blocks[0]),
         out_shape=plan.block_out_shape(blocks[-1]),
         extra_in_shapes=plan.block_in_shapes(blocks[0])[1:],
         extra_out_shapes=plan.block_out_shapes(blocks[-1])[1:],
@@ -92,6 +92,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         tensormq=plan.raw.tensormq if transport == "tensormq" else None,
         monitor_period_s=blocks[0].monitor_period_s,
         heads=heads,
+        image=model.image if blocks[0].first == 0 else None,
     )
 
 
@@ -192,9 +193,9 @@ def render(plan: Plan) -> dict[str, bytes]:
              if relay and t.hand_over == "direct" and t.transport == "tensormq" and steps[0].spec.transport == "tensormq"}
     roles = direct_pairs.roles(paths, relay)
     for ename, steps, task in ensembles:
-        first, last = plan.blocks[task.path[0]], plan.blocks[task.path[-1]]
+        last = plan.blocks[task.path[-1]]
         wiring = direct_pairs.wiring(paths[ename], relay) if ename in paths else None
-        cfg = ensemble_config(ename, steps, plan.block_in_shape(first), plan.block_out_shape(last), wiring)
+        cfg = ensemble_config(ename, steps, steps[0].spec.in_shape, plan.block_out_shape(last), wiring)
         _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
     for mname, (spec, deploy) in blocks.items():
         if spec.transport == "tensormq" and mname in feeders:  # a TensorMQ consumer accepts its feeders' tickets only

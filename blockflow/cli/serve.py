@@ -181,11 +181,11 @@ def _print_endpoints(serving: Serving, written: Path | None) -> None:
         table.add_row(t.name, ", ".join(models), " → ".join(t.path))
     out.print(table)
     first = next(iter(p.tasks.values()))
-    c, h, w = p.block_in_shape(p.blocks[first.path[0]])
+    image = ",".join(map(str, p.models[p.blocks[first.path[0]].model].image_shape))  # [H, W, 3] for HWC tasks
     out.print("try:")
     out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
     out.print(f"  blockflow infer {first.name} --random --protocol grpc --url {server.grpc_url}")
-    out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{c},{h},{w} --concurrency-range 1:4 -b 1")
+    out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{image} --concurrency-range 1:4 -b 1")
     if serving.control is not None:
         out.print(f"  control {serving.control.url} (bearer token in {serving.token_path})")
         out.print(f"  blockflow apply PLAN --url {serving.control.url} --token-file {serving.token_path}")

@@ -14,8 +14,9 @@ from blockflow.cli.app import JSON, app, emit, err, out
 
 @app.command()
 @click.argument("task")
-@click.option("--image", type=click.Path(path_type=Path), default=None, help="An image file (JPEG/PNG), resized and normalized like ImageNet.")
-@click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded).")
+@click.option("--image", type=click.Path(path_type=Path), default=None, help="An image file (JPEG/PNG), resized and normalized like ImageNet (for a task that takes uint8 images: "
+              "resized, its bytes sent as they are).")
+@click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded; uint8 noise for a task that takes uint8).")
 @click.option("--batch", type=click.IntRange(1, 1024), default=1, show_default=True, help="Batch size.")
 @click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
 @click.option("--url", default=None, help="host:port (default: $BLOCKFLOW_HTTP_URL or $BLOCKFLOW_GRPC_URL, else the running "
@@ -28,18 +29,24 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
     import numpy as np
 
     from blockflow.clients.client import TaskClient, top_k
-    from blockflow.clients.images import class_names, load_image
+    from blockflow.clients.images import class_names, load_image, load_image_uint8
 
     if (image is None) == (not random_input):
         raise click.UsageError("give exactly one of --image FILE or --random")
     address = where.http(url, protocol)
     with where.reaching(address), TaskClient(address.value, protocol) as client:  # type: ignore[arg-type]
-        shape = client.input_shape(task)
+        kind = client.input_of(task)
+        shape = kind.shape or client.input_shape(task)
+        h, w = shape[:2] if kind.layout == "HWC" else shape[1:]
+        rng = np.random.default_rng(0)
         if image is not None:
-            x = load_image(image, shape[1], shape[2])
-            x = np.repeat(x[None], batch, axis=0)
+            one = (load_image_uint8(image, h, w, kind.layout) if kind.uint8 else load_image(image, h, w)
+                   if kind.layout == "CHW" else load_image(image, h, w).transpose(1, 2, 0))
+            x = np.repeat(one[None], batch, axis=0)
+        elif kind.uint8:
+            x = rng.integers(0, 256, (batch, *shape), dtype=np.uint8)
         else:
-            x = np.random.default_rng(0).standard_normal((batch, *shape), dtype=np.float32)
+            x = rng.standard_normal((batch, *shape), dtype=np.float32)
         latencies = []
         for _ in range(repeat):
             result = client.infer_timed(task, x)

@@ -20,6 +20,12 @@ def hop_dtype(precision: Precision) -> HopDtype:
     """The dtype of the tensors a block of ``precision`` hands to the next block."""
     return "fp16" if precision == "fp16" else "bf16" if precision == "bf16" else "fp32"
 TransportName = Literal["tensormq", "triton-gpu", "triton-cpu"]
+# How a task's image arrives: its element type and axis order (CHW: ``[3, H, W]``, HWC: ``[H, W, 3]``).
+ImageDtype = Literal["float32", "uint8"]
+ImageLayout = Literal["CHW", "HWC"]
+# torchvision's ImageNet normalisation (on [0, 1] values), what its trained classifiers expect.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 TRANSPORTS: tuple[TransportName, ...] = ("tensormq", "triton-gpu", "triton-cpu")
 
 SPEC_PARAMETER = "blockflow.spec"
@@ -52,6 +58,21 @@ class WeightsSource(_Strict):
     seed: int | None = None
     file: str | None = None
     torchvision: str | None = None
+
+
+class ImageInput(_Strict):
+    """How a task's image arrives and what a block that takes it does first, on its device (inside
+    its CUDA graph): uint8 values scaled to [0, 1] (x / 255), HWC permuted to CHW, then
+    ``(x - mean) / std`` per channel where ``mean`` and ``std`` are given."""
+
+    dtype: ImageDtype = "float32"
+    layout: ImageLayout = "CHW"
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+    def shape(self, chw: tuple[int, ...]) -> tuple[int, ...]:
+        """The image tensor's per-sample shape for a network that takes ``chw`` (``[3, H, W]``)."""
+        return (*chw[1:], chw[0]) if self.layout == "HWC" else tuple(chw)
 
 
 class Part(_Strict):
@@ -133,6 +154,8 @@ class ModelSpec(_Strict):
     cuda_graphs: bool
     max_batch_size: int
     transport: TransportName
+    # Per-sample shape of the first input as it arrives: for a model that takes the image, the
+    # image's (``[H, W, 3]`` where ``image.layout`` is HWC).
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     # A hop that carries several tensors (values live across the cut, e.g. a skip connection): the
@@ -140,7 +163,7 @@ class ModelSpec(_Strict):
     extra_in_shapes: tuple[tuple[int, ...], ...] = ()
     extra_out_shapes: tuple[tuple[int, ...], ...] = ()
     # The dtypes of the hops into and out of this model (``hop_dtype`` of the block before, of its
-    # own). A task's image and logits are always fp32.
+    # own). A task's logits are always fp32; its image is fp32 unless ``image`` says otherwise.
     in_dtype: HopDtype = "fp32"
     out_dtype: HopDtype = "fp32"
     # A model already cut into files (blockflow.plan ``stage_files``): stage i runs file i, with
@@ -155,6 +178,8 @@ class ModelSpec(_Strict):
     # on some task's path); a ticket from any other block is refused as redirected.
     accepts_from: tuple[str, ...] = ()
     hand_over: HandOver | None = None
+    # A model that takes the image, where the plan's model gives a non-default input (uint8, HWC, normalised).
+    image: ImageInput | None = None
 
     @model_validator(mode="after")
     def _pack_has_heads(self) -> ModelSpec:
@@ -202,7 +227,7 @@ class ModelSpec(_Strict):
         import json
 
         # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
-        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over")
+        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over", "image")
         omitted = {k for k in optional if not getattr(self, k)} | {k for k in ("in_dtype", "out_dtype") if getattr(self, k) == "fp32"}
         data = self.model_dump(mode="json", exclude=omitted)
         for part in [*data["parts"], *(p for h in data.get("heads", ()) for p in h["parts"])]:

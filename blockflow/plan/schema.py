@@ -12,7 +12,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blockflow.core import arch as archs
-from blockflow.core.spec import Precision, TensorMQSettings, TransportName
+from blockflow.core.spec import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageDtype,
+    ImageInput,
+    ImageLayout,
+    Precision,
+    TensorMQSettings,
+    TransportName,
+)
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 NAME_RULE = "start with a letter; letters, digits, '_' and '-' only; at most 64 characters; no '__' (reserved for generated variants)"
@@ -22,6 +31,40 @@ Placement = Literal["auto", "cpu", "gpu"] | list[int]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputDef(_Strict):
+    """How tasks send a model's image: ``dtype`` (float32, normalised by the client; or uint8, a
+    quarter of the bytes), ``layout`` (CHW: ``[3, H, W]``; HWC: ``[H, W, 3]``, as images decode) and,
+    for uint8, the normalisation the first block applies on its device to x / 255: ``imagenet``
+    (torchvision's mean and std, the default), ``none`` (values in [0, 1]), or ``mean`` and ``std``
+    given per channel (on the [0, 1] scale)."""
+
+    dtype: ImageDtype = "float32"
+    layout: ImageLayout = "CHW"
+    normalize: Literal["imagenet", "none"] | None = None
+    mean: list[float] | None = Field(default=None, min_length=3, max_length=3)
+    std: list[float] | None = Field(default=None, min_length=3, max_length=3)
+
+    @model_validator(mode="after")
+    def _one_normalisation(self) -> InputDef:
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("give mean and std together (three values each, on the [0, 1] scale)")
+        if self.mean is not None and self.normalize is not None:
+            raise ValueError("give either normalize or mean and std, not both")
+        if self.std is not None and not all(v > 0 for v in self.std):
+            raise ValueError(f"std {self.std} must be positive")
+        if self.dtype == "float32" and (self.mean is not None or self.normalize not in (None, "none")):
+            raise ValueError("float32 images arrive normalised by the client; normalize, mean and std are for uint8")
+        return self
+
+    def spec(self) -> ImageInput | None:
+        """What a block that takes the image is told (None for float32 CHW as it is: the default)."""
+        normalize = self.normalize or ("imagenet" if self.dtype == "uint8" else "none")
+        mean, std = (self.mean, self.std) if self.mean is not None else (
+            (IMAGENET_MEAN, IMAGENET_STD) if normalize == "imagenet" else ((), ()))
+        image = ImageInput(dtype=self.dtype, layout=self.layout, mean=tuple(mean or ()), std=tuple(std or ()))
+        return None if image == ImageInput() else image
 
 
 class ModelDef(_Strict):
@@ -35,6 +78,8 @@ class ModelDef(_Strict):
     cut_points: list[str] = Field(default_factory=list)
     input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
     num_classes: int = Field(default=1000, ge=1, le=100_000)
+    # How tasks send the image (input_shape stays [3, H, W]; with layout HWC the tensor is [H, W, 3]).
+    input: InputDef | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelDef:
@@ -80,6 +125,17 @@ class ModelDef(_Strict):
         if len(v) != 3 or v[0] != 3 or not (32 <= v[1] <= 4096 and 32 <= v[2] <= 4096):
             raise ValueError(f"input_shape {list(v)} is not [3, H, W] with 32 <= H, W <= 4096")
         return v
+
+    @property
+    def image(self) -> ImageInput | None:
+        """The image input blocks that take it are told about (None: float32 CHW, as the network takes it)."""
+        return self.input.spec() if self.input is not None else None
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """Per-sample shape of the image tensor a task takes."""
+        image = self.image
+        return image.shape(tuple(self.input_shape)) if image is not None else tuple(self.input_shape)
 
     @property
     def stage_count(self) -> int:

@@ -42,7 +42,15 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def input_shape(plan: Plan, task: str) -> tuple[int, ...]:
-    return plan.block_in_shape(plan.blocks[plan.tasks[task].path[0]])
+    return plan.models[plan.blocks[plan.tasks[task].path[0]].model].image_shape
+
+
+def task_images(plan: Plan, task: str, batch: int, seed: int) -> np.ndarray:
+    """Random images as ``task`` takes them: float32, or uint8 where its plan says so."""
+    image = plan.models[plan.blocks[plan.tasks[task].path[0]].model].image
+    if image is not None and image.dtype == "uint8":
+        return np.random.default_rng(seed).integers(0, 256, (batch, *input_shape(plan, task)), dtype=np.uint8)
+    return images(batch, input_shape(plan, task), seed)
 
 
 def test_every_model_is_ready(served: Served) -> None:
@@ -92,7 +100,7 @@ def test_ensemble_equals_monolithic_reference(served: Served, plan_name: str, en
     reference = naming.reference_model(task, graph=False)
     with TaskClient(served.http) as c:
         for batch in (1, 3, 8):
-            x = images(batch, input_shape(plan, task), seed=batch)
+            x = task_images(plan, task, batch, seed=batch)
             got, want = c.infer(ensemble, x), c.infer(reference, x)
             assert got.shape == want.shape == (batch, plan.models[plan.blocks[plan.tasks[task].path[-1]].model].num_classes)
             assert rel_err(got, want) <= TOL, (ensemble, batch)
