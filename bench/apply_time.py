@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from blockflow.bench.harness import task_images
 from blockflow.clients.client import TaskClient
 from blockflow.control.apply import Applier
 from blockflow.ensemble_gen import generator
@@ -28,10 +27,10 @@ from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
 
-def _clients(url: str, tasks: list[str], shape: tuple[int, ...], per_task: int, stop: threading.Event,
+def _clients(url: str, tasks: list[str], images: dict[str, Any], per_task: int, stop: threading.Event,
              counts: dict[str, list[int]]) -> list[threading.Thread]:
     def loop(task: str) -> None:
-        x = np.zeros((1, *shape), np.float32)
+        x = images[task]
         with TaskClient(url) as c:
             while not stop.is_set():
                 try:
@@ -69,8 +68,8 @@ def main() -> None:
                           log=lambda m: events.append((round(time.monotonic() - t0, 3), m)))
         stop = threading.Event()
         shared = sorted(set(plans[0].tasks) & set(plans[1].tasks))
-        shape = plans[0].block_in_shape(plans[0].blocks[plans[0].tasks[shared[0]].path[0]]) if shared else (3, 32, 32)
-        threads = _clients(server.http_url, shared, shape, args.clients, stop, counts) if args.clients else []
+        images = {t: task_images(plans[0], t, 1) for t in shared}
+        threads = _clients(server.http_url, shared, images, args.clients, stop, counts) if args.clients else []
         time.sleep(2 if threads else 0)
         for i in range(args.changes):
             plan = plans[(i + 1) % 2]

@@ -15,6 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from blockflow.bench import stamp
 from blockflow.core import env, nvml
 from blockflow.ensemble_gen import generator
@@ -68,3 +71,14 @@ def gpu_used_mib(index: int = 0) -> float:
         if nv is None:
             return float("nan")
         return float(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).used) / 2**20
+
+
+def task_images(plan: Plan, task: str, n: int, seed: int = 0) -> npt.NDArray[np.generic]:
+    """``n`` seeded random images as ``task`` takes them: uint8 noise in its layout for a task whose model
+    takes uint8 images, else standard normal float32 (already "normalized")."""
+    model = plan.models[plan.blocks[plan.tasks[task].path[0]].model]
+    rng = np.random.default_rng(seed)
+    if model.input is not None and model.input.dtype == "uint8":
+        return rng.integers(0, 256, (n, *model.image_shape), dtype=np.uint8)
+    return rng.standard_normal((n, *model.image_shape), dtype=np.float32)
+

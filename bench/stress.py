@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from blockflow.bench.harness import task_images
 from blockflow.clients.client import TaskClient
 from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan, naming
@@ -42,12 +43,10 @@ def main() -> None:
         ap.error(f"--input takes host, cuda or host,cuda; not {args.input!r}")
     plan = load_plan(args.plan)
     tasks = [t for t in plan.tasks if len(plan.tasks[t].path) > 1]
-    shape = plan.block_in_shape(plan.blocks[plan.tasks[tasks[0]].path[0]])
     repo = Path(os.environ.get("TMPDIR", "/tmp")) / f"stress-repo-{os.getpid()}"
     generator.write(generator.render(plan), repo)
     opts = ServerOptions.on_free_ports([repo], extra_args=args.server_arg)
-    rng = np.random.default_rng(0)
-    jobs = [(tasks[i % len(tasks)], rng.standard_normal((1 + i % 3, *shape), dtype=np.float32)) for i in range(args.jobs)]
+    jobs = [(tasks[i % len(tasks)], task_images(plan, tasks[i % len(tasks)], 1 + i % 3, seed=i)) for i in range(args.jobs)]
     with TritonServer(opts) as server:
         with TaskClient(server.http_url) as c:
             expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, get_args
 
-from blockflow.bench.harness import commit, device_name, rendered
+from blockflow.bench.harness import commit, device_name, rendered, task_images
 from blockflow.bench.suite import block_breakdown, delta, in_precision, model_stats, task_models
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.core.spec import Precision
@@ -36,13 +36,12 @@ from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
 
-def _client_times(url: str, model: str, shape: tuple[int, ...], n: int, warmup: int) -> list[tuple[int, int]]:
+def _client_times(url: str, model: str, x: Any, n: int, warmup: int) -> list[tuple[int, int]]:
     import numpy as np
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(url, connection_timeout=60.0, network_timeout=600.0)
-    x = np.random.default_rng(0).standard_normal((1, *shape), dtype=np.float32)
-    inp = httpclient.InferInput("IMAGE", list(x.shape), "FP32")
+    inp = httpclient.InferInput("IMAGE", list(x.shape), "UINT8" if x.dtype == np.uint8 else "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
     out = [httpclient.InferRequestedOutput("LOGITS", binary_data=True)]
     times = []
@@ -179,7 +178,7 @@ def main() -> None:
     if args.precision is not None:
         plan = in_precision(plan, args.precision)
     task = next(iter(plan.tasks.values()))
-    shape = plan.block_in_shape(plan.blocks[task.path[0]])
+    x = task_images(plan, task.name, 1)
     models = task_models(plan, task.name)
     repo = rendered(plan, "bench-timeline-")
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
@@ -189,7 +188,7 @@ def main() -> None:
     with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)
-            runs[label] = {"model": m["model"], "times": _client_times(server.http_url, m["model"], shape, args.requests, args.warmup)}
+            runs[label] = {"model": m["model"], "times": _client_times(server.http_url, m["model"], x, args.requests, args.warmup)}
             runs[label]["triton"] = block_breakdown(delta(model_stats(server.http_url), before), m["blocks"], 1)
             print(f"[timeline] {label}: {args.requests} requests", flush=True)
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
