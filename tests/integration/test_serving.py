@@ -178,9 +178,17 @@ def test_a_head_pack_runs_the_heads_a_direct_request_names(served: Served) -> No
 
 
 def test_bad_request_fails_alone(served: Served) -> None:
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
     with TaskClient(served.http) as c:
-        with pytest.raises(ClientError, match="IMAGE"):
-            c.infer("cls_a", images(1, (3, 200, 200), seed=0))
+        with pytest.raises(ClientError, match=r"must be \[batch, 3, 224, 224\]; got shape \[1, 3, 200, 200\]"):
+            c.infer("cls_a", images(1, (3, 200, 200), seed=0))  # the client checks first
+        raw = th.InferenceServerClient(served.http)
+        bad = th.InferInput("IMAGE", [1, 3, 200, 200], "FP32")
+        bad.set_data_from_numpy(images(1, (3, 200, 200), seed=0))
+        with pytest.raises(InferenceServerException, match="IMAGE"):  # and the server refuses it on its own
+            raw.infer("cls_a", [bad])
         with pytest.raises(ClientError, match="not served"):
             c.infer("no_such_task", images(1, (3, 224, 224), seed=0))
         assert c.infer("cls_a", images(1, (3, 224, 224), seed=0)).shape == (1, 1000)
