@@ -22,7 +22,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from blockflow.clients.client import AsyncTaskClient, Protocol, TaskInput
+from blockflow.clients.client import AsyncTaskClient, Protocol
+from blockflow.clients.task_input import TaskInput
 from blockflow.core.errors import ClientError
 
 Images = npt.NDArray[Any]
