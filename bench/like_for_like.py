@@ -8,7 +8,12 @@ Each row lands in ``DIR/<row>/`` (``results.json``, ``report.md``); ``DIR/like_f
 table. A row whose complete ``results.json`` is already there is not measured again, so a run cut
 short (a machine's time limit) goes on where it stopped; ``--summary`` only writes the table.
 Figures: the median of ``--repeats`` perf_analyzer runs ± half their range, batch 1, p50 at
-concurrency 1 and throughput at concurrency 32; hop = (split − mono) / hops.
+concurrency 1 and throughput at concurrency 32 (and the best throughput over ``--concurrency``);
+hop = (split − mono) / hops.
+
+A row of uint8 images (``fp16_u8_host``...) and ``--instances N`` (the task's first block, and so
+the unsplit model, in N instances) serve a copy of the plan with those settings, written into the
+row's directory as ``plan.yaml`` (a plan with relative file paths cannot be copied: give absolute ones).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from blockflow.bench.report import gpu_alone, split_rows, spread_text
 
 
@@ -30,6 +37,7 @@ class Row:
     label: str  # its first cell
     precision: str
     input: str  # blockflow bench --input
+    image: str = "plan"  # the task's image dtype: as the plan says, or "uint8" (CHW, ImageNet-normalised on the GPU)
 
 
 ROWS = (Row("fp16_host", "fp16, host memory", "fp16", "host"),
@@ -37,7 +45,10 @@ ROWS = (Row("fp16_host", "fp16, host memory", "fp16", "host"),
         Row("tf32_host", "tf32, host memory", "tf32", "host"),
         Row("fp32_host", "fp32, host memory", "fp32", "host"),
         Row("tf32_cudashm", "tf32, CUDA shared memory", "tf32", "cuda-shm"),
-        Row("fp32_cudashm", "fp32, CUDA shared memory", "fp32", "cuda-shm"))
+        Row("fp32_cudashm", "fp32, CUDA shared memory", "fp32", "cuda-shm"),
+        Row("fp16_u8_host", "fp16, uint8 images, host memory", "fp16", "host", "uint8"),
+        Row("fp16_u8_cudashm", "fp16, uint8 images, CUDA shared memory", "fp16", "cuda-shm", "uint8"))
+DEFAULT_ROWS = ROWS[:6]
 SPLIT, MONO, OTHERS = "tensormq", "monolithic-graph", ("triton-gpu", "triton-cpu")
 # The targets of the split's cost (issue 20): a hop at c1; split/mono p50 at c1 (at most) and
 # throughput at c32 (at least), by client input path.
@@ -50,10 +61,31 @@ HEADER = ["| precision, client input | monolithic CUDA graph | 4-block `tensormq
 GPU_ALONE_HEADER = [" served / GPU alone (b32) |", "---|"]
 
 
-def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float, mps: bool) -> list[str]:
+def row_plan(row: Row, plan: Path, out: Path, instances: int | None) -> Path:
+    """The plan ``row`` serves: ``plan`` itself, or a copy in the row's directory with every model's
+    image in uint8 and the first block of every task in ``instances`` instances."""
+    if row.image == "plan" and instances is None:
+        return plan
+    raw = yaml.safe_load(plan.read_text())
+    if row.image == "uint8":
+        for model in raw["models"].values():
+            model["input"] = {"dtype": "uint8", "layout": "CHW", "normalize": "imagenet"}
+    if instances is not None:
+        for task in raw["tasks"].values():
+            raw["blocks"][task["path"][0]]["instances"] = instances
+    copy = out / row.name / "plan.yaml"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(f"# {plan} as row {row.name} serves it" + (f", first blocks in {instances} instances" if instances else "")
+                    + "\n" + yaml.safe_dump(raw, sort_keys=False))
+    return copy
+
+
+def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float, mps: bool,
+                  concurrency: str = "1,32") -> list[str]:
     return [sys.executable, "-m", "blockflow", "bench", "--plan", str(plan), "--precision", row.precision,
-            *(["--input", row.input] if row.input != "host" else []), "--sections", "concurrency", "--concurrency", "1,32",
-            "--seconds", f"{seconds:g}", "--repeats", str(repeats), *(["--mps"] if mps else []), "--out", str(out / row.name)]
+            *(["--input", row.input] if row.input != "host" else []), "--sections", "concurrency", "--concurrency", concurrency,
+            "--seconds", f"{seconds:g}", "--repeats", str(repeats), *(["--mps"] if mps else []),
+            "--out", str(out / row.name)]
 
 
 def finished(out: Path, row: Row) -> dict[str, Any] | None:
@@ -112,11 +144,25 @@ def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | No
     return "| " + " | ".join(cells) + " |", figures
 
 
+def best(conc: dict[str, Any], model: str) -> tuple[float, str] | None:
+    """``model``'s highest throughput over the concurrencies measured, and that concurrency."""
+    figs = [(fig["throughput"], c) for c in conc.get(model, {}) if (fig := _figure(conc, model, c)) is not None]
+    return max(figs, key=lambda f: f[0]) if figs else None
+
+
 def served_over_alone(res: dict[str, Any]) -> str:
-    """The split's throughput at c32 as a share of the GPU alone's at batch 32 (``meta.gpu_alone``); "—" without either."""
+    """The split's throughput at c32 as a share of the GPU alone's at batch 32 (``meta.gpu_alone``), and where more
+    concurrencies were measured, each model's best as a share of it; "—" without the GPU alone's figure."""
     b32 = (gpu_alone(res) or {}).get("images_per_s", {}).get("32")
-    fig = None if _failed(res["concurrency"], SPLIT) else _figure(res["concurrency"], SPLIT, "32")
-    return f"{100 * fig['throughput'] / b32:.0f}% of {b32:,.0f}/s" if b32 and fig is not None else "—"
+    conc = res["concurrency"]
+    fig = None if _failed(conc, SPLIT) else _figure(conc, SPLIT, "32")
+    if not b32 or fig is None:
+        return "—"
+    text = f"{100 * fig['throughput'] / b32:.0f}% of {b32:,.0f}/s"
+    if any(set(conc.get(m, {})) - {"1", "32"} for m in (SPLIT, MONO)):
+        bests = [(label, b) for label, m in (("unsplit", MONO), ("split", SPLIT)) if (b := best(conc, m)) is not None]
+        text += "; best " + ", ".join(f"{label} {b[0]:.0f}/s = {100 * b[0] / b32:.0f}% (c{b[1]})" for label, b in bests)
+    return text
 
 
 def _verdict(value: float, target: float, at_most: bool, unit: str = "×") -> str:
@@ -131,7 +177,7 @@ def started_span(metas: list[dict[str, Any]]) -> str:
     return f"{dates[0]} to {dates[-1]}"
 
 
-def summary(out: Path, rows: tuple[Row, ...] = ROWS) -> str:
+def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
     """``like_for_like.md``: what was measured, the table and each row against the targets."""
     done = [(row, res) for row in rows if (res := finished(out, row)) is not None]
     lines = ["# Like for like: the split against the unsplit model", ""]
@@ -173,7 +219,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", type=Path, default=Path("plans/bench_r50.yaml"))
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rows", default=",".join(r.name for r in ROWS), help="which rows, comma-separated (default: all)")
+    ap.add_argument("--rows", default=",".join(r.name for r in DEFAULT_ROWS),
+                    help=f"which rows, comma-separated (default: the first six; all: {', '.join(r.name for r in ROWS)})")
+    ap.add_argument("--instances", type=int, default=None, help="serve each task's first block (and so its unsplit model) in N instances")
+    ap.add_argument("--concurrency", default="1,32", help="perf_analyzer's concurrencies (1 and 32 at least: the targets read them)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
     ap.add_argument("--mps", action="store_true", help="each row's server under MPS (blockflow bench --mps)")
@@ -183,12 +232,15 @@ def main() -> None:
     unknown = [n for n in args.rows.split(",") if n not in by_name]
     if unknown:
         ap.error(f"unknown rows {unknown}; rows: {', '.join(by_name)}")
+    if not {"1", "32"} <= set(args.concurrency.split(",")):
+        ap.error("--concurrency must include 1 and 32")
     rows = tuple(by_name[n] for n in args.rows.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     for row in rows:
         if args.summary or finished(args.out, row) is not None:
             continue
-        cmd = bench_command(row, args.plan, args.out, args.repeats, args.seconds, args.mps)
+        plan = row_plan(row, args.plan, args.out, args.instances)
+        cmd = bench_command(row, plan, args.out, args.repeats, args.seconds, args.mps, args.concurrency)
         print(f"[like-for-like] {row.name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True)
         (args.out / "like_for_like.md").write_text(summary(args.out, rows))  # after each row: a cut-short run keeps it

@@ -122,13 +122,14 @@ def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[Mod
 def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> tuple[ModelSpec, Block]:
     """The unsplit model of ``task``: its path's parts in one process, same weights, in the task's
     precision (what a split is compared with for speed); ``fp32``: the eager fp32 one accuracy is
-    checked against."""
+    checked against. It has as many instances as the task's first block: the same processes ingest
+    the task's images on both sides of the comparison."""
     blocks = [plan.blocks[b] for b in task.path]
     precision = "fp32" if fp32 else plan.task_precision(task)
     deploy = dataclasses.replace(
         blocks[0],
         name=naming.fp32_reference(task.name) if fp32 else naming.reference_model(task.name, graph),
-        instances=1,
+        instances=1 if fp32 else blocks[0].instances,
         max_batch_size=min(b.max_batch_size for b in blocks),
         precision=precision,
         cuda_graphs=graph,

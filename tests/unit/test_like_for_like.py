@@ -17,15 +17,15 @@ FIXTURES = ROOT / "tests" / "fixtures" / "results"
 RESULTS = FIXTURES / "h100" / "like_for_like-2026-11-25-bbab3a1"
 
 
-HOST_ROWS = tuple(r for r in lfl.ROWS if r.input == "host")
-CUDA_SHM_ROWS = tuple(r for r in lfl.ROWS if r.input == "cuda-shm" and r.precision != "fp32")  # as measured at 2ada004
+HOST_ROWS = tuple(r for r in lfl.DEFAULT_ROWS if r.input == "host")
+CUDA_SHM_ROWS = tuple(r for r in lfl.DEFAULT_ROWS if r.input == "cuda-shm" and r.precision != "fp32")  # as measured at 2ada004
 FOUR_ROWS = lfl.ROWS[:4]  # what the runs before tf32 with CUDA shared memory measured
 
 
 @pytest.mark.parametrize(("results", "measured"), [(RESULTS.with_name("like_for_like-2026-11-27-dd9afb6"), HOST_ROWS),
                                                    (RESULTS.with_name("like_for_like-2026-11-27-2ada004"), CUDA_SHM_ROWS),
                                                    (RESULTS.with_name("like_for_like-2026-11-26-9364086"), FOUR_ROWS),
-                                                   (FIXTURES / "h200" / "like_for_like-2026-11-28-e116978", lfl.ROWS)],
+                                                   (FIXTURES / "h200" / "like_for_like-2026-11-28-e116978", lfl.DEFAULT_ROWS)],
                          ids=lambda p: p.name if isinstance(p, Path) else str(len(p)))
 def test_each_runs_table_is_the_summary_of_its_rows(results: Path, measured: tuple[lfl.Row, ...]) -> None:
     md = lfl.summary(results, measured)
@@ -155,3 +155,24 @@ def test_a_turn_measured_at_concurrency_1_only_shows_its_c1_figures(tmp_path: Pa
     failed = json.loads((RESULTS / row.name / "results.json").read_text())
     failed["concurrency"][lfl.SPLIT]["32"] = {"error": "perf_analyzer failed"}
     assert lfl.table_row(row, failed)[1] is None and "| failed |" in lfl.table_row(row, failed)[0]
+
+
+def test_a_uint8_row_with_instances_serves_a_copy_of_the_plan(tmp_path: Path) -> None:
+    row = next(r for r in lfl.ROWS if r.name == "fp16_u8_host")
+    plan = Path(__file__).parents[2] / "plans" / "bench_r50.yaml"
+    assert lfl.row_plan(lfl.ROWS[0], plan, tmp_path, None) == plan  # nothing to change: the plan itself
+    copy = lfl.row_plan(row, plan, tmp_path, 4)
+    assert copy == tmp_path / "fp16_u8_host" / "plan.yaml"
+    from blockflow.plan.load import load_plan
+
+    served = load_plan(copy)
+    assert served.blocks["b0"].instances == 4 and served.blocks["b1"].instances == 1
+    assert all(m.image is not None and m.image.dtype == "uint8" for m in served.models.values())
+
+
+def test_the_best_throughput_over_more_concurrencies_is_shown_against_the_gpu_alone() -> None:
+    res = json.loads((FIXTURES / "h200" / "like_for_like-2026-11-28-e116978" / "fp16_host" / "results.json").read_text())
+    res["meta"]["gpu_alone"] = {"batch1_ms": 0.64, "images_per_s": {"32": 10000.0}}
+    res["concurrency"][lfl.SPLIT]["128"] = dict(res["concurrency"][lfl.SPLIT]["32"], throughput=6000.0)
+    text = lfl.served_over_alone(res)
+    assert "best" in text and "split 6000/s = 60% (c128)" in text
