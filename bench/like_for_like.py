@@ -61,21 +61,23 @@ HEADER = ["| precision, client input | monolithic CUDA graph | 4-block `tensormq
 GPU_ALONE_HEADER = [" served / GPU alone (b32) |", "---|"]
 
 
-def row_plan(row: Row, plan: Path, out: Path, instances: int | None) -> Path:
+def row_plan(row: Row, plan: Path, out: Path, instances: int | None, rest: int | None = None) -> Path:
     """The plan ``row`` serves: ``plan`` itself, or a copy in the row's directory with every model's
-    image in uint8 and the first block of every task in ``instances`` instances."""
-    if row.image == "plan" and instances is None:
+    image in uint8, the first block of every task in ``instances`` instances and its other blocks in ``rest``."""
+    if row.image == "plan" and instances is None and rest is None:
         return plan
     raw = yaml.safe_load(plan.read_text())
     if row.image == "uint8":
         for model in raw["models"].values():
             model["input"] = {"dtype": "uint8", "layout": "CHW", "normalize": "imagenet"}
-    if instances is not None:
-        for task in raw["tasks"].values():
-            raw["blocks"][task["path"][0]]["instances"] = instances
+    for task in raw["tasks"].values():
+        for k, block in enumerate(task["path"]):
+            if (n := instances if k == 0 else rest) is not None:
+                raw["blocks"][block]["instances"] = n
     copy = out / row.name / "plan.yaml"
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.write_text(f"# {plan} as row {row.name} serves it" + (f", first blocks in {instances} instances" if instances else "")
+                    + (f", the others in {rest}" if rest else "")
                     + "\n" + yaml.safe_dump(raw, sort_keys=False))
     return copy
 
@@ -222,6 +224,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(r.name for r in DEFAULT_ROWS),
                     help=f"which rows, comma-separated (default: the first six; all: {', '.join(r.name for r in ROWS)})")
     ap.add_argument("--instances", type=int, default=None, help="serve each task's first block (and so its unsplit model) in N instances")
+    ap.add_argument("--rest-instances", type=int, default=None, help="serve each task's other blocks in N instances")
     ap.add_argument("--concurrency", default="1,32", help="perf_analyzer's concurrencies (1 and 32 at least: the targets read them)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
@@ -239,7 +242,7 @@ def main() -> None:
     for row in rows:
         if args.summary or finished(args.out, row) is not None:
             continue
-        plan = row_plan(row, args.plan, args.out, args.instances)
+        plan = row_plan(row, args.plan, args.out, args.instances, args.rest_instances)
         cmd = bench_command(row, plan, args.out, args.repeats, args.seconds, args.mps, args.concurrency)
         print(f"[like-for-like] {row.name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True)

@@ -161,12 +161,12 @@ def test_a_uint8_row_with_instances_serves_a_copy_of_the_plan(tmp_path: Path) ->
     row = next(r for r in lfl.ROWS if r.name == "fp16_u8_host")
     plan = Path(__file__).parents[2] / "plans" / "bench_r50.yaml"
     assert lfl.row_plan(lfl.ROWS[0], plan, tmp_path, None) == plan  # nothing to change: the plan itself
-    copy = lfl.row_plan(row, plan, tmp_path, 4)
+    copy = lfl.row_plan(row, plan, tmp_path, 4, 2)
     assert copy == tmp_path / "fp16_u8_host" / "plan.yaml"
     from blockflow.plan.load import load_plan
 
     served = load_plan(copy)
-    assert served.blocks["b0"].instances == 4 and served.blocks["b1"].instances == 1
+    assert served.blocks["b0"].instances == 4 and served.blocks["b1"].instances == served.blocks["b3"].instances == 2
     assert all(m.image is not None and m.image.dtype == "uint8" for m in served.models.values())
 
 
