@@ -1,5 +1,6 @@
-"""A task's image as a block that takes it receives it (uint8 or float32, CHW or HWC), turned into
-what its first stage takes: float, ``[B, 3, H, W]``, normalised, in the block's dtype and layout.
+"""A task's image as a block that takes it receives it (uint8 or float32, CHW or HWC; an encoded
+image once ``blockflow.backend.image_decode`` made it uint8 CHW), turned into what its first stage
+takes: float, ``[B, 3, H, W]``, normalised, in the block's dtype and layout.
 
 Runs on the block's device inside what the block runs (captured in its CUDA graphs), so a uint8
 image crosses the server and the host-to-device copy as a quarter of the bytes of a float32 one.
@@ -15,10 +16,22 @@ UINT8_SCALE = 1.0 / 255.0
 
 
 def feed_dtype(spec: ModelSpec) -> torch.dtype | None:
-    """The dtype of the image ``spec`` takes, where it takes the image (None where it does not)."""
+    """The dtype of the image ``spec``'s runner is fed, where it takes the image (None where it does
+    not): uint8 for uint8 images and for encoded ones, once decoded."""
     if not spec.takes_image:
         return None
-    return torch.uint8 if spec.image is not None and spec.image.dtype == "uint8" else torch.float32
+    return torch.uint8 if spec.image is not None and spec.image.dtype in ("uint8", "encoded") else torch.float32
+
+
+def takes_encoded(spec: ModelSpec) -> bool:
+    """Whether ``spec`` takes the image as JPEG/PNG bytes (decoded in ``execute``, before its runner)."""
+    return spec.takes_image and spec.image is not None and spec.image.dtype == "encoded"
+
+
+def fed_shapes(spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
+    """Per-sample shape of every tensor ``spec``'s runner is fed: as they arrive, except an encoded
+    image, which arrives as ``[1]`` (one file's bytes) and is fed decoded, ``input_shape``."""
+    return (tuple(spec.input_shape), *spec.extra_in_shapes) if takes_encoded(spec) else spec.in_shapes
 
 
 class ImageConversion:
@@ -30,7 +43,7 @@ class ImageConversion:
                  memory_format: torch.memory_format = torch.contiguous_format) -> None:
         self.hwc = image.layout == "HWC"
         self.dtype, self.memory_format = dtype, memory_format
-        scale = UINT8_SCALE if image.dtype == "uint8" else 1.0
+        scale = UINT8_SCALE if image.dtype in ("uint8", "encoded") else 1.0
         mean = image.mean or (0.0,) * 3
         std = image.std or (1.0,) * 3
         self.scale: torch.Tensor | None = None

@@ -14,7 +14,8 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
 from blockflow.backend.device_inputs import DeviceInputs
-from blockflow.backend.image_input import feed_dtype
+from blockflow.backend.image_decode import ImageDecoder
+from blockflow.backend.image_input import feed_dtype, takes_encoded
 from blockflow.backend.replies import error, failure_code
 from blockflow.backend.runtime import DTYPES
 from blockflow.backend.tensormq.consumer import Release
@@ -34,21 +35,54 @@ class RequestInputs:
         self.dtype = feed_dtype(spec) or DTYPES[spec.in_dtype]
         self.consumer, self.relay = ends.consumer, ends.relay
         self.stream, self.tracer = stream, tracer
+        # JPEG/PNG files' bytes (always in host memory), decoded here into this block's memory.
+        self.decoder = ImageDecoder(spec.input_shape, device) if takes_encoded(spec) else None
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
-        self.device_inputs = DeviceInputs(device) if spec.takes_image and device.type == "cuda" else None
+        self.device_inputs = DeviceInputs(device) if spec.takes_image and device.type == "cuda" and self.decoder is None else None
 
     def read_all(self, requests: list[Any], responses: list[Any], releases: list[Release]) -> tuple[list[list[torch.Tensor]], list[int]]:
         """Each readable request's input tensors and its position in ``requests``; the others get
-        their error response in ``responses``. The slots read are added to ``releases``."""
+        their error response in ``responses``. The slots read are added to ``releases``. Encoded
+        images are decoded here, the call's together (:class:`ImageDecoder`)."""
         batch: list[list[torch.Tensor]] = []
         owners: list[int] = []
+        files: list[list[bytes]] = []
         for i, request in enumerate(requests):
             try:
-                batch.append(self.read(request, releases))
+                if self.decoder is not None:
+                    files.append(self.files(request))
+                else:
+                    batch.append(self.read(request, releases))
                 owners.append(i)
             except RequestError as exc:  # fails this request alone: the caller's fault (HTTP 400), or its ticket's producer's
                 responses[i] = pb_utils.InferenceResponse(error=error(str(exc), failure_code(exc)))
+        if self.decoder is None or not files:
+            return batch, owners
+        decoded = owners
+        owners = []
+        for i, x in zip(decoded, self.decoder.decode(files), strict=True):
+            if isinstance(x, RequestError):
+                responses[i] = pb_utils.InferenceResponse(error=error(str(x), failure_code(x)))
+            else:
+                batch.append([x])
+                owners.append(i)
+        self.tracer.lap("read:decode")
         return batch, owners
+
+    def files(self, request: Any) -> list[bytes]:
+        """A request's encoded images: the bytes of each element of its BYTES ``[n, 1]`` input."""
+        tensor = pb_utils.get_input_tensor_by_name(request, self.names[0])
+        if tensor is None:
+            raise RequestError(f"request has no input {self.names[0]!r}")
+        # BYTES reach the stub deserialised, as a NumPy object array of bytes (no DLPack for them).
+        x = tensor.as_numpy()
+        if x.dtype != np.object_ or x.ndim != 2 or x.shape[1] != 1 or x.shape[0] < 1:
+            raise RequestError(f"input {self.names[0]!r} is {x.dtype} {list(x.shape)}; expected BYTES [n, 1], "
+                               "one JPEG or PNG file's bytes per image")
+        images = list(x[:, 0])
+        if not all(isinstance(v, bytes) for v in images):
+            raise RequestError(f"input {self.names[0]!r} holds elements that are not bytes")
+        return images
 
     def read(self, request: Any, releases: list[Release]) -> list[torch.Tensor]:
         """A request's input tensors (the tensors its tickets name, for TensorMQ)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from blockflow.backend.host_pins import HostPins, join_to_device
-from blockflow.backend.image_input import ImageConversion, feed_dtype
+from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
 from blockflow.backend.parts import Chain, build_part, fold_batchnorm
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
@@ -105,7 +105,7 @@ class BlockRunner:
         if self.is_cuda:
             parts = [fold_batchnorm(p) for p in parts]
         module = Chain(parts).eval()
-        self.in_shapes = spec.in_shapes
+        self.in_shapes = fed_shapes(spec)  # an encoded image: as decoded (blockflow.backend.image_decode)
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
         # A uint8, HWC or normalised image: converted on the device before the first stage.

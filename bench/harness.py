@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.bench import stamp
+from blockflow.clients.images import random_jpegs
 from blockflow.core import env, nvml
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan
@@ -75,9 +76,12 @@ def gpu_used_mib(index: int = 0) -> float:
 
 def task_images(plan: Plan, task: str, n: int, seed: int = 0) -> npt.NDArray[np.generic]:
     """``n`` seeded random images as ``task`` takes them: uint8 noise in its layout for a task whose model
-    takes uint8 images, else standard normal float32 (already "normalized")."""
+    takes uint8 images, noise at the network's size encoded as JPEG (BYTES ``[n, 1]``) for one that takes
+    encoded images, else standard normal float32 (already "normalized")."""
     model = plan.models[plan.blocks[plan.tasks[task].path[0]].model]
     rng = np.random.default_rng(seed)
+    if model.input is not None and model.input.dtype == "encoded":
+        return random_jpegs(n, model.input_shape[1], model.input_shape[2], seed)
     if model.input is not None and model.input.dtype == "uint8":
         return rng.integers(0, 256, (n, *model.image_shape), dtype=np.uint8)
     return rng.standard_normal((n, *model.image_shape), dtype=np.float32)

@@ -2,29 +2,51 @@
 
 from __future__ import annotations
 
+import base64
 import csv
+import json
 import statistics
+import struct
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from blockflow.clients.images import random_jpegs
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
 
 INPUTS = ("host", "cuda-shm", "system-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
+# Real photographs for tasks that take encoded images (README.md there names their sources; the wheel
+# ships them as package data).
+SAMPLE_IMAGES = Path(__file__).resolve().parent / "data" / "images"
+
+
+def encoded_input_data(dest: Path, files: Sequence[Path] | None = None) -> Path:
+    """perf_analyzer's ``--input-data`` JSON at ``dest`` for a task that takes encoded images: one
+    request's image per file (``files``, else the sample JPEGs; where those are missing, seeded random
+    ones), sent in turn. perf_analyzer sends a BYTES tensor's ``b64`` content as the tensor's raw
+    bytes, so each is the serialised element: its length (4 bytes, little-endian), then the file."""
+    images = [f.read_bytes() for f in (files if files is not None else sorted(SAMPLE_IMAGES.glob("*.jpg")))]
+    if not images:
+        images = [bytes(b) for b in random_jpegs(4)[:, 0]]
+    data = [{"IMAGE": {"b64": base64.b64encode(struct.pack("<I", len(b)) + b).decode(), "shape": [1]}} for b in images]
+    dest.write_text(json.dumps({"data": data}))
+    return dest
 
 
 def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
                   rate: float | None = None, input_memory: str = "host", output_bytes: int = 0,
-                  shm_key_file: Path | None = None) -> dict[str, Any]:
+                  shm_key_file: Path | None = None, input_data: Path | None = None) -> dict[str, Any]:
     """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
 
     ``input_memory="cuda-shm"`` (``"system-shm"``): inputs and outputs through CUDA (system) shared-memory
     regions (perf_analyzer's ``--shared-memory cuda|system``), each output's region ``output_bytes`` large,
-    registered with the key in ``shm_key_file`` (the server's ``shm_key_file``).
+    registered with the key in ``shm_key_file`` (the server's ``shm_key_file``). ``input_data``: the
+    requests' data (perf_analyzer's ``--input-data`` JSON, :func:`encoded_input_data`), else random.
     """
     pa = perf_analyzer_path()
     if pa is None:
@@ -33,6 +55,8 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
         cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
                "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
                "--stability-percentage", "20", "-f", f.name]
+        if input_data is not None:
+            cmd += ["--input-data", str(input_data)]
         if input_memory in ("cuda-shm", "system-shm"):
             cmd += ["--shared-memory", input_memory.removesuffix("-shm"), "--output-shared-memory-size", str(max(output_bytes, 102400))]
         env = perf_analyzer_env()

@@ -121,12 +121,12 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
         stubs = {m: len(p) for m, p in server.stub_processes().items()}
         tasks = list(plan.tasks)
         # Every task once first: no measured request pays a first call.
-        asyncio.run(run_load(LoadSpec(server.http_url, tasks, shape, clients=len(tasks), max_requests=2 * len(tasks),  # type: ignore[arg-type]
+        asyncio.run(run_load(LoadSpec(server.http_url, tasks, shape, clients=len(tasks), max_requests=2 * len(tasks),
                                       duration_s=60.0)))
         loads = {}
         models = set(stubs)
         for c in clients:
-            spec = LoadSpec(server.http_url, tasks, shape, duration_s=seconds, clients=c)  # type: ignore[arg-type]
+            spec = LoadSpec(server.http_url, tasks, shape, duration_s=seconds, clients=c)
             before_stats = model_stats(server.http_url)
             start = time.monotonic()
             records = asyncio.run(run_load(spec))

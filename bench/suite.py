@@ -22,6 +22,7 @@ import asyncio
 import json
 import math
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,7 @@ from typing import Any
 from blockflow.bench import gpu_alone
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
-from blockflow.bench.perf_analyzer import INPUTS, median_of, perf_analyzer
+from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer
 from blockflow.bench.report import write_report
 from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core.errors import BlockFlowError
@@ -155,6 +156,12 @@ class Bench:
         c, h, w = self.plan.block_in_shape(self.plan.blocks[self.task.path[0]])
         self.shape = f"IMAGE:{c},{h},{w}"
         self.image_shape = (c, h, w)
+        # A task that takes encoded images is sent real JPEGs (one file's bytes per image), not random bytes.
+        self.input_data: Path | None = None
+        first = self.plan.models[self.plan.blocks[self.task.path[0]].model]
+        if first.input is not None and first.input.dtype == "encoded":
+            self.shape = "IMAGE:1"
+            self.input_data = encoded_input_data(Path(tempfile.mkdtemp(prefix="bench-images-")) / "images.json")
         last = self.plan.blocks[self.task.path[-1]]
         self.output_bytes = 4 * math.prod(self.plan.block_out_shape(last)) * max(cfg.batches)
 
@@ -186,7 +193,7 @@ class Bench:
     def _pa(self, server: TritonServer, model: str, batch: int, seconds: float, concurrency: int | None = None,
             rate: float | None = None) -> dict[str, Any]:
         return perf_analyzer(server.http_url, model, self.shape, batch, seconds, concurrency, rate,
-                             self.cfg.input, self.output_bytes, server.shm_key_file)
+                             self.cfg.input, self.output_bytes, server.shm_key_file, self.input_data)
 
     def _line(self, section: str, label: str, point: str, r: dict[str, Any]) -> None:
         keys = ("p50_ms", "p99_ms", "throughput", "energy_mj_per_inference")

@@ -41,7 +41,7 @@ def _client_times(url: str, model: str, x: Any, n: int, warmup: int) -> list[tup
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(url, connection_timeout=60.0, network_timeout=600.0)
-    inp = httpclient.InferInput("IMAGE", list(x.shape), "UINT8" if x.dtype == np.uint8 else "FP32")
+    inp = httpclient.InferInput("IMAGE", list(x.shape), "BYTES" if x.dtype == object else "UINT8" if x.dtype == np.uint8 else "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
     out = [httpclient.InferRequestedOutput("LOGITS", binary_data=True)]
     times = []

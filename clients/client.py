@@ -1,8 +1,8 @@
 """A small typed client for BlockFlow tasks over Triton's HTTP or gRPC API.
 
 Every task is a Triton ensemble that takes ``IMAGE`` (fp32 ``[batch, 3, H, W]``, or uint8
-``[batch, 3, H, W]`` or ``[batch, H, W, 3]`` where its plan says so: :meth:`TaskClient.input_of`)
-and gives ``LOGITS`` (fp32 ``[batch, classes]``)::
+``[batch, 3, H, W]`` or ``[batch, H, W, 3]``, or JPEG/PNG files' bytes, where its plan says so:
+:meth:`TaskClient.input_of`) and gives ``LOGITS`` (fp32 ``[batch, classes]``)::
 
     with TaskClient("127.0.0.1:8000") as c:
         logits = c.infer("cls_a", images)
@@ -147,6 +147,8 @@ class _Shared:
     def _shape(meta: Any) -> tuple[int, int, int]:
         inputs = meta["inputs"] if isinstance(meta, dict) else [{"shape": list(i.shape)} for i in meta.inputs]
         dims = [int(d) for d in inputs[0]["shape"]][-3:]
+        if len(dims) < 3:  # an encoded task: one file's bytes per image, of any size
+            raise ClientError(f"the task takes encoded images (shape {dims}), not arrays of one shape: see input_of")
         return dims[0], dims[1], dims[2]
 
     def _not_served(self, task: str, names: list[str]) -> str:
@@ -233,7 +235,7 @@ class TaskClient(_Shared):
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
         images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
-        region = self._region_for(images) if self.input_memory == "cuda" else None
+        region = self._region_for(images) if self.input_memory == "cuda" and not kind.encoded else None
         req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region)
         start = time.perf_counter()
         try:
@@ -316,7 +318,7 @@ class AsyncTaskClient(_Shared):
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
         images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
-        region = self._take_region(images) if self.input_memory == "cuda" else None
+        region = self._take_region(images) if self.input_memory == "cuda" and not kind.encoded else None  # files: in the request
         try:
             req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region)
             start = time.perf_counter()

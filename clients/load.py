@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.clients.client import AsyncTaskClient, Protocol
+from blockflow.clients.images import random_jpegs
 from blockflow.clients.task_input import TaskInput
 from blockflow.core.errors import ClientError
 
@@ -43,7 +44,7 @@ class Record:
 class LoadSpec:
     url: str
     tasks: Sequence[str]
-    shape: tuple[int, int, int]
+    shape: tuple[int, ...]  # one image's (an encoded task's images are random JPEGs of any size)
     protocol: Protocol = "http"
     batch: int = 1
     duration_s: float = 10.0
@@ -64,8 +65,8 @@ async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out
 
 
 async def _inputs(client: AsyncTaskClient, spec: LoadSpec) -> dict[str, Images]:
-    """Each task's (seeded, random) batch, in the dtype its input takes: standard normal float32, or
-    uint8 noise for a task that takes uint8 images."""
+    """Each task's (seeded, random) batch, in the dtype its input takes: standard normal float32, uint8
+    noise for a task that takes uint8 images, or noise encoded as JPEG for one that takes encoded images."""
     floats = np.random.default_rng(spec.seed).standard_normal((spec.batch, *spec.shape), dtype=np.float32)
     out: dict[str, Images] = {}
     for task in dict.fromkeys(spec.tasks):
@@ -73,7 +74,8 @@ async def _inputs(client: AsyncTaskClient, spec: LoadSpec) -> dict[str, Images]:
             kind = await client.input_of(task)
         except ClientError:  # its requests fail and say why
             kind = TaskInput()
-        out[task] = (np.random.default_rng(spec.seed).integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8)
+        out[task] = (random_jpegs(spec.batch, seed=spec.seed) if kind.encoded else
+                     np.random.default_rng(spec.seed).integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8)
                      if kind.uint8 else floats)
     return out
 

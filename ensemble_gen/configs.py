@@ -34,9 +34,13 @@ DIGEST_PARAMETER = "blockflow.digest"
 HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
 
 
+# Triton's type of each way a task's image arrives (encoded: one JPEG or PNG file's bytes per image).
+IMAGE_TYPES = {"float32": mc.TYPE_FP32, "uint8": mc.TYPE_UINT8, "encoded": mc.TYPE_STRING}
+
+
 def image_type(spec: ModelSpec) -> int:
-    """Triton's type of the image a model that takes it is given (fp32 unless the plan says uint8)."""
-    return int(mc.TYPE_UINT8 if spec.image is not None and spec.image.dtype == "uint8" else mc.TYPE_FP32)
+    """Triton's type of the image a model that takes it is given (fp32 unless the plan says otherwise)."""
+    return int(IMAGE_TYPES[spec.image.dtype if spec.image is not None else "float32"])
 
 
 def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.ModelOutput],

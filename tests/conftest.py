@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_PLANS = [ROOT / "plans" / "default.yaml", ROOT / "tests" / "plans" / "r18_three_cuts.yaml",
                 ROOT / "tests" / "plans" / "r34_late_cuts.yaml", ROOT / "tests" / "plans" / "packed.yaml",
-                ROOT / "tests" / "plans" / "uint8_hwc.yaml"]
+                ROOT / "tests" / "plans" / "uint8_hwc.yaml", ROOT / "tests" / "plans" / "encoded.yaml"]
 # tests/plans/fused.yaml is not served here: packed.yaml fuses too (ptrunk0__to__ptrunk1, and a
 # two-block head inside a pack), and every served stub costs ~0.5 GB of host memory on a CPU machine.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.table import Table
@@ -15,8 +16,9 @@ from blockflow.cli.app import JSON, app, emit, err, out
 @app.command()
 @click.argument("task")
 @click.option("--image", type=click.Path(path_type=Path), default=None, help="An image file (JPEG/PNG), resized and normalized like ImageNet (for a task that takes uint8 images: "
-              "resized, its bytes sent as they are).")
-@click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded; uint8 noise for a task that takes uint8).")
+              "resized, its bytes sent as they are; for one that takes encoded images: the file as it is, decoded by the task).")
+@click.option("--random", "random_input", is_flag=True, help="Use a random input (seeded; uint8 noise for a task that takes uint8, "
+              "noise encoded as JPEG for one that takes encoded images).")
 @click.option("--batch", type=click.IntRange(1, 1024), default=1, show_default=True, help="Batch size.")
 @click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True)
 @click.option("--url", default=None, help="host:port (default: $BLOCKFLOW_HTTP_URL or $BLOCKFLOW_GRPC_URL, else the running "
@@ -29,7 +31,7 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
     import numpy as np
 
     from blockflow.clients.client import TaskClient, top_k
-    from blockflow.clients.images import class_names, load_image, load_image_uint8
+    from blockflow.clients.images import class_names, image_files, load_image, load_image_uint8, random_jpegs
 
     if (image is None) == (not random_input):
         raise click.UsageError("give exactly one of --image FILE or --random")
@@ -37,9 +39,12 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
     with where.reaching(address), TaskClient(address.value, protocol) as client:  # type: ignore[arg-type]
         kind = client.input_of(task)
         shape = kind.shape or client.input_shape(task)
-        h, w = shape[:2] if kind.layout == "HWC" else shape[1:]
         rng = np.random.default_rng(0)
-        if image is not None:
+        x: np.ndarray[Any, Any]
+        if kind.encoded:  # the file's bytes as they are: the task decodes and resizes them
+            x = np.repeat(image_files([image]), batch, axis=0) if image is not None else random_jpegs(batch)
+        elif image is not None:
+            h, w = shape[:2] if kind.layout == "HWC" else shape[1:]
             one = (load_image_uint8(image, h, w, kind.layout) if kind.uint8 else load_image(image, h, w)
                    if kind.layout == "CHW" else load_image(image, h, w).transpose(1, 2, 0))
             x = np.repeat(one[None], batch, axis=0)
@@ -102,7 +107,7 @@ def load(tasks: tuple[str, ...], url: str | None, protocol: str, clients: int, r
     address = where.http(url, protocol)
     url = address.value
     with where.reaching(address), TaskClient(url, protocol) as client:  # type: ignore[arg-type]
-        shapes = {t: client.input_shape(t) for t in tasks}
+        shapes = {t: (kind.shape if (kind := client.input_of(t)).encoded else client.input_shape(t)) for t in tasks}
     if len(set(shapes.values())) > 1:
         raise click.UsageError(f"tasks take different input shapes {shapes}; load them in separate runs")
     spec = LoadSpec(url, tasks, next(iter(shapes.values())), protocol, batch, duration, clients, rate, max_requests, seed,  # type: ignore[arg-type]

@@ -20,8 +20,9 @@ def hop_dtype(precision: Precision) -> HopDtype:
     """The dtype of the tensors a block of ``precision`` hands to the next block."""
     return "fp16" if precision == "fp16" else "bf16" if precision == "bf16" else "fp32"
 TransportName = Literal["tensormq", "triton-gpu", "triton-cpu"]
-# How a task's image arrives: its element type and axis order (CHW: ``[3, H, W]``, HWC: ``[H, W, 3]``).
-ImageDtype = Literal["float32", "uint8"]
+# How a task's image arrives: its element type (``encoded``: a JPEG or PNG file's bytes, one Triton
+# BYTES element per image) and axis order (CHW: ``[3, H, W]``, HWC: ``[H, W, 3]``).
+ImageDtype = Literal["float32", "uint8", "encoded"]
 ImageLayout = Literal["CHW", "HWC"]
 # torchvision's ImageNet normalisation (on [0, 1] values), what its trained classifiers expect.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -63,7 +64,8 @@ class WeightsSource(_Strict):
 class ImageInput(_Strict):
     """How a task's image arrives and what a block that takes it does first, on its device (inside
     its CUDA graph): uint8 values scaled to [0, 1] (x / 255), HWC permuted to CHW, then
-    ``(x - mean) / std`` per channel where ``mean`` and ``std`` are given."""
+    ``(x - mean) / std`` per channel where ``mean`` and ``std`` are given. An ``encoded`` image is
+    decoded (and resized to the network's size) in ``execute`` first, then taken as uint8 CHW."""
 
     dtype: ImageDtype = "float32"
     layout: ImageLayout = "CHW"
@@ -71,7 +73,10 @@ class ImageInput(_Strict):
     std: tuple[float, ...] = ()
 
     def shape(self, chw: tuple[int, ...]) -> tuple[int, ...]:
-        """The image tensor's per-sample shape for a network that takes ``chw`` (``[3, H, W]``)."""
+        """The image tensor's per-sample shape for a network that takes ``chw`` (``[3, H, W]``):
+        ``[1]`` (one file's bytes) for encoded images."""
+        if self.dtype == "encoded":
+            return (1,)
         return (*chw[1:], chw[0]) if self.layout == "HWC" else tuple(chw)
 
 

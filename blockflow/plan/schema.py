@@ -34,11 +34,12 @@ class _Strict(BaseModel):
 
 
 class InputDef(_Strict):
-    """How tasks send a model's image: ``dtype`` (float32, normalised by the client; or uint8, a
-    quarter of the bytes), ``layout`` (CHW: ``[3, H, W]``; HWC: ``[H, W, 3]``, as images decode) and,
-    for uint8, the normalisation the first block applies on its device to x / 255: ``imagenet``
-    (torchvision's mean and std, the default), ``none`` (values in [0, 1]), or ``mean`` and ``std``
-    given per channel (on the [0, 1] scale)."""
+    """How tasks send a model's image: ``dtype`` (float32, normalised by the client; uint8, a
+    quarter of the bytes; or encoded, a JPEG or PNG file's bytes, decoded by the first block),
+    ``layout`` (CHW: ``[3, H, W]``; HWC: ``[H, W, 3]``, as images decode; encoded images decode to
+    CHW) and, for uint8 and encoded, the normalisation the first block applies on its device to
+    x / 255: ``imagenet`` (torchvision's mean and std, the default), ``none`` (values in [0, 1]), or
+    ``mean`` and ``std`` given per channel (on the [0, 1] scale)."""
 
     dtype: ImageDtype = "float32"
     layout: ImageLayout = "CHW"
@@ -55,12 +56,16 @@ class InputDef(_Strict):
         if self.std is not None and not all(v > 0 for v in self.std):
             raise ValueError(f"std {self.std} must be positive")
         if self.dtype == "float32" and (self.mean is not None or self.normalize not in (None, "none")):
-            raise ValueError("float32 images arrive normalised by the client; normalize, mean and std are for uint8")
+            raise ValueError("float32 images arrive normalised by the client; normalize, mean and std are for uint8 "
+                             "and encoded")
+        if self.dtype == "encoded" and self.layout != "CHW":
+            raise ValueError("encoded images (JPEG/PNG bytes) are decoded to CHW by the first block; leave layout out "
+                             "(HWC is for uint8 images the client decodes itself)")
         return self
 
     def spec(self) -> ImageInput | None:
         """What a block that takes the image is told (None for float32 CHW as it is: the default)."""
-        normalize = self.normalize or ("imagenet" if self.dtype == "uint8" else "none")
+        normalize = self.normalize or ("none" if self.dtype == "float32" else "imagenet")
         mean, std = (self.mean, self.std) if self.mean is not None else (
             (IMAGENET_MEAN, IMAGENET_STD) if normalize == "imagenet" else ((), ()))
         image = ImageInput(dtype=self.dtype, layout=self.layout, mean=tuple(mean or ()), std=tuple(std or ()))
@@ -78,7 +83,8 @@ class ModelDef(_Strict):
     cut_points: list[str] = Field(default_factory=list)
     input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
     num_classes: int = Field(default=1000, ge=1, le=100_000)
-    # How tasks send the image (input_shape stays [3, H, W]; with layout HWC the tensor is [H, W, 3]).
+    # How tasks send the image (input_shape stays [3, H, W]; with layout HWC the tensor is [H, W, 3];
+    # encoded: one file's bytes per image, decoded and resized to input_shape by the first block).
     input: InputDef | None = None
 
     @model_validator(mode="after")

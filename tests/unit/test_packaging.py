@@ -101,6 +101,7 @@ def test_the_wheel_has_one_package_py_typed_the_license_and_the_shipped_files(wh
         assert f"{package}/__init__.py" in names, package
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert set(SHIPPED) <= names
+    assert "blockflow/bench/data/images/grace_hopper.jpg" in names  # perf_analyzer's real images for encoded tasks
     assert not [n for n in names if n.endswith((".pt2", ".safetensors", ".pyc"))], "built or generated files in the wheel"
 
 

@@ -1,0 +1,119 @@
+"""JPEG and PNG files' bytes (a task whose plan says ``input: {dtype: encoded}``) decoded into the
+uint8 ``[B, 3, H, W]`` batch the first block's runner takes, as it takes uint8 CHW images.
+
+On a GPU, a call's JPEGs go through one batched nvJPEG decode (``torchvision.io.decode_jpeg`` with a
+CUDA device); PNGs, CMYK JPEGs and JPEGs the GPU decode refuses (progressive oddities, a build
+without nvJPEG) are decoded on the CPU and copied over. On a CPU block everything decodes on the CPU.
+Each file is checked first (its format, its size, its pixel count from its header, a JPEG's end
+marker), so that an image the client got wrong fails its own request alone, with a clear message.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as nnf
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
+from blockflow.core.errors import RequestError
+
+# Limits on one untrusted image, checked before it is decoded: 32 MiB of bytes is far above any
+# photo a classifier is sent (a 24-megapixel camera JPEG is ~10 MiB) and 40 megapixels (120 MB
+# decoded) above any camera's frame, while a "decompression bomb" (a small file that claims a huge
+# image) is refused from its header before it can take the block's host or GPU memory.
+MAX_BYTES = 32 << 20
+MAX_PIXELS = 40_000_000
+
+_JPEG, _PNG = b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"
+_SOS, _EOI = b"\xff\xda", b"\xff\xd9"
+
+
+def _checked(data: bytes, k: int) -> tuple[torch.Tensor, bool]:
+    """Image ``k``'s ``data`` as the uint8 tensor torchvision decodes, and whether nvJPEG may decode
+    it; a :class:`RequestError` naming the problem where it is no JPEG or PNG, too large, or truncated."""
+    what = f"image {k} of the request"
+    if len(data) > MAX_BYTES:
+        raise RequestError(f"{what} has {len(data)} bytes, over the limit of {MAX_BYTES} bytes per image")
+    if not data.startswith((_JPEG, _PNG)):
+        raise RequestError(f"{what} is neither a JPEG nor a PNG file (this task takes JPEG or PNG files' bytes)")
+    try:  # reads the header only: the size is known before any pixel is decoded
+        with Image.open(io.BytesIO(data), formats=("JPEG", "PNG")) as im:
+            (w, h), mode = im.size, im.mode
+    except Exception as exc:  # Pillow's errors for a broken header vary (OSError, SyntaxError, struct.error, ...)
+        raise RequestError(f"{what} has an unreadable header ({type(exc).__name__}: {exc})") from exc
+    if w * h > MAX_PIXELS:
+        raise RequestError(f"{what} has {w}x{h} pixels, over the limit of {MAX_PIXELS} pixels per image")
+    jpeg = data.startswith(_JPEG)
+    # Entropy-coded data never holds FF DA or FF D9 (a data FF is followed by 00 or a restart
+    # marker), so a JPEG whose last scan has no end marker after it was cut short; refused here
+    # rather than handed to nvJPEG, whose handling of truncated data is not documented.
+    if jpeg and data.rfind(_EOI) < data.rfind(_SOS):
+        raise RequestError(f"{what} is a truncated JPEG (no end-of-image marker after its last scan)")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), jpeg and mode != "CMYK"
+
+
+def _cpu(data: torch.Tensor) -> torch.Tensor:
+    """One file decoded on the CPU to uint8 RGB ``[3, h, w]`` (a 16-bit PNG scaled to 8 bits)."""
+    x: torch.Tensor = decode_image(data, mode=ImageReadMode.RGB)
+    return x if x.dtype == torch.uint8 else (x.to(torch.int32) >> 8).to(torch.uint8)
+
+
+class ImageDecoder:
+    """Decodes a call's encoded images to the network's ``[3, H, W]`` on ``device``."""
+
+    def __init__(self, chw: Sequence[int], device: torch.device) -> None:
+        self.size = (int(chw[1]), int(chw[2]))
+        self.device = device
+        self.gpu = device.type == "cuda"
+
+    def decode(self, requests: Sequence[Sequence[bytes]]) -> list[torch.Tensor | RequestError]:
+        """Each request's files as one uint8 ``[n, 3, H, W]`` tensor on the device, or the
+        :class:`RequestError` that fails it (its first bad image's)."""
+        files: list[list[torch.Tensor] | RequestError] = []
+        nvjpeg: list[tuple[int, int]] = []  # (request, image) of the files for the batched GPU decode
+        for r, images in enumerate(requests):
+            try:
+                if not images:
+                    raise RequestError("the request has no image")
+                checked = [_checked(data, k) for k, data in enumerate(images)]
+            except RequestError as exc:
+                files.append(exc)
+                continue
+            files.append([t for t, _ in checked])
+            nvjpeg += [(r, k) for k, (_, jpeg) in enumerate(checked) if jpeg and self.gpu]
+        decoded: dict[tuple[int, int], torch.Tensor] = {}
+        if nvjpeg:
+            try:
+                batch = [files[r][k] for r, k in nvjpeg]  # type: ignore[index]  # the requests of nvjpeg were readable
+                decoded.update(zip(nvjpeg, decode_jpeg(batch, mode=ImageReadMode.RGB, device=self.device), strict=True))
+            except Exception:  # a file nvJPEG refuses fails its whole batch: each is decoded on the CPU below
+                decoded.clear()
+        out: list[torch.Tensor | RequestError] = []
+        for r, given in enumerate(files):
+            try:
+                if isinstance(given, RequestError):
+                    raise given
+                out.append(torch.stack([self._fit(decoded.get((r, k)), data, k) for k, data in enumerate(given)]))
+            except RequestError as exc:
+                out.append(exc)
+        return out
+
+    def _fit(self, x: torch.Tensor | None, data: torch.Tensor, k: int) -> torch.Tensor:
+        """Image ``k`` as nvJPEG decoded it (``x``), else decoded on the CPU; on the device, at the network's size."""
+        if x is None:
+            try:
+                x = _cpu(data).to(self.device)
+            except Exception as exc:  # torchvision's RuntimeError for corrupt data, whatever the decoder
+                why = re.sub(r"^[^,]*, \S+:\d+, ", "", str(exc))  # without the C++ function and source line
+                raise RequestError(f"image {k} of the request cannot be decoded: {why}") from exc
+        if tuple(x.shape[1:]) == self.size:
+            return x
+        # torch's bilinear, antialiased resize (as torchvision's ImageNet presets resize) computed in
+        # float and rounded once, on every device: a CPU block and a GPU block give the same pixels
+        # (torchvision's resize of a uint8 tensor on the CPU runs its own uint8 kernel, one level off).
+        y = nnf.interpolate(x[None].float(), size=self.size, mode="bilinear", antialias=True, align_corners=False)
+        return y[0].round_().clamp_(0, 255).to(torch.uint8)

@@ -1,0 +1,177 @@
+"""Tasks that take JPEG/PNG files' bytes (``input: {dtype: encoded}``): the plan's checks, the configs
+(BYTES ``[1]`` wherever the image goes), the decoder on the CPU (formats, resize, what it refuses),
+the block fed the decoded batch, the client's checks and perf_analyzer's input data."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as nnf
+import yaml
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+from tritonclient.grpc import model_config_pb2 as mc
+
+from blockflow.backend import image_decode
+from blockflow.backend.image_decode import ImageDecoder
+from blockflow.backend.runtime import BlockRunner
+from blockflow.bench.harness import task_images
+from blockflow.bench.perf_analyzer import SAMPLE_IMAGES, encoded_input_data
+from blockflow.clients.images import image_files, random_jpegs
+from blockflow.clients.task_input import TaskInput
+from blockflow.core.errors import ClientError, PlanError, RequestError
+from blockflow.core.spec import IMAGENET_MEAN, IMAGENET_STD, ImageInput
+from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen.generator import block_spec, reference_spec
+from blockflow.ensemble_gen.rendered import parse_pbtxt
+from blockflow.plan import load_plan, parse_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+JPEG = SAMPLE_IMAGES / "grace_hopper.jpg"  # 512x600
+PNG = SAMPLE_IMAGES / "Minduka_Present_Blue_Pack.png"  # 128x128, RGBA
+
+
+def _plan(input_: str) -> object:
+    return yaml.safe_load(f"""
+version: 1
+models:
+  r18: {{arch: resnet18, cut_points: [layer2], input_shape: [3, 32, 48], num_classes: 10, input: {input_}}}
+defaults: {{placement: cpu, precision: fp16}}
+blocks:
+  a: {{model: r18, stages: 0}}
+  b: {{model: r18, stages: 1}}
+tasks:
+  t: {{path: [a, b]}}
+references: [eager, graph]
+""")
+
+
+def _encoded(im: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _fitted(data: bytes, h: int, w: int) -> torch.Tensor:
+    """What the decoder gives for one file: torchvision's CPU decode, resized in float and rounded."""
+    x = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    if tuple(x.shape[1:]) != (h, w):
+        x = nnf.interpolate(x[None].float(), size=(h, w), mode="bilinear", antialias=True)[0].round().clamp(0, 255).to(torch.uint8)
+    return x
+
+
+def test_plan_takes_encoded_images_as_bytes_everywhere_the_image_goes() -> None:
+    plan = parse_plan(_plan("{dtype: encoded}"))
+    spec = block_spec(plan, plan.blocks["a"], "tensormq")
+    assert spec.image == ImageInput(dtype="encoded", mean=IMAGENET_MEAN, std=IMAGENET_STD)  # imagenet by default
+    assert spec.in_shape == (1,) and plan.models["r18"].image_shape == (1,)
+    assert block_spec(plan, plan.blocks["b"], "tensormq").image is None
+    configs = {path: parse_pbtxt(data.decode()) for path, data in generator.render(plan).items() if path.endswith("config.pbtxt")}
+    takes = {path.split("/")[0]: cfg.input[0] for path, cfg in configs.items() if cfg.input[0].name == "IMAGE"}
+    # The block, the ensembles, both references and the eager fp32 one (the task runs in fp16).
+    assert {"a", "t", "t__ref", "t__ref_graph", "t__ref_fp32"} <= set(takes)
+    assert all(i.data_type == mc.TYPE_STRING and list(i.dims) == [1] for i in takes.values())
+    none = parse_plan(_plan("{dtype: encoded, normalize: none}"))
+    assert block_spec(none, none.blocks["a"], "tensormq").image == ImageInput(dtype="encoded")
+
+
+@pytest.mark.parametrize(("input_", "says"), [
+    ("{dtype: encoded, layout: HWC}", "decoded to CHW"),
+    ("{dtype: jpeg}", "dtype"),
+])
+def test_plan_refuses_encoded_hwc(input_: str, says: str) -> None:
+    with pytest.raises(PlanError, match=says):
+        parse_plan(_plan(input_))
+
+
+def test_decodes_jpeg_and_png_and_resizes_to_the_network() -> None:
+    jpeg, png = JPEG.read_bytes(), PNG.read_bytes()
+    [both] = ImageDecoder((3, 32, 48), CPU).decode([[jpeg, png]])
+    assert isinstance(both, torch.Tensor) and both.dtype == torch.uint8 and both.shape == (2, 3, 32, 48)
+    assert torch.equal(both[0], _fitted(jpeg, 32, 48)) and torch.equal(both[1], _fitted(png, 32, 48))
+    # At the network's size: the decoded pixels as they are (a lossless PNG: exactly its RGB values).
+    rgb = np.random.default_rng(0).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    [same] = ImageDecoder((3, 32, 48), CPU).decode([[_encoded(Image.fromarray(rgb), "PNG")]])
+    assert isinstance(same, torch.Tensor)
+    np.testing.assert_array_equal(same[0].permute(1, 2, 0).numpy(), rgb)
+    assert (same[0].int() - torch.from_numpy(rgb).permute(2, 0, 1).int()).abs().max() == 0
+
+
+def test_bad_images_fail_their_own_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    jpeg = JPEG.read_bytes()
+    gif = _encoded(Image.new("RGB", (8, 8)), "GIF")
+    # A PNG whose header claims 8000x6000 pixels (48 M): refused from its header, never decoded.
+    png = bytearray(_encoded(Image.new("RGB", (8, 8)), "PNG"))
+    png[16:24] = struct.pack(">II", 8000, 6000)
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
+    cmyk = _encoded(Image.new("CMYK", (16, 16), (0, 255, 0, 0)), "JPEG")  # magenta; decoded on the CPU, like PNGs
+    got = ImageDecoder((3, 32, 32), CPU).decode([[jpeg], [jpeg, jpeg[: len(jpeg) // 2]], [gif], [bytes(png)], [],
+                                                 [jpeg[:-2]], [PNG.read_bytes()[:-40]], [cmyk], [b"\xff\xd8\xff" + b"\0" * 50]])
+    assert [type(g).__name__ for g in got] == ["Tensor", *["RequestError"] * 6, "Tensor", "RequestError"]
+    messages = [str(g) for g in got if isinstance(g, RequestError)]
+    assert "image 1 of the request is a truncated JPEG" in messages[0]
+    assert "neither a JPEG nor a PNG" in messages[1]
+    assert "8000x6000 pixels, over the limit of 40000000" in messages[2]
+    assert "no image" in messages[3] and "truncated JPEG" in messages[4]
+    assert "cannot be decoded" in messages[5] and ".cpp" not in messages[5]
+    assert "unreadable header" in messages[6]
+    assert isinstance(got[7], torch.Tensor) and got[7][0, :, 0, 0].tolist() == [255, 0, 255]
+    monkeypatch.setattr(image_decode, "MAX_BYTES", len(jpeg) - 1)
+    [big] = ImageDecoder((3, 32, 32), CPU).decode([[jpeg]])
+    assert isinstance(big, RequestError) and "over the limit" in str(big)
+
+
+def test_the_first_block_and_the_reference_take_the_decoded_batch() -> None:
+    plan = parse_plan(_plan("{dtype: encoded}"))
+    first = BlockRunner(block_spec(plan, plan.blocks["a"], "triton-cpu").model_copy(update={"precision": "fp32"}), CPU)
+    assert first.in_shapes == ((3, 32, 48),) and first.in_dtype == torch.uint8
+    ref = BlockRunner(reference_spec(plan, plan.tasks["t"], graph=False, fp32=True)[0], CPU)
+    [x] = ImageDecoder((3, 32, 48), CPU).decode([[JPEG.read_bytes(), PNG.read_bytes()]])
+    assert isinstance(x, torch.Tensor)
+    assert ref.run(x).shape == (2, 10) and first.run(x).shape[0] == 2
+
+
+def test_client_checks_bytes_for_an_encoded_task_and_arrays_for_the_others() -> None:
+    kind = TaskInput.of({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1, 1]}]})
+    assert kind.encoded and kind.shape == (1,) and not kind.uint8
+    files = image_files([JPEG, PNG])
+    assert files.shape == (2, 1) and files[0, 0] == JPEG.read_bytes()
+    for given in (files, [JPEG.read_bytes(), PNG.read_bytes()], files[:, 0]):
+        sent = kind.check("t", given)
+        assert sent.dtype == object and sent.shape == (2, 1) and sent[1, 0] == PNG.read_bytes()
+    assert kind.check("t", JPEG.read_bytes()).shape == (1, 1)
+    with pytest.raises(ClientError, match="takes encoded images.*image_files"):
+        kind.check("t", np.zeros((1, 3, 32, 32), np.uint8))
+    with pytest.raises(ClientError, match="non-empty bytes"):
+        kind.check("t", [b""])
+    u8 = TaskInput("UINT8", (3, 32, 32))
+    with pytest.raises(ClientError, match="takes uint8 image arrays, not encoded"):
+        u8.check("t", files)
+    with pytest.raises(ClientError, match="image file not found"):
+        image_files([ROOT / "no-such.jpg"])
+    jpegs = random_jpegs(3, 24, 40, seed=1)
+    assert jpegs.shape == (3, 1) and Image.open(io.BytesIO(jpegs[2, 0])).size == (40, 24)
+
+
+def test_bench_inputs_for_an_encoded_task_are_jpeg_files(tmp_path: Path) -> None:
+    plan = load_plan(ROOT / "plans" / "bench_r50_jpeg.yaml")
+    x = task_images(plan, "r50", 2, seed=3)
+    assert x.shape == (2, 1) and Image.open(io.BytesIO(x[0, 0])).format == "JPEG"
+    assert Image.open(io.BytesIO(x[0, 0])).size == (224, 224)
+    data = json.loads(encoded_input_data(tmp_path / "images.json").read_text())["data"]
+    jpegs = sorted(SAMPLE_IMAGES.glob("*.jpg"))
+    assert len(data) == len(jpegs) >= 2
+    raw = base64.b64decode(data[0]["IMAGE"]["b64"])  # perf_analyzer sends it as the BYTES tensor's serialised element
+    assert struct.unpack("<I", raw[:4])[0] == len(raw) - 4 and raw[4:] == jpegs[0].read_bytes()
+    assert data[0]["IMAGE"]["shape"] == [1]
+    total = sum(p.stat().st_size for p in SAMPLE_IMAGES.iterdir())
+    assert len(list(SAMPLE_IMAGES.iterdir())) <= 5 and total <= 300_000  # the images and their README
