@@ -4,7 +4,10 @@ What every served figure of ``blockflow bench`` is compared with (``results.json
 the task's monolithic reference built as a block builds it (:class:`BlockRunner`: the plan's weights,
 batch norm folded, the precision and its TF32 switches, channels-last, eval, inference mode), one CUDA
 graph per batch size, its replays timed with CUDA events (the median). Batch 1 gives a latency,
-batches 32 and 128 images per second.
+batches 32 and 128 images per second. For a task that takes JPEG/PNG files (``dtype: encoded``) it also
+times the block's decode of a batch of the sample JPEGs (:class:`ImageDecoder`: nvJPEG, resize), and
+``images_per_s_decoded`` is each batch's images over decode plus network, what served JPEG rows are
+compared with.
 
     python -m blockflow.bench.gpu_alone --plan plans/bench_r50.yaml --precision fp16 --json
 
@@ -117,7 +120,34 @@ def measure(plan_path: Path, task_name: str | None = None, precision: str | None
     }
     if skipped:
         out["skipped"] = skipped
+    from blockflow.backend.image_input import takes_encoded
+
+    if takes_encoded(spec):
+        decode_ms = {b: _time_decode(spec.input_shape, runner.device, int(b), cuda) for b in batch_ms if b != "1"}
+        out["decode_ms"] = decode_ms
+        out["images_per_s_decoded"] = {b: int(b) / (ms + batch_ms[b]) * 1e3 for b, ms in decode_ms.items()}
     return out, None
+
+
+def _time_decode(chw: list[int] | tuple[int, ...], device: Any, batch: int, cuda: bool) -> float:
+    """The median ms of decoding ``batch`` of the sample JPEGs (cycled) to the network's size on ``device``,
+    one file per request as a served call takes them, the host waiting for the device's part."""
+    import torch
+
+    from blockflow.backend.image_decode import ImageDecoder
+    from blockflow.bench.perf_analyzer import SAMPLE_IMAGES
+    from blockflow.clients.images import random_jpegs
+
+    files = [f.read_bytes() for f in sorted(SAMPLE_IMAGES.glob("*.jpg"))] or [bytes(b) for b in random_jpegs(4)[:, 0]]
+    requests = [[files[k % len(files)]] for k in range(batch)]
+    decoder = ImageDecoder(chw, device)
+
+    def step() -> None:
+        decoder.decode(requests)
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    return _median_ms(step, OTHER_REPLAYS, cuda=False)
 
 
 def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> float:
@@ -127,7 +157,7 @@ def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> fl
     import torch
 
     if not cuda:
-        x = torch.randn(batch, *runner.in_shapes[0])
+        x = torch.zeros(batch, *runner.in_shapes[0], dtype=runner.in_dtype)  # a uint8 task's image is uint8
 
         def eager() -> None:
             runner.run_all([x])
@@ -176,6 +206,8 @@ def describe(figures: dict[str, Any]) -> str:
     ips = figures.get("images_per_s", {})
     parts = [f"batch 1: {figures['batch1_ms']:.3f} ms"] if figures.get("batch1_ms") is not None else []
     parts += [f"batch {b}: {v:,.0f} images/s" for b, v in sorted(ips.items(), key=lambda kv: int(kv[0]))]
+    parts += [f"batch {b} with its JPEGs decoded: {v:,.0f} images/s"
+              for b, v in sorted(figures.get("images_per_s_decoded", {}).items(), key=lambda kv: int(kv[0]))]
     parts += [f"batch {b}: skipped ({why})" for b, why in figures.get("skipped", {}).items()]
     return "; ".join(parts)
 

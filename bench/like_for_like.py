@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from blockflow.bench.report import gpu_alone, split_rows, spread_text
+from blockflow.bench.report import alone_b32, gpu_alone, split_rows, spread_text
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Row:
     label: str  # its first cell
     precision: str
     input: str  # blockflow bench --input
-    image: str = "plan"  # the task's image dtype: as the plan says, or "uint8" (CHW, ImageNet-normalised on the GPU)
+    # The task's image: as the plan says, "uint8" (CHW) or "encoded" (JPEG/PNG files), ImageNet-normalised on the GPU.
+    image: str = "plan"
 
 
 ROWS = (Row("fp16_host", "fp16, host memory", "fp16", "host"),
@@ -47,7 +48,8 @@ ROWS = (Row("fp16_host", "fp16, host memory", "fp16", "host"),
         Row("tf32_cudashm", "tf32, CUDA shared memory", "tf32", "cuda-shm"),
         Row("fp32_cudashm", "fp32, CUDA shared memory", "fp32", "cuda-shm"),
         Row("fp16_u8_host", "fp16, uint8 images, host memory", "fp16", "host", "uint8"),
-        Row("fp16_u8_cudashm", "fp16, uint8 images, CUDA shared memory", "fp16", "cuda-shm", "uint8"))
+        Row("fp16_u8_cudashm", "fp16, uint8 images, CUDA shared memory", "fp16", "cuda-shm", "uint8"),
+        Row("fp16_jpeg_host", "fp16, JPEG files, host memory", "fp16", "host", "encoded"))
 DEFAULT_ROWS = ROWS[:6]
 SPLIT, MONO, OTHERS = "tensormq", "monolithic-graph", ("triton-gpu", "triton-cpu")
 # The targets of the split's cost (issue 20): a hop at c1; split/mono p50 at c1 (at most) and
@@ -67,9 +69,9 @@ def row_plan(row: Row, plan: Path, out: Path, instances: int | None, rest: int |
     if row.image == "plan" and instances is None and rest is None:
         return plan
     raw = yaml.safe_load(plan.read_text())
-    if row.image == "uint8":
+    if row.image != "plan":
         for model in raw["models"].values():
-            model["input"] = {"dtype": "uint8", "layout": "CHW", "normalize": "imagenet"}
+            model["input"] = {"dtype": row.image, "normalize": "imagenet"}
     for task in raw["tasks"].values():
         for k, block in enumerate(task["path"]):
             if (n := instances if k == 0 else rest) is not None:
@@ -155,7 +157,7 @@ def best(conc: dict[str, Any], model: str) -> tuple[float, str] | None:
 def served_over_alone(res: dict[str, Any]) -> str:
     """The split's throughput at c32 as a share of the GPU alone's at batch 32 (``meta.gpu_alone``), and where more
     concurrencies were measured, each model's best as a share of it; "—" without the GPU alone's figure."""
-    b32 = (gpu_alone(res) or {}).get("images_per_s", {}).get("32")
+    b32 = alone_b32(res)
     conc = res["concurrency"]
     fig = None if _failed(conc, SPLIT) else _figure(conc, SPLIT, "32")
     if not b32 or fig is None:

@@ -67,6 +67,23 @@ def test_the_cpu_run_measures_the_whole_network_in_the_tasks_precision(monkeypat
     assert "batch 1: " in gpu_alone.describe(figures) and "batch 2: " in gpu_alone.describe(figures)
 
 
+def test_a_task_of_jpeg_files_is_also_measured_with_its_files_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_alone, "REPLAYS", {1: 3})
+    monkeypatch.setattr(gpu_alone, "OTHER_REPLAYS", 3)
+    monkeypatch.setattr(gpu_alone, "WARM_S", 0.0)
+    figures, reason = gpu_alone.measure(ROOT / "tests" / "plans" / "encoded.yaml", sizes=(1, 2), device="cpu")
+    assert reason is None and figures is not None
+    assert set(figures["decode_ms"]) == set(figures["images_per_s_decoded"]) == {"2"}
+    assert figures["images_per_s_decoded"]["2"] < figures["images_per_s"]["2"]
+    assert "batch 2 with its JPEGs decoded: " in gpu_alone.describe(figures)
+    res = {"meta": {"gpu_alone": figures}}
+    from blockflow.bench.report import alone_b32
+
+    assert alone_b32(res) is None  # no batch 32 here; with one, the decoded figure is what shares are of
+    figures["images_per_s_decoded"]["32"], figures["images_per_s"]["32"] = 100.0, 400.0
+    assert alone_b32(res) == 100.0
+
+
 def test_the_bench_records_none_and_why_when_told_to_skip_it() -> None:
     from blockflow.bench.suite import Bench
 
