@@ -36,6 +36,9 @@ class Health:
         # `kill -USR2 <block pid>`: every thread's Python stack to the stub's stderr (the server's log),
         # written by the signal handler without the GIL, so it also shows a block whose threads hang.
         faulthandler.register(signal.SIGUSR2, all_threads=True)
+        # A block that crashes (a fault in a native library) leaves its Python stack in the server's
+        # log too, where the server itself reports only "Stub process ... is not healthy".
+        faulthandler.enable(all_threads=True)
         # Under --warm-cores-ms: each execute tells the server's CPU pollers that requests are flowing.
         stamp = os.environ.get(env.ACTIVITY_FILE)
         self.activity: ActivityStamp | None = None
