@@ -110,9 +110,13 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     #   ``DeviceInputs.own``), when the server takes the pool's buffer back.
     # So a GPU block that takes the image takes it on the GPU, never through the host. TensorMQ tickets are
     # 256 host bytes: they stay in host memory; so does everything of a CPU block or a
-    # triton-cpu plan.
+    # triton-cpu plan. So do JPEG/PNG files (BYTES): the stub deserialises them on the host, and with
+    # =no the first block's stub on an H200 read a file's bytes wrong and aborted (r24.10, H200,
+    # 2026-11-29: "unpack_from requires a buffer of at least 1111638598 bytes" in deserialize_bytes_tensor).
     on_gpu = block.placement != "cpu"
-    force_cpu = spec.transport == "triton-cpu" or not on_gpu or (spec.transport == "tensormq" and not spec.takes_image)
+    encoded = spec.takes_image and spec.image is not None and spec.image.dtype == "encoded"
+    force_cpu = (spec.transport == "triton-cpu" or not on_gpu or encoded
+                 or (spec.transport == "tensormq" and not spec.takes_image))
     cfg.parameters[FORCE_CPU_PARAM].string_value = "yes" if force_cpu else "no"
     cfg.parameters[SPEC_PARAMETER].string_value = spec.to_json()
     return cfg

@@ -91,6 +91,11 @@ def test_gpu_blocks_take_the_image_where_the_client_put_it() -> None:
     # A TensorMQ plan: the first block and the references take a CUDA shared-memory image on the
     # GPU, with no copy through the host; tickets are host bytes.
     assert [force_cpu(files, m) for m in ("r50_s0", "cls_a__ref", "r50_s1", "r50_s3a")] == ["no", "no", "yes", "yes"]
+    enc = yaml.safe_load(yaml.safe_dump(raw))
+    for model in enc["models"].values():
+        model["input"] = {"dtype": "encoded"}
+    # JPEG/PNG files are deserialised by the stub on the host: taken in host memory.
+    assert force_cpu(generator.render(parse_plan(enc)), "r50_s0") == "yes"
     raw["defaults"]["placement"] = "cpu"  # a CPU block takes everything in host memory
     files = generator.render(parse_plan(raw))
     assert {force_cpu(files, m) for m in ("r50_s0", "cls_a__ref", "r50_s1")} == {"yes"}
