@@ -30,7 +30,7 @@ def takes_encoded(spec: ModelSpec) -> bool:
 
 def fed_shapes(spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
     """Per-sample shape of every tensor ``spec``'s runner is fed: as they arrive, except an encoded
-    image, which arrives as ``[1]`` (one file's bytes) and is fed decoded, ``input_shape``."""
+    image, which arrives as ``[-1]`` (one file's bytes, padded) and is fed decoded, ``input_shape``."""
     return (tuple(spec.input_shape), *spec.extra_in_shapes) if takes_encoded(spec) else spec.in_shapes
 
 

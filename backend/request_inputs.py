@@ -70,19 +70,18 @@ class RequestInputs:
         return batch, owners
 
     def files(self, request: Any) -> list[bytes]:
-        """A request's encoded images: the bytes of each element of its BYTES ``[n, 1]`` input."""
+        """A request's encoded images: the rows of its uint8 ``[n, L]`` input, each one file's bytes
+        padded to the request's longest (cut at each file's end by the decoder)."""
         tensor = pb_utils.get_input_tensor_by_name(request, self.names[0])
         if tensor is None:
             raise RequestError(f"request has no input {self.names[0]!r}")
-        # BYTES reach the stub deserialised, as a NumPy object array of bytes (no DLPack for them).
-        x = tensor.as_numpy()
-        if x.dtype != np.object_ or x.ndim != 2 or x.shape[1] != 1 or x.shape[0] < 1:
-            raise RequestError(f"input {self.names[0]!r} is {x.dtype} {list(x.shape)}; expected BYTES [n, 1], "
-                               "one JPEG or PNG file's bytes per image")
-        images = list(x[:, 0])
-        if not all(isinstance(v, bytes) for v in images):
-            raise RequestError(f"input {self.names[0]!r} holds elements that are not bytes")
-        return images
+        # By DLPack, as every input: never as_numpy() (the stub's NumPy path reads wrong bytes, see read()).
+        x = from_dlpack(tensor.to_dlpack())
+        if x.dtype != torch.uint8 or x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+            raise RequestError(f"input {self.names[0]!r} is {x.dtype} {list(x.shape)}; expected uint8 [n, L], "
+                               "one JPEG or PNG file's bytes per row, zero-padded to the longest")
+        rows = x.cpu().contiguous().numpy()  # in host memory already (FORCE_CPU_ONLY_INPUT_TENSORS=yes)
+        return [row.tobytes() for row in rows]
 
     def read(self, request: Any, releases: list[Release]) -> list[torch.Tensor]:
         """A request's input tensors (the tensors its tickets name, for TensorMQ)."""

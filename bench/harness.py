@@ -76,8 +76,8 @@ def gpu_used_mib(index: int = 0) -> float:
 
 def task_images(plan: Plan, task: str, n: int, seed: int = 0) -> npt.NDArray[np.generic]:
     """``n`` seeded random images as ``task`` takes them: uint8 noise in its layout for a task whose model
-    takes uint8 images, noise at the network's size encoded as JPEG (BYTES ``[n, 1]``) for one that takes
-    encoded images, else standard normal float32 (already "normalized")."""
+    takes uint8 images, noise at the network's size encoded as JPEG (uint8 ``[n, L]``, one file per row)
+    for one that takes encoded images, else standard normal float32 (already "normalized")."""
     model = plan.models[plan.blocks[plan.tasks[task].path[0]].model]
     rng = np.random.default_rng(seed)
     if model.input is not None and model.input.dtype == "encoded":

@@ -6,14 +6,13 @@ import base64
 import csv
 import json
 import statistics
-import struct
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from blockflow.clients.images import random_jpegs
+from blockflow.clients.images import padded_files, random_jpegs
 from blockflow.core.errors import EnvironmentProblem
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
@@ -28,17 +27,17 @@ SAMPLE_IMAGES = Path(__file__).resolve().parent / "data" / "images"
 def encoded_input_data(dest: Path, files: Sequence[Path] | None = None) -> Path:
     """perf_analyzer's ``--input-data`` JSON at ``dest`` for a task that takes encoded images: one
     request's image per file (``files``, else the sample JPEGs; where those are missing, seeded random
-    ones), sent in turn. perf_analyzer sends a BYTES tensor's ``b64`` content as the tensor's raw
-    bytes, so each is the serialised element: its length (4 bytes, little-endian), then the file."""
+    ones), sent in turn. Each is the uint8 tensor's raw bytes (``b64``) with its shape, ``[L]``: every
+    file zero-padded to the longest, so that a batch of any of them (perf_analyzer's ``-b``, which
+    stacks consecutive entries) is one ``[B, L]`` tensor; the task ignores the padding."""
     images = [f.read_bytes() for f in (files if files is not None else sorted(SAMPLE_IMAGES.glob("*.jpg")))]
-    if not images:
-        images = [bytes(b) for b in random_jpegs(4)[:, 0]]
-    data = [{"IMAGE": {"b64": base64.b64encode(struct.pack("<I", len(b)) + b).decode(), "shape": [1]}} for b in images]
+    rows = padded_files(images) if images else random_jpegs(4)
+    data = [{"IMAGE": {"b64": base64.b64encode(row.tobytes()).decode(), "shape": [len(row)]}} for row in rows]
     dest.write_text(json.dumps({"data": data}))
     return dest
 
 
-def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, concurrency: int | None = None,
+def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: float, concurrency: int | None = None,
                   rate: float | None = None, input_memory: str = "host", output_bytes: int = 0,
                   shm_key_file: Path | None = None, input_data: Path | None = None) -> dict[str, Any]:
     """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
@@ -47,12 +46,13 @@ def perf_analyzer(url: str, model: str, shape: str, batch: int, seconds: float, 
     regions (perf_analyzer's ``--shared-memory cuda|system``), each output's region ``output_bytes`` large,
     registered with the key in ``shm_key_file`` (the server's ``shm_key_file``). ``input_data``: the
     requests' data (perf_analyzer's ``--input-data`` JSON, :func:`encoded_input_data`), else random.
+    ``shape``: the image's (``IMAGE:3,224,224``); None where ``input_data`` gives each entry's.
     """
     pa = perf_analyzer_path()
     if pa is None:
         raise EnvironmentProblem("perf_analyzer not found: run ./scripts/setup.sh (or source scripts/gpu_env.sh on a GPU machine)")
     with tempfile.NamedTemporaryFile(suffix=".csv") as f:
-        cmd = [pa, "-m", model, "-u", url, "-i", "http", "--shape", shape, "-b", str(batch),
+        cmd = [pa, "-m", model, "-u", url, "-i", "http", *(["--shape", shape] if shape else []), "-b", str(batch),
                "--measurement-interval", str(int(seconds * 1000)), "--percentile", "50", "--max-trials", "4",
                "--stability-percentage", "20", "-f", f.name]
         if input_data is not None:

@@ -154,13 +154,14 @@ class Bench:
             raise BlockFlowError(f"unknown input path {cfg.input!r}; choose from {', '.join(INPUTS)}")
         self.task = next(iter(self.plan.tasks.values()))
         c, h, w = self.plan.block_in_shape(self.plan.blocks[self.task.path[0]])
-        self.shape = f"IMAGE:{c},{h},{w}"
+        self.shape: str | None = f"IMAGE:{c},{h},{w}"
         self.image_shape = (c, h, w)
-        # A task that takes encoded images is sent real JPEGs (one file's bytes per image), not random bytes.
+        # A task that takes encoded images is sent real JPEGs (one file's bytes per row, padded to the
+        # longest), not random bytes; the data file gives their shape.
         self.input_data: Path | None = None
         first = self.plan.models[self.plan.blocks[self.task.path[0]].model]
         if first.input is not None and first.input.dtype == "encoded":
-            self.shape = "IMAGE:1"
+            self.shape = None
             self.input_data = encoded_input_data(Path(tempfile.mkdtemp(prefix="bench-images-")) / "images.json")
         last = self.plan.blocks[self.task.path[-1]]
         self.output_bytes = 4 * math.prod(self.plan.block_out_shape(last)) * max(cfg.batches)

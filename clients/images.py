@@ -3,13 +3,14 @@
 Inputs are prepared the way torchvision's ImageNet models were trained: RGB, resized (bilinear,
 antialiased), scaled to [0, 1] and normalised with ImageNet's mean and standard deviation; for a
 task that takes uint8 images, RGB and resized only (the task normalises them on its GPU); for a task
-that takes encoded images, the files' bytes as they are (the task decodes and resizes them).
+that takes encoded images, the files' bytes as they are (the task decodes and resizes them), one
+file per row of a uint8 ``[batch, L]`` array, zero-padded to the longest (:func:`padded_files`).
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -49,30 +50,39 @@ def load_image_uint8(path: Path, height: int, width: int, layout: Literal["CHW",
     return rgb if layout == "HWC" else np.ascontiguousarray(rgb.transpose(2, 0, 1))
 
 
-def image_files(paths: Iterable[str | Path]) -> npt.NDArray[np.object_]:
+def padded_files(files: Sequence[bytes | bytearray]) -> npt.NDArray[np.uint8]:
+    """``files`` (each a JPEG or PNG file's bytes) as one batch for a task that takes encoded images: a
+    uint8 ``[batch, L]`` array, one file per row, zero-padded to the longest file ``L`` (the task cuts
+    each row at its file's end and ignores what follows)."""
+    if not files:
+        raise ClientError("no image files given")
+    out = np.zeros((len(files), max(len(f) for f in files)), dtype=np.uint8)
+    for row, data in zip(out, files, strict=True):
+        row[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def image_files(paths: Iterable[str | Path]) -> npt.NDArray[np.uint8]:
     """The files at ``paths`` (JPEG or PNG), their bytes as they are, as one batch for a task that takes
-    encoded images: an object array ``[batch, 1]`` (what ``TaskClient.infer`` sends as BYTES)."""
+    encoded images: uint8 ``[batch, L]``, zero-padded to the longest (:func:`padded_files`)."""
     data = []
     for path in map(Path, paths):
         if not path.is_file():
             raise ClientError(f"image file not found: {path}")
         data.append(path.read_bytes())
-    if not data:
-        raise ClientError("no image files given")
-    out = np.empty((len(data), 1), dtype=object)
-    out[:, 0] = data
-    return out
+    return padded_files(data)
 
 
-def random_jpegs(n: int, height: int = 224, width: int = 224, seed: int = 0) -> npt.NDArray[np.object_]:
-    """``n`` seeded random RGB images encoded as JPEG (quality 90), as a batch for an encoded task."""
+def random_jpegs(n: int, height: int = 224, width: int = 224, seed: int = 0) -> npt.NDArray[np.uint8]:
+    """``n`` seeded random RGB images encoded as JPEG (quality 90), as a batch for an encoded task
+    (:func:`padded_files`)."""
     rng = np.random.default_rng(seed)
-    out = np.empty((n, 1), dtype=object)
-    for i in range(n):
+    files = []
+    for _ in range(n):
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
-        out[i, 0] = buf.getvalue()
-    return out
+        files.append(buf.getvalue())
+    return padded_files(files)
 
 
 def class_names(n: int) -> list[str]:

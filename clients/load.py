@@ -67,16 +67,16 @@ async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out
 async def _inputs(client: AsyncTaskClient, spec: LoadSpec) -> dict[str, Images]:
     """Each task's (seeded, random) batch, in the dtype its input takes: standard normal float32, uint8
     noise for a task that takes uint8 images, or noise encoded as JPEG for one that takes encoded images."""
-    floats = np.random.default_rng(spec.seed).standard_normal((spec.batch, *spec.shape), dtype=np.float32)
     out: dict[str, Images] = {}
     for task in dict.fromkeys(spec.tasks):
         try:
             kind = await client.input_of(task)
         except ClientError:  # its requests fail and say why
             kind = TaskInput()
+        rng = np.random.default_rng(spec.seed)
         out[task] = (random_jpegs(spec.batch, seed=spec.seed) if kind.encoded else
-                     np.random.default_rng(spec.seed).integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8)
-                     if kind.uint8 else floats)
+                     rng.integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8) if kind.uint8 else
+                     rng.standard_normal((spec.batch, *spec.shape), dtype=np.float32))
     return out
 
 

@@ -1,6 +1,7 @@
 """What a task's ``IMAGE`` input takes (datatype and one image's shape, from its metadata), and the check
 that images a client sends are of that kind: refused, never cast, when they are not. A task whose plan
-says ``input: {dtype: encoded}`` takes JPEG or PNG files' bytes (Triton BYTES ``[batch, 1]``)."""
+says ``input: {dtype: encoded}`` takes JPEG or PNG files' bytes: Triton UINT8 ``[batch, L]``, one file per
+row, zero-padded to the longest (:func:`blockflow.clients.images.padded_files`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
+from blockflow.clients.images import padded_files
 from blockflow.core.errors import ClientError
 from blockflow.core.spec import IMAGE
 
 
 @dataclass(frozen=True)
 class TaskInput:
-    """What a task's ``IMAGE`` takes: Triton's datatype (``FP32``, ``UINT8``, or ``BYTES``: encoded
-    files) and one image's shape (``(1,)`` for encoded: one file's bytes)."""
+    """What a task's ``IMAGE`` takes: Triton's datatype (``FP32`` or ``UINT8``) and one image's shape:
+    ``[3, H, W]`` or ``[H, W, 3]`` for pixels, ``(-1,)`` for encoded files (``UINT8``, one file's bytes
+    per row, of any length)."""
 
     datatype: str = "FP32"
     shape: tuple[int, ...] | None = None  # None: not known (a model without an IMAGE input)
@@ -28,11 +31,13 @@ class TaskInput:
 
     @property
     def uint8(self) -> bool:
-        return self.datatype == "UINT8"
+        """uint8 pixels (not files)."""
+        return self.datatype == "UINT8" and not self.encoded
 
     @property
     def encoded(self) -> bool:
-        return self.datatype == "BYTES"
+        """JPEG or PNG files' bytes: uint8 rows of any length."""
+        return self.datatype == "UINT8" and self.shape == (-1,)
 
     @staticmethod
     def of(meta: Any) -> TaskInput:
@@ -42,19 +47,26 @@ class TaskInput:
         for i in inputs:
             if i["name"] == IMAGE:
                 shape = tuple(int(d) for d in i["shape"])
-                return TaskInput(str(i["datatype"]), (1,) if i["datatype"] == "BYTES" else shape[-3:])
+                # [batch, L]: encoded files (a network's image has three axes).
+                return TaskInput(str(i["datatype"]), shape[-1:] if len(shape) <= 2 else shape[-3:])
         return TaskInput()
 
     def check(self, task: str, images: Any) -> Any:
         """``images`` as the task takes them (contiguous; numpy stays numpy, torch stays torch). A float
         array for a uint8 task (or uint8 for a float one) is refused, never cast: the values would be
-        scaled wrongly, not merely rounded. For an encoded task: the files' bytes as an object array
-        ``[batch, 1]`` (given as bytes, a sequence of bytes, or such an array); arrays of pixels are refused."""
+        scaled wrongly, not merely rounded. For an encoded task: the files as a uint8 ``[batch, L]`` array,
+        zero-padded to the longest (given as bytes, a sequence of bytes, or such an array); arrays of
+        pixels are refused."""
         listed = isinstance(images, (list, tuple))
         if self.encoded:
-            files = listed or isinstance(images, (bytes, bytearray)) or getattr(images, "dtype", None) == np.object_
-            return _files(task, images) if files else self._refuse_pixels(task, images)
-        if isinstance(images, (bytes, bytearray)) or getattr(images, "dtype", None) == np.object_ or (
+            if listed or isinstance(images, (bytes, bytearray)):
+                return _files(task, images)
+            if not _rows(images):
+                self._refuse_pixels(task, images)
+            if 0 in images.shape:
+                raise ClientError(f"images for {task!r} must be one or more JPEG or PNG files' bytes, got shape {list(images.shape)}")
+            return _contiguous(images)
+        if isinstance(images, (bytes, bytearray)) or getattr(images, "dtype", None) == np.object_ or _rows(images) or (
                 listed and any(isinstance(b, (bytes, bytearray)) for b in images)):
             raise ClientError(f"task {task!r} takes {'uint8' if self.uint8 else 'float32'} image arrays, not encoded files' "
                               "bytes: decode them first (blockflow.clients.images.load_image"
@@ -70,23 +82,33 @@ class TaskInput:
                               + ("send the image's uint8 values (blockflow.clients.images.load_image_uint8), "
                                  "not normalised floats; the task normalises them on the GPU" if self.uint8 else
                                  "send float32 images normalised as the model expects (blockflow.clients.images.load_image)"))
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(images, torch.Tensor):
-            return images.detach().to(torch.uint8 if self.uint8 else torch.float32).contiguous()
-        return np.ascontiguousarray(images, dtype=np.uint8 if self.uint8 else np.float32)
+        return _contiguous(images, self.uint8)
 
     @staticmethod
     def _refuse_pixels(task: str, images: Any) -> NoReturn:
         got = str(getattr(images, "dtype", type(images).__name__)).removeprefix("torch.")
+        shape = list(getattr(images, "shape", ()))
         raise ClientError(f"task {task!r} takes encoded images (JPEG or PNG files' bytes, one per image), got a {got} "
-                          "array: send the files as they are (blockflow.clients.images.image_files), not decoded pixels")
+                          f"array of shape {shape}: send the files as they are (blockflow.clients.images.image_files: "
+                          "uint8 [batch, L], one file per row, zero-padded to the longest), not decoded pixels")
+
+
+def _rows(images: Any) -> bool:
+    """Whether ``images`` is a uint8 ``[batch, L]`` array (numpy or torch): files' bytes, one per row."""
+    return getattr(images, "ndim", None) == 2 and str(images.dtype).removeprefix("torch.") == "uint8"
+
+
+def _contiguous(images: Any, uint8: bool = True) -> Any:
+    """``images`` (numpy or torch) contiguous, in uint8 or float32."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(images, torch.Tensor):
+        return images.detach().to(torch.uint8 if uint8 else torch.float32).contiguous()
+    return np.ascontiguousarray(images, dtype=np.uint8 if uint8 else np.float32)
 
 
 def _files(task: str, images: Any) -> Any:
-    """Encoded ``images`` as the object array ``[batch, 1]`` of bytes a BYTES input takes."""
-    items = [images] if isinstance(images, (bytes, bytearray)) else list(np.asarray(images, dtype=object).reshape(-1))
+    """Encoded ``images`` (one file's bytes, or a sequence of them) as the uint8 ``[batch, L]`` array the task takes."""
+    items = [images] if isinstance(images, (bytes, bytearray)) else list(images)
     if not items or not all(isinstance(b, (bytes, bytearray)) and b for b in items):
         raise ClientError(f"images for {task!r} must be one or more JPEG or PNG files' bytes (non-empty bytes each)")
-    out = np.empty((len(items), 1), dtype=object)
-    out[:, 0] = [bytes(b) for b in items]
-    return out
+    return padded_files(items)

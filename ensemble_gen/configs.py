@@ -34,8 +34,9 @@ DIGEST_PARAMETER = "blockflow.digest"
 HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
 
 
-# Triton's type of each way a task's image arrives (encoded: one JPEG or PNG file's bytes per image).
-IMAGE_TYPES = {"float32": mc.TYPE_FP32, "uint8": mc.TYPE_UINT8, "encoded": mc.TYPE_STRING}
+# Triton's type of each way a task's image arrives (encoded: one JPEG or PNG file's bytes per image, a
+# row of a uint8 [n, L] tensor zero-padded to the request's longest file; not BYTES: see python_model_config).
+IMAGE_TYPES = {"float32": mc.TYPE_FP32, "uint8": mc.TYPE_UINT8, "encoded": mc.TYPE_UINT8}
 
 
 def image_type(spec: ModelSpec) -> int:
@@ -75,8 +76,13 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.backend = "python"
     cfg.max_batch_size = spec.max_batch_size
     tmq = spec.transport == "tensormq"
+    encoded = spec.takes_image and spec.image is not None and spec.image.dtype == "encoded"
     if spec.takes_image:
-        cfg.input.append(_tensor(IMAGE, spec.in_shape, mc.ModelInput, image_type(spec)))
+        image = mc.ModelInput()
+        image.CopyFrom(_tensor(IMAGE, spec.in_shape, mc.ModelInput, image_type(spec)))
+        # Files of different lengths: requests of any L batch together (the stub hands each its own tensor).
+        image.allow_ragged_batch = encoded
+        cfg.input.append(image)
     elif tmq:  # a TensorMQ hop carries one 256-byte ticket per sample
         cfg.input.append(_tensor(ACTIVATION_IN, [TICKET_BYTES], mc.ModelInput, mc.TYPE_UINT8))
     else:  # one input per tensor that crosses the cut
@@ -110,11 +116,12 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     #   ``DeviceInputs.own``), when the server takes the pool's buffer back.
     # So a GPU block that takes the image takes it on the GPU, never through the host. TensorMQ tickets are
     # 256 host bytes: they stay in host memory; so does everything of a CPU block or a
-    # triton-cpu plan. So do JPEG/PNG files (BYTES): the stub deserialises them on the host, and with
-    # =no the first block's stub on an H200 read a file's bytes wrong and aborted (r24.10, H200,
-    # 2026-11-29: "unpack_from requires a buffer of at least 1111638598 bytes" in deserialize_bytes_tensor).
+    # triton-cpu plan. So do JPEG/PNG files (uint8 [n, L]): the block parses them on the host (headers,
+    # limits) and nvJPEG takes host bytes, so GPU memory would gain nothing. They are not BYTES: the
+    # stub's BYTES path (deserialize_bytes_tensor over a NumPy view of the buffer) read wrong bytes and
+    # aborted the stub under NumPy 2 (r24.10 stub, H200 machine, 2026-11-29: "unpack_from requires a
+    # buffer of at least 1111638598 bytes"), and a client must never be able to crash a stub.
     on_gpu = block.placement != "cpu"
-    encoded = spec.takes_image and spec.image is not None and spec.image.dtype == "encoded"
     force_cpu = (spec.transport == "triton-cpu" or not on_gpu or encoded
                  or (spec.transport == "tensormq" and not spec.takes_image))
     cfg.parameters[FORCE_CPU_PARAM].string_value = "yes" if force_cpu else "no"

@@ -185,12 +185,12 @@ def _print_endpoints(serving: Serving, written: Path | None) -> None:
     out.print("try:")
     out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
     out.print(f"  blockflow infer {first.name} --random --protocol grpc --url {server.grpc_url}")
-    images = ""
-    if image == "1":  # a task that takes encoded images needs real files' bytes: random ones fail as not JPEG/PNG
+    images = f" --shape IMAGE:{image}"
+    if image == "-1":  # encoded images need real files' bytes (random ones fail as not JPEG/PNG); the data gives their shape
         images = " --input-data images.json"
         out.print("  python -c \"from pathlib import Path; from blockflow.bench.perf_analyzer import encoded_input_data; "
                   "encoded_input_data(Path('images.json'))\"")
-    out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --shape IMAGE:{image} --concurrency-range 1:4 -b 1{images}")
+    out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --concurrency-range 1:4 -b 1{images}")
     if serving.control is not None:
         out.print(f"  control {serving.control.url} (bearer token in {serving.token_path})")
         out.print(f"  blockflow apply PLAN --url {serving.control.url} --token-file {serving.token_path}")

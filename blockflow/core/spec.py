@@ -20,8 +20,9 @@ def hop_dtype(precision: Precision) -> HopDtype:
     """The dtype of the tensors a block of ``precision`` hands to the next block."""
     return "fp16" if precision == "fp16" else "bf16" if precision == "bf16" else "fp32"
 TransportName = Literal["tensormq", "triton-gpu", "triton-cpu"]
-# How a task's image arrives: its element type (``encoded``: a JPEG or PNG file's bytes, one Triton
-# BYTES element per image) and axis order (CHW: ``[3, H, W]``, HWC: ``[H, W, 3]``).
+# How a task's image arrives: its element type (``encoded``: a JPEG or PNG file's bytes, one row of a
+# Triton UINT8 ``[n, L]`` tensor per image, zero-padded to the longest) and axis order (CHW:
+# ``[3, H, W]``, HWC: ``[H, W, 3]``).
 ImageDtype = Literal["float32", "uint8", "encoded"]
 ImageLayout = Literal["CHW", "HWC"]
 # torchvision's ImageNet normalisation (on [0, 1] values), what its trained classifiers expect.
@@ -74,9 +75,9 @@ class ImageInput(_Strict):
 
     def shape(self, chw: tuple[int, ...]) -> tuple[int, ...]:
         """The image tensor's per-sample shape for a network that takes ``chw`` (``[3, H, W]``):
-        ``[1]`` (one file's bytes) for encoded images."""
+        ``[-1]`` for encoded images (one file's bytes, padded to the request's longest)."""
         if self.dtype == "encoded":
-            return (1,)
+            return (-1,)
         return (*chw[1:], chw[0]) if self.layout == "HWC" else tuple(chw)
 
 

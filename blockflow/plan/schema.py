@@ -84,7 +84,8 @@ class ModelDef(_Strict):
     input_shape: list[int] = Field(default_factory=lambda: [3, 224, 224])
     num_classes: int = Field(default=1000, ge=1, le=100_000)
     # How tasks send the image (input_shape stays [3, H, W]; with layout HWC the tensor is [H, W, 3];
-    # encoded: one file's bytes per image, decoded and resized to input_shape by the first block).
+    # encoded: one file's bytes per image, uint8 [-1] padded to the request's longest, decoded and
+    # resized to input_shape by the first block).
     input: InputDef | None = None
 
     @model_validator(mode="after")

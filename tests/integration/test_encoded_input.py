@@ -1,7 +1,8 @@
 """A task that takes JPEG/PNG files' bytes (tests/plans/encoded.yaml, served by the shared server): its
 block decodes and resizes them and answers as the uint8 task of the same weights (uint8_hwc.yaml) does
-for the decoded image; a bad file fails its own request alone; ``blockflow infer --image`` sends the
-file as it is and perf_analyzer sends real JPEGs through its ``--input-data``."""
+for the decoded image (several files in one request: uint8 rows padded to the longest); a bad file
+fails its own request alone; ``blockflow infer --image`` sends the file as it is and perf_analyzer
+sends real JPEGs through its ``--input-data``."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_jpeg_and_png_answer_as_the_uint8_task_for_the_decoded_image(served: Ser
     files = image_files([JPEG, PNG])
     with TaskClient(served.http) as c:
         kind = c.input_of(TASK)
-        assert (kind.datatype, kind.shape, kind.encoded) == ("BYTES", (1,), True)
+        assert (kind.datatype, kind.shape, kind.encoded) == ("UINT8", (-1,), True)
+        assert files.shape == (2, len(JPEG.read_bytes()))  # the PNG's row padded to the JPEG's length
         want = c.infer(U8_TASK, np.stack([_hwc(JPEG), _hwc(PNG)]))
         got = c.infer(TASK, files)
         ref = c.infer(naming.reference_model(TASK, False), files)
@@ -104,7 +106,8 @@ def test_cli_sends_the_file_and_perf_analyzer_real_jpegs(served: Served, tmp_pat
         pytest.fail("perf_analyzer not found; run ./scripts/setup.sh")
     data = encoded_input_data(tmp_path / "images.json")
     res = subprocess.run(
-        [pa, "-m", TASK, "-u", served.http, "--input-data", str(data), "--shape", "IMAGE:1", "-b", "2", "--concurrency-range", "1",
+        # No --shape: each entry of the data file gives its own ([L], the files padded to the longest).
+        [pa, "-m", TASK, "-u", served.http, "--input-data", str(data), "-b", "2", "--concurrency-range", "1",
          "--measurement-mode", "count_windows", "--measurement-request-count", "10", "--max-trials", "3",
          "--stability-percentage", "999"],
         capture_output=True, text=True, timeout=300, check=False,

@@ -1,6 +1,7 @@
 """Tasks that take JPEG/PNG files' bytes (``input: {dtype: encoded}``): the plan's checks, the configs
-(BYTES ``[1]`` wherever the image goes), the decoder on the CPU (formats, resize, what it refuses),
-the block fed the decoded batch, the client's checks and perf_analyzer's input data."""
+(uint8 ``[-1]``, ragged-batched, wherever the image goes), the decoder on the CPU (padded rows cut at
+their file's end, formats, resize, what it refuses), the block fed the decoded batch, the client's
+checks and perf_analyzer's input data."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from torchvision.io import ImageReadMode, decode_image
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.backend import image_decode
-from blockflow.backend.image_decode import ImageDecoder
+from blockflow.backend.image_decode import ImageDecoder, file_of
 from blockflow.backend.runtime import BlockRunner
 from blockflow.bench.harness import task_images
 from blockflow.bench.perf_analyzer import SAMPLE_IMAGES, encoded_input_data
-from blockflow.clients.images import image_files, random_jpegs
+from blockflow.clients.images import image_files, padded_files, random_jpegs
 from blockflow.clients.task_input import TaskInput
 from blockflow.core.errors import ClientError, PlanError, RequestError
 from blockflow.core.spec import IMAGENET_MEAN, IMAGENET_STD, ImageInput
@@ -69,17 +70,20 @@ def _fitted(data: bytes, h: int, w: int) -> torch.Tensor:
     return x
 
 
-def test_plan_takes_encoded_images_as_bytes_everywhere_the_image_goes() -> None:
+def test_plan_takes_encoded_images_as_padded_uint8_rows_everywhere_the_image_goes() -> None:
     plan = parse_plan(_plan("{dtype: encoded}"))
     spec = block_spec(plan, plan.blocks["a"], "tensormq")
     assert spec.image == ImageInput(dtype="encoded", mean=IMAGENET_MEAN, std=IMAGENET_STD)  # imagenet by default
-    assert spec.in_shape == (1,) and plan.models["r18"].image_shape == (1,)
+    assert spec.in_shape == (-1,) and plan.models["r18"].image_shape == (-1,)
     assert block_spec(plan, plan.blocks["b"], "tensormq").image is None
     configs = {path: parse_pbtxt(data.decode()) for path, data in generator.render(plan).items() if path.endswith("config.pbtxt")}
     takes = {path.split("/")[0]: cfg.input[0] for path, cfg in configs.items() if cfg.input[0].name == "IMAGE"}
     # The block, the ensembles, both references and the eager fp32 one (the task runs in fp16).
     assert {"a", "t", "t__ref", "t__ref_graph", "t__ref_fp32"} <= set(takes)
-    assert all(i.data_type == mc.TYPE_STRING and list(i.dims) == [1] for i in takes.values())
+    assert all(i.data_type == mc.TYPE_UINT8 and list(i.dims) == [-1] for i in takes.values())
+    # Requests of different lengths batch together in the blocks; the ensembles do not batch.
+    assert {m for m, i in takes.items() if i.allow_ragged_batch} == {"a", "t__ref", "t__ref_graph", "t__ref_fp32"}
+    assert configs["a/config.pbtxt"].parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"
     none = parse_plan(_plan("{dtype: encoded, normalize: none}"))
     assert block_spec(none, none.blocks["a"], "tensormq").image == ImageInput(dtype="encoded")
 
@@ -114,9 +118,13 @@ def test_bad_images_fail_their_own_request_alone(monkeypatch: pytest.MonkeyPatch
     png[16:24] = struct.pack(">II", 8000, 6000)
     png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
     cmyk = _encoded(Image.new("CMYK", (16, 16), (0, 255, 0, 0)), "JPEG")  # magenta; decoded on the CPU, like PNGs
+    corrupt = bytearray(PNG.read_bytes())  # its chunks whole, its compressed pixels not
+    idat = corrupt.index(b"IDAT") + 8
+    corrupt[idat:idat + 64] = bytes(64)
     got = ImageDecoder((3, 32, 32), CPU).decode([[jpeg], [jpeg, jpeg[: len(jpeg) // 2]], [gif], [bytes(png)], [],
-                                                 [jpeg[:-2]], [PNG.read_bytes()[:-40]], [cmyk], [b"\xff\xd8\xff" + b"\0" * 50]])
-    assert [type(g).__name__ for g in got] == ["Tensor", *["RequestError"] * 6, "Tensor", "RequestError"]
+                                                 [jpeg[:-2]], [bytes(corrupt)], [cmyk], [b"\xff\xd8\xff" + b"\0" * 50],
+                                                 [PNG.read_bytes()[:-40]]])
+    assert [type(g).__name__ for g in got] == ["Tensor", *["RequestError"] * 6, "Tensor", *["RequestError"] * 2]
     messages = [str(g) for g in got if isinstance(g, RequestError)]
     assert "image 1 of the request is a truncated JPEG" in messages[0]
     assert "neither a JPEG nor a PNG" in messages[1]
@@ -124,10 +132,30 @@ def test_bad_images_fail_their_own_request_alone(monkeypatch: pytest.MonkeyPatch
     assert "no image" in messages[3] and "truncated JPEG" in messages[4]
     assert "cannot be decoded" in messages[5] and ".cpp" not in messages[5]
     assert "unreadable header" in messages[6]
+    assert "image 0 of the request is a truncated PNG" in messages[7]
     assert isinstance(got[7], torch.Tensor) and got[7][0, :, 0, 0].tolist() == [255, 0, 255]
     monkeypatch.setattr(image_decode, "MAX_BYTES", len(jpeg) - 1)
     [big] = ImageDecoder((3, 32, 32), CPU).decode([[jpeg]])
     assert isinstance(big, RequestError) and "over the limit" in str(big)
+
+
+def test_a_padded_row_is_cut_to_exactly_its_file_and_a_row_without_an_end_fails_alone() -> None:
+    jpeg, png = JPEG.read_bytes(), PNG.read_bytes()
+    rows = padded_files([jpeg, png])  # the PNG row: its file, then zeros up to the JPEG's length
+    assert rows.shape == (2, len(jpeg)) and not rows[1, len(png):].any()
+    assert file_of(rows[0].tobytes(), 0) == jpeg and file_of(rows[1].tobytes(), 1) == png
+    # Whatever follows a file's end is ignored, not only zeros.
+    assert file_of(png + b"\xff" * 9, 0) == png and file_of(jpeg + b"junk", 0) == jpeg
+    [x] = ImageDecoder((3, 32, 48), CPU).decode([[r.tobytes() for r in rows]])
+    assert isinstance(x, torch.Tensor) and torch.equal(x[0], _fitted(jpeg, 32, 48)) and torch.equal(x[1], _fitted(png, 32, 48))
+    # A row whose file has no end (cut short, then padded) fails its own request; the others are answered.
+    cut_png, cut_jpeg = padded_files([jpeg, png[:-12]]), padded_files([jpeg[: len(jpeg) // 2], png])
+    got = ImageDecoder((3, 32, 48), CPU).decode([[rows[0].tobytes()], [r.tobytes() for r in cut_png],
+                                                 [r.tobytes() for r in cut_jpeg], [rows[1].tobytes()]])
+    assert [type(g).__name__ for g in got] == ["Tensor", "RequestError", "RequestError", "Tensor"]
+    assert "image 1 of the request is a truncated PNG" in str(got[1])
+    assert "image 0 of the request is a truncated JPEG" in str(got[2])
+    assert torch.equal(got[3][0], x[1])  # type: ignore[index]
 
 
 def test_the_first_block_and_the_reference_take_the_decoded_batch() -> None:
@@ -140,38 +168,55 @@ def test_the_first_block_and_the_reference_take_the_decoded_batch() -> None:
     assert ref.run(x).shape == (2, 10) and first.run(x).shape[0] == 2
 
 
-def test_client_checks_bytes_for_an_encoded_task_and_arrays_for_the_others() -> None:
-    kind = TaskInput.of({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1, 1]}]})
-    assert kind.encoded and kind.shape == (1,) and not kind.uint8
+def test_client_sends_files_as_padded_uint8_rows_for_an_encoded_task_and_arrays_for_the_others() -> None:
+    kind = TaskInput.of({"inputs": [{"name": "IMAGE", "datatype": "UINT8", "shape": [-1, -1]}]})
+    assert kind.encoded and kind.shape == (-1,) and not kind.uint8
+    pixels = TaskInput.of({"inputs": [{"name": "IMAGE", "datatype": "UINT8", "shape": [-1, 32, 32, 3]}]})
+    assert pixels.uint8 and not pixels.encoded and pixels.layout == "HWC"
+    jpeg, png = JPEG.read_bytes(), PNG.read_bytes()
     files = image_files([JPEG, PNG])
-    assert files.shape == (2, 1) and files[0, 0] == JPEG.read_bytes()
-    for given in (files, [JPEG.read_bytes(), PNG.read_bytes()], files[:, 0]):
+    assert files.dtype == np.uint8 and files.shape == (2, len(jpeg)) and files[0].tobytes() == jpeg
+    assert files[1, :len(png)].tobytes() == png and not files[1, len(png):].any()
+    for given in (files, [jpeg, png], (jpeg, png), torch.from_numpy(files)):
         sent = kind.check("t", given)
-        assert sent.dtype == object and sent.shape == (2, 1) and sent[1, 0] == PNG.read_bytes()
-    assert kind.check("t", JPEG.read_bytes()).shape == (1, 1)
+        assert str(sent.dtype).removeprefix("torch.") == "uint8" and tuple(sent.shape) == (2, len(jpeg))
+        assert bytes(np.asarray(sent)[1, :len(png)]) == png
+    assert kind.check("t", jpeg).shape == (1, len(jpeg))
     with pytest.raises(ClientError, match="takes encoded images.*image_files"):
-        kind.check("t", np.zeros((1, 3, 32, 32), np.uint8))
+        kind.check("t", np.zeros((1, 3, 32, 32), np.uint8))  # a 4-D uint8 array is pixels, not files
+    with pytest.raises(ClientError, match="takes encoded images.*float32"):
+        kind.check("t", np.zeros((2, 100), np.float32))
     with pytest.raises(ClientError, match="non-empty bytes"):
         kind.check("t", [b""])
+    with pytest.raises(ClientError, match="one or more JPEG or PNG"):
+        kind.check("t", np.zeros((0, 10), np.uint8))
     u8 = TaskInput("UINT8", (3, 32, 32))
     with pytest.raises(ClientError, match="takes uint8 image arrays, not encoded"):
         u8.check("t", files)
+    with pytest.raises(ClientError, match="takes uint8 image arrays, not encoded"):
+        u8.check("t", [jpeg])
     with pytest.raises(ClientError, match="image file not found"):
         image_files([ROOT / "no-such.jpg"])
+    with pytest.raises(ClientError, match="no image files"):
+        padded_files([])
     jpegs = random_jpegs(3, 24, 40, seed=1)
-    assert jpegs.shape == (3, 1) and Image.open(io.BytesIO(jpegs[2, 0])).size == (40, 24)
+    assert jpegs.dtype == np.uint8 and jpegs.shape[0] == 3
+    assert Image.open(io.BytesIO(jpegs[2].tobytes())).size == (40, 24)
 
 
 def test_bench_inputs_for_an_encoded_task_are_jpeg_files(tmp_path: Path) -> None:
     plan = load_plan(ROOT / "plans" / "bench_r50_jpeg.yaml")
     x = task_images(plan, "r50", 2, seed=3)
-    assert x.shape == (2, 1) and Image.open(io.BytesIO(x[0, 0])).format == "JPEG"
-    assert Image.open(io.BytesIO(x[0, 0])).size == (224, 224)
+    assert x.dtype == np.uint8 and x.ndim == 2 and x.shape[0] == 2
+    with Image.open(io.BytesIO(x[0].tobytes())) as im:
+        assert im.format == "JPEG" and im.size == (224, 224)
     data = json.loads(encoded_input_data(tmp_path / "images.json").read_text())["data"]
-    jpegs = sorted(SAMPLE_IMAGES.glob("*.jpg"))
+    jpegs = [p.read_bytes() for p in sorted(SAMPLE_IMAGES.glob("*.jpg"))]
+    longest = max(map(len, jpegs))
     assert len(data) == len(jpegs) >= 2
-    raw = base64.b64decode(data[0]["IMAGE"]["b64"])  # perf_analyzer sends it as the BYTES tensor's serialised element
-    assert struct.unpack("<I", raw[:4])[0] == len(raw) - 4 and raw[4:] == jpegs[0].read_bytes()
-    assert data[0]["IMAGE"]["shape"] == [1]
+    for entry, jpeg in zip(data, jpegs, strict=True):
+        raw = base64.b64decode(entry["IMAGE"]["b64"])  # the uint8 tensor's raw bytes: the file, then zeros
+        assert entry["IMAGE"]["shape"] == [longest] and len(raw) == longest
+        assert raw[:len(jpeg)] == jpeg and not any(raw[len(jpeg):])
     total = sum(p.stat().st_size for p in SAMPLE_IMAGES.iterdir())
     assert len(list(SAMPLE_IMAGES.iterdir())) <= 5 and total <= 300_000  # the images and their README

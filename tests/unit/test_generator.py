@@ -94,7 +94,7 @@ def test_gpu_blocks_take_the_image_where_the_client_put_it() -> None:
     enc = yaml.safe_load(yaml.safe_dump(raw))
     for model in enc["models"].values():
         model["input"] = {"dtype": "encoded"}
-    # JPEG/PNG files are deserialised by the stub on the host: taken in host memory.
+    # JPEG/PNG files are parsed on the host and nvJPEG takes host bytes: taken in host memory.
     assert force_cpu(generator.render(parse_plan(enc)), "r50_s0") == "yes"
     raw["defaults"]["placement"] = "cpu"  # a CPU block takes everything in host memory
     files = generator.render(parse_plan(raw))
