@@ -32,7 +32,12 @@ def test_each_runs_table_is_the_summary_of_its_rows(results: Path, measured: tup
     rows = [line for line in md.splitlines() if line.startswith("| ") and "×" in line]
     assert len(rows) == len(measured) and "\n".join(lfl.HEADER) in md
     assert f"commit {results.name.rsplit('-', 1)[1]}" in md and "Not measured yet" not in md
-    assert (results / "like_for_like.md").read_text() == md  # the table that run wrote
+    # The table that run wrote; its verdicts against the targets follow the targets in force now.
+    assert _tables((results / "like_for_like.md").read_text()) == _tables(md)
+
+
+def _tables(md: str) -> list[str]:
+    return [line for line in md.splitlines() if not line.startswith("- ")]
 
 
 def test_the_rows_dates_span_from_the_first_started_to_the_last() -> None:
@@ -46,7 +51,7 @@ def test_each_row_is_checked_against_the_targets() -> None:
     assert set(checks) == {r.label for r in FOUR_ROWS}
     assert "split/mono c1 1.292× (meets ≤ 1.3×)" in checks["fp32, host memory"]
     assert "hop 0.437 ms (misses ≤ 0.22 ms)" in checks["fp16, CUDA shared memory"]
-    assert "c32 0.419× (misses ≥ 1×)" in checks["fp16, CUDA shared memory"]
+    assert "c32 0.419× (misses ≥ 0.95×)" in checks["fp16, CUDA shared memory"]
 
 
 def test_a_row_cut_short_is_measured_again(tmp_path: Path) -> None:
@@ -176,3 +181,12 @@ def test_the_best_throughput_over_more_concurrencies_is_shown_against_the_gpu_al
     res["concurrency"][lfl.SPLIT]["128"] = dict(res["concurrency"][lfl.SPLIT]["32"], throughput=6000.0)
     text = lfl.served_over_alone(res)
     assert "best" in text and "split 6000/s = 60% (c128)" in text
+
+
+def test_each_models_best_is_checked_against_the_gpu_alone_where_it_was_measured() -> None:
+    res = json.loads((FIXTURES / "h200" / "like_for_like-2026-11-28-e116978" / "fp16_host" / "results.json").read_text())
+    assert lfl.alone_checks(res) == ""  # measured before the GPU alone was
+    res["meta"]["gpu_alone"] = {"batch1_ms": 0.64, "images_per_s": {"32": 10000.0}}
+    res["concurrency"][lfl.MONO]["128"] = dict(res["concurrency"][lfl.MONO]["32"], throughput=6100.0)
+    text = lfl.alone_checks(res)
+    assert "; unsplit best / GPU alone 0.610 (meets ≥ 0.6)" in text and "; split best / GPU alone 0.2" in text and "misses ≥ 0.6" in text
