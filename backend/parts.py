@@ -55,6 +55,7 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> nn.Module:
     """The stages of one part with its weights (CPU, fp32, eval mode), from ``cache`` if it has them."""
+    spec = part_spec(spec, part)
     if cache is not None:
         kept = cache.load(spec, part)
         if kept is not None:
@@ -63,6 +64,13 @@ def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> 
     if cache is not None:
         cache.store(spec, part, stages)
     return stages
+
+
+def part_spec(spec: ModelSpec, part: Part) -> ModelSpec:
+    """``spec`` with the network ``part`` is cut from (its own, on a path across models)."""
+    if part.network is None:
+        return spec
+    return spec.model_copy(update=part.network.model_dump())
 
 
 def _build_part(spec: ModelSpec, part: Part) -> nn.Module:

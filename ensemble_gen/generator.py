@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -27,6 +27,7 @@ from blockflow.core.spec import (
     Head,
     ModelSpec,
     Part,
+    PartNetwork,
     Precision,
     TransportName,
     head_output,
@@ -111,7 +112,9 @@ def segment_spec(plan: Plan, segment: tuple[Block, ...], transport: TransportNam
 
 
 def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[ModelSpec, Block]:
-    """The model of a head pack: every member's head in one process, deployed like the first head."""
+    """The model of a head pack: every member's head in one process, deployed like the first head. A
+    pack of whole models (``pack: all``) takes the image, as a first block does (its ``image``, its
+    dtype and shape), and each member's ensemble is that one step."""
     first = pack.heads[0][0]
     heads = tuple(Head(task=t, parts=_parts(h)) for t, h in zip(pack.tasks, pack.heads, strict=True))
     spec = _path_spec(plan, "pack", pack.name, list(pack.heads[0]), transport, first.precision, first.cuda_graphs,
@@ -135,7 +138,22 @@ def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> t
         cuda_graphs=graph,
     )
     spec = _path_spec(plan, "reference", task.name, blocks, "triton-gpu", precision, graph, deploy.max_batch_size)
+    last = blocks[-1].model
+    if any(b.model != last for b in blocks):
+        # A path across models (a shared backbone): the network is the last model's (its stages
+        # and output), and each part of another model is cut from that model, with its weights.
+        own = _network(plan, last)
+        parts = tuple(p if b.model == last else p.model_copy(update={"network": PartNetwork(**_network(plan, b.model))})
+                      for p, b in zip(spec.parts, blocks, strict=True))
+        spec = spec.model_copy(update={**own, "parts": parts, "out_dtype": "fp32"})
     return spec, deploy
+
+
+def _network(plan: Plan, model: str) -> dict[str, Any]:
+    """The fields of a spec that name ``model``'s network."""
+    m = plan.models[model]
+    return {"arch": m.network, "cut_points": tuple(m.cut_points), "num_classes": m.num_classes,
+            "input_shape": tuple(m.input_shape), "stage_files": tuple(m.stage_files or ())}
 
 
 

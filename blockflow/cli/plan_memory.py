@@ -39,7 +39,9 @@ def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, a
         out.print(f"calibration: {cal.source} (process {cal.process_mib:.0f} MiB, activation factor {cal.activation_factor:.2f}, "
                   f"server {cal.server_mib:.0f} MiB + CUDA pool {cuda_pool_mb} MiB per GPU)")
     if arch is not None:
-        table = Table(title=f"{arch}, N = {n_tasks} tasks, one GPU: predicted MiB (thesis Table 4.4 scenarios)")
+        table = Table(title=f"{arch}, N = {n_tasks} tasks, one GPU: predicted MiB (thesis Table 4.4 scenarios)",
+                      caption=f"fused + packed: pack: all, pack_size {memory.PACK_SIZE} (class B's and C's heads, and "
+                              "class A's whole models, in packs)")
         for col in ("scenario", "A / B / C", "modular", "fused", "fused + packed", "traditional", "saving", "saving fused",
                     "saving fused + packed", "processes mod / fused / packed / trad"):
             table.add_column(col, justify="right")

@@ -27,7 +27,8 @@ from blockflow.cli.app import JSON, app, emit, err, out
 @JSON
 def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int,
           as_json: bool) -> None:
-    """Send images to a task; print its top-5 classes and the latency."""
+    """Send images to a task; print its top-5 classes (a segmentation task: the classes most of the
+    image's pixels take) and the latency."""
     import numpy as np
 
     from blockflow.clients.client import TaskClient, top_k
@@ -58,6 +59,9 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
             latencies.append(result.latency_ms)
     names = class_names(result.logits.shape[1])
     lat = np.array(latencies)
+    if result.logits.ndim == 4:  # a segmentation map: [classes, H, W] logits per image
+        _print_segmentation(task, result.logits, address.value, protocol, batch, repeat, lat, as_json)
+        return
     if as_json:
         emit({"task": task, "url": address.value, "protocol": protocol, "batch": batch, "requests": repeat,
               "top5": [[{"index": int(i), "class": names[i] if names else str(i), "p": float(p)} for i, p in best]
@@ -66,6 +70,46 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
         return
     for row, best in enumerate(top_k(result.logits, 5)):
         out.print(f"[bold]{task}[/] sample {row}: " + ", ".join(f"{names[i] if names else i} ({p:.3f})" for i, p in best))
+    out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
+              f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
+
+
+# Pascal VOC's classes, which torchvision's segmentation weights (COCO_WITH_VOC_LABELS_V1) answer in.
+VOC_CLASSES = ("__background__", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+               "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor")
+
+
+def pixel_shares(logits: Any, k: int = 5) -> list[list[tuple[int, float]]]:
+    """Per image of ``[batch, classes, H, W]`` logits, the ``k`` classes most pixels take (their
+    argmax), with the share of pixels each takes, largest first."""
+    import numpy as np
+
+    labels = logits.argmax(axis=1).reshape(logits.shape[0], -1)
+    out = []
+    for row in labels:
+        counts = np.bincount(row, minlength=logits.shape[1])
+        best = [int(i) for i in np.argsort(-counts, kind="stable")[:k] if counts[i]]
+        out.append([(i, float(counts[i]) / row.size) for i in best])
+    return out
+
+
+def _print_segmentation(task: str, logits: Any, url: str, protocol: str, batch: int, repeat: int, lat: Any,
+                        as_json: bool) -> None:
+    import numpy as np
+
+    names = VOC_CLASSES if logits.shape[1] == len(VOC_CLASSES) else None
+    shares = pixel_shares(logits)
+    if as_json:
+        emit({"task": task, "url": url, "protocol": protocol, "batch": batch, "requests": repeat,
+              "map_shape": list(logits.shape[1:]),
+              "classes": [[{"index": i, "class": names[i] if names else str(i), "pixels": s} for i, s in best]
+                          for best in shares],
+              "latency_ms": {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "min": float(lat.min())}})
+        return
+    _, classes, h, w = logits.shape
+    for row, best in enumerate(shares):
+        out.print(f"[bold]{task}[/] sample {row}: segmentation {h}×{w}, {classes} classes; by pixel share: "
+                  + ", ".join(f"{i} {names[i] if names else ''}".rstrip() + f" ({s:.1%})" for i, s in best))
     out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
               f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
 

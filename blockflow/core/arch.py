@@ -1,5 +1,5 @@
-"""Base networks and how they are cut into stages: any torchvision classification model, or a
-user's own model exported with ``torch.export`` (a ``.pt2`` file).
+"""Base networks and how they are cut into stages: any torchvision classification or semantic
+segmentation model, or a user's own model exported with ``torch.export`` (a ``.pt2`` file).
 
 A network is named by a torchvision model name or by the path of its ``.pt2`` file. A torchvision
 network is traced into a graph with torch.fx (torchvision's own ``NodePathTracer``, which names
@@ -20,6 +20,12 @@ Parameters and buffers keep their names (``layer2.0.conv1.weight``), so a weight
 the model's own ``state_dict`` fits every block. Seeded weights are made by building the whole
 network under a fixed seed and then cutting it, so a block's weights equal the same stages of the
 full model built with that seed, in every process.
+
+A segmentation network returns ``{'out': logits}`` (its auxiliary classifier is left out): its
+output is that one tensor, ``[num_classes, H, W]`` per sample. It reads the image's size at the
+start and resizes its logits to it at the end; that size is fixed by the plan's ``input_shape``,
+so a network built for one (``build_network`` records it) is traced with the size as a constant,
+and no hop has to carry it.
 """
 
 from __future__ import annotations
@@ -76,14 +82,29 @@ def load_program(path: str, single: bool = True) -> fx.GraphModule:
 
 @lru_cache(maxsize=1)
 def supported_archs() -> tuple[str, ...]:
-    """Every classification model torchvision builds by name."""
+    """Every classification and semantic segmentation model torchvision builds by name."""
     import torchvision.models as tvm
 
-    return tuple(sorted(tvm.list_models(module=tvm)))
+    return tuple(sorted({*tvm.list_models(module=tvm), *segmentation_archs()}))
+
+
+@lru_cache(maxsize=1)
+def segmentation_archs() -> frozenset[str]:
+    """torchvision's semantic segmentation models (DeepLabV3, FCN, LR-ASPP)."""
+    import torchvision.models as tvm
+
+    return frozenset(tvm.list_models(module=tvm.segmentation))
+
+
+# The attribute ``build_network`` records the per-sample input shape in (what ``trace`` folds in).
+INPUT_SHAPE_ATTR = "_blockflow_input_shape"
 
 
 def _factory_kwargs(arch: str, num_classes: int, input_shape: Sequence[int]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes}
+    if arch in segmentation_archs():
+        # No backbone weights (torchvision would download ImageNet ones) and no auxiliary head.
+        kwargs.update(weights_backbone=None, aux_loss=False)
     if arch.startswith("vit_"):  # a ViT's position embedding is sized for one image size
         kwargs["image_size"] = int(input_shape[-1])
     return kwargs
@@ -109,7 +130,13 @@ def build_network(arch: str, num_classes: int, seed: int, input_shape: Sequence[
         net: nn.Module = tvm.get_model(arch, **_factory_kwargs(arch, num_classes, input_shape))
         if next(net.parameters()).device.type != "meta":
             _like_trained(net, input_shape)
+    setattr(net, INPUT_SHAPE_ATTR, tuple(int(d) for d in input_shape))
     return net.eval()
+
+
+def network_output(value: Any) -> Any:
+    """The one output of a network's result (a segmentation network's ``out``)."""
+    return value["out"] if isinstance(value, dict) and "out" in value else value
 
 
 def _like_trained(net: nn.Module, input_shape: Sequence[int]) -> None:
@@ -118,7 +145,7 @@ def _like_trained(net: nn.Module, input_shape: Sequence[int]) -> None:
             if p.dim() >= 2 and not p.any():
                 p.normal_(0.0, 0.02)
         norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        if norms and float(net.eval()(torch.randn(2, *input_shape)).abs().max()) < 1e-3:
+        if norms and float(network_output(net.eval()(torch.randn(2, *input_shape))).abs().max()) < 1e-3:
             for m in norms:
                 m.reset_running_stats()
                 m.momentum = None  # a cumulative average: after one batch, that batch's statistics
@@ -166,12 +193,56 @@ def trace(net: nn.Module) -> Traced:
 
     tracer = NodePathTracer()
     graph = tracer.trace(net)
+    input_shape = getattr(net, INPUT_SHAPE_ATTR, None)
+    if input_shape is not None:
+        _fold_input_size(graph, tuple(input_shape))
     module = fx.GraphModule(tracer.root, graph, type(net).__name__)
     nodes = tuple(module.graph.nodes)
     names: dict[fx.Node, str] = tracer.node_to_qualname
     index = {n: i for i, n in enumerate(nodes)}
     last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
     return Traced(module, nodes, tuple(names.get(n, n.name) for n in nodes), last_use)
+
+
+def _fold_input_size(graph: fx.Graph, input_shape: tuple[int, ...]) -> None:
+    """Replace the input's size, where the network reads it without the batch (``x.shape[-2:]``),
+    by its value: a segmentation network resizes its logits to it at the end, and a value live
+    across every cut that is no tensor would leave no legal cut."""
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        rank = 1 + len(input_shape)
+        for size in list(node.users):
+            if not (size.op == "call_function" and size.target is getattr and size.args[1:] == ("shape",)):
+                continue
+            for user in list(size.users):
+                if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is size):
+                    continue
+                index = user.args[1]
+                if isinstance(index, slice) and not any(isinstance(v, fx.Node) for v in (index.start, index.stop, index.step)):
+                    dims = range(rank)[index]
+                    if 0 in dims:
+                        continue
+                    value: Any = torch.Size(input_shape[d - 1] for d in dims)
+                elif isinstance(index, int) and index % rank != 0:
+                    value = input_shape[index % rank - 1]
+                else:
+                    continue
+                _replace_uses(user, value)
+                graph.erase_node(user)
+            if not size.users:
+                graph.erase_node(size)
+    graph.lint()
+
+
+def _replace_uses(node: fx.Node, value: Any) -> None:
+    """Make every user of ``node`` take the constant ``value`` instead."""
+    def swap(a: Any) -> Any:
+        return value if a is node else a
+
+    for use in list(node.users):
+        use.args = tuple(fx.node.map_aggregate(use.args, swap))
+        use.kwargs = dict(fx.node.map_aggregate(use.kwargs, swap))
 
 
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
@@ -215,8 +286,9 @@ def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: in
 
 
 def only_output(output: fx.Node) -> Any:
-    """What the network returns (an exported program returns its one output in a tuple)."""
-    value = output.args[0]
+    """What the network returns (an exported program returns its one output in a tuple; a
+    segmentation network a dict, whose ``out`` is its output)."""
+    value = network_output(output.args[0])
     return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
 
 

@@ -81,13 +81,25 @@ class ImageInput(_Strict):
         return (*chw[1:], chw[0]) if self.layout == "HWC" else tuple(chw)
 
 
+class PartNetwork(_Strict):
+    """The network a part is cut from where it is not its spec's: a path that goes on from one
+    model's block to another's (a shared backbone) runs, unsplit, parts of both."""
+
+    arch: str
+    cut_points: tuple[str, ...]
+    num_classes: int
+    input_shape: tuple[int, ...]
+    stage_files: tuple[str, ...] = ()
+
+
 class Part(_Strict):
-    """Stages ``first..last`` (inclusive) of the base network, with their weights."""
+    """Stages ``first..last`` (inclusive) of the base network (``network``'s, where given), with their weights."""
 
     block: str
     first: int
     last: int
     weights: WeightsSource
+    network: PartNetwork | None = None
 
 
 class Head(_Strict):
@@ -239,4 +251,6 @@ class ModelSpec(_Strict):
         for part in [*data["parts"], *(p for h in data.get("heads", ()) for p in h["parts"])]:
             if part["weights"]["torchvision"] is None:  # as above: specs without trained weights keep their bytes
                 del part["weights"]["torchvision"]
+            if part["network"] is None:
+                del part["network"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

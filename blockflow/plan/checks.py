@@ -206,12 +206,18 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
         if block.first != expected:
             covers = f"stage {block.first}" if block.first == block.last else f"stages {block.first}-{block.last}"
             yield PlanIssue(loc, f"block {bname!r} covers {covers} but stage {expected} is expected here; "
-                                 f"a path covers its model's stages in order from 0 to the last, each once")
+                                 f"a path covers its model's stages in order from 0 to the last, each once (going on from one "
+                                 "model's block to another's, at the next stage of that model)")
             return
         if prev is not None:
             pb = plan.blocks[prev_name]
             out = [list(t) for t in plan.block_out_shapes(pb)]
             inp = [list(t) for t in plan.block_in_shapes(block)]
+            if out != inp and pb.model != block.model:
+                yield PlanIssue(loc, f"block {bname!r} (model {block.model!r}) takes {_shapes(inp)} but {prev_name!r} "
+                                     f"(model {pb.model!r}) gives {_shapes(out)}; a path goes on from one model's block to "
+                                     "another's only at a cut where the tensors match")
+                return
             if out != inp:
                 yield PlanIssue(loc, f"block {bname!r} takes {_shapes(inp)} but {prev_name!r} gives {_shapes(out)}; "
                                      "use blocks of models whose shapes match at this cut")
@@ -223,12 +229,14 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
         if last_block.last != n - 1:
             yield PlanIssue(f"tasks.{tname}.path", f"path ends at stage {last_block.last} but model {last_block.model!r} "
                                                    f"has stages 0..{n - 1}; add blocks up to stage {n - 1}")
-        nets = {(m.network, tuple(m.stage_files or ()), tuple(m.cut_points), tuple(m.input_shape), m.num_classes)
-                for m in (plan.models[plan.blocks[b].model] for b in task.path)}
-        if len(nets) > 1:
-            # Shapes matched, but the monolithic reference runs the whole path as one network.
-            yield PlanIssue(f"tasks.{tname}.path", "blocks of one path must come from models with the same arch "
-                                                   "or program, cut_points, input_shape and num_classes; use one model definition")
+        shapes = {tuple(plan.models[plan.blocks[b].model].input_shape) for b in task.path}
+        if len(shapes) > 1:
+            # Each hop's shapes matched; the unsplit reference and the task's clients also need one
+            # image size along the path (a path may go on from one model's blocks to another's).
+            models = dict.fromkeys(plan.blocks[b].model for b in task.path)
+            listed = ", ".join(f"{m!r} takes {list(plan.models[m].input_shape)}" for m in models)
+            yield PlanIssue(f"tasks.{tname}.path", f"the models of one path must take the same input_shape, but {listed}; "
+                                                   "give them one input_shape")
 
 
 def _shapes(shapes: list[list[int]]) -> str:

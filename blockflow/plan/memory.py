@@ -6,9 +6,9 @@ Every block instance is a process, and on a GPU each process costs
               ``process_mib`` with CUDA graphs, ``eager_process_mib`` without)
   + weights (parameters and buffers of its stages, at its precision)
   + CUDA-graph pools, with ``cuda_graphs`` (``activation_factor`` x max batch x the largest tensor
-              its stages make per sample; in a head pack, that for its largest head, plus
-              ``pack_head_factor`` x max batch x the largest tensor of each other head: what each
-              further head's graphs keep beside the pool they share. Without graphs, warm-up ends
+              its stages make per sample; in a pack, of heads or of whole models, that for its largest
+              member, plus ``pack_head_factor`` x max batch x the largest tensor of each other member:
+              what each further member's graphs keep beside the pool they share. Without graphs, warm-up ends
               with ``torch.cuda.empty_cache()`` and what remains is in the overhead)
   + its TensorMQ pool (``tensormq.pool_mb``, when it hands activations on over TensorMQ).
 
@@ -33,8 +33,11 @@ from blockflow.core.errors import CalibrationError
 from blockflow.plan import naming
 from blockflow.plan.deployment import Block, Plan
 from blockflow.plan.load import parse_plan
+from blockflow.plan.schema import PlanModel
 
 MODEL_VERSION = 3
+# The plan's default pack_size (blockflow.plan.schema.PlanModel), which the scenarios' packed variant uses.
+PACK_SIZE = int(PlanModel.model_fields["pack_size"].default)
 
 BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
@@ -129,10 +132,11 @@ def _gpus_of(block: Block, gpus: int) -> list[int]:
 
 
 def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gpu: int, pool_mib: float, cal: Calibration) -> Process:
-    """One process running ``chains`` (one chain of consecutive blocks, or a head pack's heads).
+    """One process running ``chains`` (one chain of consecutive blocks, or a pack's members: heads,
+    or whole models).
 
-    A pack pays weights per head, the overhead once, and a graph pool sized by its largest head
-    plus a smaller share for each other head.
+    A pack pays weights per member, the overhead once, and a graph pool sized by its largest member
+    plus a smaller share for each other member.
     """
     m = plan.models[deploy.model]
     params = 0
@@ -200,18 +204,21 @@ SCENARIOS: dict[int, tuple[float, float, float]] = {  # thesis Table 4.4: share 
 }
 
 
-def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> Plan:
+def scenario_plan(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False,
+                  pack_size: int = PACK_SIZE) -> Plan:
     """:func:`scenario_raw` parsed."""
-    return parse_plan(scenario_raw(arch, n_tasks, shares, fuse, pack), source=f"{arch} scenario {shares}")
+    return parse_plan(scenario_raw(arch, n_tasks, shares, fuse, pack, pack_size), source=f"{arch} scenario {shares}")
 
 
-def scenario_raw(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False) -> dict[str, Any]:
+def scenario_raw(arch: str, n_tasks: int, shares: tuple[float, float, float], fuse: bool = True, pack: bool = False,
+                 pack_size: int = PACK_SIZE) -> dict[str, Any]:
     """The thesis' service classes (§4.3) as a plan: class A tasks run a whole network of their own;
     class B share stages 0-1 and own stages 2-3; class C share stages 0-2 and own stage 3.
 
-    With ``pack``, the heads of class B (after the shared stages 0-1) and of class C (after
-    stage 2) run as one head pack each; class A's whole networks stay one model per task, as in
-    the traditional deployment. ``shares`` (1, 0, 0) is the traditional deployment itself."""
+    With ``pack`` (``pack: all``), the heads of class B (after the shared stages 0-1), the heads of
+    class C (after stage 2) and class A's whole networks run in packs of at most ``pack_size``
+    members each (class A's several to a process, where the traditional deployment runs one model
+    per task). ``shares`` (1, 0, 0) without ``pack`` is the traditional deployment itself."""
     n_a = round(n_tasks * shares[0])
     n_b = round(n_tasks * shares[1])
     n_c = n_tasks - n_a - n_b
@@ -232,7 +239,8 @@ def scenario_raw(arch: str, n_tasks: int, shares: tuple[float, float, float], fu
         del blocks["s2"]
     if n_b + n_c == 0:
         del blocks["s0"], blocks["s1"]
-    raw = {"version": 1, "name": f"{arch}-scenario", "fuse": "auto" if fuse else "none", "pack": "heads" if pack else "none",
+    raw = {"version": 1, "name": f"{arch}-scenario", "fuse": "auto" if fuse else "none", "pack": "all" if pack else "none",
+           **({"pack_size": pack_size} if pack else {}),
            "models": {"m": {"arch": arch, "cut_points": ["layer1", "layer2", "layer3"]}},
            "defaults": {"placement": [0]}, "blocks": blocks, "tasks": tasks, "transport": "tensormq",
            # Pools sized to need: 64 MiB holds several batches of 8 of any of these activations.
@@ -241,7 +249,8 @@ def scenario_raw(arch: str, n_tasks: int, shares: tuple[float, float, float], fu
 
 
 def scenario_table(arch: str, n_tasks: int, cal: Calibration, cuda_pool_mb: int = 2048) -> list[dict[str, float]]:
-    """Predicted GPU memory (one GPU) for the eight scenarios: modular, fused, fused with packed heads, traditional."""
+    """Predicted GPU memory (one GPU) for the eight scenarios: modular, fused, fused and packed (heads
+    and class A's whole models, ``pack: all``, packs of the default ``pack_size``), traditional."""
     rows = []
     for number, shares in SCENARIOS.items():
         variants = {"modular": scenario_plan(arch, n_tasks, shares, fuse=False),

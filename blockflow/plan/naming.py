@@ -7,6 +7,9 @@
 * Blocks fused into one model (``fuse: auto``) are named ``<first>__to__<last>``.
 * Task heads packed into one model (``pack: heads``) after segment ``<seg>``
   are ``<seg>__heads`` (``<seg>__heads2``, … when several packs follow it).
+* Whole models packed into one model (``pack: all``) are ``<seg>__pack``, after the deployed
+  segment of the pack's first member (no other task runs it, so the name is the pack's alone;
+  a live change that gives that segment a stand-in renames the pack with it).
 * The monolithic references of a task (same weights, unsplit, in the task's precision) are
   ``<task>__ref`` (eager) and ``<task>__ref_graph`` (CUDA graphs); a task in another precision
   than fp32 also gets ``<task>__ref_fp32`` (eager, fp32) to check its accuracy against.
@@ -49,3 +52,8 @@ def segment_model(blocks: list[str] | tuple[str, ...]) -> str:
 def head_pack(after: str, index: int = 1) -> str:
     """The model running the packed heads that follow segment ``after`` (``index`` > 1 for further packs)."""
     return f"{after}{SEP}heads" + (str(index) if index > 1 else "")
+
+
+def model_pack(first: str) -> str:
+    """The model running the packed whole models whose first member's segment is ``first``."""
+    return f"{first}{SEP}pack"

@@ -73,7 +73,8 @@ class InputDef(_Strict):
 
 
 class ModelDef(_Strict):
-    """A base network and where it is cut: a torchvision architecture (``arch``), the user's own
+    """A base network and where it is cut: a torchvision architecture (``arch``: a classifier, or a
+    segmentation network, whose output is its ``out`` map of ``[num_classes, H, W]``), the user's own
     model exported with ``torch.export`` (``program``, a ``.pt2`` file relative to the plan file),
     or a model already cut into one file per stage (``stage_files``: ``.pt2`` or TorchScript)."""
 
@@ -122,8 +123,9 @@ class ModelDef(_Strict):
         if v not in known:
             near = difflib.get_close_matches(v, known, n=3)
             hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
-            raise ValueError(f"unknown architecture {v!r}; {hint}any torchvision classification model works "
-                             "(torchvision.models.list_models(module=torchvision.models))")
+            raise ValueError(f"unknown architecture {v!r}; {hint}any torchvision classification or semantic segmentation "
+                             "model works (torchvision.models.list_models(module=torchvision.models), "
+                             "and module=torchvision.models.segmentation)")
         return v
 
     @field_validator("input_shape")
@@ -226,8 +228,15 @@ class PlanModel(_Strict):
     # settings) run as one model: one process and one hop fewer per fused pair.
     fuse: Literal["none", "auto"] = "none"
     # heads: the heads of tasks that branch off after the same deployed block (each the last,
-    # task-specific part of its path) run as one model: one process for all of them.
-    pack: Literal["none", "heads"] = "none"
+    # task-specific part of its path) run as one model: one process for all of them. all: heads,
+    # and the whole models of tasks that share no block (a path that is one deployed model), deployed
+    # alike, too. One switch ordered by reach rather than a key per kind: both kinds trade the same
+    # thing (a process's memory for members running one after another) and a plan that packs whole
+    # models for memory wants its heads packed as well.
+    pack: Literal["none", "heads", "all"] = "none"
+    # The most members one pack holds: a group of more is split into packs of nearly equal size. A
+    # pack runs a call's members one after another, so this bounds how long one call can take.
+    pack_size: int = Field(default=8, ge=2, le=64)
     # direct: on TensorMQ paths, a block whose only next block is one whose only block before it
     # is this one hands its tickets to that block directly, and the ensemble runs both at once:
     # one ensemble step fewer per such pair (docs/plan.md, "hand_over").

@@ -28,6 +28,7 @@ from ..conftest import Served
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["blockflow/data/plans/default.yaml", "blockflow/data/plans/bench_r50.yaml", "blockflow/data/plans/examples/skipnet.yaml",
+           "blockflow/data/plans/examples/shared_backbone.yaml",
            "blockflow/data/calibration/h100.json", "blockflow/data/grafana/blockflow.json", "blockflow/clients/imagenet_classes.txt",
            "blockflow/triton/argv_key.c"]
 

@@ -151,7 +151,7 @@ def test_mismatched_shapes_between_models(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as info:
         parse_plan(data)
     msg = str(info.value)
-    assert "tasks.mixed.path[3]" in msg and "takes [256, 14, 14] but 'r50_s2' gives [1024, 14, 14]" in msg
+    assert "tasks.mixed.path[3]" in msg and "takes [256, 14, 14] but 'r50_s2' (model 'r50') gives [1024, 14, 14]" in msg
 
 
 def test_all_problems_reported_at_once() -> None:
@@ -203,14 +203,17 @@ def test_placement_is_checked_against_the_machine() -> None:
     assert plan.device_issues(gpus=2) == []
 
 
-def test_path_mixing_architectures_is_refused_even_when_shapes_match() -> None:
+def test_a_path_across_models_is_accepted_where_the_shapes_match() -> None:
+    # ResNet-101's layer3 gives what ResNet-50's does: a path may go on from one model's block to another's.
     data = base()
     data["models"]["r101"] = {"arch": "resnet101", "cut_points": ["layer1", "layer2", "layer3"]}
     data["blocks"]["r101_s3"] = {"model": "r101", "stages": 3}
     data["tasks"]["mixed"] = {"path": ["r50_s0", "r50_s1", "r50_s2", "r101_s3"]}
+    assert parse_plan(data).block_out_shape(parse_plan(data).blocks["r101_s3"]) == (1000,)
+    data["models"]["r101"]["cut_points"] = ["layer1", "layer2", "layer4.0"]
     with pytest.raises(PlanError) as info:
         parse_plan(data)
-    assert "tasks.mixed.path: blocks of one path must come from models with the same arch" in str(info.value)
+    assert "tasks.mixed.path[3]: block 'r101_s3' (model 'r101') takes" in str(info.value)
 
 
 def test_a_block_fed_in_two_dtypes_is_refused() -> None:
