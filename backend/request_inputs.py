@@ -6,7 +6,7 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,7 +14,6 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack
 
 from blockflow.backend.device_inputs import DeviceInputs
-from blockflow.backend.image_decode import ImageDecoder
 from blockflow.backend.image_input import feed_dtype, takes_encoded
 from blockflow.backend.replies import error, failure_code
 from blockflow.backend.runtime import DTYPES
@@ -23,6 +22,9 @@ from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core.errors import RequestError
 from blockflow.core.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from blockflow.backend.image_decode import ImageDecoder
 
 
 class RequestInputs:
@@ -36,7 +38,13 @@ class RequestInputs:
         self.consumer, self.relay = ends.consumer, ends.relay
         self.stream, self.tracer = stream, tracer
         # JPEG/PNG files' bytes (always in host memory), decoded here into this block's memory.
-        self.decoder = ImageDecoder(spec.input_shape, device) if takes_encoded(spec) else None
+        self.decoder: ImageDecoder | None = None
+        if takes_encoded(spec):
+            # Imported here: the decoder pulls in torchvision (~160 MiB of a process) and Pillow, which
+            # every other block, loading its stages from the stage cache, never needs.
+            from blockflow.backend.image_decode import ImageDecoder
+
+            self.decoder = ImageDecoder(spec.input_shape, device)
         # Images that arrive on a GPU (CUDA shared memory) are copied into this block's memory.
         self.device_inputs = DeviceInputs(device) if spec.takes_image and device.type == "cuda" and self.decoder is None else None
 
