@@ -25,6 +25,16 @@ def _private_endpoints_file(tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The modules on the shared server (``served``) run after all the others. That server holds ~40
+    # block processes (~0.5 GB of host memory each) until the session ends; a module that starts
+    # servers of its own beside it ran a 24 GB CI machine out of memory. Whole modules move, in
+    # their order, so module-scoped servers still start once.
+    def on_shared(item: pytest.Item) -> bool:  # the session's ``served``, not a module's own of that name
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("served", ())
+        return bool(defs) and defs[-1].scope == "session"
+
+    shared = {item.path for item in items if on_shared(item)}
+    items.sort(key=lambda item: item.path in shared)
     import torch
 
     if torch.cuda.is_available():
