@@ -5,7 +5,6 @@ a model of one's own exported with torch.export and cut by BlockFlow (plans/exam
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,9 +16,9 @@ import pytest
 import torch
 
 from blockflow.clients.client import TaskClient
-from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan, naming
-from blockflow.triton.server import ServerOptions, TritonServer
+
+from ..conftest import own_server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,14 +45,8 @@ def exported_example(name: str, directory: Path) -> Path:
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
     plan = load_plan(exported_example(request.param, where) if request.param in EXAMPLES else PLANS / f"{request.param}.yaml")
-    repo = where / "repo"
-    generator.write(generator.render(plan), repo)
-    server = TritonServer(ServerOptions.on_free_ports([repo]))
-    server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
-    try:
+    with own_server(plan, where) as server:
         yield plan, server.http_url
-    finally:
-        server.stop()
 
 
 def _tolerance(plan: Plan, task: str) -> float:

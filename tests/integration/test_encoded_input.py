@@ -1,6 +1,6 @@
-"""A task that takes JPEG/PNG files' bytes (tests/plans/encoded.yaml, served by the shared server): its
-block decodes and resizes them and answers as the uint8 task of the same weights (uint8_hwc.yaml) does
-for the decoded image (several files in one request: uint8 rows padded to the longest); a bad file
+"""A task that takes JPEG/PNG files' bytes (tests/plans/encoded.yaml, on a server of this module's own):
+its block decodes and resizes them and answers as the uint8 task of the same weights does for the
+decoded image (several files in one request: uint8 rows padded to the longest); a bad file
 fails its own request alone; ``blockflow infer --image`` sends the file as it is and perf_analyzer
 sends real JPEGs through its ``--input-data``."""
 
@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +25,27 @@ from blockflow.bench.perf_analyzer import SAMPLE_IMAGES, encoded_input_data
 from blockflow.clients.client import AsyncTaskClient, TaskClient
 from blockflow.clients.images import image_files
 from blockflow.core.errors import ClientError
-from blockflow.plan import naming
+from blockflow.plan import load_plan, naming
 
-from ..conftest import Served
+from ..conftest import own_server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-TASK, U8_TASK = "enc_task", "u8_task"  # same network and weights; u8_task takes uint8 HWC [32, 32, 3]
+TASK, U8_TASK = "enc_task", "enc_u8_task"  # same network and weights; enc_u8_task takes uint8 HWC [32, 32, 3]
 JPEG = SAMPLE_IMAGES / "grace_hopper.jpg"
 PNG = SAMPLE_IMAGES / "Minduka_Present_Blue_Pack.png"
 ATOL = 1e-4
+
+
+class Served:
+    def __init__(self, http: str, grpc: str) -> None:
+        self.http, self.grpc = http, grpc
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with own_server(load_plan(ROOT / "tests" / "plans" / "encoded.yaml"), tmp_path_factory.mktemp("encoded")) as server:
+        yield Served(server.http_url, server.grpc_url)
 
 
 def _hwc(path: Path) -> np.ndarray:

@@ -9,7 +9,6 @@ features). One server per family, started in turn, keeps the 2-core CI machine's
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,9 +18,9 @@ import torch
 
 from blockflow.clients.client import TaskClient
 from blockflow.core import arch
-from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, naming, parse_plan
-from blockflow.triton.server import ServerOptions, TritonServer
+
+from ..conftest import own_server
 
 pytestmark = pytest.mark.integration
 
@@ -67,14 +66,8 @@ def family_plan(name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Plan, str]]:
     plan = parse_plan(family_plan(request.param), source=f"family {request.param}")
-    repo = tmp_path_factory.mktemp(request.param) / "repo"
-    generator.write(generator.render(plan), repo)
-    server = TritonServer(ServerOptions.on_free_ports([repo]))
-    server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
-    try:
+    with own_server(plan, tmp_path_factory.mktemp(request.param)) as server:
         yield request.param, plan, server.http_url
-    finally:
-        server.stop()
 
 
 def _unsplit(name: str, x: np.ndarray) -> dict[str, np.ndarray]:

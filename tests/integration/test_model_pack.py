@@ -5,7 +5,6 @@ serves none), alone and with another member's requests at once."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,8 @@ from blockflow.backend.runtime import BlockRunner
 from blockflow.clients.client import TaskClient
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
-from blockflow.triton.server import ServerOptions, TritonServer
+
+from ..conftest import own_server
 
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[2] / "tests" / "plans" / "model_pack.yaml"
@@ -50,14 +50,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     plan = load_plan(PLAN)
-    repo = tmp_path_factory.mktemp("model_pack") / "repo"
-    generator.write(generator.render(plan), repo)
-    server = TritonServer(ServerOptions.on_free_ports([repo]))
-    server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
-    try:
+    with own_server(plan, tmp_path_factory.mktemp("model_pack")) as server:
         yield Served(plan, server.http_url)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

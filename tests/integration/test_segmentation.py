@@ -1,15 +1,17 @@
 """Tasks of several kinds sharing a backbone (tests/plans/segment_shared.yaml, on a server of this
 module's own): a ResNet-50 classifier and a DeepLabV3 ResNet-50 segmenter run one copy of stem..layer2,
 and an LR-ASPP MobileNetV3 segmenter split inside its backbone runs alone. Each task equals its
-unsplit reference (run here, from the spec the generator writes: the plan serves none, to keep the
-server's memory down) and the network computed here; clients and ``blockflow infer`` take maps."""
+unsplit reference (from the spec the generator writes: the plan serves none, to keep the server's
+memory down) and the network built from torchvision, both run in a child process; clients and
+``blockflow infer`` take maps."""
 
 from __future__ import annotations
 
-import os
+import multiprocessing
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +24,14 @@ from blockflow.core import arch
 from blockflow.core.spec import ModelSpec
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
-from blockflow.triton.server import ServerOptions, TritonServer
+
+from ..conftest import own_server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "tests" / "plans" / "segment_shared.yaml"
 SHAPE = (3, 64, 64)
+BATCHES = (1, 3)
 TOL = 1e-5
 # task -> its output per image, and how it is computed here: (arch, classes, seed, cuts, first, last) per part
 EXPECTED = {
@@ -39,15 +44,9 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
-    plan = load_plan(ROOT / "tests" / "plans" / "segment_shared.yaml")
-    repo = tmp_path_factory.mktemp("segment_shared") / "repo"
-    generator.write(generator.render(plan), repo)
-    server = TritonServer(ServerOptions.on_free_ports([repo]))
-    server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
-    try:
+    plan = load_plan(PLAN)
+    with own_server(plan, tmp_path_factory.mktemp("segment_shared")) as server:
         yield plan, server.http_url
-    finally:
-        server.stop()
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -64,19 +63,41 @@ def _here(task: str, x: np.ndarray) -> np.ndarray:
     return y[0].numpy()  # type: ignore[no-any-return]
 
 
+def _images(batch: int) -> np.ndarray:
+    return np.random.default_rng(batch).standard_normal((batch, *SHAPE), dtype=np.float32)
+
+
+def _references(plan_path: str) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    """(task, batch) -> its unsplit reference's output and the network's computed here."""
+    plan, out = load_plan(plan_path), {}
+    for task in EXPECTED:
+        spec = ModelSpec.model_validate_json(generator.reference_spec(plan, plan.tasks[task], graph=False)[0].to_json())
+        reference = BlockRunner(spec, torch.device("cpu"))
+        for batch in BATCHES:
+            x = _images(batch)
+            out[task, batch] = reference.run(torch.from_numpy(x)).numpy(), _here(task, x)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    # In a child process: the weights it builds (~800 MiB) leave with it, where the pytest process
+    # would keep them beside the shared server's stubs.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_references, str(PLAN)).result()
+
+
 @pytest.mark.parametrize("task", list(EXPECTED))
-def test_each_task_equals_its_reference_and_the_network(served: tuple[Plan, str], task: str) -> None:
-    plan, url = served
-    spec = ModelSpec.model_validate_json(generator.reference_spec(plan, plan.tasks[task], graph=False)[0].to_json())
-    reference = BlockRunner(spec, torch.device("cpu"))
-    with TaskClient(url) as c:
-        for batch in (1, 3):
-            x = np.random.default_rng(batch).standard_normal((batch, *SHAPE), dtype=np.float32)
-            got = c.infer(task, x)
-            ref = reference.run(torch.from_numpy(x)).numpy()
+def test_each_task_equals_its_reference_and_the_network(served: tuple[Plan, str],
+                                                        references: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]],
+                                                        task: str) -> None:
+    with TaskClient(served[1]) as c:
+        for batch in BATCHES:
+            got = c.infer(task, _images(batch))
+            ref, here = references[task, batch]
             assert got.shape == ref.shape == (batch, *EXPECTED[task][0])
             assert rel_err(got, ref) <= TOL, (task, batch)
-            assert rel_err(got, _here(task, x)) <= TOL, (task, batch)
+            assert rel_err(got, here) <= TOL, (task, batch)
 
 
 def test_the_shared_block_is_one_model_serving_both_tasks(served: tuple[Plan, str]) -> None:

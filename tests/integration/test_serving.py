@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from blockflow.clients.client import TaskClient
-from blockflow.clients.images import random_jpegs
 from blockflow.core.errors import ClientError
 from blockflow.plan import Plan, naming
 
@@ -47,10 +46,8 @@ def input_shape(plan: Plan, task: str) -> tuple[int, ...]:
 
 
 def task_images(plan: Plan, task: str, batch: int, seed: int) -> np.ndarray:
-    """Random images as ``task`` takes them: float32, or uint8 (or noise encoded as JPEG) where its plan says so."""
+    """Random images as ``task`` takes them: float32, or uint8 where its plan says so."""
     image = plan.models[plan.blocks[plan.tasks[task].path[0]].model].image
-    if image is not None and image.dtype == "encoded":
-        return random_jpegs(batch, seed=seed)
     if image is not None and image.dtype == "uint8":
         return np.random.default_rng(seed).integers(0, 256, (batch, *input_shape(plan, task)), dtype=np.uint8)
     return images(batch, input_shape(plan, task), seed)
