@@ -23,7 +23,7 @@ from typing import Any
 
 from blockflow.bench.harness import commit, device_name, served, write_results
 from blockflow.bench.perf_analyzer import perf_analyzer
-from blockflow.bench.suite import in_precision
+from blockflow.bench.plans import in_precision
 from blockflow.core.errors import BlockFlowError
 from blockflow.plan import Plan, load_plan, parse_plan
 

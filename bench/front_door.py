@@ -20,7 +20,7 @@ from typing import Any
 
 from blockflow.bench.harness import commit, device_name, served, write_results
 from blockflow.bench.perf_analyzer import INPUTS, perf_analyzer
-from blockflow.bench.suite import split_and_graph
+from blockflow.bench.plans import split_and_graph
 from blockflow.plan import load_plan, naming
 
 SIDES = {"front door": True, "direct": False}

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from blockflow.bench.harness import gpu_used_mib, rendered
-from blockflow.bench.suite import delta, model_stats
+from blockflow.bench.triton_stats import delta, model_stats
 from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core import nvml
 from blockflow.core.errors import PlanError

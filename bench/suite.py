@@ -33,12 +33,13 @@ from blockflow.bench import gpu_alone
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer
+from blockflow.bench.plans import in_precision, spread, task_models
 from blockflow.bench.report import write_report
+from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats
 from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core.errors import BlockFlowError
 from blockflow.core.nvml import gpu_count
-from blockflow.plan import Plan, load_plan, naming, parse_plan
-from blockflow.triton.api import TritonApi
+from blockflow.plan import Plan, load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
 SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
@@ -69,72 +70,6 @@ class BenchConfig:
         """A few minutes on a CPU machine: every section, fewer and shorter points."""
         return cls(plan, out, quick=True, seconds=1.0, batches=[1, 4], concurrencies=[1, 4], rate_fractions=[0.5, 1.0],
                    clients=[1, 4], client_seconds=2.0, gpu_layouts=[2], repeats=1)
-
-
-PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's: before the backend's model runs, the run, after it
-
-
-def model_stats(url: str) -> dict[str, dict[str, int]]:
-    """Cumulative counts and times of every loaded model of the server at ``url`` (HTTP)."""
-    out = {}
-    for name, m in TritonApi(http_url=url, timeout=30).statistics().items():
-        s = m["inference_stats"]
-        out[name] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
-                          "requests": int(s["success"]["count"]),
-                          **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
-                          # Each execution once (inference_stats count a batch once per request in it).
-                          "execution_ns": sum(int(b[k]["ns"]) for b in m.get("batch_stats", []) for k in PHASES),
-                          **{f"execution_{k}_{u}": sum(int(b[k][f]) for b in m.get("batch_stats", []))
-                             for k in PHASES for u, f in (("ns", "ns"), ("n", "count"))}}
-    return out
-
-
-def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
-
-
-def phases_per_execution(d: dict[str, int]) -> dict[str, float]:
-    """Samples per execution, queue ms per request and each compute phase in ms per execution (from
-    ``batch_stats``, which count each execution once), from a :func:`delta` of :func:`model_stats`."""
-    execs, infers = max(1, d["executions"]), max(1, d["inferences"])
-    out = {"executions": float(d["executions"]), "samples_per_execution": d["inferences"] / execs,
-           "queue_ms_per_request": d["queue_ns"] / infers / 1e6}
-    for k in PHASES:
-        out[f"{k}_ms"] = d[f"execution_{k}_ns"] / max(1, d[f"execution_{k}_n"]) / 1e6
-    return out
-
-
-def compute_ms(s: dict[str, int]) -> float:
-    """Triton's compute time (input + infer + output) per execution, from a statistics delta.
-
-    Triton adds a batch's compute time once for every request in it, so the sum is divided by
-    requests, not executions (which overstated it by the batch size under load).
-    """
-    total = s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0) + s.get("compute_output_ns", 0)
-    return total / max(1, s.get("requests", s.get("executions", 0))) / 1e6
-
-
-def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int) -> list[dict[str, Any]]:
-    """Per composing model of an ensemble: compute per execution, queue time per request, batch formed."""
-    out = []
-    for b in blocks:
-        s = d.get(b, {})
-        out.append({"block": b, "compute_ms": compute_ms(s),
-                    "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
-                    "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))})
-    return out
-
-
-def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
-    """label -> {model, blocks}: the task's monolithic references first, then each transport's ensemble."""
-    task = plan.tasks[task_name]
-    out: dict[str, dict[str, Any]] = {}
-    for v in plan.raw.references:
-        out[f"monolithic-{v}"] = {"model": naming.reference_model(task.name, v == "graph"), "blocks": []}
-    for tr in plan.transports_of(task):
-        out[str(tr)] = {"model": naming.task_model(task.name, tr, task.transport),
-                        "blocks": [naming.block_model(u.name, tr, plan.transport) for u in plan.deployed(task)]}
-    return out
 
 
 class Bench:
@@ -359,36 +294,6 @@ class Bench:
                 server.stop()
             progress(out)
         return out
-
-
-def in_precision(plan: Plan, precision: str) -> Plan:
-    """``plan`` with every block in ``precision``."""
-    raw = plan.raw.model_dump(mode="json", exclude_none=True)
-    raw.setdefault("defaults", {})["precision"] = precision
-    for b in raw["blocks"].values():
-        b.pop("precision", None)
-    raw["name"] = f"{plan.raw.name}-{precision}"
-    return parse_plan(raw, source=f"{plan.source} in {precision}", base_dir=plan.base_dir)
-
-
-def split_and_graph(plan: Plan, precision: str | None) -> Plan:
-    """``plan`` serving only its first task's split and its unsplit CUDA graph (in ``precision``)."""
-    raw = plan.raw.model_dump(mode="json", exclude_none=True)
-    raw["compare"], raw["references"] = [], ["graph"]
-    reduced = parse_plan(raw, source=f"{plan.source} (split and unsplit graph)", base_dir=plan.base_dir)
-    return in_precision(reduced, precision) if precision else reduced
-
-
-def spread(plan: Plan, task: str, k: int) -> Plan:
-    """``plan`` with ``task``'s blocks placed round-robin on GPUs 0..k-1 (only that task, tensormq + triton-gpu)."""
-    raw = plan.raw.model_dump(mode="json", exclude_none=True)
-    path = plan.tasks[task].path
-    raw["blocks"] = {b: dict(raw["blocks"][b], placement=[i % k]) for i, b in enumerate(path)}
-    raw["tasks"] = {task: raw["tasks"][task]}
-    raw["compare"] = [t for t in ("triton-gpu",) if t != raw.get("transport")]
-    raw["references"] = []
-    raw["name"] = f"{plan.raw.name}-on-{k}-gpus"
-    return parse_plan(raw, source=f"{plan.source} spread over {k} GPU(s)", base_dir=plan.base_dir)
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> Path:

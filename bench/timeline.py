@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from blockflow.bench.harness import commit, device_name, rendered, task_images
-from blockflow.bench.suite import block_breakdown, delta, in_precision, model_stats, task_models
+from blockflow.bench.plans import in_precision, task_models
+from blockflow.bench.triton_stats import block_breakdown, delta, model_stats
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.core.spec import Precision
 from blockflow.plan import load_plan

@@ -17,6 +17,7 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.leftovers import remove_dead_generations, remove_generation
 from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegment, Segment
+from blockflow.backend.tensormq.preparer import Preparer
 from blockflow.backend.tensormq.reservation import (
     PREPARE_MAX_BATCH,
     Key,
@@ -42,7 +43,7 @@ from blockflow.core.errors import BlockError
 from blockflow.core.runtime_dir import read_key
 
 
-class Producer:
+class Producer(Preparer):
     """Owns one pool segment, one event per slot and a ROUTER socket that answers consumers.
 
     Threads: the block's execute thread calls :meth:`reserve` / :meth:`commit`;
@@ -100,17 +101,7 @@ class Producer:
         self._nap_s = max(0.1, self.claim_s / 10)
         self._thread = threading.Thread(target=self._serve, name=f"tmq-producer-{name}", daemon=True)
         self._thread.start()
-        # A reservation made and signed between two calls, taken by the next call of the same
-        # shape: at batch 1 that keeps reserving and signing (~0.1-0.2 ms of host time inside a
-        # stub, bench.timeline) off a request's path. Its slot counts as ready, not in use.
-        self._ready: Reservation | None = None
-        self._next_key: Key | None = None  # what the preparer should reserve next
-        self._wake = threading.Event()
-        self._closing = threading.Event()  # stops the preparer (before the drain, which needs the server thread)
-        self._preparer: threading.Thread | None = None
-        if prepare:
-            self._preparer = threading.Thread(target=self._prepare_loop, name=f"tmq-prepare-{name}", daemon=True)
-            self._preparer.start()
+        self._start_preparer(name, prepare)
 
     # ------------------------------------------------------------------ execute thread
 
@@ -220,66 +211,6 @@ class Producer:
             out.append(tk.encode(t, self.key))
         return out
 
-    def prepare_ahead(self) -> None:
-        """Have the preparer thread reserve and sign the next call's batch, if the last one was small.
-
-        Called by the block once its call's responses are built: the preparer then runs while
-        the block waits for its next request, never during a request's own host work."""
-        ready = self._ready
-        if self._next_key is not None and (ready is None or ready.key != self._next_key):
-            self._wake.set()
-
-    def _take_ready_locked(self, key: Key) -> Reservation | None:
-        r = self._ready
-        if r is None or r.key != key:
-            return None
-        self._ready = None
-        r.slot.deadline = time.monotonic() + self.lease_s  # its lease starts now
-        self.stats.allocations += 1
-        return r
-
-    def _drop_ready_locked(self) -> bool:
-        """Give the prepared slot back to the pool; whether there was one."""
-        r = self._ready
-        if r is None:
-            return False
-        self._ready = None
-        self.table.release_all(r.slot.index, r.slot.seq)
-        self._cond.notify_all()
-        return True
-
-    def _prepare_loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closing.is_set():
-                return
-            key = self._next_key
-            if key is None:
-                continue
-            nbytes = batch_bytes(key)
-            with self._cond:
-                if self._closing.is_set() or (self._ready is not None and self._ready.key == key):
-                    continue
-                self._drop_ready_locked()  # one of another shape
-                # Only from a pool with room to spare: a prepared slot must not make a request wait.
-                if 2 * (len(self.table.live) + 1) > self.table.max_slots or 2 * (self.table.bytes_in_use + nbytes) > self.table.capacity:
-                    continue
-                # No lease while it waits to be taken (an idle block keeps it); it starts when taken.
-                slot = self.table.allocate(nbytes, key[0], float("inf"))
-                if slot is None:
-                    continue
-                r = self._reservation_locked(slot, key)
-            r.tickets = self._sign(r)
-            if self.pack is not None:
-                r.packed = self.pack(r.tickets)
-            with self._cond:
-                if self._closing.is_set() or self._ready is not None:
-                    self.table.release_all(slot.index, slot.seq)
-                    self._cond.notify_all()
-                else:
-                    self._ready = r
-
     def done_event(self, r: Reservation) -> int | None:
         """The event :meth:`commit` recorded for ``r``'s slot (None on the host): it completes once every
         piece of work queued before the commit on that stream is done. Recorded again only when the
@@ -378,11 +309,7 @@ class Producer:
         """Stop serving and free the pool (after draining for at most ``drain_s``); a second call does nothing."""
         if self._stop.is_set():
             return
-        if self._preparer is not None:
-            self._next_key = None
-            self._closing.set()
-            self._wake.set()
-            self._preparer.join(2)
+        self._stop_preparer()
         if drain_s > 0:
             self.drain(min(drain_s, self.lease_s))
         self._stop.set()

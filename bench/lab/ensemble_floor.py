@@ -50,7 +50,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import commit, device_name, write_results
 from blockflow.bench.perf_analyzer import perf_analyzer
-from blockflow.bench.suite import model_stats
+from blockflow.bench.triton_stats import model_stats
 from blockflow.core.procfs import stat_fields
 from blockflow.triton.process_group import group_members
 from blockflow.triton.server import ServerOptions, TritonServer

@@ -33,7 +33,7 @@ from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import TICKET_BYTES
-from blockflow.bench.suite import in_precision
+from blockflow.bench.plans import in_precision
 from blockflow.core.runtime_dir import ensure_tensormq
 from blockflow.ensemble_gen.generator import block_spec
 from blockflow.plan import load_plan

@@ -33,7 +33,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import commit, device_name, rendered, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
-from blockflow.bench.suite import PHASES, delta, model_stats, phases_per_execution, split_and_graph, task_models
+from blockflow.bench.plans import split_and_graph, task_models
+from blockflow.bench.triton_stats import PHASES, delta, model_stats, phases_per_execution
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 

@@ -33,8 +33,9 @@ from typing import Any
 
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import INPUTS, perf_analyzer
-from blockflow.bench.suite import delta, model_stats, phases_per_execution, split_and_graph, task_models
+from blockflow.bench.plans import split_and_graph, task_models
 from blockflow.bench.timeline import read_traces, step_laps
+from blockflow.bench.triton_stats import delta, model_stats, phases_per_execution
 from blockflow.core.env import TRACE_DIR
 from blockflow.plan import load_plan
 from blockflow.triton.server import ServerOptions, TritonServer

@@ -50,7 +50,7 @@ from blockflow.bench.harness import commit, device_name, write_results
 from blockflow.bench.lab.ensemble_floor import TICKET, _chain_config, _copy_config, copy_model
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.report import spread_text
-from blockflow.bench.suite import model_stats
+from blockflow.bench.triton_stats import model_stats
 from blockflow.triton.server import ServerOptions, TritonServer
 
 KEY = 16

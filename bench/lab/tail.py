@@ -36,8 +36,9 @@ import numpy as np
 
 from blockflow.bench.harness import device_name, rendered
 from blockflow.bench.perf_analyzer import perf_analyzer
-from blockflow.bench.suite import block_breakdown, delta, model_stats, task_models
+from blockflow.bench.plans import task_models
 from blockflow.bench.timeline import read_traces
+from blockflow.bench.triton_stats import block_breakdown, delta, model_stats
 from blockflow.clients.load import LoadSpec, run_load, write_csv
 from blockflow.core import env as blockflow_env
 from blockflow.core.env import TRACE_DIR as TRACE_ENV

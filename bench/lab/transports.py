@@ -16,7 +16,7 @@ from typing import Any
 
 from blockflow.bench.harness import rendered
 from blockflow.bench.perf_analyzer import perf_analyzer
-from blockflow.bench.suite import block_breakdown, compute_ms, delta, model_stats
+from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats
 from blockflow.plan import load_plan, naming
 from blockflow.triton.server import ServerOptions, TritonServer
 

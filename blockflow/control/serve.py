@@ -33,7 +33,8 @@ from blockflow.ensemble_gen.rendered import RenderedRepository
 from blockflow.plan import Plan, load_plan, parse_plan_text
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.front_door import DEFAULT_MAX_BODY_BYTES
-from blockflow.triton.server import ServerOptions, TritonServer, check_port, make_runtime_dir
+from blockflow.triton.options import check_port
+from blockflow.triton.server import ServerOptions, TritonServer, make_runtime_dir
 
 # From this many block processes on one GPU, `blockflow serve` suggests --mps.
 MPS_HINT_PROCESSES = 8

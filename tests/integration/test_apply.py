@@ -30,7 +30,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.ensemble_gen.configs import handed_pairs
-from blockflow.triton.server import free_port
+from blockflow.triton.options import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ import pytest
 import tritonclient.http as http
 
 from blockflow.core.runtime_dir import write_private
+from blockflow.triton.options import free_port
 from blockflow.triton.process_group import group_members
-from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
 PLANS = Path(__file__).resolve().parents[1] / "plans"

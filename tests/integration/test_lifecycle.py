@@ -66,7 +66,7 @@ def test_serve_runs_without_the_command_line(tmp_path: Path) -> None:
 
     from blockflow.clients.client import TaskClient
     from blockflow.control.serve import ServeOptions, Serving
-    from blockflow.triton.server import free_port
+    from blockflow.triton.options import free_port
 
     token = "a-token-for-the-service-test"
     plan = PLAN.parent / "one_block.yaml"
@@ -135,7 +135,7 @@ def _pid_namespace() -> list[str] | None:
 def test_serve_as_a_containers_init_leaves_no_zombie(tmp_path: Path) -> None:
     """`blockflow serve` as PID 1 (a container started without an init): the stubs of a server that
     died are handed to it, and after the restart none of them is left a zombie; SIGTERM ends it all."""
-    from blockflow.triton.server import free_port
+    from blockflow.triton.options import free_port
 
     prefix = _pid_namespace()
     if prefix is None:  # the machine's kernel or sandbox forbids namespaces; not ours to change

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from blockflow.clients.client import TaskClient
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan
-from blockflow.triton.server import free_port
+from blockflow.triton.options import free_port
 
 from ..conftest import ROOT, Served
 

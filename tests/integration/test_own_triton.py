@@ -31,8 +31,8 @@ from blockflow.ensemble_gen import generator
 from blockflow.plan import load_plan
 from blockflow.triton import access, argv_key
 from blockflow.triton.install import STUB, locate
+from blockflow.triton.options import free_port
 from blockflow.triton.process_group import group_members, stubs_by_model
-from blockflow.triton.server import free_port
 
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "own_triton.yaml"

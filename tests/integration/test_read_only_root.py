@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from blockflow.clients.client import TaskClient
+from blockflow.triton.options import free_port
 from blockflow.triton.process_group import group_members
-from blockflow.triton.server import free_port
 
 from ..conftest import ROOT
 

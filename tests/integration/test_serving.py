@@ -206,7 +206,7 @@ def test_sync_and_async_clients_are_twins(served: Served, protocol: str) -> None
 
     from blockflow.clients.client import AsyncTaskClient
     from blockflow.core.errors import Unreachable
-    from blockflow.triton.server import free_port
+    from blockflow.triton.options import free_port
 
     url = served.http if protocol == "http" else served.grpc
     x = images(2, (3, 224, 224), seed=5)

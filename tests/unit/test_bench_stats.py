@@ -1,10 +1,10 @@
-"""blockflow.bench.suite's reading of Triton's statistics (pure arithmetic)."""
+"""blockflow.bench.triton_stats: the reading of Triton's statistics (pure arithmetic)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from blockflow.bench.suite import block_breakdown, compute_ms, delta
+from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta
 
 
 def test_compute_is_per_execution_when_requests_are_batched() -> None:
@@ -54,7 +54,7 @@ def test_packed2_doubles_only_the_blocks_that_get_packed(tmp_path: Path) -> None
 
 def test_tail_serves_only_the_chosen_models_and_switches_the_monitor_off() -> None:
     from blockflow.bench.lab.tail import _variant_plan
-    from blockflow.bench.suite import task_models
+    from blockflow.bench.plans import task_models
     from blockflow.plan import load_plan
 
     plan = load_plan(Path(__file__).resolve().parents[2] / "plans" / "bench_r50.yaml")
@@ -119,7 +119,7 @@ def test_a_run_cut_short_still_gives_a_report_that_says_so(tmp_path: Path) -> No
 
 def test_load_anatomy_reads_phases_per_execution_and_each_block_window() -> None:
     from blockflow.bench.lab.load_anatomy import block_window
-    from blockflow.bench.suite import phases_per_execution
+    from blockflow.bench.triton_stats import phases_per_execution
 
     # 4 executions of 2 requests: batch_stats count each execution once in every phase.
     d = {"executions": 4, "inferences": 8, "queue_ns": 8_000_000, "execution_compute_input_ns": 8_000_000,

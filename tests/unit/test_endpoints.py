@@ -75,7 +75,7 @@ def _blockflow(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_server_that_does_not_answer_is_named_with_its_flag_and_variable(tmp_path: Path) -> None:
-    from blockflow.triton.server import free_port
+    from blockflow.triton.options import free_port
 
     nothing = f"127.0.0.1:{free_port()}"
     isolated = {"BLOCKFLOW_ENDPOINTS": str(tmp_path / "none.json")}

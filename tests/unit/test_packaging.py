@@ -22,7 +22,7 @@ import pytest
 
 from blockflow.core.env import NGINX
 from blockflow.triton.front_door import find_nginx
-from blockflow.triton.server import free_port
+from blockflow.triton.options import free_port
 
 from ..conftest import Served
 

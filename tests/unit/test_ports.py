@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from blockflow.triton.server import _ephemeral_range, free_port
+from blockflow.triton.options import _ephemeral_range, free_port
 
 
 def test_free_port_never_returns_a_port_twice_in_one_process() -> None:

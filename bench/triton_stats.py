@@ -1,0 +1,61 @@
+"""Triton's per-model statistics as a benchmark reads them: cumulative counts and times, the change
+between two reads, and what it comes to per execution and per block of an ensemble."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from blockflow.triton.api import TritonApi
+
+PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's: before the backend's model runs, the run, after it
+
+
+def model_stats(url: str) -> dict[str, dict[str, int]]:
+    """Cumulative counts and times of every loaded model of the server at ``url`` (HTTP)."""
+    out = {}
+    for name, m in TritonApi(http_url=url, timeout=30).statistics().items():
+        s = m["inference_stats"]
+        out[name] = {"executions": int(m["execution_count"]), "inferences": int(m["inference_count"]),
+                          "requests": int(s["success"]["count"]),
+                          **{f"{k}_ns": int(s[k]["ns"]) for k in ("queue", "compute_input", "compute_infer", "compute_output")},
+                          # Each execution once (inference_stats count a batch once per request in it).
+                          "execution_ns": sum(int(b[k]["ns"]) for b in m.get("batch_stats", []) for k in PHASES),
+                          **{f"execution_{k}_{u}": sum(int(b[k][f]) for b in m.get("batch_stats", []))
+                             for k in PHASES for u, f in (("ns", "ns"), ("n", "count"))}}
+    return out
+
+
+def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {m: {k: v - before.get(m, {}).get(k, 0) for k, v in s.items()} for m, s in after.items()}
+
+
+def phases_per_execution(d: dict[str, int]) -> dict[str, float]:
+    """Samples per execution, queue ms per request and each compute phase in ms per execution (from
+    ``batch_stats``, which count each execution once), from a :func:`delta` of :func:`model_stats`."""
+    execs, infers = max(1, d["executions"]), max(1, d["inferences"])
+    out = {"executions": float(d["executions"]), "samples_per_execution": d["inferences"] / execs,
+           "queue_ms_per_request": d["queue_ns"] / infers / 1e6}
+    for k in PHASES:
+        out[f"{k}_ms"] = d[f"execution_{k}_ns"] / max(1, d[f"execution_{k}_n"]) / 1e6
+    return out
+
+
+def compute_ms(s: dict[str, int]) -> float:
+    """Triton's compute time (input + infer + output) per execution, from a statistics delta.
+
+    Triton adds a batch's compute time once for every request in it, so the sum is divided by
+    requests, not executions (which overstated it by the batch size under load).
+    """
+    total = s.get("compute_input_ns", 0) + s.get("compute_infer_ns", 0) + s.get("compute_output_ns", 0)
+    return total / max(1, s.get("requests", s.get("executions", 0))) / 1e6
+
+
+def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int) -> list[dict[str, Any]]:
+    """Per composing model of an ensemble: compute per execution, queue time per request, batch formed."""
+    out = []
+    for b in blocks:
+        s = d.get(b, {})
+        out.append({"block": b, "compute_ms": compute_ms(s),
+                    "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
+                    "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))})
+    return out
