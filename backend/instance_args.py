@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from blockflow.core.errors import BlockError
-from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, LOGITS, SPEC_PARAMETER, ModelSpec, activation_names
+from blockflow.core.spec import ACTIVATION_IN, ACTIVATION_OUT, IMAGE, SPEC_PARAMETER, ModelSpec, activation_names
 
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -27,7 +27,7 @@ def tensor_names(spec: ModelSpec) -> tuple[list[str], list[str]]:
     carries; other hops have one tensor per value that crosses the cut."""
     tmq = spec.transport == "tensormq"
     ins = [IMAGE] if spec.takes_image else activation_names(ACTIVATION_IN, 1 if tmq else len(spec.in_shapes))
-    outs = [LOGITS] if spec.gives_logits else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
+    outs = [o.name for o in spec.task_outputs] if spec.gives_logits else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
     return ins, outs
 
 

@@ -28,7 +28,7 @@ from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exp
 
 from blockflow.backend import instance_args
 from blockflow.backend.health import Health, Metrics
-from blockflow.backend.replies import EarlyReply, failed_response, split
+from blockflow.backend.replies import EarlyReply, failed_response, split, trimmed
 from blockflow.backend.request_inputs import RequestInputs
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.stage_cache import StageCache
@@ -111,6 +111,8 @@ class TritonPythonModel:
         # copies each output into the client's region, in the server's CUDA context").
         logits_on_gpu = os.environ.get(env.LOGITS_ON_GPU) == "1"
         self.to_host = self.device.type == "cuda" and (spec.transport == "triton-cpu" or (spec.gives_logits and not logits_on_gpu))
+        # A detector's outputs padded to the batch's largest count, cut to each request's (``replies.trimmed``).
+        self.ragged = tuple(i for i, o in enumerate(spec.outputs) if o.shape[:1] == (-1,)) if spec.gives_logits else ()
 
     def _warm_up(self) -> None:
         # A pack's heads run one after another on one stream, so their CUDA graphs share one memory pool.
@@ -152,8 +154,11 @@ class TritonPythonModel:
                     if early is not None and early.sent:
                         continue  # answered with its tickets already
                     names = [name] if len(results) == 1 else self.out_names
-                    for out_name, result in zip(names, results, strict=True):
-                        for k, rows in zip(ks, split(result, sizes), strict=True):
+                    columns = [split(result, sizes) for result in results]
+                    if self.ragged:
+                        columns = trimmed(columns, self.ragged)
+                    for out_name, column in zip(names, columns, strict=True):
+                        for k, rows in zip(ks, column, strict=True):
                             outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)
@@ -240,7 +245,8 @@ class TritonPythonModel:
             return self.ends.produce(runner, xs, early)
         outs = runner.run_all(xs)
         # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
-        return [out.to("cpu", non_blocking=True) for out in outs] if self.to_host else outs
+        # A detector's counts are read on the host right away (``replies.trimmed``): copied at once.
+        return [out.to("cpu", non_blocking=not self.ragged) for out in outs] if self.to_host else outs
 
     def finalize(self) -> None:
         self.health.close()

@@ -6,7 +6,7 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -76,6 +76,16 @@ def packer(answer_as: str | None) -> Callable[[list[bytes]], Packed]:
 def split(outputs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """Each request's rows of a batch's outputs (no split call for the common single-request batch)."""
     return [outputs] if len(sizes) == 1 else list(torch.split(outputs, sizes))
+
+
+def trimmed(columns: list[list[torch.Tensor]], ragged: Sequence[int]) -> list[list[torch.Tensor]]:
+    """A detector's outputs per request (``columns[i][k]``: output ``i``'s rows of request ``k``;
+    output 0 is ``COUNT``, ``[b, 1]`` on the host), each ``ragged`` output cut along its detection
+    axis to the request's largest count (at least 1): the batch's were padded to the batch's."""
+    out = list(columns)
+    for i in ragged:
+        out[i] = [rows[:, :max(1, int(count.max()))].contiguous() for rows, count in zip(columns[i], columns[0], strict=True)]
+    return out
 
 
 class EarlyReply:

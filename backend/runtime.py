@@ -115,7 +115,9 @@ class BlockRunner:
         if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
             self.module = self.module.to(memory_format=torch.channels_last)
         self.buckets = batch_buckets(spec.max_batch_size)
-        self.use_graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"
+        # A detector's last part runs eagerly: its proposals and NMS give sizes a graph cannot hold.
+        self.use_graphs = (self.is_cuda and spec.cuda_graphs and not spec.outputs
+                           and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1")
         self._graphs: dict[int, _Graph] = {}
         # Hops of one input and one output already checked, by the ids of their tensors (held, so
         # an id cannot be reused while its entry lives).
@@ -317,8 +319,10 @@ class BlockRunner:
             for out, result in zip(outs, results, strict=True):
                 out.copy_(result)  # converts dtype and layout in one pass
             return list(outs)
-        # Fresh tensors: a graph's output buffers are overwritten by its next replay.
-        return [r.to(dtype=self.out_dtype, memory_format=torch.contiguous_format, copy=True) for r in results]
+        # Fresh tensors: a graph's output buffers are overwritten by its next replay. Integer outputs
+        # (a detector's counts and labels) keep their dtype.
+        return [r.to(dtype=self.out_dtype if r.is_floating_point() else r.dtype, memory_format=torch.contiguous_format,
+                     copy=True) for r in results]
 
     def join(self, columns: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         """Each input's per-request tensors as one batch on this device (``torch.cat``), by DMA out

@@ -2,10 +2,13 @@
 
 Every task is a Triton ensemble that takes ``IMAGE`` (fp32 ``[batch, 3, H, W]``, or uint8
 ``[batch, 3, H, W]`` or ``[batch, H, W, 3]``, or JPEG/PNG files' bytes, where its plan says so:
-:meth:`TaskClient.input_of`) and gives ``LOGITS`` (fp32 ``[batch, classes]``)::
+:meth:`TaskClient.input_of`) and gives ``LOGITS`` (fp32 ``[batch, classes]``, or ``[batch, classes, H, W]`` from a segmenter)::
 
     with TaskClient("127.0.0.1:8000") as c:
         logits = c.infer("cls_a", images)
+
+A detector's task gives ``COUNT``, ``BOXES``, ``SCORES``, ``LABELS`` (and ``MASKS``) instead:
+:meth:`TaskClient.detect` returns them per image, :meth:`TaskClient.infer_outputs` as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.clients.cuda_shm import CudaInputRegion, region_name
+from blockflow.clients.detections import Detections, is_detector, per_image
 from blockflow.clients.task_input import TaskInput
 from blockflow.core import endpoints
 from blockflow.core.errors import ClientError, Unreachable
@@ -97,7 +101,8 @@ class _Shared:
         self.shm_headers = endpoints.shm_headers(self._shm_key, protocol) if self._shm_key else {}
 
     def _request(self, task: str, images: Any, kind: TaskInput, headers: dict[str, str] | None, request_id: str,
-                 priority: int, timeout_s: float | None, region: CudaInputRegion | None = None) -> _Request:
+                 priority: int, timeout_s: float | None, region: CudaInputRegion | None = None,
+                 outputs: tuple[str, ...] = (LOGITS,)) -> _Request:
         """The call's arguments: the image input (``images`` checked by ``kind``; in the request, or
         written into ``region``), the wanted output, and Triton's options: its own timeout in
         microseconds (and, over gRPC, the client's deadline), the priority, the request id, the headers."""
@@ -107,7 +112,7 @@ class _Shared:
             x = np.asarray(images)  # checked: a contiguous array of the task's dtype (or a CPU tensor of it)
             inp = self._mod.InferInput(IMAGE, list(x.shape), kind.datatype)
             inp.set_data_from_numpy(x)
-        kwargs: dict[str, Any] = {"outputs": [self._mod.InferRequestedOutput(LOGITS)], "request_id": request_id,
+        kwargs: dict[str, Any] = {"outputs": [self._mod.InferRequestedOutput(o) for o in outputs], "request_id": request_id,
                                   "priority": priority, "headers": headers}
         if timeout_s is not None:
             kwargs["timeout"] = int(timeout_s * 1e6)
@@ -126,6 +131,19 @@ class _Shared:
         inp = self._mod.InferInput(IMAGE, list(images.shape), datatype)
         inp.set_shared_memory(region.name, nbytes)
         return inp
+
+    @staticmethod
+    def _wanted(task: str, kind: TaskInput, outputs: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The outputs a call asks for: ``outputs``, or every output of the task (None); LOGITS
+        only from a task that has it."""
+        if outputs is None:
+            if not kind.outputs:
+                raise ClientError(f"the outputs of task {task!r} are not known: its metadata could not be read")
+            return kind.outputs
+        if kind.outputs and LOGITS in outputs and LOGITS not in kind.outputs:
+            raise ClientError(f"task {task!r} answers {', '.join(kind.outputs)}, not {LOGITS}: call infer_outputs"
+                              + (" or detect" if is_detector(list(kind.outputs)) else ""))
+        return outputs
 
     def _timed(self, task: str, result: Any, start: float) -> Timed:
         latency = (time.perf_counter() - start) * 1e3
@@ -229,6 +247,24 @@ class TaskClient(_Shared):
 
     def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                     priority: int = 0, timeout_s: float | None = None) -> Timed:
+        start = time.perf_counter()
+        result = self._call(task, images, (LOGITS,), headers, request_id, priority, timeout_s)
+        return self._timed(task, result, start)
+
+    def infer_outputs(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+                      priority: int = 0, timeout_s: float | None = None) -> dict[str, Array]:
+        """Every output the task answers with, by name (a detector's ``COUNT``, ``BOXES``, ...)."""
+        result = self._call(task, images, None, headers, request_id, priority, timeout_s)
+        return {name: np.asarray(result.as_numpy(name)) for name in self.input_of(task).outputs}
+
+    def detect(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+               priority: int = 0, timeout_s: float | None = None) -> list[Detections]:
+        """A detector task's detections, per image (:class:`blockflow.clients.detections.Detections`)."""
+        return per_image(self.infer_outputs(task, images, headers=headers, request_id=request_id, priority=priority,
+                                            timeout_s=timeout_s))
+
+    def _call(self, task: str, images: Any, outputs: tuple[str, ...] | None, headers: dict[str, str] | None,
+              request_id: str, priority: int, timeout_s: float | None) -> Any:
         if task not in self._inputs:
             try:
                 self._inputs[task] = TaskInput.of(self._client.get_model_metadata(task))
@@ -236,13 +272,12 @@ class TaskClient(_Shared):
                 pass
         images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
         region = self._region_for(images) if self.input_memory == "cuda" and not kind.encoded else None
-        req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region)
-        start = time.perf_counter()
+        req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region,
+                            self._wanted(task, kind, outputs))
         try:
-            result = self._client.infer(*req.args, **req.kwargs)
+            return self._client.infer(*req.args, **req.kwargs)
         except Exception as exc:
             raise _failure(exc, f"task {task!r}", self.url) from exc
-        return self._timed(task, result, start)
 
     def close(self) -> None:
         self._close_region()
@@ -312,18 +347,36 @@ class AsyncTaskClient(_Shared):
 
     async def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
                           priority: int = 0, timeout_s: float | None = None) -> Timed:
+        start = time.perf_counter()
+        result = await self._call(task, images, (LOGITS,), headers, request_id, priority, timeout_s)
+        return self._timed(task, result, start)
+
+    async def infer_outputs(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+                            priority: int = 0, timeout_s: float | None = None) -> dict[str, Array]:
+        """Every output the task answers with, by name (:meth:`TaskClient.infer_outputs`)."""
+        result = await self._call(task, images, None, headers, request_id, priority, timeout_s)
+        return {name: np.asarray(result.as_numpy(name)) for name in (await self.input_of(task)).outputs}
+
+    async def detect(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
+                     priority: int = 0, timeout_s: float | None = None) -> list[Detections]:
+        """A detector task's detections, per image (:meth:`TaskClient.detect`)."""
+        return per_image(await self.infer_outputs(task, images, headers=headers, request_id=request_id,
+                                                  priority=priority, timeout_s=timeout_s))
+
+    async def _call(self, task: str, images: Any, outputs: tuple[str, ...] | None, headers: dict[str, str] | None,
+                    request_id: str, priority: int, timeout_s: float | None) -> Any:
         if task not in self._inputs:
             try:
                 self._inputs[task] = TaskInput.of(await self._client.get_model_metadata(task))
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
         images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
+        wanted = self._wanted(task, kind, outputs)
         region = self._take_region(images) if self.input_memory == "cuda" and not kind.encoded else None  # files: in the request
         try:
-            req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region)
-            start = time.perf_counter()
+            req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region, wanted)
             try:
-                result = await self._client.infer(*req.args, **req.kwargs)
+                return await self._client.infer(*req.args, **req.kwargs)
             except Exception as exc:
                 raise _failure(exc, f"task {task!r}", self.url) from exc
         finally:
@@ -331,7 +384,6 @@ class AsyncTaskClient(_Shared):
                 # Answered or failed: free for the next call. (After a client-side timeout the server may
                 # still read it for the abandoned request, whose answer nobody takes.)
                 self._idle.append(region)
-        return self._timed(task, result, start)
 
     def _take_region(self, images: Any) -> CudaInputRegion:
         """An idle region large enough for ``images``, or a new one: at most as many as calls ever ran at once."""

@@ -20,10 +20,12 @@ from blockflow.core.spec import IMAGE
 class TaskInput:
     """What a task's ``IMAGE`` takes: Triton's datatype (``FP32`` or ``UINT8``) and one image's shape:
     ``[3, H, W]`` or ``[H, W, 3]`` for pixels, ``(-1,)`` for encoded files (``UINT8``, one file's bytes
-    per row, of any length)."""
+    per row, of any length); and the names of the outputs the task answers with (``LOGITS``, or a
+    detector's ``COUNT``, ``BOXES``, ...; empty: not known)."""
 
     datatype: str = "FP32"
     shape: tuple[int, ...] | None = None  # None: not known (a model without an IMAGE input)
+    outputs: tuple[str, ...] = ()
 
     @property
     def layout(self) -> Literal["CHW", "HWC"]:
@@ -44,12 +46,14 @@ class TaskInput:
         """From a model's metadata (HTTP: a dict, gRPC: a message)."""
         inputs = meta["inputs"] if isinstance(meta, dict) else [
             {"name": i.name, "datatype": i.datatype, "shape": list(i.shape)} for i in meta.inputs]
+        outputs = tuple(str(o["name"]) for o in meta.get("outputs", ())) if isinstance(meta, dict) else tuple(
+            o.name for o in meta.outputs)
         for i in inputs:
             if i["name"] == IMAGE:
                 shape = tuple(int(d) for d in i["shape"])
                 # [batch, L]: encoded files (a network's image has three axes).
-                return TaskInput(str(i["datatype"]), shape[-1:] if len(shape) <= 2 else shape[-3:])
-        return TaskInput()
+                return TaskInput(str(i["datatype"]), shape[-1:] if len(shape) <= 2 else shape[-3:], outputs)
+        return TaskInput(outputs=outputs)
 
     def check(self, task: str, images: Any) -> Any:
         """``images`` as the task takes them (contiguous; numpy stays numpy, torch stays torch). A float

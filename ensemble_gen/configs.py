@@ -32,6 +32,7 @@ DIGEST_PARAMETER = "blockflow.digest"
 
 # Triton's type for each hop dtype.
 HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
+OUTPUT_TYPES = {"fp32": mc.TYPE_FP32, "int64": mc.TYPE_INT64}
 
 
 # Triton's type of each way a task's image arrives (encoded: one JPEG or PNG file's bytes per image, a
@@ -91,7 +92,7 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     if spec.heads:  # a head pack answers each task on its own output
         cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
     elif spec.gives_logits:
-        cfg.output.append(_tensor(LOGITS, spec.out_shape, mc.ModelOutput))
+        cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in spec.task_outputs)
     elif tmq:
         cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
     else:
@@ -150,7 +151,11 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
     cfg.platform = "ensemble"
     cfg.max_batch_size = min(s.spec.max_batch_size for s in steps)
     cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput, image_type(steps[0].spec)))
-    cfg.output.append(_tensor(LOGITS, logits_shape, mc.ModelOutput))
+    answer = steps[-1].spec.outputs  # a detector's outputs; none: LOGITS
+    if answer:
+        cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in answer)
+    else:
+        cfg.output.append(_tensor(LOGITS, logits_shape, mc.ModelOutput))
     given: list[list[str]] = []  # each step's output tensors
     for i, s in enumerate(steps):
         step = cfg.ensemble_scheduling.step.add()
@@ -166,8 +171,13 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         if s.spec.gives_logits:
             # The step's output map is also what the step's request asks for: a head pack
             # runs only the heads whose outputs are requested.
-            step.output_map[s.logits] = LOGITS
-            given.append([LOGITS])
+            if s.spec.outputs:
+                for o in s.spec.outputs:
+                    step.output_map[o.name] = o.name
+                given.append([o.name for o in s.spec.outputs])
+            else:
+                step.output_map[s.logits] = LOGITS
+                given.append([LOGITS])
         else:
             # A TensorMQ hop is one ticket tensor whatever it carries; other hops, one per tensor.
             count = 1 if s.spec.transport == "tensormq" else len(s.spec.out_shapes)

@@ -94,6 +94,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         monitor_period_s=blocks[0].monitor_period_s,
         heads=heads,
         image=model.image if blocks[0].first == 0 else None,
+        outputs=plan.block_outputs(blocks[-1]),
     )
 
 

@@ -62,6 +62,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
               "tasks": [{"task": t.name, "transports": list(p.transports_of(t)), "path": list(t.path),
                          "shared_blocks": [b for b in t.path if len(sharing[b]) > 1],
                          "hand_overs": [list(pair) for pair in p.task_hand_overs(t)],
+                         "outputs": [{"name": n, "dtype": d, "shape": list(sh)} for n, d, sh in _task_outputs(p, t.path[-1])],
                          "hops": [{"shapes": [list(s) for s in p.block_out_shapes(p.blocks[n])],
                                    "dtype": hop_dtype(p.blocks[n].precision)} for n in t.path[:-1]]}
                         for t in p.tasks.values()],
@@ -84,7 +85,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
             ", ".join(sharing[b.name]) or "[yellow]unused[/]",
         )
     tasks = Table(title="tasks")
-    for col in ("task", "transport", "path", "shared blocks", "hands over directly", "hop tensors (per sample)"):
+    for col in ("task", "transport", "path", "shared blocks", "hands over directly", "hop tensors (per sample)", "outputs"):
         tasks.add_column(col)
     for t in p.tasks.values():
         shared = [b for b in t.path if len(sharing[b]) > 1]
@@ -93,8 +94,9 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
             shapes, dtype = p.block_out_shapes(p.blocks[name]), hop_dtype(p.blocks[name].precision)
             hops.append(f"{_shapes(shapes)} {dtype} {_mib(shapes, dtype)}")
         direct = ", ".join(f"{a} ⇒ {b}" for a, b in p.task_hand_overs(t))
+        answer = ", ".join(f"{n} {list(sh)}" + ("" if d == "fp32" else f" {d}") for n, d, sh in _task_outputs(p, t.path[-1]))
         tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", direct or "-",
-                      "; ".join(hops) or "-")
+                      "; ".join(hops) or "-", answer)
     out.print(tasks)
     out.print(blocks)
 
@@ -210,3 +212,12 @@ def generate(plan: Path, output: Path, check: bool, as_json: bool) -> None:
         emit({"output": str(output), "models": sorted(generator.model_names(files))})
         return
     out.print(f"wrote {len(generator.model_names(files))} models to {output}")
+
+
+def _task_outputs(p: Plan, last: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, per-sample shape; -1 where it varies) of what a task whose path ends in block ``last`` answers."""
+    from blockflow.core.spec import LOGITS
+
+    block = p.blocks[last]
+    outputs = p.block_outputs(block)
+    return [(o.name, o.dtype, o.shape) for o in outputs] or [(LOGITS, "fp32", p.block_out_shape(block))]

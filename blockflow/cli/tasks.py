@@ -28,10 +28,11 @@ from blockflow.cli.app import JSON, app, emit, err, out
 def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int,
           as_json: bool) -> None:
     """Send images to a task; print its top-5 classes (a segmentation task: the classes most of the
-    image's pixels take) and the latency."""
+    image's pixels take; a detector: its best boxes with labels and scores) and the latency."""
     import numpy as np
 
     from blockflow.clients.client import TaskClient, top_k
+    from blockflow.clients.detections import is_detector
     from blockflow.clients.images import class_names, image_files, load_image, load_image_uint8, random_jpegs
 
     if (image is None) == (not random_input):
@@ -54,6 +55,13 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
         else:
             x = rng.standard_normal((batch, *shape), dtype=np.float32)
         latencies = []
+        if is_detector(list(kind.outputs)):
+            for _ in range(repeat):
+                start = time.perf_counter()
+                found = client.detect(task, x)
+                latencies.append((time.perf_counter() - start) * 1e3)
+            _print_detections(task, found, address.value, protocol, batch, repeat, np.array(latencies), as_json)
+            return
         for _ in range(repeat):
             result = client.infer_timed(task, x)
             latencies.append(result.latency_ms)
@@ -110,6 +118,25 @@ def _print_segmentation(task: str, logits: Any, url: str, protocol: str, batch: 
     for row, best in enumerate(shares):
         out.print(f"[bold]{task}[/] sample {row}: segmentation {h}×{w}, {classes} classes; by pixel share: "
                   + ", ".join(f"{i} {names[i] if names else ''}".rstrip() + f" ({s:.1%})" for i, s in best))
+    out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
+              f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
+
+
+def _print_detections(task: str, found: list[Any], url: str, protocol: str, batch: int, repeat: int, lat: Any,
+                      as_json: bool, k: int = 5) -> None:
+    import numpy as np
+
+    if as_json:
+        emit({"task": task, "url": url, "protocol": protocol, "batch": batch, "requests": repeat,
+              "detections": [{"count": len(d), "best": [{"box": [float(v) for v in d.boxes[i]], "label": int(d.labels[i]),
+                                                        "score": float(d.scores[i])} for i in range(min(k, len(d)))]}
+                             for d in found],
+              "latency_ms": {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "min": float(lat.min())}})
+        return
+    for row, d in enumerate(found):
+        best = ", ".join(f"label {int(d.labels[i])} {d.scores[i]:.3f} at "
+                         f"[{', '.join(f'{v:.0f}' for v in d.boxes[i])}]" for i in range(min(k, len(d))))
+        out.print(f"[bold]{task}[/] sample {row}: {len(d)} detection(s)" + (f"; best: {best}" if best else ""))
     out.print(f"latency over {repeat} request(s) ({protocol}, batch {batch}): p50 {np.percentile(lat, 50):.2f} ms, "
               f"p99 {np.percentile(lat, 99):.2f} ms, min {lat.min():.2f} ms")
 

@@ -1,5 +1,6 @@
-"""Base networks and how they are cut into stages: any torchvision classification or semantic
-segmentation model, or a user's own model exported with ``torch.export`` (a ``.pt2`` file).
+"""Base networks and how they are cut into stages: any torchvision classification, semantic
+segmentation or object detection model (``blockflow.core.detection``), or a user's own model
+exported with ``torch.export`` (a ``.pt2`` file).
 
 A network is named by a torchvision model name or by the path of its ``.pt2`` file. A torchvision
 network is traced into a graph with torch.fx (torchvision's own ``NodePathTracer``, which names
@@ -41,7 +42,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from blockflow.core import detection
 from blockflow.core.cuts import Cut, Cuts, HopTensor
+from blockflow.core.spec import TaskOutput
 
 # The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
 MAX_HOP_TENSORS = 8
@@ -82,10 +85,11 @@ def load_program(path: str, single: bool = True) -> fx.GraphModule:
 
 @lru_cache(maxsize=1)
 def supported_archs() -> tuple[str, ...]:
-    """Every classification and semantic segmentation model torchvision builds by name."""
+    """Every classification, semantic segmentation and detection model torchvision builds by name
+    (Keypoint R-CNN aside)."""
     import torchvision.models as tvm
 
-    return tuple(sorted({*tvm.list_models(module=tvm), *segmentation_archs()}))
+    return tuple(sorted({*tvm.list_models(module=tvm), *segmentation_archs(), *detection.detection_archs()}))
 
 
 @lru_cache(maxsize=1)
@@ -127,6 +131,10 @@ def build_network(arch: str, num_classes: int, seed: int, input_shape: Sequence[
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if detection.is_detection(arch):
+            det = detection.build(arch, num_classes, input_shape)
+            setattr(det, INPUT_SHAPE_ATTR, tuple(int(d) for d in input_shape))
+            return det.eval()
         net: nn.Module = tvm.get_model(arch, **_factory_kwargs(arch, num_classes, input_shape))
         if next(net.parameters()).device.type != "meta":
             _like_trained(net, input_shape)
@@ -426,10 +434,20 @@ def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) ->
             found.append(Cut(name, tuple(tensors)))
             found_ends.append(end)
     result = only_output(traced.nodes[output])
+    if isinstance(result, fx.Node) and result.target in (detection.detect_rcnn, detection.detect_dense):
+        return Cuts(tuple(found), tuple(found_ends), (1,), input_shape)  # a detector's outputs: detection.task_outputs
     out = hop_tensor(result) if isinstance(result, fx.Node) else None
     if out is None:
         raise ValueError("the network's output is not one tensor with the batch first")
     return Cuts(tuple(found), tuple(found_ends), out.shape, input_shape)
+
+
+def task_outputs(arch: str, input_shape: Sequence[int]) -> tuple[TaskOutput, ...]:
+    """What a task whose path ends in network ``arch`` answers with, where that is not LOGITS (a
+    detector's outputs); empty otherwise."""
+    if not detection.is_detection(arch):
+        return ()
+    return tuple(TaskOutput(name=n, dtype=d, shape=s) for n, d, s in detection.task_outputs(arch, input_shape))  # type: ignore[arg-type]
 
 
 def stage_output_shapes(

@@ -36,6 +36,9 @@ SPEC_PARAMETER = "blockflow.spec"
 # so a client never sees how a task is split.
 IMAGE = "IMAGE"
 LOGITS = "LOGITS"
+# A detector task's outputs instead (blockflow.core.detection): detections per image, and each
+# detection's box, score, label and (Mask R-CNN) mask, padded along the detection axis.
+COUNT, BOXES, SCORES, LABELS, MASKS = "COUNT", "BOXES", "SCORES", "LABELS", "MASKS"
 ACTIVATION_IN = "ACTIVATION_IN"
 ACTIVATION_OUT = "ACTIVATION_OUT"
 TICKET_BYTES = 256
@@ -79,6 +82,20 @@ class ImageInput(_Strict):
         if self.dtype == "encoded":
             return (-1,)
         return (*chw[1:], chw[0]) if self.layout == "HWC" else tuple(chw)
+
+
+# The element type of a task output other than logits (a detector's counts and labels are int64).
+OutputDtype = Literal["fp32", "int64"]
+
+
+class TaskOutput(_Strict):
+    """One output a task answers with: its name, element type and per-sample shape, ``-1`` where
+    it varies (a detector's detections: padded per request to its largest count, see
+    ``blockflow.core.detection``)."""
+
+    name: str
+    dtype: OutputDtype
+    shape: tuple[int, ...]
 
 
 class PartNetwork(_Strict):
@@ -198,6 +215,9 @@ class ModelSpec(_Strict):
     hand_over: HandOver | None = None
     # A model that takes the image, where the plan's model gives a non-default input (uint8, HWC, normalised).
     image: ImageInput | None = None
+    # What the last block of a task whose network is no classifier answers with (a detector's
+    # COUNT, BOXES, ...); empty: LOGITS of ``out_shape``.
+    outputs: tuple[TaskOutput, ...] = ()
 
     @model_validator(mode="after")
     def _pack_has_heads(self) -> ModelSpec:
@@ -238,14 +258,21 @@ class ModelSpec(_Strict):
 
     @property
     def gives_logits(self) -> bool:
+        """Whether this model runs its network's last stage (answers the task: LOGITS, or ``outputs``)."""
         return self.last_stage == self.stage_count - 1
+
+    @property
+    def task_outputs(self) -> tuple[TaskOutput, ...]:
+        """What the task's answer holds where this model gives it."""
+        return self.outputs or (TaskOutput(name=LOGITS, dtype="fp32", shape=self.out_shape),)
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): same spec, same bytes."""
         import json
 
         # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
-        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over", "image")
+        optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over", "image",
+                    "outputs")
         omitted = {k for k in optional if not getattr(self, k)} | {k for k in ("in_dtype", "out_dtype") if getattr(self, k) == "fp32"}
         data = self.model_dump(mode="json", exclude=omitted)
         for part in [*data["parts"], *(p for h in data.get("heads", ()) for p in h["parts"])]:

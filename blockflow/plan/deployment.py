@@ -13,7 +13,7 @@ from typing import Any, Literal
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
-from blockflow.core.spec import HopDtype, Precision, TransportName, WeightsSource, hop_dtype
+from blockflow.core.spec import HopDtype, Precision, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import direct_pairs, naming
 from blockflow.plan.schema import (
@@ -198,6 +198,8 @@ class Plan:
             whole = len(segments) == 1
             if (whole and self.raw.pack != "all") or any(users[b.name] != [task.name] for b in head):
                 continue
+            if self.block_outputs(head[-1]):  # a detector answers several tensors; a pack, one per member
+                continue
             after = "" if whole else naming.segment_model([b.name for b in segments[-2]])
             first = head[0]
             key = (after, task.transport, first.model, first.placement, first.instances, first.max_batch_size,
@@ -287,6 +289,14 @@ class Plan:
 
     def block_out_shape(self, block: Block) -> tuple[int, ...]:
         return self.block_out_shapes(block)[0]
+
+    def block_outputs(self, block: Block) -> tuple[TaskOutput, ...]:
+        """What ``block`` answers its tasks with where it ends its network and that is a detector's
+        (``blockflow.core.detection``); empty where it answers LOGITS or hands on."""
+        m = self.models[block.model]
+        if block.last != m.stage_count - 1 or m.stage_files is not None:
+            return ()
+        return archs.task_outputs(m.network, m.input_shape)
 
     def device_issues(self, gpus: int) -> list[PlanIssue]:
         """Placement problems on a machine with ``gpus`` visible GPUs (checked when serving)."""

@@ -73,8 +73,9 @@ class InputDef(_Strict):
 
 
 class ModelDef(_Strict):
-    """A base network and where it is cut: a torchvision architecture (``arch``: a classifier, or a
-    segmentation network, whose output is its ``out`` map of ``[num_classes, H, W]``), the user's own
+    """A base network and where it is cut: a torchvision architecture (``arch``: a classifier, a
+    segmentation network, whose output is its ``out`` map of ``[num_classes, H, W]``, or a detector,
+    whose outputs are its detections: ``blockflow.core.detection``), the user's own
     model exported with ``torch.export`` (``program``, a ``.pt2`` file relative to the plan file),
     or a model already cut into one file per stage (``stage_files``: ``.pt2`` or TorchScript)."""
 
@@ -123,9 +124,9 @@ class ModelDef(_Strict):
         if v not in known:
             near = difflib.get_close_matches(v, known, n=3)
             hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
-            raise ValueError(f"unknown architecture {v!r}; {hint}any torchvision classification or semantic segmentation "
-                             "model works (torchvision.models.list_models(module=torchvision.models), "
-                             "and module=torchvision.models.segmentation)")
+            raise ValueError(f"unknown architecture {v!r}; {hint}any torchvision classification, semantic segmentation "
+                             "or detection model works (torchvision.models.list_models(module=torchvision.models), "
+                             "and module=torchvision.models.segmentation or .detection; Keypoint R-CNN aside)")
         return v
 
     @field_validator("input_shape")
