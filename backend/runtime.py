@@ -100,7 +100,9 @@ class BlockRunner:
             tf32 = spec.precision == "tf32"
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
-            torch.backends.cudnn.benchmark = True
+            # Not for a detector's heads: they run on as many proposals as each image has, and each
+            # new size would start an algorithm search.
+            torch.backends.cudnn.benchmark = not spec.outputs
         parts = [build_part(spec, p, cache) for p in spec.parts]
         if self.is_cuda:
             parts = [fold_batchnorm(p) for p in parts]
@@ -206,7 +208,7 @@ class BlockRunner:
         """
         batch = int(xs[0].shape[0])
         bucket = bucket_for(batch, self.buckets)
-        if not self.is_cuda or bucket == batch:
+        if not self.is_cuda or bucket == batch or self.spec.outputs:  # a detector: no search to spare
             return self._eager(xs)
         padded = self._zeros(bucket)
         for p, x in zip(padded, xs, strict=True):
@@ -322,7 +324,7 @@ class BlockRunner:
         # Fresh tensors: a graph's output buffers are overwritten by its next replay. Integer outputs
         # (a detector's counts and labels) keep their dtype.
         return [r.to(dtype=self.out_dtype if r.is_floating_point() else r.dtype, memory_format=torch.contiguous_format,
-                     copy=True) for r in results]
+                     copy=not self.spec.outputs) for r in results]  # a detector's outputs are its own already
 
     def join(self, columns: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         """Each input's per-request tensors as one batch on this device (``torch.cat``), by DMA out

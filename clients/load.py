@@ -26,6 +26,7 @@ from blockflow.clients.client import AsyncTaskClient, Protocol
 from blockflow.clients.images import random_jpegs
 from blockflow.clients.task_input import TaskInput
 from blockflow.core.errors import ClientError
+from blockflow.core.spec import LOGITS
 
 Images = npt.NDArray[Any]
 
@@ -58,7 +59,11 @@ class LoadSpec:
 async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out: list[Record]) -> None:  # type: ignore[type-arg]
     sent = time.perf_counter()
     try:
-        await client.infer(task, x)
+        outputs = (await client.input_of(task)).outputs
+        if outputs and LOGITS not in outputs:  # a detector's task: every output it answers with
+            await client.infer_outputs(task, x)
+        else:
+            await client.infer(task, x)
         out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, True))
     except Exception as exc:  # a failed request is a data point, not the end of the run
         out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, False, str(exc)[:200]))

@@ -120,6 +120,13 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
             elif len(set(pl)) != len(pl) or min(pl) < 0:
                 yield PlanIssue(f"{where}.placement", f"{pl} must list distinct GPU indices >= 0")
 
+    for name in good_blocks:
+        b = plan.blocks[name]
+        if b.precision in ("fp16", "bf16") and plan.block_outputs(b):
+            # Its heads, proposals and NMS run in the block's precision: torchvision's NMS has no bf16
+            # kernel, and its batched NMS offsets boxes by class in their dtype, which fp16 cannot hold apart.
+            yield PlanIssue(f"blocks.{name}.precision", f"{b.precision} for a detector's last stages (heads, NMS); give "
+                                                        "this block fp32 or tf32 (its backbone's blocks may run fp16)")
     for tname, task in raw.tasks.items():
         yield from _path_issues(plan, tname, task, good_blocks)
     for name in good_blocks:

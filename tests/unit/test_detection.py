@@ -13,7 +13,7 @@ import torchvision.models as tvm
 
 from blockflow.clients.detections import per_image
 from blockflow.core import arch, detection
-from blockflow.core.errors import ClientError
+from blockflow.core.errors import ClientError, PlanError
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import parse_pbtxt
 from blockflow.plan import load_plan, parse_plan
@@ -108,3 +108,13 @@ def test_the_client_cuts_each_images_detections_to_its_count() -> None:
     assert len(second) == 0 and second.boxes.shape == (0, 4)
     with pytest.raises(ClientError, match="lacks SCORES, LABELS"):
         per_image({"COUNT": outputs["COUNT"], "BOXES": outputs["BOXES"]})
+
+
+def test_a_detectors_heads_in_fp16_or_bf16_are_refused_its_backbone_is_not() -> None:
+    raw = load_plan(ROOT / "tests" / "plans" / "detect_families.yaml").raw.model_dump(mode="json", exclude_none=True)
+    raw["blocks"]["df_fpn"]["precision"] = "fp16"  # the backbone: allowed
+    parse_plan(raw)
+    for precision in ("fp16", "bf16"):
+        raw["blocks"]["df_boxes"]["precision"] = precision
+        with pytest.raises(PlanError, match=r"blocks\.df_boxes\.precision.*for a detector's last stages"):
+            parse_plan(raw)
