@@ -141,16 +141,22 @@ class Step:
 
 
 def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int], logits_shape: Sequence[int],
-                    wiring: Wiring | None = None) -> mc.ModelConfig:
+                    wiring: Wiring | None = None, entry: Sequence[tuple[str, Sequence[int], int]] | None = None) -> mc.ModelConfig:
     """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop.
 
     ``wiring``: which step's output each step takes, where blocks hand over directly
-    (``blockflow.plan.direct_pairs``); by default each takes the step before's."""
+    (``blockflow.plan.direct_pairs``); by default each takes the step before's. ``entry``: the
+    ensemble's inputs (name, dims, type) where it takes no image (a run after a crossing,
+    ``blockflow.ensemble_gen.crossing``), which its first step takes by the same names."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.platform = "ensemble"
     cfg.max_batch_size = min(s.spec.max_batch_size for s in steps)
-    cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput, image_type(steps[0].spec)))
+    if entry is None:
+        cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput, image_type(steps[0].spec)))
+    else:
+        cfg.input.extend(_tensor(n, dims, mc.ModelInput, t) for n, dims, t in entry)
+    first = [IMAGE] if entry is None else [n for n, _, _ in entry]
     answer = steps[-1].spec.outputs  # a detector's outputs; none: LOGITS
     if answer:
         cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in answer)
@@ -162,7 +168,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         step.model_name = s.model
         step.model_version = -1
         src = wiring.takes[i] if wiring is not None else (i - 1 if i else None)
-        carried = [IMAGE] if src is None else given[src]
+        carried = first if src is None else given[src]
         inputs = [IMAGE] if s.spec.takes_image else activation_names(ACTIVATION_IN, len(carried))
         for name, tensor in zip(inputs, carried, strict=True):
             step.input_map[name] = tensor

@@ -23,16 +23,21 @@ from tritonclient.grpc import model_config_pb2 as mc
 from blockflow.core import also_accepts
 from blockflow.core.errors import GenerateError
 from blockflow.core.spec import (
+    ACTIVATION_IN,
     LOGITS,
+    BridgeSpec,
     Head,
     ModelSpec,
     Part,
     PartNetwork,
     Precision,
+    TaskOutput,
     TransportName,
+    activation_names,
     head_output,
     hop_dtype,
 )
+from blockflow.ensemble_gen import crossing as crossing_models
 from blockflow.ensemble_gen.configs import (
     DIGEST_PARAMETER,
     Step,
@@ -40,7 +45,7 @@ from blockflow.ensemble_gen.configs import (
     python_model_config,
     to_pbtxt,
 )
-from blockflow.plan import Block, HeadPack, Plan, Task, direct_pairs, naming
+from blockflow.plan import Block, HeadPack, Plan, Task, crossing, direct_pairs, naming
 
 MARKER = ".blockflow-repository"
 
@@ -61,6 +66,10 @@ from blockflow.backend.model import TritonPythonModel  # noqa: E402
 
 __all__ = ["TritonPythonModel"]
 '''
+# A crossing model's model.py: the same, with the crossing's runtime (blockflow.plan.crossing).
+BRIDGE_PY = MODEL_PY.replace("from blockflow.backend.model import", "from blockflow.backend.bridge import").replace(
+    "this model's spec is the `blockflow.spec` parameter", "this crossing's is the `blockflow.bridge` parameter")
+
 
 
 def _parts(blocks: Sequence[Block]) -> tuple[Part, ...]:
@@ -179,6 +188,18 @@ def _emit(files: dict[str, bytes], cfg: mc.ModelConfig, extra: Mapping[str, byte
         files[f"{cfg.name}/{rel}"] = data
 
 
+def _crossing(plan: Plan, name: str, steps: Sequence[Step], server: str, model: str,
+              outputs: Sequence[TaskOutput]) -> mc.ModelConfig:
+    """The crossing model that sends a run's last hop on to ensemble ``model`` of ``server``."""
+    last = steps[-1].spec
+    target = plan.raw.servers[server]
+    inputs = tuple((n, last.out_dtype) for n in activation_names(ACTIVATION_IN, len(last.out_shapes)))
+    bridge = BridgeSpec(grpc=target.grpc, model=model, timeout_s=target.timeout_s, inputs=inputs,
+                        outputs=tuple(o.name for o in outputs))
+    return crossing_models.crossing_config(name, bridge, last.out_shapes, last.out_dtype, outputs,
+                                           min(s.spec.max_batch_size for s in steps))
+
+
 def render(plan: Plan) -> dict[str, bytes]:
     """Every file of the repository for ``plan``, keyed by relative POSIX path."""
     files: dict[str, bytes] = {}
@@ -189,33 +210,53 @@ def render(plan: Plan) -> dict[str, bytes]:
         weights = [Path(p.weights.file) for p in parts if p.weights.file is not None]
         _emit(files, cfg, {"1/model.py": MODEL_PY.encode()}, weights)
 
+    if plan.raw.servers and plan.server is None:
+        raise GenerateError(f"plan {plan.raw.name!r} spans servers ({', '.join(plan.raw.servers)}): render it for one "
+                            "of them (blockflow generate --server NAME, blockflow serve --server NAME)")
     blocks: dict[str, tuple[ModelSpec, Block]] = {}
     feeders: dict[str, set[str]] = {}  # model -> the models before it on some task's path
-    ensembles: list[tuple[str, list[Step], Task]] = []  # (name, steps, task)
+    # (ensemble name, steps, task, the task's model name, run index, the server the path goes on to or None)
+    ensembles: list[tuple[str, list[Step], Task, str, int, str | None]] = []
     for task in plan.tasks.values():
+        runs = crossing.runs(plan, task)
         for transport in plan.transports_of(task):
-            steps: list[Step] = []
-            for unit in plan.deployed(task):
-                spec, deploy = pack_spec(plan, unit.pack, transport) if unit.pack else segment_spec(plan, unit.blocks, transport)
-                mname = naming.block_model(deploy.name, transport, plan.transport)
-                blocks.setdefault(mname, (spec, deploy))
-                if steps:
-                    feeders.setdefault(mname, set()).add(steps[-1].model)
-                steps.append(Step(mname, spec, head_output(task.name) if spec.heads else LOGITS))
-            ensembles.append((naming.task_model(task.name, transport, task.transport), steps, task))
+            units = plan.deployed(task)
+            tname = naming.task_model(task.name, transport, task.transport)
+            for index, (server, names) in enumerate(runs):
+                if server != (plan.server or ""):
+                    continue  # another server's run
+                steps: list[Step] = []
+                for unit in units:
+                    if unit.blocks[0].name not in names:
+                        continue
+                    spec, deploy = pack_spec(plan, unit.pack, transport) if unit.pack else segment_spec(plan, unit.blocks, transport)
+                    mname = naming.block_model(deploy.name, transport, plan.transport)
+                    blocks.setdefault(mname, (spec, deploy))
+                    if steps:
+                        feeders.setdefault(mname, set()).add(steps[-1].model)
+                    steps.append(Step(mname, spec, head_output(task.name) if spec.heads else LOGITS))
+                ename = tname if index == 0 else naming.run_ensemble(tname, index)
+                ensembles.append((ename, steps, task, tname, index, runs[index + 1][0] if index + 1 < len(runs) else None))
         for graph, fp32 in plan.reference_variants(task):
             spec, deploy = reference_spec(plan, task, graph, fp32)
             python_model(deploy.name, spec, deploy)
     # Direct hand-overs: the plan's pairs, wired into the TensorMQ ensembles of the tasks that ask for them.
     relay = {naming.block_model(a, "tensormq", plan.transport): naming.block_model(b, "tensormq", plan.transport)
              for a, b in plan.hand_overs.items()}
-    paths = {e: [st.model for st in steps] for e, steps, t in ensembles
+    paths = {e: [st.model for st in steps] for e, steps, t, _, _, _ in ensembles
              if relay and t.hand_over == "direct" and t.transport == "tensormq" and steps[0].spec.transport == "tensormq"}
     roles = direct_pairs.roles(paths, relay)
-    for ename, steps, task in ensembles:
+    for ename, steps, task, tname, index, onward in ensembles:
         last = plan.blocks[task.path[-1]]
         wiring = direct_pairs.wiring(paths[ename], relay) if ename in paths else None
-        cfg = ensemble_config(ename, steps, steps[0].spec.in_shape, plan.block_out_shape(last), wiring)
+        cfg = ensemble_config(ename, steps, steps[0].spec.in_shape, plan.block_out_shape(last), wiring,
+                              crossing_models.entry(steps[0].spec) if index else None)
+        if onward is not None:
+            outputs = plan.block_outputs(last) or (TaskOutput(name=LOGITS, dtype="fp32", shape=plan.block_out_shape(last)),)
+            cross = naming.crossing_model(tname, index + 1)
+            crossing_models.add_crossing_step(cfg, cross, outputs)
+            _emit(files, _crossing(plan, cross, steps, onward, naming.run_ensemble(tname, index + 1), outputs),
+                  {"1/model.py": BRIDGE_PY.encode()}, [])
         _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
     for mname, (spec, deploy) in blocks.items():
         if spec.transport == "tensormq" and mname in feeders:  # a TensorMQ consumer accepts its feeders' tickets only

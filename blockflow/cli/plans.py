@@ -184,13 +184,14 @@ def _param_counts(p: Plan) -> dict[str, int]:
 @PLAN
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Repository directory to write.")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if OUTPUT differs from the plan.")
+@click.option("--server", "server_name", default=None, metavar="NAME", help="For a plan that spans servers: the repository of this one.")
 @JSON
-def generate(plan: Path, output: Path, check: bool, as_json: bool) -> None:
+def generate(plan: Path, output: Path, check: bool, server_name: str | None, as_json: bool) -> None:
     """Generate the Triton model repository for a plan (atomically; same plan, same bytes)."""
     from blockflow.ensemble_gen import generator
     from blockflow.plan import load_plan
 
-    p = load_plan(plan)
+    p = load_plan(plan).on_server(server_name)
     files = generator.render(p)
     if check:
         differences = generator.diff(files, output)

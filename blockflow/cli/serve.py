@@ -60,6 +60,8 @@ log = logging.getLogger("blockflow.serve")
                    "shared-memory inputs (default: <runtime dir>/shm.key, this user's only).")
 @click.option("--shm-key-group", default=None, metavar="GROUP",
               help="Let this group's members read the shared-memory key file (0640); its directory must let them in.")
+@click.option("--server", "server_name", default=None, metavar="NAME",
+              help="Which of the plan's servers this is, for a plan that spans several (its blocks there, its tasks' runs there).")
 @click.option("--http-max-body-mb", type=click.IntRange(1), default=None,
               help="The largest HTTP request body the front door lets through (default: 64, or twice the largest "
                    "batch a task of the plan takes, if more).")
@@ -67,7 +69,7 @@ log = logging.getLogger("blockflow.serve")
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
           mps: bool, warm_cores_ms: float, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...],
-          shm_key_file: Path | None, shm_key_group: str | None, http_max_body_mb: int | None) -> None:
+          shm_key_file: Path | None, shm_key_group: str | None, http_max_body_mb: int | None, server_name: str | None) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
@@ -84,7 +86,7 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     serving = Serving(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
                                    control_port, token, token_file, state_dir, mps, warm_cores_ms, list(weights_dirs),
                                    load_timeout, list(tritonserver_args), shm_key_file, _group_id(shm_key_group),
-                                   http_max_body_mb << 20 if http_max_body_mb else None),
+                                   http_max_body_mb << 20 if http_max_body_mb else None, server_name),
                       say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
         if serving.resumed is not None:

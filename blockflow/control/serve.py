@@ -64,6 +64,7 @@ class ServeOptions:
     shm_key_file: Path | None = None  # where the shared-memory key is written; default: <runtime dir>/shm.key
     shm_key_group: int | None = None  # a gid whose members may read it (0640)
     max_body_bytes: int | None = None  # the HTTP front door's limit; default: front_door_limit(plan)
+    server: str | None = None  # which of the plan's servers this is (a plan that spans several: blockflow.plan.crossing)
 
 
 def front_door_limit(plan: Plan) -> int:
@@ -102,14 +103,15 @@ class Serving:
         self.options = options
         self.say = say  # warnings and hints, for a person
         self._log_apply = log_apply or (lambda m: say(f"apply: {m}"))
-        self.plan: Plan = load_plan(options.plan)
+        self.plan: Plan = load_plan(options.plan).on_server(options.server)
         self.plan_file_text = options.plan.read_text(encoding="utf-8")
         self.plan_text = self.plan_file_text  # what is served: the plan file's, or the one resumed from --state-dir
         self.resumed: Entry | None = resumable(options.state_dir, self.plan_file_text) if options.state_dir else None
         if self.resumed is not None:
             self.plan_text = entry_text(self.resumed)
             self.plan = parse_plan_text(self.plan_text, source=f"plan #{self.resumed.number} of {options.state_dir}",
-                                        base_dir=options.plan.parent.resolve(), weights_dirs=options.weights_dirs or None)
+                                        base_dir=options.plan.parent.resolve(), weights_dirs=options.weights_dirs or None
+                                        ).on_server(options.server)
         self.gpus = gpu_count()
         issues = self.plan.device_issues(self.gpus)
         if issues:
@@ -153,7 +155,7 @@ class Serving:
         applier = Applier(self.server.grpc_url, self.repository, lock=self.lock, log=self._log_apply,
                           admin_key=self.server.admin_key, timeout=o.load_timeout)
         self.controller = Controller(applier, o.state_dir or self.runtime / env.PLANS_DIR, base_dir=o.plan.parent.resolve(),
-                                     gpus=self.gpus, weights_dirs=o.weights_dirs or None)
+                                     gpus=self.gpus, weights_dirs=o.weights_dirs or None, server=o.server)
         self.controller.kept = o.state_dir is not None
         self.controller.resumed_from = self.resumed.number if self.resumed is not None else None
         self.controller.adopt(self.plan_text, self.plan, started_from=self.plan_file_text)

@@ -106,8 +106,9 @@ class Controller:
 
     def __init__(self, applier: Applier, state_dir: Path, base_dir: Path, gpus: int = 0, keep: int = 10,
                  weights_dirs: Sequence[Path] | None = None, limits: Limits = Limits(),
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None, server: str | None = None) -> None:
         self.applier = applier
+        self.server = server  # which of a plan's servers this one is (blockflow.plan.crossing)
         self.metrics = metrics or ServeMetrics()
         self.state_dir = state_dir
         self.base_dir = base_dir  # relative weights files in posted plans are resolved from here
@@ -141,7 +142,7 @@ class Controller:
         lim = self.limits
         if len(text.encode()) > lim.max_plan_bytes:
             raise PlanError([PlanIssue("", f"the plan is larger than {lim.max_plan_bytes} bytes")], source)
-        plan = parse_plan_text(text, source=source, base_dir=self.base_dir, weights_dirs=self.weights_dirs)
+        plan = parse_plan_text(text, source=source, base_dir=self.base_dir, weights_dirs=self.weights_dirs).on_server(self.server)
         too_many = [PlanIssue(key, f"{n} {key} are more than this server accepts ({most})")
                     for key, n, most in (("tasks", len(plan.raw.tasks), lim.max_tasks), ("blocks", len(plan.raw.blocks), lim.max_blocks))
                     if n > most]

@@ -98,6 +98,20 @@ class TaskOutput(_Strict):
     shape: tuple[int, ...]
 
 
+BRIDGE_PARAMETER = "blockflow.bridge"
+
+
+class BridgeSpec(_Strict):
+    """What a crossing model runs (``blockflow.backend.bridge``, ``blockflow.plan.crossing``): each
+    request's tensors sent to ensemble ``model`` of the server at ``grpc``, its answer given back."""
+
+    grpc: str
+    model: str
+    timeout_s: float
+    inputs: tuple[tuple[str, HopDtype], ...]
+    outputs: tuple[str, ...]
+
+
 class PartNetwork(_Strict):
     """The network a part is cut from where it is not its spec's: a path that goes on from one
     model's block to another's (a shared backbone) runs, unsplit, parts of both."""

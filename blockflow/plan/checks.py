@@ -9,6 +9,7 @@ from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.trained_weights import trained_weights
+from blockflow.plan import crossing
 from blockflow.plan.deployment import Plan
 from blockflow.plan.schema import NAME_RE, NAME_RULE, BlockDef, ModelDef, TaskDef
 
@@ -121,14 +122,15 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
                 yield PlanIssue(f"{where}.placement", f"{pl} must list distinct GPU indices >= 0")
 
     for name in good_blocks:
-        b = plan.blocks[name]
-        if b.precision in ("fp16", "bf16") and plan.block_outputs(b):
+        block = plan.blocks[name]
+        if block.precision in ("fp16", "bf16") and plan.block_outputs(block):
             # Its heads, proposals and NMS run in the block's precision: torchvision's NMS has no bf16
             # kernel, and its batched NMS offsets boxes by class in their dtype, which fp16 cannot hold apart.
-            yield PlanIssue(f"blocks.{name}.precision", f"{b.precision} for a detector's last stages (heads, NMS); give "
+            yield PlanIssue(f"blocks.{name}.precision", f"{block.precision} for a detector's last stages (heads, NMS); give "
                                                         "this block fp32 or tf32 (its backbone's blocks may run fp16)")
     for tname, task in raw.tasks.items():
         yield from _path_issues(plan, tname, task, good_blocks)
+    yield from crossing.issues(plan)
     for name in good_blocks:
         feeders = plan.block_feeders(plan.blocks[name])
         if len(set(feeders.values())) > 1:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any, Literal
 
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
-from blockflow.core.errors import PlanIssue
+from blockflow.core.errors import PlanError, PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import direct_pairs, naming
@@ -91,6 +92,17 @@ class Plan:
         self.base_dir = base_dir or Path.cwd()
         # Where weights files may come from (None: anywhere this user can read; a plan file of one's own).
         self.weights_dirs = None if weights_dirs is None else [d.resolve() for d in weights_dirs]
+        # Which of the plan's ``servers`` this process serves (None: a plan of one server).
+        self.server: str | None = None
+
+    def on_server(self, server: str | None) -> Plan:
+        """This plan as the server ``server`` of its ``servers`` serves it (its part: ``blockflow.plan.crossing``)."""
+        if server is not None and server not in self.raw.servers:
+            known = ", ".join(self.raw.servers) or "none: the plan runs on one server"
+            raise PlanError([PlanIssue("servers", f"no server {server!r} (the plan's servers: {known})")], self.source)
+        view = copy.copy(self)
+        view.server = server
+        return view
 
     @cached_property
     def models(self) -> Mapping[str, ModelDef]:

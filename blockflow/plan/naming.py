@@ -57,3 +57,13 @@ def head_pack(after: str, index: int = 1) -> str:
 def model_pack(first: str) -> str:
     """The model running the packed whole models whose first member's segment is ``first``."""
     return f"{first}{SEP}pack"
+
+
+def run_ensemble(task: str, index: int) -> str:
+    """The ensemble of run ``index`` > 0 of a task whose path crosses servers (``blockflow.plan.crossing``)."""
+    return f"{task}{SEP}run{index}"
+
+
+def crossing_model(task: str, index: int) -> str:
+    """The model that sends a task's request on to run ``index`` on the next server."""
+    return f"{task}{SEP}cross{index}"

@@ -202,6 +202,17 @@ class BlockDef(BlockSettings):
     stages: int | tuple[int, int]
     # None: seed 0 for a torchvision model, the program's own weights for an exported one.
     weights: Weights | None = None
+    # The server it runs on, in a plan that names its servers (None: the first server listed).
+    server: str | None = None
+
+
+class ServerDef(_Strict):
+    """One server of a plan that spans several (``servers``): where the servers before it on a
+    task's path reach its gRPC endpoint (``host:port``), and how long a request that crosses to it
+    may take there before the crossing fails it."""
+
+    grpc: str = Field(pattern=r"^[A-Za-z0-9.\[\]:_-]+:[0-9]{1,5}$")
+    timeout_s: float = Field(default=10.0, gt=0, le=600)
 
 
 class TaskDef(_Strict):
@@ -243,4 +254,7 @@ class PlanModel(_Strict):
     # one ensemble step fewer per such pair (docs/plan.md, "hand_over").
     hand_over: Literal["ensemble", "direct"] = "ensemble"
     tensormq: TensorMQSettings = TensorMQSettings()
+    # The servers a plan spans (blockflow.plan.crossing): each serves its blocks, and a task whose
+    # path goes on to another server's blocks crosses to it over Triton's gRPC. Empty: one server.
+    servers: dict[str, ServerDef] = Field(default_factory=dict)
 

@@ -1,0 +1,91 @@
+"""A crossing model's runtime (``blockflow.plan.crossing``): each request's tensors, as they arrive in
+host memory, are sent to the next server's ensemble over Triton's gRPC, and its answer is this
+request's. The requests of one call go out together; each waits at most the next server's
+``timeout_s``, and one that fails (that server down, slow, or refusing it) fails alone with a
+clear error: the next request tries again, so the path heals when that server is back.
+
+Inside a stub only (it needs ``triton_python_backend_utils``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import from_dlpack
+
+from blockflow.backend.replies import error
+from blockflow.core.spec import BRIDGE_PARAMETER, BridgeSpec
+
+# Triton's datatype of each hop dtype a crossing sends (bf16 never crosses: blockflow.plan.crossing).
+_DATATYPES = {"fp32": "FP32", "fp16": "FP16"}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        import tritonclient.grpc as grpcclient
+
+        config = json.loads(args["model_config"])
+        self.spec = BridgeSpec.model_validate_json(config["parameters"][BRIDGE_PARAMETER]["string_value"])
+        self.name = config["name"]
+        self._grpc = grpcclient
+        # gRPC's own reconnect backoff grows to two minutes while the next server is down; capped
+        # at one second, a crossing answers again within about a second of that server's return.
+        self.client = grpcclient.InferenceServerClient(self.spec.grpc, channel_args=[
+            ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
+        self.logger = pb_utils.Logger
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        done = [threading.Event() for _ in requests]
+        answers: list[Any] = [None] * len(requests)
+        for k, request in enumerate(requests):
+            try:
+                self._send(request, k, answers, done[k])
+            except Exception as exc:  # a request that cannot be sent fails alone
+                answers[k] = self._failed(exc)
+                done[k].set()
+        for k, event in enumerate(done):
+            # The client's own deadline ends each call; this wait only guards against a callback never run.
+            if not event.wait(self.spec.timeout_s + 5.0):
+                answers[k] = self._failed(TimeoutError(f"no answer within {self.spec.timeout_s:g} s"))
+        return answers
+
+    def _send(self, request: Any, k: int, answers: list[Any], done: threading.Event) -> None:
+        inputs = []
+        for name, dtype in self.spec.inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            # Through DLPack: the stub's as_numpy misreads some tensors (docs/triton-notes.md).
+            x = from_dlpack(tensor.to_dlpack()).numpy()
+            inp = self._grpc.InferInput(name, list(x.shape), _DATATYPES[dtype])
+            inp.set_data_from_numpy(np.ascontiguousarray(x))
+            inputs.append(inp)
+        wanted = [self._grpc.InferRequestedOutput(n) for n in self.spec.outputs]
+
+        def answered(result: Any, exc: Any) -> None:
+            try:
+                if exc is not None:
+                    answers[k] = self._failed(exc)
+                else:
+                    answers[k] = pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor(n, result.as_numpy(n)) for n in self.spec.outputs])
+            except Exception as failure:  # an answer that cannot be read fails this request alone
+                answers[k] = self._failed(failure)
+            finally:
+                done.set()
+
+        self.client.async_infer(self.spec.model, inputs, answered, outputs=wanted, client_timeout=self.spec.timeout_s)
+
+    def _failed(self, exc: Any) -> Any:
+        text = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+        message = (f"crossing {self.name!r}: the next server ({self.spec.grpc}, ensemble {self.spec.model!r}) did not "
+                   f"answer: {text}")
+        self.logger.log_error(f"blockflow: {message}")
+        return pb_utils.InferenceResponse(error=error(message, "UNAVAILABLE"))
+
+    def finalize(self) -> None:
+        self.client.close()
