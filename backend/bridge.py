@@ -1,7 +1,6 @@
 """A crossing model's runtime (``blockflow.plan.crossing``): each request's tensors, as they arrive in
 host memory, are sent to the next server's ensemble over Triton's gRPC, and its answer is this
-request's. The requests of one call go out together; each waits at most the next server's
-``timeout_s``, and one that fails (that server down, slow, or refusing it) fails alone with a
+request's. Each request waits at most the next server's ``timeout_s``, and one that fails (that server down, slow, or refusing it) fails alone with a
 clear error: the next request tries again, so the path heals when that server is back.
 
 Inside a stub only (it needs ``triton_python_backend_utils``).
@@ -10,7 +9,6 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import numpy as np
@@ -41,44 +39,26 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        done = [threading.Event() for _ in requests]
-        answers: list[Any] = [None] * len(requests)
-        for k, request in enumerate(requests):
-            try:
-                self._send(request, k, answers, done[k])
-            except Exception as exc:  # a request that cannot be sent fails alone
-                answers[k] = self._failed(exc)
-                done[k].set()
-        for k, event in enumerate(done):
-            # The client's own deadline ends each call; this wait only guards against a callback never run.
-            if not event.wait(self.spec.timeout_s + 5.0):
-                answers[k] = self._failed(TimeoutError(f"no answer within {self.spec.timeout_s:g} s"))
-        return answers
+        # One blocking call per request: tritonclient's async callbacks never ran inside the r24.10
+        # stub (a request waited past its deadline with the next server idle, 2026-11-29), so the
+        # crossing's instances (two) are what lets requests cross at once.
+        return [self._cross(request) for request in requests]
 
-    def _send(self, request: Any, k: int, answers: list[Any], done: threading.Event) -> None:
-        inputs = []
-        for name, dtype in self.spec.inputs:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            # Through DLPack: the stub's as_numpy misreads some tensors (docs/triton-notes.md).
-            x = from_dlpack(tensor.to_dlpack()).numpy()
-            inp = self._grpc.InferInput(name, list(x.shape), _DATATYPES[dtype])
-            inp.set_data_from_numpy(np.ascontiguousarray(x))
-            inputs.append(inp)
-        wanted = [self._grpc.InferRequestedOutput(n) for n in self.spec.outputs]
-
-        def answered(result: Any, exc: Any) -> None:
-            try:
-                if exc is not None:
-                    answers[k] = self._failed(exc)
-                else:
-                    answers[k] = pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(n, result.as_numpy(n)) for n in self.spec.outputs])
-            except Exception as failure:  # an answer that cannot be read fails this request alone
-                answers[k] = self._failed(failure)
-            finally:
-                done.set()
-
-        self.client.async_infer(self.spec.model, inputs, answered, outputs=wanted, client_timeout=self.spec.timeout_s)
+    def _cross(self, request: Any) -> Any:
+        try:
+            inputs = []
+            for name, dtype in self.spec.inputs:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                # Through DLPack: the stub's as_numpy misreads some tensors (docs/triton-notes.md).
+                x = from_dlpack(tensor.to_dlpack()).numpy()
+                inp = self._grpc.InferInput(name, list(x.shape), _DATATYPES[dtype])
+                inp.set_data_from_numpy(np.ascontiguousarray(x))
+                inputs.append(inp)
+            wanted = [self._grpc.InferRequestedOutput(n) for n in self.spec.outputs]
+            result = self.client.infer(self.spec.model, inputs, outputs=wanted, client_timeout=self.spec.timeout_s)
+            return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, result.as_numpy(n)) for n in self.spec.outputs])
+        except Exception as exc:  # the next server down, slow or refusing: this request fails alone
+            return self._failed(exc)
 
     def _failed(self, exc: Any) -> Any:
         text = exc.message() if callable(getattr(exc, "message", None)) else str(exc)

@@ -45,7 +45,7 @@ def _activation_index(name: str) -> int:
 def crossing_config(name: str, bridge: BridgeSpec, shapes: Sequence[Sequence[int]], dtype: HopDtype,
                     outputs: Sequence[TaskOutput], max_batch_size: int) -> mc.ModelConfig:
     """The crossing model: the hop's tensors in (host memory), the task's outputs out. On the CPU,
-    one instance; it batches nothing (each request is one call to the next server, sent at once)."""
+    two instances, each sending one request at a time (``blockflow.backend.bridge``); it batches nothing."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.backend = "python"
@@ -55,7 +55,7 @@ def crossing_config(name: str, bridge: BridgeSpec, shapes: Sequence[Sequence[int
     cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in outputs)
     group = cfg.instance_group.add()
     group.kind = mc.ModelInstanceGroup.KIND_CPU
-    group.count = 1
+    group.count = 2
     cfg.parameters[FORCE_CPU_PARAM].string_value = "yes"
     cfg.parameters[BRIDGE_PARAMETER].string_value = bridge.model_dump_json()
     return cfg
