@@ -161,7 +161,7 @@ def with_stand_ins(plan: Plan, blocks: Iterable[str]) -> Plan:
     raw = plan.raw
     tasks = {t: d.model_copy(update={"path": [rename.get(b, b) for b in d.path]}) for t, d in raw.tasks.items()}
     renamed = raw.model_copy(update={"blocks": {rename.get(k, k): v for k, v in raw.blocks.items()}, "tasks": tasks})
-    return Plan(renamed, plan.source, plan.base_dir, plan.weights_dirs)
+    return Plan(renamed, plan.source, plan.base_dir, plan.weights_dirs).on_server(plan.server)
 
 
 def with_planned_references(stand_in: RenderedRepository, planned: RenderedRepository, plan: Plan) -> RenderedRepository:
