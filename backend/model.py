@@ -159,6 +159,8 @@ class TritonPythonModel:
                         columns = trimmed(columns, self.ragged)
                     for out_name, column in zip(names, columns, strict=True):
                         for k, rows in zip(ks, column, strict=True):
+                            if rows.dim() == 1:  # a value per sample: declared [1] (blockflow.core.arch.task_outputs)
+                                rows = rows.unsqueeze(1)
                             outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
                     failed.update(ks)

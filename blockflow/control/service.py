@@ -42,7 +42,7 @@ from blockflow.control.apply import Applier, Report, expected_instances
 from blockflow.control.metrics import ServeMetrics
 from blockflow.core.errors import ApplyError, BlockFlowError, PlanError, PlanIssue
 from blockflow.ensemble_gen import rendered
-from blockflow.plan import Plan, naming, parse_plan_text
+from blockflow.plan import Plan, crossing, naming, parse_plan_text
 from blockflow.triton.access import same_secret
 
 
@@ -206,14 +206,20 @@ class Controller:
     def status(self) -> dict[str, Any]:
         served = {s.name for s in self.applier.served()}
         plan = self.plan
-        out: dict[str, Any] = {"plan": plan.raw.name if plan else None, "tasks": {}, "blocks": {},
+        out: dict[str, Any] = {"plan": plan.raw.name if plan else None, "server": self.server, "tasks": {}, "blocks": {},
                                "history": {"dir": str(self.state_dir), "kept_across_restarts": self.kept,
                                            "resumed_from": self.resumed_from}}
         if plan is None:
             return out
         counts = self.applier.request_counts()
         for t in plan.tasks.values():
-            models = [naming.task_model(t.name, tr, t.transport) for tr in plan.transports_of(t)]
+            # Of a plan across servers, the runs of the task's path this server serves (none: not listed).
+            here = [i for i, (server, _) in enumerate(crossing.runs(plan, t)) if server == (plan.server or "")]
+            if not here:
+                continue
+            models = [naming.task_model(t.name, tr, t.transport) if i == 0 else
+                      naming.run_ensemble(naming.task_model(t.name, tr, t.transport), i)
+                      for tr in plan.transports_of(t) for i in here]
             ok, failed = (sum(counts.get(m, (0, 0))[k] for m in models) for k in (0, 1))
             out["tasks"][t.name] = {"ready": all(m in served for m in models), "ensembles": models, "path": t.path,
                                     "succeeded": ok, "failed": failed}

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,8 +61,8 @@ def load_program(path: str, single: bool = True) -> fx.GraphModule:
     """The exported program at ``path`` as a graph module with its own weights (CPU).
 
     ``torch.export.load`` runs no Python code from the file. Raises ``ValueError`` (saying why and
-    what to do) for a file that is not an exported program (of one tensor in and one tensor out,
-    when ``single``: a whole model).
+    what to do) for a file that is not an exported program (of one tensor in, when ``single``: a
+    whole model; it may give several).
     """
     try:
         program = torch.export.load(path)
@@ -69,10 +70,9 @@ def load_program(path: str, single: bool = True) -> fx.GraphModule:
         raise ValueError(f"cannot load exported program {path}: {type(exc).__name__}: {exc}; "
                          "save it with torch.export.save(torch.export.export(model, ...), path)") from None
     signature = program.graph_signature
-    if single and (len(signature.user_inputs) != 1 or len(signature.user_outputs) != 1):
-        raise ValueError(f"exported program {path} takes {len(signature.user_inputs)} input(s) and gives "
-                         f"{len(signature.user_outputs)} output(s); BlockFlow serves programs of one tensor in "
-                         "and one tensor out")
+    if single and len(signature.user_inputs) != 1:
+        raise ValueError(f"exported program {path} takes {len(signature.user_inputs)} inputs; BlockFlow serves "
+                         "programs of one tensor in (and one or more out)")
     module = program.module()
     for node in list(module.graph.nodes):
         # The input guards torch.export adds check shapes against the export's constraints; the
@@ -436,6 +436,12 @@ def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) ->
     result = only_output(traced.nodes[output])
     if isinstance(result, fx.Node) and result.target in (detection.detect_rcnn, detection.detect_dense):
         return Cuts(tuple(found), tuple(found_ends), (1,), input_shape)  # a detector's outputs: detection.task_outputs
+    if isinstance(result, (tuple, list)) and all(isinstance(n, fx.Node) for n in result):  # several outputs
+        outs = [hop_tensor(n) for n in result]
+        bad = [i for i, t in enumerate(outs) if t is None or not (t.dtype.is_floating_point or t.dtype == torch.int64)]
+        if bad:
+            raise ValueError(f"the network's output {bad[0]} is not a floating-point or int64 tensor with the batch first")
+        return Cuts(tuple(found), tuple(found_ends), outs[0].shape, input_shape, tuple(outs))
     out = hop_tensor(result) if isinstance(result, fx.Node) else None
     if out is None:
         raise ValueError("the network's output is not one tensor with the batch first")
@@ -444,10 +450,37 @@ def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) ->
 
 def task_outputs(arch: str, input_shape: Sequence[int]) -> tuple[TaskOutput, ...]:
     """What a task whose path ends in network ``arch`` answers with, where that is not LOGITS (a
-    detector's outputs); empty otherwise."""
+    detector's outputs, or an exported program's several: :func:`program_output_names`); empty otherwise."""
+    if is_program(arch):
+        outs = legal_cuts(arch, (), 0).outputs
+        # A value per sample answers as [batch, 1]: Triton gives a batched output one axis at least.
+        return tuple(TaskOutput(name=n, dtype="int64" if t.dtype == torch.int64 else "fp32", shape=t.shape or (1,))
+                     for n, t in zip(program_output_names(arch, len(outs)), outs, strict=True))
     if not detection.is_detection(arch):
         return ()
     return tuple(TaskOutput(name=n, dtype=d, shape=s) for n, d, s in detection.task_outputs(arch, input_shape))  # type: ignore[arg-type]
+
+
+# A task output's name: what Triton and its clients call it (never a name the ensembles use themselves).
+_OUTPUT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+_RESERVED = {"IMAGE", "LOGITS", "ACTIVATION_IN", "ACTIVATION_OUT"}
+
+
+def program_output_names(path: str, count: int) -> list[str]:
+    """The names a program's ``count`` outputs answer under: the keys of the dict it returns, where
+    they are names Triton takes (letters, digits, ``_``; not BlockFlow's own), else ``OUTPUT_0``, ..."""
+    st = os.stat(path)
+    return list(_program_output_names(path, st.st_mtime_ns, st.st_size, count))
+
+
+@lru_cache(maxsize=8)
+def _program_output_names(path: str, mtime_ns: int, size: int, count: int) -> tuple[str, ...]:
+    spec = torch.export.load(path).call_spec.out_spec
+    keys = list(spec.context) if spec is not None and spec.type is dict else []
+    if len(keys) == count and all(isinstance(k, str) and _OUTPUT_NAME.match(k) and k not in _RESERVED
+                                  and not k.startswith(("ACTIVATION", "HANDED")) for k in keys):
+        return tuple(keys)
+    return tuple(f"OUTPUT_{i}" for i in range(count))
 
 
 def stage_output_shapes(

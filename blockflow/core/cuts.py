@@ -47,6 +47,9 @@ class Cuts:
     ends: tuple[int, ...]  # index of each cut's last node in the traced graph
     output_shape: tuple[int, ...]
     input_shape: tuple[int, ...] = ()
+    # A network of several outputs (an exported program's): each one's per-sample shape and dtype;
+    # empty for one (``output_shape``).
+    outputs: tuple[HopTensor, ...] = ()
 
     def names(self) -> list[str]:
         return [c.name for c in self.cuts]

@@ -104,6 +104,16 @@ def _served(s: Serve) -> set[str]:
         return {m["name"] for m in c.models()}
 
 
+def test_each_server_reports_its_part(servers: tuple[Serve, Serve, Path, Path]) -> None:
+    cloud, edge, _, _ = servers
+    for s, tasks in ((edge, {"x_cross": ["x_cross"], "x_local": ["x_local"]}),
+                     (cloud, {"x_cross": ["x_cross__run1"], "x_far": ["x_far"]})):
+        status = httpx.get(f"{s.control}/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+        assert status["server"] == s.name
+        assert {t: v["ensembles"] for t, v in status["tasks"].items()} == tasks
+        assert all(v["ready"] for v in status["tasks"].values()) and all(v["ready"] for v in status["blocks"].values())
+
+
 def test_a_server_that_cannot_take_the_plan_puts_both_back(servers: tuple[Serve, Serve, Path, Path]) -> None:
     cloud, edge, second, token_file = servers
     x = np.random.default_rng(0).standard_normal((1, 3, 32, 32), dtype=np.float32)
