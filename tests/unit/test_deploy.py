@@ -133,3 +133,12 @@ def test_service_monitor_disruption_budget_and_network_policy_when_asked() -> No
     assert rules[2]["from"] == [{"podSelector": {"matchLabels": {"app": "optimizer"}}}]
     no_control = render("--set", "networkPolicy.enabled=true")["NetworkPolicy"]["spec"]["ingress"]
     assert len(no_control) == 2 and "from" not in no_control[0]  # inference from anywhere; control from nowhere
+
+
+def test_a_release_serves_its_server_of_a_plan_across_servers() -> None:
+    objects = render("-f", str(ROOT / "deploy" / "helm" / "ci" / "crossing-edge.yaml"))
+    assert "--server=edge" in objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--server") for a in render()["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"])
+    res = subprocess.run([helm(), "template", "bf", str(CHART), "--set", "server=no way"], capture_output=True, text=True,
+                         check=False)
+    assert res.returncode != 0 and "server" in res.stderr
