@@ -3,9 +3,24 @@ one it is given (in one precision, the split and its unsplit graph only, spread 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from blockflow.plan import Plan, naming, parse_plan
+
+# The most detections per image a torchvision detector gives by default (RetinaNet's and SSD's 300).
+MAX_DETECTIONS = 300
+
+
+def answer_bytes(plan: Plan, task_name: str, batch: int) -> int:
+    """The most bytes a request of ``batch`` images gets back from the task (what an output's
+    shared-memory region must hold): its LOGITS, or each of a detector's outputs at its most detections."""
+    last = plan.blocks[plan.tasks[task_name].path[-1]]
+    outputs = plan.block_outputs(last)
+    if not outputs:
+        return 4 * math.prod(plan.block_out_shape(last)) * batch
+    return batch * sum((8 if o.dtype == "int64" else 4) * math.prod(MAX_DETECTIONS if d == -1 else d for d in o.shape)
+                       for o in outputs)
 
 
 def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
@@ -21,11 +36,14 @@ def task_models(plan: Plan, task_name: str) -> dict[str, dict[str, Any]]:
 
 
 def in_precision(plan: Plan, precision: str) -> Plan:
-    """``plan`` with every block in ``precision``."""
+    """``plan`` with every block in ``precision``; a detector's last block stays fp32 where that is
+    fp16 or bf16, which its NMS cannot take (``blockflow.core.detection``)."""
     raw = plan.raw.model_dump(mode="json", exclude_none=True)
     raw.setdefault("defaults", {})["precision"] = precision
-    for b in raw["blocks"].values():
+    for name, b in raw["blocks"].items():
         b.pop("precision", None)
+        if precision in ("fp16", "bf16") and plan.block_outputs(plan.blocks[name]):
+            b["precision"] = "fp32"
     raw["name"] = f"{plan.raw.name}-{precision}"
     return parse_plan(raw, source=f"{plan.source} in {precision}", base_dir=plan.base_dir)
 

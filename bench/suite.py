@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import platform
 import tempfile
 import time
@@ -33,7 +32,7 @@ from blockflow.bench import gpu_alone
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer
-from blockflow.bench.plans import in_precision, spread, task_models
+from blockflow.bench.plans import answer_bytes, in_precision, spread, task_models
 from blockflow.bench.report import write_report
 from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats
 from blockflow.clients.load import LoadSpec, run_load, summarize
@@ -98,8 +97,7 @@ class Bench:
         if first.input is not None and first.input.dtype == "encoded":
             self.shape = None
             self.input_data = encoded_input_data(Path(tempfile.mkdtemp(prefix="bench-images-")) / "images.json")
-        last = self.plan.blocks[self.task.path[-1]]
-        self.output_bytes = 4 * math.prod(self.plan.block_out_shape(last)) * max(cfg.batches)
+        self.output_bytes = answer_bytes(self.plan, self.task.name, max(cfg.batches))
 
     # ------------------------------------------------------------------ models of a plan
 
