@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 
 from blockflow.backend.stage_cache import StageCache
-from blockflow.core import arch, stage_files
+from blockflow.core import arch, programs, stage_files
 from blockflow.core.errors import BlockError
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
@@ -122,7 +122,7 @@ def _trained_state_dict(network: str, name: str) -> dict[str, torch.Tensor]:
 
 
 def _state_dict_of(network: str) -> str:
-    return f"the state_dict of program {network}" if arch.is_program(network) else f"torchvision's {network}"
+    return f"the state_dict of program {network}" if programs.is_program(network) else f"torchvision's {network}"
 
 
 def fold_batchnorm(part: nn.Module) -> nn.Module:

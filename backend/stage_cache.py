@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from blockflow.core import arch, env
+from blockflow.core import env, programs
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
 
@@ -75,7 +75,7 @@ class StageCache:
             weights = {"torchvision": part.weights.torchvision, "url": trained_weights(spec.arch, part.weights.torchvision).url}
         # An exported program is keyed by its bytes (its weights and graph), not only its path.
         network: object = spec.arch
-        if arch.is_program(spec.arch):
+        if programs.is_program(spec.arch):
             network = {"program": _file_digest(spec.arch)}
         elif spec.stage_files:
             network = {"stage_files": [_file_digest(f) for f in spec.stage_files[part.first:part.last + 1]]}

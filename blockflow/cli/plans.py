@@ -104,11 +104,11 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
 def _show_cuts(what: str, input_shape: str, num_classes: int, as_json: bool = False) -> None:
     """Every legal cut of the plan's models (or of one torchvision model or exported program), with
     the tensors that would cross it."""
-    from blockflow.core import arch
+    from blockflow.core import arch, programs
     from blockflow.core.errors import BlockFlowError
     from blockflow.plan import load_plan
 
-    if arch.is_program(what):
+    if programs.is_program(what):
         nets: list[tuple[str, str, tuple[int, ...], int]] = [(f"program {what}", str(Path(what).resolve()), (), 0)]
     elif Path(what).suffix in (".yaml", ".yml", ".json") or Path(what).is_file():
         p = load_plan(Path(what))
@@ -117,7 +117,7 @@ def _show_cuts(what: str, input_shape: str, num_classes: int, as_json: bool = Fa
     else:
         if what not in arch.supported_archs():
             raise click.BadParameter(f"{what!r} is neither a plan file, a torchvision model name nor an exported "
-                                     f"program ({arch.PROGRAM_SUFFIX})", param_hint="PLAN")
+                                     f"program ({programs.PROGRAM_SUFFIX})", param_hint="PLAN")
         try:
             shape = tuple(int(x) for x in input_shape.split(","))
         except ValueError:
@@ -135,7 +135,7 @@ def _show_cuts(what: str, input_shape: str, num_classes: int, as_json: bool = Fa
                                                               for t in c.tensors], "bytes_per_sample": c.bytes_per_sample}
                                   for c in found.cuts]})
             continue
-        if arch.is_program(name):
+        if programs.is_program(name):
             title += f" (input {list(found.input_shape)})"
         table = Table(title=f"{title}: {len(found.cuts)} legal cuts, in network order")
         for col in ("cut", "tensors per sample", "dtypes", "bytes per sample"):

@@ -1,21 +1,20 @@
 """Base networks and how they are cut into stages: any torchvision classification, semantic
 segmentation or object detection model (``blockflow.core.detection``), or a user's own model
-exported with ``torch.export`` (a ``.pt2`` file).
+exported with ``torch.export`` (a ``.pt2`` file: ``blockflow.core.programs``).
 
 A network is named by a torchvision model name or by the path of its ``.pt2`` file. A torchvision
 network is traced into a graph with torch.fx (torchvision's own ``NodePathTracer``, which names
-every node by the module it runs in, e.g. ``features.4.block.2``); an exported program already
-is one, and each node's module path comes from its ``nn_module_stack``. A cut names a module by
-its dotted path (``layer2``, ``features.4``, ``encoder.layers.encoder_layer_5``) or a node
-(``flatten``): the stage boundary falls right after the last node of that module. A cut is legal
-where every value live across the boundary is a tensor (at most ``MAX_HOP_TENSORS`` of them): they
-are what the hop carries, in the order the network computed them. Inside a residual block that is
-two tensors (the block's input, kept for the skip, and the branch so far); between blocks, one.
-Stage ``i`` runs from just after cut ``i-1`` up to and including cut ``i``; the last stage runs to
-the end. A stage takes one argument per tensor that enters it and returns one tensor, or a tuple
-when several leave it. Each stage is its own ``GraphModule`` holding the same nodes, in the same
-order, as the whole traced network: running the stages one after another is exactly the unsplit
-forward pass.
+every node by the module it runs in, e.g. ``features.4.block.2``); an exported program already is
+one (``blockflow.core.programs``). A cut names a module by its dotted path (``layer2``,
+``features.4``, ``encoder.layers.encoder_layer_5``) or a node (``flatten``): the stage boundary
+falls right after the last node of that module. A cut is legal where every value live across the
+boundary is a tensor (at most ``MAX_HOP_TENSORS`` of them): they are what the hop carries, in the
+order the network computed them. Inside a residual block that is two tensors (the block's input,
+kept for the skip, and the branch so far); between blocks, one. Stage ``i`` runs from just after
+cut ``i-1`` up to and including cut ``i``; the last stage runs to the end. A stage takes one
+argument per tensor that enters it and returns one tensor, or a tuple when several leave it. Each
+stage is its own ``GraphModule`` holding the same nodes, in the same order, as the whole traced
+network: running the stages one after another is exactly the unsplit forward pass.
 
 Parameters and buffers keep their names (``layer2.0.conv1.weight``), so a weights file keyed as
 the model's own ``state_dict`` fits every block. Seeded weights are made by building the whole
@@ -25,8 +24,8 @@ full model built with that seed, in every process.
 A segmentation network returns ``{'out': logits}`` (its auxiliary classifier is left out): its
 output is that one tensor, ``[num_classes, H, W]`` per sample. It reads the image's size at the
 start and resizes its logits to it at the end; that size is fixed by the plan's ``input_shape``,
-so a network built for one (``build_network`` records it) is traced with the size as a constant,
-and no hop has to carry it.
+so a network built for one (``build_network`` records it) is traced with the size as a constant
+(``blockflow.core.folding``), and no hop has to carry it.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from __future__ import annotations
 import math
 import operator
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -45,42 +43,12 @@ from torch import fx, nn
 
 from blockflow.core import detection
 from blockflow.core.cuts import Cut, Cuts, HopTensor
+from blockflow.core.folding import fold_input_size
+from blockflow.core.programs import is_program, load_program, module_path, program_input, program_output_names, recorded_tensor
 from blockflow.core.spec import TaskOutput
 
 # The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
 MAX_HOP_TENSORS = 8
-PROGRAM_SUFFIX = ".pt2"
-
-
-def is_program(network: str) -> bool:
-    """Whether ``network`` names an exported program file rather than a torchvision model."""
-    return network.endswith(PROGRAM_SUFFIX)
-
-
-def load_program(path: str, single: bool = True) -> fx.GraphModule:
-    """The exported program at ``path`` as a graph module with its own weights (CPU).
-
-    ``torch.export.load`` runs no Python code from the file. Raises ``ValueError`` (saying why and
-    what to do) for a file that is not an exported program (of one tensor in, when ``single``: a
-    whole model; it may give several).
-    """
-    try:
-        program = torch.export.load(path)
-    except Exception as exc:  # a missing, truncated or foreign file: torch raises many kinds
-        raise ValueError(f"cannot load exported program {path}: {type(exc).__name__}: {exc}; "
-                         "save it with torch.export.save(torch.export.export(model, ...), path)") from None
-    signature = program.graph_signature
-    if single and len(signature.user_inputs) != 1:
-        raise ValueError(f"exported program {path} takes {len(signature.user_inputs)} inputs; BlockFlow serves "
-                         "programs of one tensor in (and one or more out)")
-    module = program.module()
-    for node in list(module.graph.nodes):
-        # The input guards torch.export adds check shapes against the export's constraints; the
-        # blocks check their inputs' shapes themselves, and a stage has no such module.
-        if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
-            module.graph.erase_node(node)
-    module.recompile()
-    return module
 
 
 @lru_cache(maxsize=1)
@@ -185,72 +153,25 @@ class Traced:
         return [n for i, n in enumerate(self.nodes[:boundary + 1]) if n.op != "get_attr" and self.last_use[i] > boundary]
 
 
-def _module_path(node: fx.Node) -> str:
-    """The dotted path of the innermost module an exported node runs in ('' at top level)."""
-    stack = node.meta.get("nn_module_stack")
-    return str(list(stack.values())[-1][0]) if stack else ""
-
-
 def trace(net: nn.Module) -> Traced:
     if isinstance(net, fx.GraphModule):  # an exported program: already a graph
         nodes = tuple(net.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
-        return Traced(net, nodes, tuple(_module_path(n) or n.name for n in nodes), last_use)
+        return Traced(net, nodes, tuple(module_path(n) or n.name for n in nodes), last_use)
     from torchvision.models.feature_extraction import NodePathTracer
 
     tracer = NodePathTracer()
     graph = tracer.trace(net)
     input_shape = getattr(net, INPUT_SHAPE_ATTR, None)
     if input_shape is not None:
-        _fold_input_size(graph, tuple(input_shape))
+        fold_input_size(graph, tuple(input_shape))
     module = fx.GraphModule(tracer.root, graph, type(net).__name__)
     nodes = tuple(module.graph.nodes)
     names: dict[fx.Node, str] = tracer.node_to_qualname
     index = {n: i for i, n in enumerate(nodes)}
     last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
     return Traced(module, nodes, tuple(names.get(n, n.name) for n in nodes), last_use)
-
-
-def _fold_input_size(graph: fx.Graph, input_shape: tuple[int, ...]) -> None:
-    """Replace the input's size, where the network reads it without the batch (``x.shape[-2:]``),
-    by its value: a segmentation network resizes its logits to it at the end, and a value live
-    across every cut that is no tensor would leave no legal cut."""
-    for node in list(graph.nodes):
-        if node.op != "placeholder":
-            continue
-        rank = 1 + len(input_shape)
-        for size in list(node.users):
-            if not (size.op == "call_function" and size.target is getattr and size.args[1:] == ("shape",)):
-                continue
-            for user in list(size.users):
-                if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is size):
-                    continue
-                index = user.args[1]
-                if isinstance(index, slice) and not any(isinstance(v, fx.Node) for v in (index.start, index.stop, index.step)):
-                    dims = range(rank)[index]
-                    if 0 in dims:
-                        continue
-                    value: Any = torch.Size(input_shape[d - 1] for d in dims)
-                elif isinstance(index, int) and index % rank != 0:
-                    value = input_shape[index % rank - 1]
-                else:
-                    continue
-                _replace_uses(user, value)
-                graph.erase_node(user)
-            if not size.users:
-                graph.erase_node(size)
-    graph.lint()
-
-
-def _replace_uses(node: fx.Node, value: Any) -> None:
-    """Make every user of ``node`` take the constant ``value`` instead."""
-    def swap(a: Any) -> Any:
-        return value if a is node else a
-
-    for use in list(node.users):
-        use.args = tuple(fx.node.map_aggregate(use.args, swap))
-        use.kwargs = dict(fx.node.map_aggregate(use.kwargs, swap))
 
 
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
@@ -376,31 +297,8 @@ def _torchvision_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int)
 @lru_cache(maxsize=8)
 def _program_cuts(path: str, mtime_ns: int, size: int) -> Cuts:
     traced = trace(load_program(path))
-    placeholder = next(n for n in traced.nodes if n.op == "placeholder")
-    value = placeholder.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or not value.dtype.is_floating_point:
-        raise ValueError(f"exported program {path} does not take a floating-point tensor with a batch dimension")
-    batch = value.shape[0]
-    if not isinstance(batch, torch.SymInt):
-        raise ValueError(f"exported program {path} was exported for batches of exactly {batch}; export it with a "
-                         "dynamic batch: torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim('batch')},))")
-    if not all(isinstance(d, int) for d in value.shape[1:]):
-        raise ValueError(f"exported program {path} has dynamic dimensions besides the batch; export it with a fixed "
-                         "sample shape (only dimension 0 dynamic)")
-
-    return _find_cuts(traced, lambda node: recorded_tensor(node, batch), tuple(int(d) for d in value.shape[1:]))
-
-
-def recorded_tensor(node: fx.Node, batch: torch.SymInt | None = None) -> HopTensor | None:
-    """What an exported node gives per sample, from the value the export recorded: None unless it is
-    a tensor whose only dynamic dimension is the batch, first (``batch``'s symbol, when given)."""
-    v = node.meta.get("val")
-    if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt)
-            and all(isinstance(d, int) for d in v.shape[1:])):
-        return None
-    if batch is not None and v.shape[0].node.expr != batch.node.expr:
-        return None
-    return HopTensor(tuple(int(d) for d in v.shape[1:]), v.dtype)
+    batch, sample_shape = program_input(traced.module, path)
+    return _find_cuts(traced, lambda node: recorded_tensor(node, batch), sample_shape)
 
 
 def _shape_prop_tensor(node: fx.Node) -> HopTensor | None:
@@ -450,7 +348,8 @@ def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) ->
 
 def task_outputs(arch: str, input_shape: Sequence[int]) -> tuple[TaskOutput, ...]:
     """What a task whose path ends in network ``arch`` answers with, where that is not LOGITS (a
-    detector's outputs, or an exported program's several: :func:`program_output_names`); empty otherwise."""
+    detector's outputs, or an exported program's several, named by
+    :func:`blockflow.core.programs.program_output_names`); empty otherwise."""
     if is_program(arch):
         outs = legal_cuts(arch, (), 0).outputs
         # A value per sample answers as [batch, 1]: Triton gives a batched output one axis at least.
@@ -459,28 +358,6 @@ def task_outputs(arch: str, input_shape: Sequence[int]) -> tuple[TaskOutput, ...
     if not detection.is_detection(arch):
         return ()
     return tuple(TaskOutput(name=n, dtype=d, shape=s) for n, d, s in detection.task_outputs(arch, input_shape))  # type: ignore[arg-type]
-
-
-# A task output's name: what Triton and its clients call it (never a name the ensembles use themselves).
-_OUTPUT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
-_RESERVED = {"IMAGE", "LOGITS", "ACTIVATION_IN", "ACTIVATION_OUT"}
-
-
-def program_output_names(path: str, count: int) -> list[str]:
-    """The names a program's ``count`` outputs answer under: the keys of the dict it returns, where
-    they are names Triton takes (letters, digits, ``_``; not BlockFlow's own), else ``OUTPUT_0``, ..."""
-    st = os.stat(path)
-    return list(_program_output_names(path, st.st_mtime_ns, st.st_size, count))
-
-
-@lru_cache(maxsize=8)
-def _program_output_names(path: str, mtime_ns: int, size: int, count: int) -> tuple[str, ...]:
-    spec = torch.export.load(path).call_spec.out_spec
-    keys = list(spec.context) if spec is not None and spec.type is dict else []
-    if len(keys) == count and all(isinstance(k, str) and _OUTPUT_NAME.match(k) and k not in _RESERVED
-                                  and not k.startswith(("ACTIVATION", "HANDED")) for k in keys):
-        return tuple(keys)
-    return tuple(f"OUTPUT_{i}" for i in range(count))
 
 
 def stage_output_shapes(

@@ -11,7 +11,8 @@ from functools import lru_cache
 import torch
 from torch import fx, nn
 
-from blockflow.core.arch import is_program, load_program, only_output, recorded_tensor, stage_module, trace
+from blockflow.core.arch import only_output, stage_module, trace
+from blockflow.core.programs import is_program, load_program, recorded_tensor
 
 
 def load_stage_file(path: str) -> nn.Module:

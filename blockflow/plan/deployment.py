@@ -1,5 +1,6 @@
 """A validated plan: its blocks with every setting resolved, its tasks, and how they deploy
-(fusion of consecutive blocks, packs of heads, the model each deployed unit becomes)."""
+(fusion of consecutive blocks, packs of heads (``blockflow.plan.packs``), the model each deployed
+unit becomes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from blockflow.core.errors import PlanError, PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import direct_pairs, naming
+from blockflow.plan.packs import HeadPack, head_packs
 from blockflow.plan.schema import (
     DEFAULT_SETTINGS,
     BlockDef,
@@ -51,25 +53,6 @@ class Task:
     path: tuple[str, ...]
     transport: TransportName
     hand_over: Literal["ensemble", "direct"] = "ensemble"
-
-
-@dataclass(frozen=True)
-class HeadPack:
-    """Task heads that run as one model (``pack: heads`` or ``all``): one process instead of one per head.
-
-    A task's *head* is the last deployed segment of its path when no other task uses any of
-    its blocks. Heads that follow the same deployed segment, on the same transport and with the
-    same deployment settings, form one pack; the pack answers each task on its own output.
-    With ``pack: all`` a head that is the task's whole path (one segment, the image in, its
-    model's output out) is packed too, with the other whole models of its model deployed alike
-    (``after`` is empty: the pack takes the image). A group of more than ``pack_size`` heads is
-    split into packs of nearly equal size.
-    """
-
-    name: str  # the pack's segment name, e.g. ``trunk__heads`` (before any transport suffix)
-    after: str  # the deployed segment every head takes its input from; "" for a pack of whole models
-    tasks: tuple[str, ...]
-    heads: tuple[tuple[Block, ...], ...]  # each task's head segment, in ``tasks`` order
 
 
 @dataclass(frozen=True)
@@ -198,40 +181,8 @@ class Plan:
     @cached_property
     def head_packs(self) -> dict[str, HeadPack]:
         """Task name -> the pack its head (with ``pack: all``, or its whole model) runs in (empty
-        with ``pack: none``)."""
-        if self.raw.pack == "none":
-            return {}
-
-        users = self.sharing()
-        groups: dict[tuple[Any, ...], list[tuple[str, tuple[Block, ...]]]] = {}
-        for task in self.tasks.values():
-            segments = self.segments(task)
-            head = segments[-1]
-            whole = len(segments) == 1
-            if (whole and self.raw.pack != "all") or any(users[b.name] != [task.name] for b in head):
-                continue
-            if self.block_outputs(head[-1]):  # a detector answers several tensors; a pack, one per member
-                continue
-            after = "" if whole else naming.segment_model([b.name for b in segments[-2]])
-            first = head[0]
-            key = (after, task.transport, first.model, first.placement, first.instances, first.max_batch_size,
-                   first.precision, first.cuda_graphs)
-            groups.setdefault(key, []).append((task.name, head))
-        out: dict[str, HeadPack] = {}
-        named: dict[str, int] = {}
-        for key, group in groups.items():
-            after = str(key[0])
-            for members in _split(group, self.raw.pack_size):
-                if len(members) < 2:
-                    continue  # a lone head stays a model of its own
-                if after:
-                    named[after] = named.get(after, 0) + 1
-                    name = naming.head_pack(after, named[after])
-                else:  # no segment before: named after its first member's own
-                    name = naming.model_pack(naming.segment_model([b.name for b in members[0][1]]))
-                pack = HeadPack(name, after, tuple(t for t, _ in members), tuple(h for _, h in members))
-                out.update(dict.fromkeys(pack.tasks, pack))
-        return out
+        with ``pack: none``): :func:`blockflow.plan.packs.head_packs`."""
+        return head_packs(self)
 
     def sharing(self) -> dict[str, list[str]]:
         """Block name -> the tasks whose path uses it."""
@@ -374,19 +325,6 @@ class Plan:
                            "after the other and the other the only one before it in every task, and the one that takes "
                            "over is no task's first, second or last block (docs/plan.md)")
         return out
-
-
-def _split(members: list[Any], size: int) -> list[list[Any]]:
-    """``members`` in order, cut into the fewest groups of at most ``size``, of nearly equal size (a
-    pack is as slow as its members together, so equal packs keep the slowest one short)."""
-    count = -(-len(members) // size)
-    small, larger = divmod(len(members), count)  # the first ``larger`` groups hold one more
-    out, start = [], 0
-    for i in range(count):
-        end = start + small + (i < larger)
-        out.append(members[start:end])
-        start = end
-    return out
 
 
 def _deployed_alike(a: Block, b: Block) -> bool:

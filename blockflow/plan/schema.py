@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blockflow.core import arch as archs
+from blockflow.core import programs
 from blockflow.core.spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -110,8 +111,8 @@ class ModelDef(_Strict):
     @field_validator("program")
     @classmethod
     def _program_file(cls, v: str | None) -> str | None:
-        if v is not None and not archs.is_program(v):
-            raise ValueError(f"program {v!r} is not a {archs.PROGRAM_SUFFIX} file; save the model with "
+        if v is not None and not programs.is_program(v):
+            raise ValueError(f"program {v!r} is not a {programs.PROGRAM_SUFFIX} file; save the model with "
                              "torch.export.save(torch.export.export(model, (x,), ...), 'model.pt2')")
         return v
 

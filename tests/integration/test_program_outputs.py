@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from blockflow.clients.client import TaskClient
-from blockflow.core import arch
+from blockflow.core import arch, programs
 from blockflow.core.errors import ClientError
 from blockflow.plan import load_plan
 
@@ -84,5 +84,5 @@ def test_keys_triton_cannot_take_answer_as_numbered_outputs(tmp_path: Path) -> N
     batch = torch.export.Dim("batch", min=1, max=1024)
     path = tmp_path / "odd.pt2"
     torch.export.save(torch.export.export(Odd(), (torch.randn(2, 3, 8, 8),), dynamic_shapes=({0: batch},)), path)
-    assert arch.program_output_names(str(path), 2) == ["OUTPUT_0", "OUTPUT_1"]
+    assert programs.program_output_names(str(path), 2) == ["OUTPUT_0", "OUTPUT_1"]
     assert [(o.name, o.shape) for o in arch.task_outputs(str(path), (3, 8, 8))] == [("OUTPUT_0", (1,)), ("OUTPUT_1", (1,))]
