@@ -67,7 +67,8 @@ def test_every_output_answers_under_its_key_as_the_program_does(served: tuple[st
         for batch in (1, 3):
             x = np.random.default_rng(batch).standard_normal((batch, 3, 16, 16), dtype=np.float32)
             got = c.infer_outputs("three", x)
-            want = {k: v.numpy() for k, v in whole(torch.from_numpy(x)).items()}
+            with torch.inference_mode():
+                want = {k: v.numpy() for k, v in whole(torch.from_numpy(x)).items()}
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-5, atol=1e-6)
             assert got["top"].dtype == np.int64 and got["top"].shape == (batch, 1)
