@@ -327,15 +327,12 @@ class Applier:
             ready = {s.name for s in self.served()}
         except ApplyError:
             ready = {c.model for c in done}
-        # Every new model, ready or not: one whose load outlived its wait (the load timeout) is still
-        # loading, and Triton would make it ready after the undo; its unload waits for that load.
-        for c in sorted((c for c in done if c.action == "add"), key=lambda c: not c.ensemble):
+        for c in sorted((c for c in done if c.action == "add" and c.model in ready), key=lambda c: not c.ensemble):
             try:
                 self._unload(c.model)
-                notes.append(f"unloaded new {c.model}" + ("" if c.model in ready else " (its load had not ended)"))
+                notes.append(f"unloaded new {c.model}")
             except ApplyError as exc:
-                if c.model in ready:
-                    notes.append(f"could not unload new {c.model}: {exc}")
+                notes.append(f"could not unload new {c.model}: {exc}")
         return notes
 
     def close(self) -> None:
