@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import multiprocessing
 import os
+import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
     from blockflow.plan import Plan
     from blockflow.triton.server import TritonServer
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_PLANS = [ROOT / "plans" / "default.yaml", ROOT / "tests" / "plans" / "r18_three_cuts.yaml",
                 ROOT / "tests" / "plans" / "r34_late_cuts.yaml", ROOT / "tests" / "plans" / "packed.yaml",
@@ -58,6 +63,30 @@ def own_server(plan: Plan, where: Path) -> Iterator[TritonServer]:
         yield server
     finally:
         server.stop()
+
+
+def in_child(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a spawned child process: what it builds (a module's unsplit references, their
+    weights) leaves with it, where the pytest process would keep it beside the shared server's stubs."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def wait_serve_ready(proc: subprocess.Popen[bytes], log: Path, control: str, http: str, token: str) -> None:
+    """Until a ``blockflow serve`` process answers on its control service and Triton's HTTP says ready."""
+    import httpx
+
+    deadline = time.monotonic() + float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{control}/status", headers={"Authorization": f"Bearer {token}"}, timeout=2).status_code == 200 \
+                    and httpx.get(f"http://{http}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"blockflow serve did not become ready:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -6,10 +6,8 @@ both serve the first plan's tasks again, and its crossing task still answers."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +21,10 @@ from blockflow.clients.client import TaskClient
 from blockflow.core.runtime_dir import write_private
 from blockflow.triton.options import free_port
 
+from ..conftest import wait_serve_ready
+
 pytestmark = pytest.mark.integration
 PLAN = Path(__file__).resolve().parents[2] / "tests" / "plans" / "servers" / "cross.yaml"
-START_TIMEOUT = float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
 TOKEN = "crossing-test-token-0123456789"
 
 
@@ -62,17 +61,7 @@ def _start(where: Path, plan: Path, server: str, ports: list[int], token_file: P
 
 
 def _wait_ready(s: Serve) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        assert s.proc.poll() is None, s.log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{s.control}/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2).status_code == 200 \
-                    and httpx.get(f"http://{s.http}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"blockflow serve --server {s.name} did not become ready:\n{s.log.read_text()[-3000:]}"
-        time.sleep(0.5)
+    wait_serve_ready(s.proc, s.log, s.control, s.http, TOKEN)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,11 @@ leave with it): the same counts, boxes, scores, labels and masks (detectors), lo
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
 from blockflow.plan import Plan, load_plan, naming
 
-from ..conftest import own_server
+from ..conftest import in_child, own_server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +57,7 @@ def _references(plan_path: str) -> dict[tuple[str, int], list[np.ndarray]]:
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str, dict[tuple[str, int], list[np.ndarray]]]]:
     plan = load_plan(PLANS[request.param])
     # Before the server starts, so that the references' weights are gone when its stubs build theirs.
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        references = pool.submit(_references, str(PLANS[request.param])).result()
+    references = in_child(_references, str(PLANS[request.param]))
     with own_server(plan, tmp_path_factory.mktemp(request.param)) as server:
         yield plan, server.http_url, references
 

@@ -11,7 +11,6 @@ back, and the servers after it are never changed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -29,9 +28,10 @@ from blockflow.core.runtime_dir import write_private
 from blockflow.triton.options import free_port
 from blockflow.triton.process_group import group_members
 
+from ..conftest import wait_serve_ready
+
 pytestmark = pytest.mark.integration
 PLANS = Path(__file__).resolve().parents[1] / "plans"
-START_TIMEOUT = float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900"))
 TOKEN = "fleet-test-token-0123456789"
 
 
@@ -58,17 +58,7 @@ def _start(where: Path, token_file: Path, load_timeout: float) -> Server:
 
 
 def _wait_ready(s: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        assert s.proc.poll() is None, s.log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{s.control}/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2).status_code == 200 \
-                    and httpx.get(f"http://127.0.0.1:{s.http_port}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"blockflow serve did not become ready:\n{s.log.read_text()[-3000:]}"
-        time.sleep(0.5)
+    wait_serve_ready(s.proc, s.log, s.control, f"127.0.0.1:{s.http_port}", TOKEN)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,9 @@ memory down) and the network built from torchvision, both run in a child process
 
 from __future__ import annotations
 
-import multiprocessing
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ from blockflow.core.spec import ModelSpec
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
 
-from ..conftest import own_server
+from ..conftest import in_child, own_server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,8 +81,7 @@ def _references(plan_path: str) -> dict[tuple[str, int], tuple[np.ndarray, np.nd
 def references() -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
     # In a child process: the weights it builds (~800 MiB) leave with it, where the pytest process
     # would keep them beside the shared server's stubs.
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_references, str(PLAN)).result()
+    return in_child(_references, str(PLAN))
 
 
 @pytest.mark.parametrize("task", list(EXPECTED))
