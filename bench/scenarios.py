@@ -15,7 +15,10 @@ For each: GPU 0's used memory with the server loaded minus before (NVML), next t
 ``blockflow plan-memory`` predicts with the calibrated constants; then closed-loop clients
 (``blockflow load``'s generator) over all the tasks, round-robin, batch 1, for throughput and
 latency, with the busiest models during each load from Triton's statistics (where the time
-goes). Writes ``report.md``, ``results.json`` and the plans it served (``plans/``).
+goes). Before the load, every task's answers at batch 1 and 3 are compared with its unsplit fp32
+model run in this process (``equal``: the largest difference relative to the largest logit, bound
+``TOLERANCE`` for the fp32 blocks these plans deploy). Writes ``report.md``, ``results.json`` and
+the plans it served (``plans/``).
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from typing import Any
 
 import yaml
 
-from blockflow.bench.harness import gpu_used_mib, rendered
+from blockflow.bench.harness import gpu_used_mib, rendered, task_images
 from blockflow.bench.triton_stats import delta, model_stats
+from blockflow.clients.client import TaskClient
 from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core import nvml
 from blockflow.core.errors import PlanError
 from blockflow.core.nvml import gpu_count
-from blockflow.plan import load_plan, memory, parse_plan
+from blockflow.ensemble_gen.generator import reference_spec
+from blockflow.plan import Plan, load_plan, memory, parse_plan
 from blockflow.triton.flags import CUDA_POOL_MB
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -43,6 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("traditional", "fused", "packed")
 # How many of the busiest models each load's summary keeps.
 BUSIEST = 4
+# Served answers against the unsplit fp32 model: fp32 blocks, each in its own process, may pick other
+# cuDNN algorithms than the reference (tests/gpu/test_gpu.py bounds fp32 the same).
+TOLERANCE = 1e-4
 
 
 def scenario_plans(arch: str, number: int, n_tasks: int, out: Path) -> dict[str, Path]:
@@ -104,6 +112,32 @@ def _process_mib(server: Any) -> dict[str, list[float]]:
         return out
 
 
+def equality(plan: Plan, url: str) -> dict[str, float]:
+    """Each task's largest error (relative to the largest logit) over batches 1 and 3 against its
+    unsplit fp32 model, run eagerly on GPU 0 (the CPU without one) in this process."""
+    import torch
+
+    from blockflow.backend.runtime import BlockRunner
+
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    errors: dict[str, float] = {}
+    with TaskClient(url) as client:
+        for name, task in plan.tasks.items():
+            reference = BlockRunner(reference_spec(plan, task, graph=False, fp32=True)[0], device)
+            worst = 0.0
+            for batch in (1, 3):
+                x = task_images(plan, name, batch, seed=batch)
+                got = client.infer(name, x)
+                with torch.inference_mode():
+                    want = reference.run(torch.from_numpy(x)).float().cpu().numpy()
+                worst = max(worst, float(abs(got - want).max() / abs(want).max()))
+            errors[name] = worst
+            del reference
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next variant's "before" is measured with this process's context only
+    return errors
+
+
 def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: float, mps: bool = False) -> dict[str, Any]:
     """Serve ``path`` alone; measured memory and, per client count, the load summary over all tasks."""
     plan = load_plan(path)
@@ -120,6 +154,9 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
         per_process = _process_mib(server)
         stubs = {m: len(p) for m, p in server.stub_processes().items()}
         tasks = list(plan.tasks)
+        errors = equality(plan, server.http_url)
+        print(f"[scenarios] {path.stem}: every task against its unsplit fp32 model: largest error "
+              f"{max(errors.values()):.2e} ({max(errors, key=errors.__getitem__)}), bound {TOLERANCE:g}", flush=True)
         # Every task once first: no measured request pays a first call.
         asyncio.run(run_load(LoadSpec(server.http_url, tasks, shape, clients=len(tasks), max_requests=2 * len(tasks),
                                       duration_s=60.0)))
@@ -141,7 +178,7 @@ def run_variant(path: Path, cuda_pool_mb: int, clients: list[int], seconds: floa
                   + (f"; busiest {top[0]['model']} {top[0]['busy']:.0%}" if top else ""), flush=True)
     time.sleep(3)
     return {"plan": f"plans/{path.name}", "processes": sum(stubs.values()), "measured_mib": during - before, "load_s": load_s,
-            "process_mib": per_process, "load": loads}
+            "process_mib": per_process, "equal": errors, "load": loads}
 
 
 def _saving(measured: float, traditional: float | None) -> str:
@@ -159,6 +196,14 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     for name, v in res["variants"].items():
         L.append(f"| {name} | {v['processes']} | {v['measured_mib']:,.0f} | {v['predicted_mib']:,.0f} | "
                  f"{v['predicted_mib'] / v['measured_mib'] - 1:+.1%} | {_saving(v['measured_mib'], trad)} | {v['load_s']:.0f} |")
+    if "from" in res["variants"].get("traditional", {}):
+        L += ["", f"The traditional deployment (the same plan in every scenario) was served by `{res['variants']['traditional']['from']}`'s run."]
+    L += ["", f"Every task against its unsplit fp32 model (batches 1 and 3; bound {TOLERANCE:g}):", "",
+          "| deployment | tasks | largest error | within the bound |", "|---|---|---|---|"]
+    for name, v in res["variants"].items():
+        if v.get("equal"):
+            worst = max(v["equal"].values())
+            L.append(f"| {name} | {len(v['equal'])} | {worst:.2e} | {'yes' if worst <= TOLERANCE else 'no'} |")
     L += ["", "Closed-loop clients over all tasks (round-robin), batch 1:", "",
           "| deployment | clients | inferences/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
     for name, v in res["variants"].items():
@@ -197,6 +242,9 @@ def main() -> None:
     ap.add_argument("--cuda-pool-mb", type=int, default=CUDA_POOL_MB)
     ap.add_argument("--mps", action="store_true", help="block processes as clients of a private MPS daemon (as `blockflow serve --mps`)")
     ap.add_argument("--calibration", type=Path, default=memory.shipped_calibration())
+    ap.add_argument("--traditional-from", type=Path,
+                    help="results.json of another scenario of the same network and task count: its traditional deployment "
+                         "(the same plan: one whole model per task) is reported here instead of serving it again")
     args = ap.parse_args()
     unknown = set(args.variants.split(",")) - {*VARIANTS, "packed2"}
     if unknown:
@@ -210,6 +258,12 @@ def main() -> None:
                            "tasks": args.tasks, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                            "command": "python -m blockflow.bench.scenarios " + shlex.join(sys.argv[1:]),
                            "calibration": f"{cal.source} (process {cal.process_mib:.0f} MiB)", "variants": {}}
+    if args.traditional_from is not None:
+        earlier = json.loads(args.traditional_from.read_text())
+        same = (earlier["arch"], earlier["tasks"]) == (args.arch, args.tasks) and "traditional" in earlier["variants"]
+        if not same:
+            sys.exit(f"{args.traditional_from} has no traditional deployment of {args.arch} with {args.tasks} tasks")
+        res["variants"]["traditional"] = {**earlier["variants"]["traditional"], "from": str(args.traditional_from)}
     for name in args.variants.split(","):
         v = run_variant(paths[name], args.cuda_pool_mb, [int(c) for c in args.clients.split(",")], args.seconds, args.mps)
         plan = load_plan(paths[name])
