@@ -18,17 +18,27 @@ from blockflow.core.trained_weights import trained_weights
 
 
 class Chain(nn.Module):
-    """Parts run one after another; a part that gives several tensors hands them all to the next."""
+    """Parts run one after another; a part that gives several tensors hands them all to the next.
+    With ``dtypes`` (parts in several precisions), each part's floating inputs are cast to its dtype."""
 
-    def __init__(self, parts: Sequence[nn.Module]) -> None:
+    def __init__(self, parts: Sequence[nn.Module], dtypes: Sequence[torch.dtype] | None = None) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self.dtypes = list(dtypes) if dtypes is not None else None
 
     def forward(self, *xs: torch.Tensor) -> list[torch.Tensor]:
-        for part in self.parts:
+        for k, part in enumerate(self.parts):
+            if self.dtypes is not None:
+                xs = tuple(x.to(self.dtypes[k]) if x.is_floating_point() else x for x in xs)
             out = part(*xs)
             xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         return list(xs)
+
+    def cast_parts(self) -> None:
+        """Each part in its own dtype."""
+        if self.dtypes is not None:
+            for part, dtype in zip(self.parts, self.dtypes, strict=True):
+                part.to(dtype=dtype)
 
 
 

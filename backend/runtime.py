@@ -106,14 +106,17 @@ class BlockRunner:
         parts = [build_part(spec, p, cache) for p in spec.parts]
         if self.is_cuda:
             parts = [fold_batchnorm(p) for p in parts]
-        module = Chain(parts).eval()
+        mixed = any(p.precision not in (None, spec.precision) for p in spec.parts)
+        module = Chain(parts, [DTYPES[p.precision or spec.precision] for p in spec.parts] if mixed else None).eval()
         self.in_shapes = fed_shapes(spec)  # an encoded image: as decoded (blockflow.backend.image_decode)
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
         # A uint8, HWC or normalised image: converted on the device before the first stage.
         self.image = (ImageConversion(spec.image, device, self.dtype, self.formats[0])
                       if spec.takes_image and spec.image is not None else None)
-        self.module = module.to(device=device, dtype=self.dtype)
+        # Parts in several precisions: each cast from its own weights once (not through the spec's dtype).
+        self.module = module.to(device=device) if mixed else module.to(device=device, dtype=self.dtype)
+        module.cast_parts()
         if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
             self.module = self.module.to(memory_format=torch.channels_last)
         self.buckets = batch_buckets(spec.max_batch_size)

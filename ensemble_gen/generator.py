@@ -138,7 +138,10 @@ def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> t
     checked against. It has as many instances as the task's first block: the same processes ingest
     the task's images on both sides of the comparison."""
     blocks = [plan.blocks[b] for b in task.path]
-    precision = "fp32" if fp32 else plan.task_precision(task)
+    # A path in several precisions (fp16 stages, then a detector's fp32 heads): the first block's,
+    # and each part that differs in its own, as the split runs them.
+    mixed = not fp32 and len({b.precision for b in blocks}) > 1
+    precision = "fp32" if fp32 else blocks[0].precision if mixed else plan.task_precision(task)
     deploy = dataclasses.replace(
         blocks[0],
         name=naming.fp32_reference(task.name) if fp32 else naming.reference_model(task.name, graph),
@@ -148,6 +151,9 @@ def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> t
         cuda_graphs=graph,
     )
     spec = _path_spec(plan, "reference", task.name, blocks, "triton-gpu", precision, graph, deploy.max_batch_size)
+    if mixed:
+        spec = spec.model_copy(update={"parts": tuple(p if b.precision == precision else p.model_copy(update={"precision": b.precision})
+                                                      for p, b in zip(spec.parts, blocks, strict=True))})
     last = blocks[-1].model
     if any(b.model != last for b in blocks):
         # A path across models (a shared backbone): the network is the last model's (its stages

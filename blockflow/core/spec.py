@@ -131,6 +131,9 @@ class Part(_Strict):
     last: int
     weights: WeightsSource
     network: PartNetwork | None = None
+    # Its own precision where its block's is not the spec's: the unsplit reference of a path whose
+    # blocks differ (fp16 stages, then a detector's fp32 heads) runs each part as its block does.
+    precision: Precision | None = None
 
 
 class Head(_Strict):
@@ -294,4 +297,6 @@ class ModelSpec(_Strict):
                 del part["weights"]["torchvision"]
             if part["network"] is None:
                 del part["network"]
+            if part["precision"] is None:
+                del part["precision"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -229,10 +229,10 @@ class Plan:
 
     def reference_variants(self, task: Task) -> list[tuple[bool, bool]]:
         """(CUDA graphs, fp32) of each monolithic reference generated for ``task``: one per
-        ``references`` variant, in the task's precision, and the eager fp32 one when the task runs
-        in another precision."""
+        ``references`` variant, each part in its block's precision, and the eager fp32 one when any
+        block runs in another."""
         variants = [(v == "graph", False) for v in self.raw.references]
-        if self.raw.references and self.task_precision(task) != "fp32":
+        if self.raw.references and any(self.blocks[b].precision != "fp32" for b in task.path):
             variants.append((False, True))
         return variants
 
