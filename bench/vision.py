@@ -1,0 +1,156 @@
+"""Every task of a plan of several vision tasks (a classifier, a detector, a segmenter over one
+backbone) against its unsplit model, in one server.
+
+    python -m blockflow.bench.vision --plan plans/bench_vision.yaml --out DIR
+
+The plan serves each task split (its path's blocks, the backbone shared) and, with
+``references: [graph]``, unsplit: the task's network in one process, each part in its block's
+precision, in a CUDA graph where the part allows (a detector's heads and NMS run eagerly in both).
+First every task's answer is checked against its fp32 unsplit model on the same images:
+classifier and segmenter logits by their largest difference relative to the largest logit (and the
+segmenter's per-pixel classes by the share that agree), a detector's detections by its count and
+its ten best boxes (each found in the reference with the same label, IoU >= 0.9 and a score within
+0.02). Then perf_analyzer over HTTP, host-memory float32 images, batch 1: each figure the median of
+``--repeats`` runs ± half their range, p50 at concurrency 1 and throughput at each concurrency.
+``DIR/results.json`` and ``DIR/report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from blockflow.bench.harness import commit, device_name, served, task_images, write_results
+from blockflow.bench.perf_analyzer import median_of, perf_analyzer
+from blockflow.bench.report import spread_text
+from blockflow.clients.client import TaskClient
+from blockflow.clients.detections import Detections
+from blockflow.core.spec import BOXES
+from blockflow.plan import Plan, load_plan, naming
+
+# The ten best detections of each image are each matched in the reference (same label, boxes
+# overlapping this much, scores this close).
+BEST, IOU, SCORE = 10, 0.9, 0.02
+
+
+def iou(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> float:
+    """Intersection over union of two ``x1, y1, x2, y2`` boxes."""
+    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
+    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, float(x2 - x1)) * max(0.0, float(y2 - y1))
+    union = float((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1])) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def detections_agree(got: list[Detections], want: list[Detections]) -> dict[str, float]:
+    """How far a detector's answers are from its reference's: the largest count difference, and the
+    share of each image's ``BEST`` best detections that the reference has too."""
+    matched = checked = 0
+    for g, w in zip(got, want, strict=True):
+        for k in range(min(BEST, len(g))):
+            checked += 1
+            matched += any(w.labels[j] == g.labels[k] and iou(g.boxes[k], w.boxes[j]) >= IOU
+                           and abs(float(w.scores[j]) - float(g.scores[k])) <= SCORE for j in range(len(w)))
+    return {"count": float(np.mean([len(w) for w in want])), "count_diff": float(max(abs(len(g) - len(w)) for g, w in zip(got, want, strict=True))),
+            "best_matched": matched / checked if checked else 1.0}
+
+
+def logits_agree(got: npt.NDArray[np.float32], want: npt.NDArray[np.float32]) -> dict[str, float]:
+    """The largest difference relative to the largest logit; for maps (``[N, C, H, W]``) also the
+    share of pixels whose class agrees."""
+    out = {"rel_err": float(np.abs(got - want).max() / np.abs(want).max())}
+    if got.ndim == 4:
+        out["pixels_agree"] = float((got.argmax(1) == want.argmax(1)).mean())
+    return out
+
+
+def check(plan: Plan, url: str, batch: int) -> dict[str, dict[str, float]]:
+    """Every task against its fp32 unsplit model, on ``batch`` seeded images."""
+    out = {}
+    with TaskClient(url) as client:
+        for name in plan.tasks:
+            x = task_images(plan, name, batch, seed=batch)
+            # The fp32 unsplit model: served beside the task's own unless the task is fp32 throughout.
+            fp32 = naming.fp32_reference(name)
+            want = fp32 if fp32 in plan.reference_models(plan.tasks[name]) else naming.reference_model(name, graph=True)
+            if any(o.name == BOXES for o in plan.block_outputs(plan.blocks[plan.tasks[name].path[-1]])):
+                out[name] = detections_agree(client.detect(name, x), client.detect(want, x))
+            else:
+                out[name] = logits_agree(client.infer(name, x), client.infer(want, x))
+    return out
+
+
+def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seconds: float, batch: int) -> dict[str, Any]:
+    plan = load_plan(plan_path)
+    results: dict[str, Any] = {"meta": {"plan": str(plan_path), "commit": commit(), "device": device_name(), "repeats": repeats,
+                                        "seconds": seconds, "concurrency": concurrencies, "check_batch": batch}, "tasks": {}}
+    with served(plan, "bench-vision-") as server:
+        results["equal"] = check(plan, server.http_url, batch)
+        for name in plan.tasks:
+            model = plan.models[plan.blocks[plan.tasks[name].path[0]].model]
+            shape = "IMAGE:" + ",".join(str(d) for d in model.image_shape)
+            row: dict[str, Any] = {}
+            for label, served_model in (("split", name), ("unsplit", naming.reference_model(name, graph=True))):
+                perf_analyzer(server.http_url, served_model, shape, 1, 0.5, concurrency=1)  # warm-up, not recorded
+                row[label] = {str(c): median_of([perf_analyzer(server.http_url, served_model, shape, 1, seconds, concurrency=c)
+                                                  for _ in range(repeats)]) for c in concurrencies}
+                print(f"[vision] {name} {label}: " + ", ".join(
+                    f"c{c} p50 {r.get('p50_ms', float('nan')):.2f} ms {r.get('throughput', float('nan')):.0f}/s" for c, r in row[label].items()),
+                    flush=True)
+            results["tasks"][name] = row
+    return write_results(out, results, report)
+
+
+def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
+    return r.get("message", "failed") if "error" in r else f"{r[key]:{fmt}}{spread_text(r, key)}"
+
+
+def report(res: dict[str, Any]) -> str:
+    meta = res["meta"]
+    cs = [str(c) for c in meta["concurrency"]]
+    L = [f"# Vision tasks over one backbone: `{meta['plan']}`", "",
+         f"{meta['device']}, commit {meta['commit']}; perf_analyzer over HTTP, host-memory float32 images, batch 1, median of "
+         f"{meta['repeats']} run(s) of {meta['seconds']:g} s ± half their range. *split*: the task's blocks (the backbone "
+         "shared); *unsplit*: its network in one process, each part in its block's precision, CUDA graph where the part allows.", "",
+         f"Each task against its fp32 unsplit model ({meta['check_batch']} images):", "",
+         "| task | check |", "|---|---|"]
+    for task, e in res["equal"].items():
+        if "best_matched" in e:
+            L.append(f"| {task} | {e['count']:.0f} detections per image, counts within {e['count_diff']:.0f}; "
+                     f"{e['best_matched']:.0%} of the {BEST} best found (same label, IoU >= {IOU}, score within {SCORE}) |")
+        else:
+            L.append(f"| {task} | largest difference {e['rel_err']:.1e} of the largest logit"
+                     + (f"; {e['pixels_agree']:.2%} of pixels the same class |" if "pixels_agree" in e else " |"))
+    head = " | ".join(f"unsplit c{c} | split c{c} | ratio" for c in cs[1:])
+    L += ["", f"| task | unsplit c1 p50 | split c1 p50 | split/unsplit | {head} |",
+          "|---|---|---|---|" + "---|---|---|" * len(cs[1:])]
+    for task, row in res["tasks"].items():
+        u, s = row["unsplit"], row["split"]
+        cells = [_cell(u[cs[0]], "p50_ms", ".2f") + " ms", _cell(s[cs[0]], "p50_ms", ".2f") + " ms",
+                 f"{s[cs[0]]['p50_ms'] / u[cs[0]]['p50_ms']:.2f}×" if "error" not in u[cs[0]] and "error" not in s[cs[0]] else "-"]
+        for c in cs[1:]:
+            cells += [_cell(u[c], "throughput", ".0f") + "/s", _cell(s[c], "throughput", ".0f") + "/s",
+                      f"{s[c]['throughput'] / u[c]['throughput']:.2f}×" if "error" not in u[c] and "error" not in s[c] else "-"]
+        L.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(L) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", type=Path, default=Path("plans/bench_vision.yaml"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated, the first for p50 (default 1,16)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--check-batch", type=int, default=2, help="images per task in the check against the fp32 model")
+    a = ap.parse_args()
+    run(a.plan, a.out, [int(c) for c in a.concurrency.split(",")], a.repeats, a.seconds, a.check_batch)
+    print((a.out / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
