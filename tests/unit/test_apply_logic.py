@@ -283,6 +283,9 @@ class _Applying(_Recorder):
     def _unload(self, model: str) -> None:
         self.unloaded.append(model)
 
+    def _states(self) -> dict[str, set[str]]:
+        return {s.name: {"READY"} for s in self.served() if s.name not in self.unloaded}
+
 
 def _also(files: dict[str, bytes]) -> also_accepts.AlsoAccepts:
     return also_accepts.AlsoAccepts.model_validate_json(files["b3"])
@@ -411,6 +414,9 @@ class _Server(_Recorder):
 
     def _unload(self, model: str) -> None:
         del self.models[model]
+
+    def _states(self) -> dict[str, set[str]]:
+        return {m: {"READY"} for m in self.models}
 
 
 def test_a_recut_under_the_same_names_runs_through_stand_ins_and_ends_as_planned(tmp_path: Path) -> None:

@@ -1,0 +1,66 @@
+"""An undo's new models against a pretend Triton index: their directories stay until their loads have
+ended and they are unloaded (tests/integration/test_apply_undo.py runs it on a real server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from blockflow.control.apply import Applier
+from blockflow.control.diff import Change
+from blockflow.ensemble_gen import generator
+from blockflow.triton.api import ModelState
+
+
+class _Triton:
+    """Each model's states at successive index reads (the last one repeats); as Triton's, the index lists
+    only models with a directory, and an unload returns at once, the model UNLOADING for a read."""
+
+    def __init__(self, repo: Path, script: dict[str, list[str]]) -> None:
+        self.repo, self.script = repo, {m: list(s) for m, s in script.items()}
+        self.timeout = 0.1
+        self.unloaded: list[str] = []
+
+    def index(self) -> list[ModelState]:
+        out = []
+        for m, states in sorted(self.script.items()):
+            state = states.pop(0) if len(states) > 1 else states[0]
+            if (self.repo / m).is_dir():
+                out.append(ModelState(m, state))
+            else:  # tritonserver 2.51 crashed when a starting model's directory went away
+                assert state not in ("LOADING", "UNLOADING"), f"{m}'s directory went while it was {state}"
+        return out
+
+    def unload(self, model: str) -> None:
+        assert self.script[model][0] == "READY", f"{model} unloaded while {self.script[model][0]}"
+        assert not any(self.script[e][0] in ("READY", "UNLOADING") for e in self.unloaded), "an ensemble first"
+        self.unloaded.append(model)
+        self.script[model] = ["UNLOADING", "UNAVAILABLE"]
+
+
+def _undo(tmp_path: Path, script: dict[str, list[str]], ensembles: set[str], wait_s: float) -> tuple[list[str], _Triton]:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / generator.MARKER).write_text("{}")
+    for m in script:
+        generator.write_model(repo, m, {"config.pbtxt": f'name: "{m}"\n'.encode()})
+    applier = Applier("127.0.0.1:1", repo)
+    triton = _Triton(repo, script)
+    applier.control = triton  # type: ignore[assignment]
+    applier.undo_wait_s = wait_s
+    done = [Change(m, m in ensembles, "add") for m in script]
+    return applier._undo(done, dict.fromkeys(script)), triton
+
+
+def test_a_new_model_still_loading_is_unloaded_once_ready_then_deleted(tmp_path: Path) -> None:
+    notes, triton = _undo(tmp_path, {"slow": ["LOADING"] * 3 + ["READY"], "failed": ["UNAVAILABLE"], "never": [""],
+                                     "task": ["READY"]}, {"task"}, wait_s=30)
+    assert triton.unloaded == ["task", "slow"]
+    assert notes == ["unloaded new task", "unloaded new slow"]
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == [generator.MARKER]
+
+
+def test_a_load_that_does_not_end_in_time_is_left_in_place_and_said(tmp_path: Path) -> None:
+    notes, triton = _undo(tmp_path, {"stuck": ["LOADING"], "done": ["READY"]}, set(), wait_s=0.5)
+    assert triton.unloaded == ["done"]
+    assert notes[0].startswith("new stuck was still loading") and notes[1:] == ["unloaded new done"]
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == sorted([generator.MARKER, "stuck"])
