@@ -84,13 +84,21 @@ def check(plan: Plan, url: str, batch: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seconds: float, batch: int) -> dict[str, Any]:
+def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seconds: float, batch: int,
+        tasks: list[str] | None = None) -> dict[str, Any]:
+    """Check every task, then measure ``tasks`` (default: all); results are written after each task."""
     plan = load_plan(plan_path)
+    unknown = sorted(set(tasks or ()) - set(plan.tasks))
+    if unknown:
+        raise SystemExit(f"{plan_path} has no task {', '.join(unknown)}")
     results: dict[str, Any] = {"meta": {"plan": str(plan_path), "commit": commit(), "device": device_name(), "repeats": repeats,
                                         "seconds": seconds, "concurrency": concurrencies, "check_batch": batch}, "tasks": {}}
     with served(plan, "bench-vision-") as server:
         results["equal"] = check(plan, server.http_url, batch)
-        for name in plan.tasks:
+        for name, e in results["equal"].items():
+            print(f"[vision] {name} against its fp32 unsplit model: {e}", flush=True)
+        write_results(out, results, report)
+        for name in tasks or list(plan.tasks):
             model = plan.models[plan.blocks[plan.tasks[name].path[0]].model]
             shape = "IMAGE:" + ",".join(str(d) for d in model.image_shape)
             row: dict[str, Any] = {}
@@ -102,7 +110,8 @@ def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seco
                     f"c{c} p50 {r.get('p50_ms', float('nan')):.2f} ms {r.get('throughput', float('nan')):.0f}/s" for c, r in row[label].items()),
                     flush=True)
             results["tasks"][name] = row
-    return write_results(out, results, report)
+            write_results(out, results, report)
+    return results
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
@@ -147,8 +156,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--check-batch", type=int, default=2, help="images per task in the check against the fp32 model")
+    ap.add_argument("--tasks", help="comma-separated tasks to measure (default: every task; every task is checked)")
     a = ap.parse_args()
-    run(a.plan, a.out, [int(c) for c in a.concurrency.split(",")], a.repeats, a.seconds, a.check_batch)
+    run(a.plan, a.out, [int(c) for c in a.concurrency.split(",")], a.repeats, a.seconds, a.check_batch,
+        a.tasks.split(",") if a.tasks else None)
     print((a.out / "report.md").read_text())
 
 
