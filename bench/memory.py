@@ -108,7 +108,9 @@ def _measured_in(path: Path) -> list[dict[str, Any]]:
     """Measured plans in a results file, with plan paths made local."""
     data = json.loads(path.read_text())
     if "variants" in data:  # blockflow.bench.scenarios
-        rows = [{"plan": v["plan"], "measured_mib": v["measured_mib"], "processes": v["processes"]} for v in data["variants"].values()]
+        # A variant reported "from" another run (--traditional-from) is counted where it was measured.
+        rows = [{"plan": v["plan"], "measured_mib": v["measured_mib"], "processes": v["processes"]}
+                for v in data["variants"].values() if "from" not in v]
     else:
         rows = [{"plan": m["plan"], "measured_mib": m["measured_mib"],
                  "processes": m.get("processes", sum(m.get("stubs", {}).values()))} for m in data["plans"]]

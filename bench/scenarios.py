@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--cuda-pool-mb", type=int, default=CUDA_POOL_MB)
     ap.add_argument("--mps", action="store_true", help="block processes as clients of a private MPS daemon (as `blockflow serve --mps`)")
-    ap.add_argument("--calibration", type=Path, default=memory.shipped_calibration())
+    ap.add_argument("--calibration", type=Path, default=None, help="default: the shipped calibration of GPU 0's kind")
     ap.add_argument("--traditional-from", type=Path,
                     help="results.json of another scenario of the same network and task count: its traditional deployment "
                          "(the same plan: one whole model per task) is reported here instead of serving it again")
@@ -249,7 +249,7 @@ def main() -> None:
     unknown = set(args.variants.split(",")) - {*VARIANTS, "packed2"}
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from traditional, fused, packed, packed2")
-    cal = memory.Calibration.load(args.calibration)
+    cal = memory.Calibration.load(args.calibration or memory.shipped_calibration(nvml.gpu_name()))
     paths = scenario_plans(args.arch, args.scenario, args.tasks, args.out / "plans")
     issues = load_plan(paths["packed"]).device_issues(gpu_count())
     if issues:  # the scenario plans place every block on GPU 0

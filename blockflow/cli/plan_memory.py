@@ -15,20 +15,22 @@ from blockflow.triton.flags import CUDA_POOL_MB
 @app.command("plan-memory")
 @click.argument("plan", type=click.Path(path_type=Path), required=False)
 @click.option("--gpus", type=click.IntRange(0, 64), default=None, help="GPUs to place on (default: the GPUs NVML sees, at least 1).")
+@click.option("--gpu", type=click.Choice(["auto", "h100", "h200"]), default="auto", show_default=True,
+              help="Which shipped calibration: auto takes GPU 0's (the H100's where NVML sees no H100 or H200).")
 @click.option("--calibration", type=click.Path(path_type=Path, exists=True), default=None,
-              help="Constants measured by `python -m blockflow.bench.memory` (default: the calibration BlockFlow ships, fitted on an H100).")
+              help="Constants measured by `python -m blockflow.bench.memory` (instead of a shipped calibration).")
 @click.option("--scenarios", "arch", type=click.Choice(["resnet50", "resnet152"]), default=None,
               help="Instead of PLAN: the thesis' eight scenarios (Table 4.4) for this network, N tasks.")
 @click.option("--tasks", "n_tasks", type=click.IntRange(1, 10000), default=100, show_default=True, help="N for --scenarios.")
 @click.option("--cuda-pool-mb", type=click.IntRange(0), default=CUDA_POOL_MB, show_default=True, help="Triton's CUDA pool per GPU, as `serve` sets it.")
 @JSON
-def plan_memory(plan: Path | None, gpus: int | None, calibration: Path | None, arch: str | None, n_tasks: int,
+def plan_memory(plan: Path | None, gpus: int | None, gpu: str, calibration: Path | None, arch: str | None, n_tasks: int,
                 cuda_pool_mb: int, as_json: bool) -> None:
     """Predicted GPU memory per device: the plan as BlockFlow deploys it vs one full model per task."""
-    from blockflow.core.nvml import gpu_count
+    from blockflow.core.nvml import gpu_count, gpu_name
     from blockflow.plan import load_plan, memory
 
-    cal = memory.Calibration.load(calibration or memory.shipped_calibration())
+    cal = memory.Calibration.load(calibration or memory.shipped_calibration(gpu_name() if gpu == "auto" else gpu))
     calibration_doc = {"source": cal.source, "process_mib": cal.process_mib, "activation_factor": cal.activation_factor,
                        "server_mib": cal.server_mib, "cuda_pool_mib": cuda_pool_mb}
     if as_json and arch is not None:

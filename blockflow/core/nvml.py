@@ -44,6 +44,15 @@ def gpu_count() -> int:
         return int(nv.nvmlDeviceGetCount()) if nv is not None else 0
 
 
+def gpu_name(index: int = 0) -> str | None:
+    """GPU ``index``'s name ("NVIDIA H200"), None without a driver or that GPU."""
+    with session() as nv:
+        if nv is None or index >= int(nv.nvmlDeviceGetCount()):
+            return None
+        name = nv.nvmlDeviceGetName(nv.nvmlDeviceGetHandleByIndex(index))
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def handle_by_uuid(nv: Any, uuid: str) -> Any:
     """NVML's handle of the GPU with this UUID (torch's ``get_device_properties(d).uuid``): CUDA and
     NVML may number devices differently (``CUDA_VISIBLE_DEVICES``, PCI order)."""

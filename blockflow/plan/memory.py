@@ -67,9 +67,17 @@ class Calibration:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
-def shipped_calibration() -> Path:
-    """The calibration file BlockFlow ships, inside the package in a checkout and in a wheel alike."""
-    return Path(str(resources.files("blockflow") / "data" / "calibration" / "h100.json"))
+# The calibrations BlockFlow ships (blockflow/data/calibration), by the GPU they were fitted on; the
+# first is the default for a GPU of another kind, or none (planning on a machine without one).
+SHIPPED = ("h100", "h200")
+
+
+def shipped_calibration(gpu: str | None = None) -> Path:
+    """The calibration file BlockFlow ships for ``gpu`` (a GPU's name as NVML gives it, "NVIDIA H200",
+    or a key of ``SHIPPED``), inside the package in a checkout and in a wheel alike; the H100's
+    for any other GPU or none."""
+    key = next((k for k in SHIPPED if gpu is not None and k in gpu.lower()), SHIPPED[0])
+    return Path(str(resources.files("blockflow") / "data" / "calibration" / f"{key}.json"))
 
 
 @dataclass(frozen=True)

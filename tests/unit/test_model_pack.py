@@ -166,9 +166,11 @@ def test_memory_of_a_pack_of_whole_models() -> None:
     assert abs(pack.activations_mib - alone["w1"].activations_mib * (1 + cal.pack_head_factor / cal.activation_factor)) < 1e-9
 
 
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
 @pytest.mark.parametrize("arch", ["resnet50", "resnet152"])
-def test_fused_and_packed_saves_30_percent_in_every_scenario(arch: str) -> None:
-    cal = memory.Calibration.load(memory.shipped_calibration())
+def test_fused_and_packed_saves_30_percent_in_every_scenario(arch: str, gpu: str) -> None:
+    cal = memory.Calibration.load(memory.shipped_calibration(gpu))
+    assert gpu.upper() in cal.source
     rows = memory.scenario_table(arch, 100, cal)
     assert len(rows) == 8 and all(r["saving_packed"] >= 0.30 for r in rows), [round(r["saving_packed"], 3) for r in rows]
     # scenario 8 (90% class A): 90 whole models in packs of at most 8, the heads of B and C in one pack each
@@ -176,3 +178,11 @@ def test_fused_and_packed_saves_30_percent_in_every_scenario(arch: str) -> None:
     assert eight.raw.pack == "all" and eight.raw.pack_size == memory.PACK_SIZE
     a_packs = {p.name: len(p.tasks) for t, p in eight.head_packs.items() if t.startswith("task_a")}
     assert len(a_packs) == 12 and max(a_packs.values()) <= memory.PACK_SIZE and sum(a_packs.values()) == 90
+
+
+def test_the_calibration_follows_the_gpus_name() -> None:
+    assert memory.shipped_calibration("NVIDIA H200").name == "h200.json"
+    assert memory.shipped_calibration("NVIDIA H100 80GB HBM3").name == "h100.json"
+    assert memory.shipped_calibration("NVIDIA A100-SXM4-80GB").name == "h100.json"  # the default
+    assert memory.shipped_calibration(None).name == "h100.json"
+    assert all(memory.shipped_calibration(k).is_file() for k in memory.SHIPPED)
