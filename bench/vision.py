@@ -114,8 +114,8 @@ def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seco
     return results
 
 
-def _cell(r: dict[str, Any], key: str, fmt: str) -> str:
-    return r.get("message", "failed") if "error" in r else f"{r[key]:{fmt}}{spread_text(r, key)}"
+def _cell(r: dict[str, Any], key: str, fmt: str, unit: str) -> str:
+    return r.get("message", "failed") if "error" in r else f"{r[key]:{fmt}}{unit}{spread_text(r, key)}"
 
 
 def report(res: dict[str, Any]) -> str:
@@ -139,10 +139,10 @@ def report(res: dict[str, Any]) -> str:
           "|---|---|---|---|" + "---|---|---|" * len(cs[1:])]
     for task, row in res["tasks"].items():
         u, s = row["unsplit"], row["split"]
-        cells = [_cell(u[cs[0]], "p50_ms", ".2f") + " ms", _cell(s[cs[0]], "p50_ms", ".2f") + " ms",
+        cells = [_cell(u[cs[0]], "p50_ms", ".2f", " ms"), _cell(s[cs[0]], "p50_ms", ".2f", " ms"),
                  f"{s[cs[0]]['p50_ms'] / u[cs[0]]['p50_ms']:.2f}×" if "error" not in u[cs[0]] and "error" not in s[cs[0]] else "-"]
         for c in cs[1:]:
-            cells += [_cell(u[c], "throughput", ".0f") + "/s", _cell(s[c], "throughput", ".0f") + "/s",
+            cells += [_cell(u[c], "throughput", ".0f", "/s"), _cell(s[c], "throughput", ".0f", "/s"),
                       f"{s[c]['throughput'] / u[c]['throughput']:.2f}×" if "error" not in u[c] and "error" not in s[c] else "-"]
         L.append(f"| {task} | " + " | ".join(cells) + " |")
     return "\n".join(L) + "\n"
