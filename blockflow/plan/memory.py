@@ -157,12 +157,14 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
                                   blocks[0].first, blocks[-1].last)
         params, largests = params + p, largests + [a]
     width = BYTES[deploy.precision]
-    if deploy.cuda_graphs:
+    # A detector's last block runs eagerly whatever the plan says (blockflow.backend.runtime).
+    graphed = deploy.cuda_graphs and not any(plan.block_outputs(blocks[-1]) for blocks in chains)
+    if graphed:
         per_sample = cal.activation_factor * max(largests) + cal.pack_head_factor * (sum(largests) - max(largests))
         graphs, overhead = deploy.max_batch_size * per_sample * width / 2**20, cal.process_mib
     else:
         graphs, overhead = 0.0, cal.eager_process_mib
-    return Process(name, gpu, params * width / 2**20, graphs, pool_mib, overhead, deploy.cuda_graphs)
+    return Process(name, gpu, params * width / 2**20, graphs, pool_mib, overhead, graphed)
 
 
 def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:

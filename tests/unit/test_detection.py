@@ -118,3 +118,14 @@ def test_a_detectors_heads_in_fp16_or_bf16_are_refused_its_backbone_is_not() -> 
         raw["blocks"]["df_boxes"]["precision"] = precision
         with pytest.raises(PlanError, match=r"blocks\.df_boxes\.precision.*for a detector's last stages"):
             parse_plan(raw)
+
+
+def test_the_memory_model_gives_a_detectors_last_block_no_graph_pool() -> None:
+    """It runs eagerly whatever the plan says (the runner declines graphs for it), so it has none."""
+    from blockflow.plan import load_plan, memory
+
+    plan = load_plan(Path(__file__).resolve().parents[2] / "plans" / "bench_vision.yaml")
+    cal = memory.Calibration.load(memory.shipped_calibration("h200"))
+    procs = {p.model: p for p in memory.modular(plan, 1, cal)}
+    assert procs["detect_rest"].activations_mib == 0 and procs["detect_rest"].overhead_mib == cal.eager_process_mib
+    assert procs["backbone"].activations_mib > 0 and procs["segment_rest"].activations_mib > 0
