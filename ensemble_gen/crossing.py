@@ -45,7 +45,8 @@ def _activation_index(name: str) -> int:
 def crossing_config(name: str, bridge: BridgeSpec, shapes: Sequence[Sequence[int]], dtype: HopDtype,
                     outputs: Sequence[TaskOutput], max_batch_size: int) -> mc.ModelConfig:
     """The crossing model: the hop's tensors in (host memory), the task's outputs out. On the CPU,
-    two instances, each sending one request at a time (``blockflow.backend.bridge``); it batches nothing."""
+    two instances, each sending the requests of one call at a time (``blockflow.backend.bridge``);
+    the dynamic batcher gives a call the requests that queued while both were busy."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.backend = "python"
@@ -53,6 +54,7 @@ def crossing_config(name: str, bridge: BridgeSpec, shapes: Sequence[Sequence[int
     for n, shape in zip(activation_names(ACTIVATION_IN, len(shapes)), shapes, strict=True):
         cfg.input.append(_tensor(n, shape, mc.ModelInput, HOP_TYPES[dtype]))
     cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in outputs)
+    cfg.dynamic_batching.SetInParent()
     group = cfg.instance_group.add()
     group.kind = mc.ModelInstanceGroup.KIND_CPU
     group.count = 2

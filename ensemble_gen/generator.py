@@ -195,13 +195,18 @@ def _emit(files: dict[str, bytes], cfg: mc.ModelConfig, extra: Mapping[str, byte
 
 
 def _crossing(plan: Plan, name: str, steps: Sequence[Step], server: str, model: str,
-              outputs: Sequence[TaskOutput]) -> mc.ModelConfig:
-    """The crossing model that sends a run's last hop on to ensemble ``model`` of ``server``."""
+              outputs: Sequence[TaskOutput], onward: Sequence[str]) -> mc.ModelConfig:
+    """The crossing model that sends a run's last hop on to ensemble ``model`` of ``server``, whose
+    path goes on through blocks ``onward``."""
     last = steps[-1].spec
     target = plan.raw.servers[server]
     inputs = tuple((n, last.out_dtype) for n in activation_names(ACTIVATION_IN, len(last.out_shapes)))
+    # Requests batched into one call stay within every onward block's batch; answers whose size varies
+    # per request (a detector's) are not batched: each request's own answer is trimmed to its own count.
+    ragged = any(-1 in o.shape for o in outputs)
     bridge = BridgeSpec(grpc=target.grpc, model=model, timeout_s=target.timeout_s, inputs=inputs,
-                        outputs=tuple(o.name for o in outputs))
+                        outputs=tuple(o.name for o in outputs),
+                        max_batch_size=0 if ragged else min(plan.blocks[b].max_batch_size for b in onward))
     return crossing_models.crossing_config(name, bridge, last.out_shapes, last.out_dtype, outputs,
                                            min(s.spec.max_batch_size for s in steps))
 
@@ -261,7 +266,8 @@ def render(plan: Plan) -> dict[str, bytes]:
             outputs = plan.block_outputs(last) or (TaskOutput(name=LOGITS, dtype="fp32", shape=plan.block_out_shape(last)),)
             cross = naming.crossing_model(tname, index + 1)
             crossing_models.add_crossing_step(cfg, cross, outputs)
-            _emit(files, _crossing(plan, cross, steps, onward, naming.run_ensemble(tname, index + 1), outputs),
+            _emit(files, _crossing(plan, cross, steps, onward, naming.run_ensemble(tname, index + 1), outputs,
+                                   [b for _, run in crossing.runs(plan, task)[index + 1:] for b in run]),
                   {"1/model.py": BRIDGE_PY.encode()}, [])
         _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
     for mname, (spec, deploy) in blocks.items():

@@ -110,6 +110,9 @@ class BridgeSpec(_Strict):
     timeout_s: float
     inputs: tuple[tuple[str, HopDtype], ...]
     outputs: tuple[str, ...]
+    # The most samples one call to ``model`` may carry: the requests a call of the crossing batches
+    # are sent together up to it (0: each request on its own, as for a detector's ragged outputs).
+    max_batch_size: int = Field(default=0, ge=0)
 
 
 class PartNetwork(_Strict):

@@ -83,6 +83,26 @@ def test_a_crossing_task_equals_its_unsplit_model(servers: Servers) -> None:
         assert "x_cross__cross1" in ready and "x_head__triton_cpu" not in ready  # the rest of the path is cloud's
 
 
+def test_concurrent_requests_crossing_together_each_get_their_own_rows(servers: Servers) -> None:
+    """The crossing sends the requests of one call together (up to the onward blocks' batch of 4):
+    under concurrent requests of 1 to 3 images, each request's answer is its own images'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reference = BlockRunner(generator.reference_spec(servers.plan, servers.plan.tasks["x_cross"], graph=False)[0],
+                            torch.device("cpu"))
+    sent = [np.random.default_rng(100 + k).standard_normal((1 + k % 3, 3, 32, 32), dtype=np.float32) for k in range(24)]
+
+    def ask(x: np.ndarray) -> np.ndarray:
+        with TaskClient(servers.edge.http_url) as edge:
+            return edge.infer("x_cross", x)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, sent))
+    for x, got in zip(sent, answers, strict=True):
+        want = reference.run(torch.from_numpy(x)).numpy()
+        assert got.shape == want.shape and _rel_err(got, want) <= TOL
+
+
 def test_a_stopped_next_server_fails_only_the_crossing_task_quickly_and_it_heals(servers: Servers) -> None:
     timeout_s = servers.plan.raw.servers["cloud"].timeout_s
     servers.cloud.stop()

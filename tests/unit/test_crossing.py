@@ -62,6 +62,8 @@ def test_each_server_gets_its_runs_and_the_crossing_between_them() -> None:
     spec = BridgeSpec.model_validate(json.loads(bridge.parameters[BRIDGE_PARAMETER].string_value))
     assert (spec.grpc, spec.model, spec.timeout_s, spec.outputs) == ("127.0.0.1:18102", "x_cross__run1", 3.0, ("LOGITS",))
     assert [list(i.dims) for i in bridge.input] == [[128, 4, 4]] and b"blockflow.backend.bridge" in edge["x_cross__cross1/1/model.py"]
+    # It batches the requests that queue while its instances are busy, up to the onward blocks' batch.
+    assert bridge.HasField("dynamic_batching") and spec.max_batch_size == plan.blocks["x_head"].max_batch_size == 4
     run = parse_pbtxt(cloud["x_cross__run1/config.pbtxt"].decode())
     assert [(i.name, list(i.dims)) for i in run.input] == [("ACTIVATION_IN", [128, 4, 4])]
     assert dict(run.ensemble_scheduling.step[0].input_map) == {"ACTIVATION_IN": "ACTIVATION_IN"}
