@@ -50,14 +50,15 @@ def _give_memory_back() -> Iterator[None]:
 
 
 @contextmanager
-def own_server(plan: Plan, where: Path) -> Iterator[TritonServer]:
-    """A real tritonserver of a module's own (free ports) serving ``plan``, its repository written under ``where``."""
+def own_server(plan: Plan, where: Path, env: dict[str, str] | None = None) -> Iterator[TritonServer]:
+    """A real tritonserver of a module's own (free ports) serving ``plan``, its repository written under
+    ``where``; ``env``: more environment for it and its block processes."""
     from blockflow.ensemble_gen import generator
     from blockflow.triton.server import ServerOptions, TritonServer
 
     repo = where / "repo"
     generator.write(generator.render(plan), repo)
-    server = TritonServer(ServerOptions.on_free_ports([repo]))
+    server = TritonServer(ServerOptions.on_free_ports([repo], env=env or {}))
     server.start(float(os.environ.get("BLOCKFLOW_TEST_START_TIMEOUT", "900")))
     try:
         yield server

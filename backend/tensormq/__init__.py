@@ -123,7 +123,11 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   consumer then waits for the commit, as for a ticket handed on early); or the reason it failed
   that sample's request. A sender does not answer the ensemble early.
 - Each receiver instance binds its own socket (``wire.hand_over_path``); senders list the
-  directory again when it changes. An instance keeps what it was not asked for
+  directory again when it changes. With ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=1`` it binds an AF_UNIX
+  datagram socket beside it (``wire.hand_over_dgram_path``), and a sender sends a call's
+  hand-overs there first, one datagram for the call, without waiting; a call whose datagram does
+  not go (the instance's queue is full, or it has none) goes over ZeroMQ. An instance keeps the
+  first copy of a key's hand-over it hears and drops later ones. An instance keeps what it was not asked for
   until the claim window ends (its tickets are refused by then), and so long the keys it served.
 - The receiver refuses a key it has served (a replay), waits for a key's hand-over at most
   ``COMMIT_WAIT_S``, and then reads the sender's ticket as its input, with every check above (MAC,

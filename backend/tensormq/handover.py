@@ -11,6 +11,7 @@ in ``backend/tensormq/wire.py``.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -25,7 +26,19 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
-from blockflow.backend.tensormq.wire import HANDED, failed, hand_over_of, hand_over_path, hand_over_prefix, handed, listening
+from blockflow.backend.tensormq.wire import (
+    DGRAM_MAX,
+    HANDED,
+    failed,
+    hand_over_dgram_path,
+    hand_over_of,
+    hand_over_path,
+    hand_over_prefix,
+    handed,
+    listening,
+    pack_datagrams,
+    unpack_datagram,
+)
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
 from blockflow.core import also_accepts, env
 from blockflow.core.errors import RequestError
@@ -49,6 +62,11 @@ LOOK_EVERY_S = 0.5
 LATE_S = 1.0
 
 
+def datagrams_on() -> bool:
+    """Whether hand-overs go as datagrams first (``BLOCKFLOW_TMQ_HANDOVER_DGRAM``; wire.py)."""
+    return os.environ.get(env.TMQ_HANDOVER_DGRAM) == "1"
+
+
 def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
     """The key of each of a request's input tickets (its MAC); none for input that is not tickets
     (the consumer refuses that request with a clear error)."""
@@ -66,11 +84,17 @@ class HandOut:
         self.to = to_model
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._dgram_paths: dict[str, str] = {}  # receiver instance -> its datagram socket, where it has one
+        self._dgram: socket.socket | None = None
+        if datagrams_on():
+            self._dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._dgram.setblocking(False)  # a full queue: ZeroMQ takes the call's hand-overs instead
         self._seen: tuple[int, float] = (-1, 0.0)  # the directory's mtime at the last listing, and when it was listed
         self._keys: list[bytes] = []
         self.dropped = 0  # hand-overs a receiver instance did not take in time
+        self.by_zmq = 0  # calls whose hand-overs went over ZeroMQ to an instance that has a datagram socket
 
-    def _receivers(self) -> list[zmq.Socket[Any]]:
+    def _receivers(self) -> dict[str, zmq.Socket[Any]]:
         """A socket to each receiver instance, listed again when the directory changed. File times
         tick coarsely (a few ms), so a listing made within that of the last change is made again."""
         mtime = os.stat(self.dir).st_mtime_ns
@@ -79,6 +103,7 @@ class HandOut:
             names = {n for n in os.listdir(self.dir) if n.startswith(self.prefix) and n.endswith(".sock")}
             for gone in set(self._socks) - names:
                 self._socks.pop(gone).close(0)
+                self._dgram_paths.pop(gone, None)
             for name in sorted(names - set(self._socks)):
                 if listening(self.dir / name):  # a killed instance leaves its file
                     sock = self._ctx.socket(zmq.PUSH)
@@ -86,7 +111,10 @@ class HandOut:
                     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
                     sock.connect(f"ipc://{self.dir / name}")
                     self._socks[name] = sock
-        return list(self._socks.values())
+                    dgram = hand_over_dgram_path(self.dir / name)
+                    if self._dgram is not None and dgram.exists():
+                        self._dgram_paths[name] = str(dgram)
+        return self._socks
 
     def begin(self) -> None:
         self._keys = []
@@ -112,17 +140,34 @@ class HandOut:
 
     def _push(self, messages: list[list[bytes]]) -> None:
         socks = self._receivers()
-        for message in messages:
-            for sock in socks:
+        datagrams = pack_datagrams(messages) if self._dgram is not None and self._dgram_paths else []
+        for name, sock in socks.items():
+            if datagrams and name in self._dgram_paths and self._send_datagrams(datagrams, self._dgram_paths[name]):
+                continue
+            for message in messages:
                 try:
                     sock.send_multipart(message, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self.dropped += 1
 
+    def _send_datagrams(self, datagrams: list[bytes], path: str) -> bool:
+        """Whether every datagram reached the instance at ``path``; if not (its queue full, or it
+        stopped), the caller sends the call's hand-overs over ZeroMQ (the instance keeps the first copy)."""
+        assert self._dgram is not None
+        try:
+            for d in datagrams:
+                self._dgram.sendto(d, path)
+            return True
+        except OSError:
+            self.by_zmq += 1
+            return False
+
     def close(self) -> None:
         for sock in self._socks.values():
             sock.close(0)
         self._socks = {}
+        if self._dgram is not None:
+            self._dgram.close()
 
 
 class HandIn:
@@ -138,6 +183,16 @@ class HandIn:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, SEND_HWM)
         self.sock.bind(f"ipc://{self.path}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.dgram: socket.socket | None = None
+        self.dgram_path = hand_over_dgram_path(self.path)
+        self.dgram_path.unlink(missing_ok=True)
+        if datagrams_on():
+            self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.dgram.setblocking(False)
+            self.dgram.bind(str(self.dgram_path))  # in the 0700 runtime directory: the server's user only
+            self.poller.register(self.dgram.fileno(), zmq.POLLIN)
         self.sender = role.takes_from
         self.key_models = {tk.model_id(m).to_bytes(8, "little") for m in role.keys_from}
         self.sender_model = tk.model_id(role.takes_from).to_bytes(8, "little")
@@ -205,7 +260,7 @@ class HandIn:
                         break
                     raise why
             left = min(deadline, look) - now
-            if deadline - now <= 0 or (not self.sock.poll(max(1, int(left * 1000))) and time.monotonic() >= deadline):
+            if deadline - now <= 0 or (not self.poller.poll(max(1, int(left * 1000))) and time.monotonic() >= deadline):
                 raise ProducerGoneError(f"block {self.sender} did not hand over this request's input within "
                                         f"{self.wait_s:g} s (it stopped, or the request did not come through its task)")
         _, status, ticket = self.pending.pop(key)
@@ -242,17 +297,27 @@ class HandIn:
 
     def _drain(self) -> None:
         self._read_at = now = time.monotonic()
+        while self.dgram is not None:
+            try:
+                data = self.dgram.recv(DGRAM_MAX)
+            except BlockingIOError:
+                break
+            for message in unpack_datagram(data):
+                self._keep(message, now)
         while True:
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = hand_over_of(frames)
-            if message is None:
-                continue  # only senders of this server reach the socket; nothing else is read
-            key, status, ticket = message
-            if key in self.served or key in self.pending:
-                continue
+            heard = hand_over_of(frames)
+            if heard is not None:  # only senders of this server reach the socket; nothing else is read
+                self._keep(heard, now)
+
+    def _keep(self, message: tuple[bytes, bytes, bytes], now: float) -> None:
+        """A hand-over heard: kept until asked for, unless its key was served or heard already (a
+        call that went over ZeroMQ after some of its datagrams arrived comes twice)."""
+        key, status, ticket = message
+        if key not in self.served and key not in self.pending:
             self.pending[key] = (now, status, ticket)
 
     def _expire(self) -> None:
@@ -266,12 +331,15 @@ class HandIn:
 
     def remove_file(self) -> None:
         self.path.unlink(missing_ok=True)
+        self.dgram_path.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.remove_file()
         self._closed.set()
         self._idle.join(2)
         self.sock.close(0)
+        if self.dgram is not None:
+            self.dgram.close()
         for table in self._tables.values():
             table.close()
         self._tables.clear()

@@ -29,6 +29,21 @@ one message per sample, no answer::
     ticket  TICKET_BYTES  the sender's ticket for the sample; empty with a failure
 
 :func:`handed` and :func:`failed` build a message, :func:`hand_over_of` reads one.
+
+Sender to receiver as datagrams (``BLOCKFLOW_TMQ_HANDOVER_DGRAM=1``): the same messages, those of one
+call in one AF_UNIX datagram (more where they pass ``DGRAM_MAX`` bytes), sent to each receiver
+instance's datagram socket at :func:`hand_over_dgram_path` (its stream socket's name ending ``.dg``)
+without waiting. Each message in a datagram, one after the other::
+
+    field          bytes          what
+    key            MAC_BYTES      as above
+    status length  2              little-endian, at most STATUS_MAX; 0 (HANDED): a ticket follows
+    status         status length  why the sender failed the sample's request, UTF-8
+    ticket         TICKET_BYTES   only with HANDED
+
+A receiver's queue holds a few datagrams (``net.unix.max_dgram_qlen``); a call that finds it full,
+or finds no datagram socket, goes over ZeroMQ instead, and a receiver keeps the first copy of a key's
+hand-over it hears (:func:`pack_datagrams`, :func:`unpack_datagram`).
 """
 
 from __future__ import annotations
@@ -46,6 +61,8 @@ WELCOME_KEYS = ("producer", "generation", "segment", "events", "max_slots")
 
 HANDED = b""  # a hand-over's status when it carries the sample's ticket
 STATUS_MAX = 4096
+DGRAM_MAX = 65536  # bytes of hand-overs in one datagram (AF_UNIX takes up to its send buffer, ~200 KiB)
+_STATUS_LEN = struct.Struct("<H")
 
 
 def socket_path(runtime_dir: Path, pid: int, generation: int) -> Path:
@@ -104,3 +121,46 @@ def hand_over_of(frames: list[bytes]) -> tuple[bytes, bytes, bytes] | None:
     if status == HANDED and len(ticket) != TICKET_BYTES:
         return None
     return key, status, ticket
+
+
+def hand_over_dgram_path(stream_path: Path) -> Path:
+    """A receiver instance's datagram socket, beside its ZeroMQ socket ``stream_path``."""
+    return stream_path.with_suffix(".dg")
+
+
+def pack_datagrams(messages: list[list[bytes]]) -> list[bytes]:
+    """Hand-overs (:func:`handed`, :func:`failed`) as datagrams of at most ``DGRAM_MAX`` bytes each."""
+    out: list[bytes] = []
+    current = bytearray()
+    for key, status, ticket in messages:
+        entry = key + _STATUS_LEN.pack(len(status)) + status + ticket
+        if current and len(current) + len(entry) > DGRAM_MAX:
+            out.append(bytes(current))
+            current = bytearray()
+        current += entry
+    if current:
+        out.append(bytes(current))
+    return out
+
+
+def unpack_datagram(data: bytes) -> list[tuple[bytes, bytes, bytes]]:
+    """``(key, status, ticket)`` of each well-formed hand-over of a datagram, in order; reading stops
+    at the first malformed one (only senders of this server reach the socket)."""
+    out: list[tuple[bytes, bytes, bytes]] = []
+    i = 0
+    while i + MAC_BYTES + _STATUS_LEN.size <= len(data):
+        key = data[i:i + MAC_BYTES]
+        (n,) = _STATUS_LEN.unpack_from(data, i + MAC_BYTES)
+        i += MAC_BYTES + _STATUS_LEN.size
+        if n > STATUS_MAX or i + n > len(data):
+            break
+        status = data[i:i + n]
+        i += n
+        ticket = b""
+        if status == HANDED:
+            if i + TICKET_BYTES > len(data):
+                break
+            ticket = data[i:i + TICKET_BYTES]
+            i += TICKET_BYTES
+        out.append((key, status, ticket))
+    return out

@@ -41,11 +41,20 @@ def exported_example(name: str, directory: Path) -> Path:
     return directory / f"{name}.yaml"
 
 
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", *EXAMPLES])
+# The runtime directories of the servers whose hand-overs go as datagrams, by URL.
+DATAGRAMS: dict[str, Path] = {}
+
+
+# hand_over_dgram: the hand-over plan with hand-overs as datagrams (BLOCKFLOW_TMQ_HANDOVER_DGRAM=1).
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "hand_over_dgram", *EXAMPLES])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
-    plan = load_plan(exported_example(request.param, where) if request.param in EXAMPLES else PLANS / f"{request.param}.yaml")
-    with own_server(plan, where) as server:
+    name = request.param.removesuffix("_dgram")
+    plan = load_plan(exported_example(name, where) if name in EXAMPLES else PLANS / f"{name}.yaml")
+    datagrams = {"BLOCKFLOW_TMQ_HANDOVER_DGRAM": "1"} if request.param.endswith("_dgram") else None
+    with own_server(plan, where, env=datagrams) as server:
+        if datagrams:
+            DATAGRAMS[server.http_url] = server.runtime_dir
         yield plan, server.http_url
 
 
@@ -137,6 +146,8 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
 
     with ThreadPoolExecutor(8) as pool:  # requests of both tasks batched together in every block
         assert max(pool.map(one, list(want))) <= 1e-4
+    if url in DATAGRAMS:  # each receiver instance listens for datagrams too
+        assert len(list((DATAGRAMS[url] / "tmq").glob("ho*.dg"))) == len(list((DATAGRAMS[url] / "tmq").glob("ho*.sock"))) > 0
 
     client = http.InferenceServerClient(url.removeprefix("http://"))
 

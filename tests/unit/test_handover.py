@@ -5,6 +5,7 @@ hand_over plan)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -18,7 +19,8 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.handover import LATE_S, LOOK_AFTER_S, HandIn, HandOut, Relay, keys_of
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
-from blockflow.core import also_accepts
+from blockflow.backend.tensormq.wire import DGRAM_MAX, failed, handed, pack_datagrams, unpack_datagram
+from blockflow.core import also_accepts, env
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver
 from blockflow.ensemble_gen import generator
@@ -87,8 +89,13 @@ def test_the_generator_wires_direct_hand_overs_on_tensormq_only() -> None:
 # ---------------------------------------------------------------------------- the runtime, over real sockets
 
 
-@pytest.fixture()
-def runtime(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(params=["zmq", "dgram"])
+def runtime(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A runtime directory; every test of the runtime runs with hand-overs over ZeroMQ and as datagrams."""
+    if request.param == "dgram":
+        monkeypatch.setenv(env.TMQ_HANDOVER_DGRAM, "1")
+    else:
+        monkeypatch.delenv(env.TMQ_HANDOVER_DGRAM, raising=False)
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
     ensure_tensormq(rt)
@@ -328,3 +335,39 @@ def test_a_task_may_keep_its_steps_and_a_plan_that_finds_no_pair_says_so() -> No
     # What `blockflow show` lists is what the generator wires.
     assert direct.hand_overs == {"mid_a": "mid_b", "mid_b": "mid_c"}
     assert direct.task_hand_overs(direct.tasks["task_b"]) == [("mid_a", "mid_b"), ("mid_b", "mid_c")]
+
+
+def test_datagrams_carry_a_calls_hand_overs_and_a_malformed_tail_is_dropped() -> None:
+    key = bytes(range(tk.MAC_BYTES))
+    messages = [handed(key, b"\x07" * tk.TICKET_BYTES), failed(key[::-1], "batch failed")]
+    (one,) = pack_datagrams(messages)
+    assert unpack_datagram(one) == [tuple(m) for m in messages]
+    assert unpack_datagram(one[:-1]) == [tuple(messages[0])]  # the cut failure is not read
+    assert unpack_datagram(b"") == [] and unpack_datagram(b"\x00" * 5) == []
+    many = pack_datagrams([handed(key, b"\x01" * tk.TICKET_BYTES)] * 1000)
+    assert len(many) > 1 and all(len(d) <= DGRAM_MAX for d in many)
+    assert sum(len(unpack_datagram(d)) for d in many) == 1000
+
+
+def test_a_receivers_full_datagram_queue_sends_the_rest_over_zeromq_and_loses_nothing(runtime: Path) -> None:
+    if os.environ.get(env.TMQ_HANDOVER_DGRAM) != "1":
+        pytest.skip("datagrams only")
+    key = read_key(runtime)
+    into = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=10.0)
+    out = HandOut(runtime, "b2")
+    try:
+        assert into.dgram_path.exists()
+        keys = [_key_ticket(runtime) for _ in range(14)]  # the producer has 16 slots; the queue holds 10 here
+        for i, rows in enumerate(keys):  # one call each, while the receiver reads nothing
+            out.begin()
+            out.take(keys_of(rows))
+            out.send([bytes([i]) * tk.TICKET_BYTES])
+        qlen = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+        if qlen < len(keys):
+            assert out.by_zmq > 0
+        for i, rows in enumerate(keys):
+            assert bytes(into.resolve(rows)[0]) == bytes([i]) * tk.TICKET_BYTES
+    finally:
+        out.close()
+        into.close()
+    assert not into.dgram_path.exists() and not into.path.exists()
