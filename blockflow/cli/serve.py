@@ -20,6 +20,8 @@ from blockflow.triton.flags import CUDA_POOL_MB
 
 if TYPE_CHECKING:
     from blockflow.control.serve import Serving
+    from blockflow.plan import Plan, Task
+    from blockflow.triton.server import TritonServer
 
 log = logging.getLogger("blockflow.serve")
 
@@ -165,7 +167,6 @@ def _write_endpoints(serving: Serving, plan: Path) -> Path:
 
 def _print_endpoints(serving: Serving, written: Path | None) -> None:
     from blockflow.plan import naming
-    from blockflow.triton.doctor import perf_analyzer_path
 
     p, server = serving.plan, serving.server
     out.print(f"[green]ready[/] in {serving.seconds_to_ready:.1f} s")
@@ -174,15 +175,38 @@ def _print_endpoints(serving: Serving, written: Path | None) -> None:
     out.print(f"  metrics {server.metrics_url}")
     if written is not None:
         out.print(f"  (in {written}, where blockflow infer, load, status and apply find them)")
-    table = Table(title="tasks")
+    from blockflow.plan import crossing
+
+    table = Table(title="tasks" if p.server is None else f"tasks: server {p.server}'s part")
     for col in ("task", "ensembles", "path"):
         table.add_column(col)
+    starts_here = []  # tasks whose clients call this server
     for t in p.tasks.values():
-        models = [naming.task_model(t.name, tr, t.transport) for tr in p.transports_of(t)]
-        models += p.reference_models(t)
-        table.add_row(t.name, ", ".join(models), " → ".join(t.path))
+        runs = list(enumerate(crossing.runs(p, t)))
+        here = [(i, blocks) for i, (where, blocks) in runs if p.server is None or where == p.server]
+        for i, blocks in here:  # a plan of servers: only the runs this server serves, and where each goes on
+            if i == 0:
+                starts_here.append(t)
+                models = [naming.task_model(t.name, tr, t.transport) for tr in p.transports_of(t)] + p.reference_models(t)
+            else:
+                models = [naming.run_ensemble(t.name, i)]
+            onward = f" → (server {runs[i + 1][1][0]})" if i + 1 < len(runs) else ""
+            table.add_row(t.name, ", ".join(models), " → ".join(blocks) + onward)
     out.print(table)
-    first = next(iter(p.tasks.values()))
+    if starts_here:
+        _print_tries(starts_here[0], p, server)
+    else:
+        out.print("(no task starts on this server: the servers before it call it)")
+    if serving.control is not None:
+        out.print(f"  control {serving.control.url} (bearer token in {serving.token_path})")
+        out.print(f"  blockflow apply PLAN --url {serving.control.url} --token-file {serving.token_path}")
+    out.print("Ctrl-C stops the server.")
+
+
+def _print_tries(first: Task, p: Plan, server: TritonServer) -> None:
+    """Commands to try ``first`` with, on ``server``."""
+    from blockflow.triton.doctor import perf_analyzer_path
+
     image = ",".join(map(str, p.models[p.blocks[first.path[0]].model].image_shape))  # [H, W, 3] for HWC tasks
     out.print("try:")
     out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
@@ -193,7 +217,3 @@ def _print_endpoints(serving: Serving, written: Path | None) -> None:
         out.print("  python -c \"from pathlib import Path; from blockflow.bench.perf_analyzer import encoded_input_data; "
                   "encoded_input_data(Path('images.json'))\"")
     out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --concurrency-range 1:4 -b 1{images}")
-    if serving.control is not None:
-        out.print(f"  control {serving.control.url} (bearer token in {serving.token_path})")
-        out.print(f"  blockflow apply PLAN --url {serving.control.url} --token-file {serving.token_path}")
-    out.print("Ctrl-C stops the server.")

@@ -67,3 +67,21 @@ def test_each_server_gets_its_runs_and_the_crossing_between_them() -> None:
     run = parse_pbtxt(cloud["x_cross__run1/config.pbtxt"].decode())
     assert [(i.name, list(i.dims)) for i in run.input] == [("ACTIVATION_IN", [128, 4, 4])]
     assert dict(run.ensemble_scheduling.step[0].input_map) == {"ACTIVATION_IN": "ACTIVATION_IN"}
+
+
+def test_serve_lists_only_this_servers_part_of_each_task() -> None:
+    from types import SimpleNamespace
+
+    from blockflow.cli.app import out
+    from blockflow.cli.serve import _print_endpoints
+
+    plan = load_plan(PLAN)
+    urls = SimpleNamespace(http_url="http://127.0.0.1:1", grpc_url="127.0.0.1:2", metrics_url="http://127.0.0.1:3")
+    printed = {}
+    for name in ("edge", "cloud"):
+        with out.capture() as captured:
+            _print_endpoints(SimpleNamespace(plan=plan.on_server(name), server=urls, seconds_to_ready=1.0, control=None), None)  # type: ignore[arg-type]
+        printed[name] = captured.get()
+    assert "x_stem → (server cloud)" in printed["edge"] and "x_far" not in printed["edge"]
+    assert "x_cross__run1" in printed["cloud"] and "x_local" not in printed["cloud"]
+    assert "infer x_far" in printed["cloud"]  # a task that starts there
