@@ -34,7 +34,7 @@ def _clients(url: str, tasks: list[str], images: dict[str, Any], per_task: int, 
         with TaskClient(url) as c:
             while not stop.is_set():
                 try:
-                    c.infer(task, x)
+                    c.infer_outputs(task, x)
                     counts[task][0] += 1
                 except Exception:
                     counts[task][1] += 1

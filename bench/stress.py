@@ -1,8 +1,8 @@
 """Concurrency stress check: do concurrent requests on shared blocks get exactly their own results?
 
-Starts one server for the plan, computes every request's expected logits from the task's
-monolithic reference (sequentially), then replays all requests concurrently and counts
-mismatches. A diagnostic, not a test: prints one line per round. ``--input cuda`` sends the
+Starts one server for the plan, computes every request's expected outputs (every output a task
+answers: logits, or a detector's boxes, scores, labels and counts) from the task's monolithic
+reference (sequentially), then replays all requests concurrently and counts mismatches. A diagnostic, not a test: prints one line per round. ``--input cuda`` sends the
 concurrent requests' images through CUDA shared memory (one region per worker thread), so they
 reach the first blocks on the GPU; ``--input host,cuda`` runs the rounds for each on one server.
 The expected logits always come from host inputs.
@@ -49,20 +49,35 @@ def main() -> None:
     jobs = [(tasks[i % len(tasks)], task_images(plan, tasks[i % len(tasks)], 1 + i % 3, seed=i)) for i in range(args.jobs)]
     with TritonServer(opts) as server:
         with TaskClient(server.http_url) as c:
-            expected = [c.infer(naming.reference_model(t, False), x) for t, x in jobs]
+            expected = [c.infer_outputs(naming.reference_model(t, False), x) for t, x in jobs]
 
         for memory in inputs:
             for r in range(args.rounds):
                 results = _round(server.http_url, memory, jobs, args.workers, server.shm_key)
-                errs = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(results, expected, strict=True)]
+                errs = [difference(g, w) for g, w in zip(results, expected, strict=True)]
                 bad = sum(1 for e in errs if not e <= 1e-4)
                 print(f"[stress {args.label}] {memory} inputs, round {r}: {bad}/{len(jobs)} mismatched, max rel err {max(errs):.3g}",
                       flush=True)
 
 
+def difference(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:  # type: ignore[type-arg]
+    """The largest difference between two answers, relative to each float output's largest value;
+    inf where an output is missing, its shape differs, or an integer output differs at all."""
+    worst = 0.0
+    for name, w in want.items():
+        g = got.get(name)
+        if g is None or g.shape != w.shape:
+            return float("inf")
+        if not np.issubdtype(w.dtype, np.floating):
+            worst = max(worst, 0.0 if np.array_equal(g, w) else float("inf"))
+        elif w.size:
+            worst = max(worst, float(np.abs(g - w).max() / max(float(np.abs(w).max()), 1e-30)))
+    return worst
+
+
 def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: int,  # type: ignore[type-arg]
-           shm_key: str) -> list[np.ndarray]:  # type: ignore[type-arg]
-    """Every job once, by ``workers`` threads; the logits in job order.
+           shm_key: str) -> list[dict[str, np.ndarray]]:  # type: ignore[type-arg]
+    """Every job once, by ``workers`` threads; the answers in job order.
 
     Each thread makes, uses and closes a client of its own: a CUDA region serves one request at a
     time, and tritonclient's HTTP client (gevent) cannot be used or closed from another thread.
@@ -70,7 +85,7 @@ def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: i
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(jobs)):
         todo.put(i)
-    results: list[np.ndarray | None] = [None] * len(jobs)  # type: ignore[type-arg]
+    results: list[dict[str, np.ndarray] | None] = [None] * len(jobs)  # type: ignore[type-arg]
     errors: list[BaseException] = []
 
     def work() -> None:
@@ -81,7 +96,7 @@ def _round(url: str, memory: str, jobs: list[tuple[str, np.ndarray]], workers: i
                         i = todo.get_nowait()
                     except queue.Empty:
                         return
-                    results[i] = client.infer(*jobs[i])
+                    results[i] = client.infer_outputs(*jobs[i])
         except BaseException as exc:  # reported after the round, with the others'
             errors.append(exc)
 

@@ -156,3 +156,16 @@ def test_several_runs_of_a_point_give_each_figures_median_and_spread() -> None:
     two = median_of(runs[:2])
     assert two["p50_ms"] == 2.5 and "unstable" not in two  # an even count: the mean of the middle two
     assert median_of([runs[0], {"error": "perf_analyzer failed"}]) == {"error": "perf_analyzer failed"}
+
+
+def test_the_stress_check_compares_every_output_a_task_answers() -> None:
+    import numpy as np
+
+    from blockflow.bench.stress import difference
+
+    want = {"BOXES": np.array([[[0.0, 0.0, 4.0, 4.0]]], np.float32), "LABELS": np.array([[3]], np.int64)}
+    assert difference(dict(want), want) == 0.0
+    assert difference({**want, "BOXES": want["BOXES"] + 0.04}, want) == np.float32(0.04) / 4.0
+    assert difference({**want, "LABELS": np.array([[2]], np.int64)}, want) == float("inf")
+    assert difference({"BOXES": want["BOXES"]}, want) == float("inf")  # an output missing
+    assert difference({**want, "BOXES": np.zeros((1, 2, 4), np.float32)}, want) == float("inf")  # another count
