@@ -86,6 +86,10 @@ class TritonPythonModel:
             wanted = [self._grpc.InferRequestedOutput(n) for n in self.spec.outputs]
             result = self.client.infer(self.spec.model, inputs, outputs=wanted, client_timeout=self.spec.timeout_s)
             answers = {n: result.as_numpy(n) for n in self.spec.outputs}
+            rows = sum(int(arrays[0].shape[0]) for _, arrays in chunk)
+            wrong = {n: None if a is None else a.shape for n, a in answers.items() if a is None or a.shape[:1] != (rows,)}
+            if wrong:  # each request's rows could not be told apart
+                raise ValueError(f"the answer to {rows} samples has outputs of other sizes: {wrong}")
             start = 0
             for i, arrays in chunk:
                 stop = start + int(arrays[0].shape[0])

@@ -260,9 +260,11 @@ def main() -> None:
                            "calibration": f"{cal.source} (process {cal.process_mib:.0f} MiB)", "variants": {}}
     if args.traditional_from is not None:
         earlier = json.loads(args.traditional_from.read_text())
-        same = (earlier["arch"], earlier["tasks"]) == (args.arch, args.tasks) and "traditional" in earlier["variants"]
+        same = ((earlier["arch"], earlier["tasks"], earlier["device"]) == (args.arch, args.tasks, res["device"])
+                and "traditional" in earlier["variants"])
         if not same:
-            sys.exit(f"{args.traditional_from} has no traditional deployment of {args.arch} with {args.tasks} tasks")
+            sys.exit(f"{args.traditional_from} has no traditional deployment of {args.arch} with {args.tasks} tasks "
+                     f"on a {res['device']}")
         res["variants"]["traditional"] = {**earlier["variants"]["traditional"], "from": str(args.traditional_from)}
     for name in args.variants.split(","):
         v = run_variant(paths[name], args.cuda_pool_mb, [int(c) for c in args.clients.split(",")], args.seconds, args.mps)

@@ -5,7 +5,8 @@ backbone) against its unsplit model, in one server.
 
 The plan serves each task split (its path's blocks, the backbone shared) and, with
 ``references: [graph]``, unsplit: the task's network in one process, each part in its block's
-precision, in a CUDA graph where the part allows (a detector's heads and NMS run eagerly in both).
+precision, in a CUDA graph, except a detector's: a process that ends in a detector's heads runs
+eagerly, its backbone too, where the split runs the backbone's block in a graph.
 First every task's answer is checked against its fp32 unsplit model on the same images:
 classifier and segmenter logits by their largest difference relative to the largest logit (and the
 segmenter's per-pixel classes by the share that agree), a detector's detections by its count and
@@ -76,7 +77,7 @@ def check(plan: Plan, url: str, batch: int) -> dict[str, dict[str, float]]:
             x = task_images(plan, name, batch, seed=batch)
             # The fp32 unsplit model: served beside the task's own unless the task is fp32 throughout.
             fp32 = naming.fp32_reference(name)
-            want = fp32 if fp32 in plan.reference_models(plan.tasks[name]) else naming.reference_model(name, graph=True)
+            want = fp32 if fp32 in plan.reference_models(plan.tasks[name]) else plan.reference_models(plan.tasks[name])[0]
             if any(o.name == BOXES for o in plan.block_outputs(plan.blocks[plan.tasks[name].path[-1]])):
                 out[name] = detections_agree(client.detect(name, x), client.detect(want, x))
             else:
@@ -102,7 +103,10 @@ def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seco
             model = plan.models[plan.blocks[plan.tasks[name].path[0]].model]
             shape = "IMAGE:" + ",".join(str(d) for d in model.image_shape)
             row: dict[str, Any] = {}
-            for label, served_model in (("split", name), ("unsplit", naming.reference_model(name, graph=True))):
+            unsplit = [m for m in plan.reference_models(plan.tasks[name]) if m != naming.fp32_reference(name)]
+            if not unsplit:
+                raise SystemExit(f"{plan_path} serves no unsplit model of {name}: give it references: [graph] (or [eager])")
+            for label, served_model in (("split", name), ("unsplit", unsplit[-1])):
                 perf_analyzer(server.http_url, served_model, shape, 1, 0.5, concurrency=1)  # warm-up, not recorded
                 row[label] = {str(c): median_of([perf_analyzer(server.http_url, served_model, shape, 1, seconds, concurrency=c)
                                                   for _ in range(repeats)]) for c in concurrencies}
@@ -124,7 +128,8 @@ def report(res: dict[str, Any]) -> str:
     L = [f"# Vision tasks over one backbone: `{meta['plan']}`", "",
          f"{meta['device']}, commit {meta['commit']}; perf_analyzer over HTTP, host-memory float32 images, batch 1, median of "
          f"{meta['repeats']} run(s) of {meta['seconds']:g} s ± half their range. *split*: the task's blocks (the backbone "
-         "shared); *unsplit*: its network in one process, each part in its block's precision, CUDA graph where the part allows.", "",
+         "shared); *unsplit*: its network in one process, each part in its block's precision, in a CUDA graph unless it ends "
+         "in a detector's heads (such a process runs eagerly, its backbone too).", "",
          f"Each task against its fp32 unsplit model ({meta['check_batch']} images):", "",
          "| task | check |", "|---|---|"]
     for task, e in res["equal"].items():

@@ -178,13 +178,8 @@ class HandIn:
         self.runtime_dir = runtime_dir
         self.path = hand_over_path(runtime_dir, model, os.getpid() if pid is None else pid)
         self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self.sock = self._ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-        self.sock.bind(f"ipc://{self.path}")
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
+        # The datagram socket first: senders find an instance by its ZeroMQ socket's file and look for
+        # the datagram socket beside it once, then.
         self.dgram: socket.socket | None = None
         self.dgram_path = hand_over_dgram_path(self.path)
         self.dgram_path.unlink(missing_ok=True)
@@ -192,6 +187,14 @@ class HandIn:
             self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self.dgram.setblocking(False)
             self.dgram.bind(str(self.dgram_path))  # in the 0700 runtime directory: the server's user only
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.sock = self._ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self.sock.bind(f"ipc://{self.path}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if self.dgram is not None:
             self.poller.register(self.dgram.fileno(), zmq.POLLIN)
         self.sender = role.takes_from
         self.key_models = {tk.model_id(m).to_bytes(8, "little") for m in role.keys_from}

@@ -342,15 +342,16 @@ class Applier:
         """
         if not new:
             return []
-        wait_s = max(self.control.timeout, self.undo_wait_s)
+        wait_s = max(self.control.timeout, self.undo_wait_s)  # a load: as long as one may take
+        unload_s = self.undo_wait_s  # an unload: bounded, while the apply lock (and serve's reloads) wait
         notes, kept = [], set()
         try:
             states = self._settled({c.model for c in new}, {"LOADING"}, wait_s)
             for c in new:
                 if "LOADING" in states.get(c.model, ()):
                     kept.add(c.model)
-                    notes.append(f"new {c.model} was still loading {wait_s:.0f} s later: left in place "
-                                 "(the next apply unloads it once it is ready)")
+                    notes.append(f"new {c.model} was still loading {wait_s:.0f} s later: left in place (ready once its "
+                                 "load ends; an apply after that unloads it if its plan has no such model)")
             for ensembles in (True, False):
                 group = {c.model for c in new if c.ensemble == ensembles and c.model not in kept
                          and "READY" in states.get(c.model, ())}
@@ -363,11 +364,11 @@ class Applier:
                         kept.add(m)
                 if not group - kept:
                     continue
-                states = self._settled(group - kept, {"READY", "UNLOADING"}, wait_s)
+                states = self._settled(group - kept, {"READY", "UNLOADING"}, unload_s)
                 for m in sorted(group - kept):
                     if states.get(m, set()) & {"READY", "UNLOADING"}:
                         kept.add(m)
-                        notes.append(f"new {m} was still unloading {wait_s:.0f} s later: left in place")
+                        notes.append(f"new {m} was still unloading {unload_s:.0f} s later: left in place")
         except ApplyError as exc:  # no index: what runs is unknown, so every directory stays
             return [*notes, f"could not tell whether the new models are unloaded ({exc}): "
                             f"left in place: {', '.join(c.model for c in new)}"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import resources
@@ -76,7 +77,8 @@ def shipped_calibration(gpu: str | None = None) -> Path:
     """The calibration file BlockFlow ships for ``gpu`` (a GPU's name as NVML gives it, "NVIDIA H200",
     or a key of ``SHIPPED``), inside the package in a checkout and in a wheel alike; the H100's
     for any other GPU or none."""
-    key = next((k for k in SHIPPED if gpu is not None and k in gpu.lower()), SHIPPED[0])
+    words = re.findall(r"[a-z0-9]+", gpu.lower()) if gpu is not None else []
+    key = next((k for k in SHIPPED if k in words), SHIPPED[0])  # "NVIDIA H200" is an H200; "NVIDIA GH200" is not
     return Path(str(resources.files("blockflow") / "data" / "calibration" / f"{key}.json"))
 
 

@@ -184,5 +184,6 @@ def test_the_calibration_follows_the_gpus_name() -> None:
     assert memory.shipped_calibration("NVIDIA H200").name == "h200.json"
     assert memory.shipped_calibration("NVIDIA H100 80GB HBM3").name == "h100.json"
     assert memory.shipped_calibration("NVIDIA A100-SXM4-80GB").name == "h100.json"  # the default
+    assert memory.shipped_calibration("NVIDIA GH200 480GB").name == "h100.json"  # not an H200
     assert memory.shipped_calibration(None).name == "h100.json"
     assert all(memory.shipped_calibration(k).is_file() for k in memory.SHIPPED)
