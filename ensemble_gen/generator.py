@@ -139,8 +139,10 @@ def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> t
     the task's images on both sides of the comparison."""
     blocks = [plan.blocks[b] for b in task.path]
     # A path in several precisions (fp16 stages, then a detector's fp32 heads): the first block's,
-    # and each part that differs in its own, as the split runs them.
-    mixed = not fp32 and len({b.precision for b in blocks}) > 1
+    # and each part that differs in its own, as the split runs them. Not with tf32 among them: TF32
+    # is a switch of the whole process, so such a path's reference stays fp32 throughout.
+    kinds = {b.precision for b in blocks}
+    mixed = not fp32 and len(kinds) > 1 and "tf32" not in kinds
     precision = "fp32" if fp32 else blocks[0].precision if mixed else plan.task_precision(task)
     deploy = dataclasses.replace(
         blocks[0],

@@ -39,3 +39,16 @@ def test_the_mixed_reference_equals_its_blocks_run_one_after_the_other() -> None
     assert whole.dtype == split.dtype == torch.float32
     assert torch.equal(whole, split)
     assert not torch.equal(whole, fp32)  # the trunk's bf16 rounding is in both, not in the fp32 network
+
+
+def test_a_path_mixing_tf32_keeps_an_fp32_reference() -> None:
+    """TF32 is a switch of the whole process: such a path's reference is fp32 throughout."""
+    import yaml
+
+    from blockflow.plan import parse_plan
+
+    raw = yaml.safe_load(PLAN.read_text())
+    raw["blocks"]["trunk"]["precision"] = "tf32"
+    plan = parse_plan(raw, source="tf32 trunk")
+    spec, _ = generator.reference_spec(plan, plan.tasks["task_a"], graph=False)
+    assert spec.precision == "fp32" and all(p.precision is None for p in spec.parts)
