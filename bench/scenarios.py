@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from blockflow.bench.agreement import relative_error
 from blockflow.bench.harness import gpu_used_mib, rendered, task_images
 from blockflow.bench.triton_stats import delta, model_stats
 from blockflow.clients.client import TaskClient
@@ -130,7 +131,7 @@ def equality(plan: Plan, url: str) -> dict[str, float]:
                 got = client.infer(name, x)
                 with torch.inference_mode():
                     want = reference.run(torch.from_numpy(x)).float().cpu().numpy()
-                worst = max(worst, float(abs(got - want).max() / abs(want).max()))
+                worst = max(worst, relative_error(got, want))
             errors[name] = worst
             del reference
     if device.type == "cuda":

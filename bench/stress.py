@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from blockflow.bench.agreement import relative_error
 from blockflow.bench.harness import task_images
 from blockflow.clients.client import TaskClient
 from blockflow.ensemble_gen import generator
@@ -66,12 +67,12 @@ def difference(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float
     worst = 0.0
     for name, w in want.items():
         g = got.get(name)
-        if g is None or g.shape != w.shape:
+        if g is None:
             return float("inf")
         if not np.issubdtype(w.dtype, np.floating):
             worst = max(worst, 0.0 if np.array_equal(g, w) else float("inf"))
-        elif w.size:
-            worst = max(worst, float(np.abs(g - w).max() / max(float(np.abs(w).max()), 1e-30)))
+        else:
+            worst = max(worst, relative_error(g, w))
     return worst
 
 

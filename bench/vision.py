@@ -25,45 +25,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from blockflow.bench.agreement import BEST, IOU, SCORE, detections_agree, relative_error
 from blockflow.bench.harness import commit, device_name, served, task_images, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.report import spread_text
 from blockflow.clients.client import TaskClient
-from blockflow.clients.detections import Detections
 from blockflow.core.spec import BOXES
 from blockflow.plan import Plan, load_plan, naming
-
-# The ten best detections of each image are each matched in the reference (same label, boxes
-# overlapping this much, scores this close).
-BEST, IOU, SCORE = 10, 0.9, 0.02
-
-
-def iou(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> float:
-    """Intersection over union of two ``x1, y1, x2, y2`` boxes."""
-    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
-    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
-    inter = max(0.0, float(x2 - x1)) * max(0.0, float(y2 - y1))
-    union = float((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1])) - inter
-    return inter / union if union > 0 else 0.0
-
-
-def detections_agree(got: list[Detections], want: list[Detections]) -> dict[str, float]:
-    """How far a detector's answers are from its reference's: the largest count difference, and the
-    share of each image's ``BEST`` best detections that the reference has too."""
-    matched = checked = 0
-    for g, w in zip(got, want, strict=True):
-        for k in range(min(BEST, len(g))):
-            checked += 1
-            matched += any(w.labels[j] == g.labels[k] and iou(g.boxes[k], w.boxes[j]) >= IOU
-                           and abs(float(w.scores[j]) - float(g.scores[k])) <= SCORE for j in range(len(w)))
-    return {"count": float(np.mean([len(w) for w in want])), "count_diff": float(max(abs(len(g) - len(w)) for g, w in zip(got, want, strict=True))),
-            "best_matched": matched / checked if checked else 1.0}
 
 
 def logits_agree(got: npt.NDArray[np.float32], want: npt.NDArray[np.float32]) -> dict[str, float]:
     """The largest difference relative to the largest logit; for maps (``[N, C, H, W]``) also the
     share of pixels whose class agrees."""
-    out = {"rel_err": float(np.abs(got - want).max() / np.abs(want).max())}
+    out = {"rel_err": relative_error(got, want)}
     if got.ndim == 4:
         out["pixels_agree"] = float((got.argmax(1) == want.argmax(1)).mean())
     return out

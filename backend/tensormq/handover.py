@@ -5,13 +5,13 @@ after it, the *receiver* (``blockflow.plan.direct_pairs`` says which pairs quali
 ensemble runs both at once, each given the ticket the sender takes as its input (the receiver's
 *key*). The rules, with the rest of the protocol, are in the package note
 (``backend/tensormq/__init__.py``, "Direct hand-overs"); the messages and the receivers' sockets
-in ``backend/tensormq/wire.py``.
+in ``backend/tensormq/wire.py``; hand-overs as AF_UNIX datagrams, ZeroMQ the fallback, in
+``backend/tensormq/datagrams.py``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -25,9 +25,9 @@ import zmq
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.consumer import Consumer
+from blockflow.backend.tensormq.datagrams import DatagramIn, DatagramOut, datagrams_on
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import (
-    DGRAM_MAX,
     HANDED,
     failed,
     hand_over_dgram_path,
@@ -36,8 +36,6 @@ from blockflow.backend.tensormq.wire import (
     hand_over_prefix,
     handed,
     listening,
-    pack_datagrams,
-    unpack_datagram,
 )
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
 from blockflow.core import also_accepts, env
@@ -62,11 +60,6 @@ LOOK_EVERY_S = 0.5
 LATE_S = 1.0
 
 
-def datagrams_on() -> bool:
-    """Whether hand-overs go as datagrams first (``BLOCKFLOW_TMQ_HANDOVER_DGRAM``; wire.py)."""
-    return os.environ.get(env.TMQ_HANDOVER_DGRAM) == "1"
-
-
 def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
     """The key of each of a request's input tickets (its MAC); none for input that is not tickets
     (the consumer refuses that request with a clear error)."""
@@ -84,15 +77,15 @@ class HandOut:
         self.to = to_model
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[Any]] = {}
-        self._dgram_paths: dict[str, str] = {}  # receiver instance -> its datagram socket, where it has one
-        self._dgram: socket.socket | None = None
-        if datagrams_on():
-            self._dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._dgram.setblocking(False)  # a full queue: ZeroMQ takes the call's hand-overs instead
+        self._dgram = DatagramOut() if datagrams_on() else None
         self._seen: tuple[int, float] = (-1, 0.0)  # the directory's mtime at the last listing, and when it was listed
         self._keys: list[bytes] = []
         self.dropped = 0  # hand-overs a receiver instance did not take in time
-        self.by_zmq = 0  # calls whose hand-overs went over ZeroMQ to an instance that has a datagram socket
+
+    @property
+    def by_zmq(self) -> int:
+        """Calls whose hand-overs went over ZeroMQ to an instance that has a datagram socket."""
+        return self._dgram.by_zmq if self._dgram is not None else 0
 
     def _receivers(self) -> dict[str, zmq.Socket[Any]]:
         """A socket to each receiver instance, listed again when the directory changed. File times
@@ -103,7 +96,8 @@ class HandOut:
             names = {n for n in os.listdir(self.dir) if n.startswith(self.prefix) and n.endswith(".sock")}
             for gone in set(self._socks) - names:
                 self._socks.pop(gone).close(0)
-                self._dgram_paths.pop(gone, None)
+                if self._dgram is not None:
+                    self._dgram.gone(gone)
             for name in sorted(names - set(self._socks)):
                 if listening(self.dir / name):  # a killed instance leaves its file
                     sock = self._ctx.socket(zmq.PUSH)
@@ -111,9 +105,8 @@ class HandOut:
                     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
                     sock.connect(f"ipc://{self.dir / name}")
                     self._socks[name] = sock
-                    dgram = hand_over_dgram_path(self.dir / name)
-                    if self._dgram is not None and dgram.exists():
-                        self._dgram_paths[name] = str(dgram)
+                    if self._dgram is not None:
+                        self._dgram.found(name, self.dir / name)
         return self._socks
 
     def begin(self) -> None:
@@ -140,27 +133,15 @@ class HandOut:
 
     def _push(self, messages: list[list[bytes]]) -> None:
         socks = self._receivers()
-        datagrams = pack_datagrams(messages) if self._dgram is not None and self._dgram_paths else []
+        datagrams = self._dgram.pack(messages) if self._dgram is not None else []
         for name, sock in socks.items():
-            if datagrams and name in self._dgram_paths and self._send_datagrams(datagrams, self._dgram_paths[name]):
+            if datagrams and self._dgram is not None and self._dgram.send(datagrams, name):
                 continue
             for message in messages:
                 try:
                     sock.send_multipart(message, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self.dropped += 1
-
-    def _send_datagrams(self, datagrams: list[bytes], path: str) -> bool:
-        """Whether every datagram reached the instance at ``path``; if not (its queue full, or it
-        stopped), the caller sends the call's hand-overs over ZeroMQ (the instance keeps the first copy)."""
-        assert self._dgram is not None
-        try:
-            for d in datagrams:
-                self._dgram.sendto(d, path)
-            return True
-        except OSError:
-            self.by_zmq += 1
-            return False
 
     def close(self) -> None:
         for sock in self._socks.values():
@@ -180,13 +161,9 @@ class HandIn:
         self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
         # The datagram socket first: senders find an instance by its ZeroMQ socket's file and look for
         # the datagram socket beside it once, then.
-        self.dgram: socket.socket | None = None
         self.dgram_path = hand_over_dgram_path(self.path)
         self.dgram_path.unlink(missing_ok=True)
-        if datagrams_on():
-            self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self.dgram.setblocking(False)
-            self.dgram.bind(str(self.dgram_path))  # in the 0700 runtime directory: the server's user only
+        self.dgram = DatagramIn(self.dgram_path) if datagrams_on() else None
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -300,12 +277,8 @@ class HandIn:
 
     def _drain(self) -> None:
         self._read_at = now = time.monotonic()
-        while self.dgram is not None:
-            try:
-                data = self.dgram.recv(DGRAM_MAX)
-            except BlockingIOError:
-                break
-            for message in unpack_datagram(data):
+        if self.dgram is not None:
+            for message in self.dgram.read():
                 self._keep(message, now)
         while True:
             try:

@@ -1,8 +1,8 @@
 """Detectors on the GPU: a classifier and a RetinaNet sharing ResNet-50's stem..layer2 in fp16 blocks
 (CUDA graphs) on TensorMQ, the RetinaNet's heads and NMS in an fp32 block (eager), 320x320. The
 classifier equals its fp32 unsplit reference within fp16's bound; the detector's best boxes are
-the reference's (a detection found by both: the same label, IoU >= 0.9, score within 0.02), and
-its count within a few of it (fp16 moves scores near the threshold)."""
+the reference's (``blockflow.bench.agreement.detections_agree``: the same label, IoU >= 0.9,
+score within 0.02), and its count within a few of it (fp16 moves scores near the threshold)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from blockflow.backend.runtime import BlockRunner
+from blockflow.bench.agreement import detections_agree, relative_error
 from blockflow.clients.client import TaskClient
+from blockflow.clients.detections import per_image
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
 
@@ -45,14 +47,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str
         yield load_plan(where / "plan.yaml"), s.http_url
 
 
-def _iou(a: np.ndarray, b: np.ndarray) -> float:
-    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
-    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
-    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return float(inter / union) if union > 0 else 0.0
-
-
 def test_the_classifier_and_the_detector_answer_as_their_fp32_references(server: tuple[Plan, str]) -> None:
     plan, url = server
     x = np.random.default_rng(3).random((2, 3, 320, 320), dtype=np.float32)
@@ -61,16 +55,14 @@ def test_the_classifier_and_the_detector_answer_as_their_fp32_references(server:
         found = c.detect("dg_det", x)
     cls_ref = BlockRunner(generator.reference_spec(plan, plan.tasks["dg_cls"], graph=False, fp32=True)[0], torch.device("cuda:0"))
     want = cls_ref.run(torch.from_numpy(x)).cpu().numpy()
-    assert float(np.abs(logits - want).max() / np.abs(want).max()) <= 2e-2
-    det_ref = BlockRunner(generator.reference_spec(plan, plan.tasks["dg_det"], graph=False, fp32=True)[0], torch.device("cuda:0"))
-    count, boxes, scores, labels = (t.cpu().numpy() for t in det_ref.run_all([torch.from_numpy(x)]))
-    for i, d in enumerate(found):
-        n = int(count[i, 0])
-        print(f"image {i}: served {len(d)} detections, reference {n}")
-        assert n > 0 and abs(len(d) - n) <= max(3, n // 20)
-        for k in range(min(10, len(d))):
-            match = [j for j in range(n) if labels[i, j] == d.labels[k] and _iou(d.boxes[k], boxes[i, j]) >= 0.9]
-            assert match and min(abs(float(scores[i, j]) - float(d.scores[k])) for j in match) <= 0.02, (i, k)
+    assert relative_error(logits, want) <= 2e-2
+    det_spec = generator.reference_spec(plan, plan.tasks["dg_det"], graph=False, fp32=True)[0]
+    outputs = BlockRunner(det_spec, torch.device("cuda:0")).run_all([torch.from_numpy(x)])
+    expected = per_image({o.name: t.cpu().numpy() for o, t in zip(det_spec.task_outputs, outputs, strict=True)})
+    for i, (d, w) in enumerate(zip(found, expected, strict=True)):
+        print(f"image {i}: served {len(d)} detections, reference {len(w)}")
+        assert len(w) > 0 and abs(len(d) - len(w)) <= max(3, len(w) // 20)
+    assert detections_agree(found, expected)["best_matched"] == 1.0
 
 
 def test_the_detector_block_runs_eagerly_and_its_backbone_in_a_graph(server: tuple[Plan, str]) -> None:
