@@ -123,7 +123,7 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   consumer then waits for the commit, as for a ticket handed on early); or the reason it failed
   that sample's request. A sender does not answer the ensemble early.
 - Each receiver instance binds its own socket (``wire.hand_over_path``); senders list the
-  directory again when it changes. With ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=1`` it binds an AF_UNIX
+  directory again when it changes. Unless ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=0``, it binds an AF_UNIX
   datagram socket beside it (``wire.hand_over_dgram_path``; ``datagrams.py``), and a sender sends a call's
   hand-overs there first, one datagram for the call, without waiting; a call whose datagram does
   not go (the instance's queue is full, or it has none) goes over ZeroMQ. An instance keeps the

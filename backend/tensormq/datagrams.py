@@ -1,4 +1,4 @@
-"""Direct hand-overs as AF_UNIX datagrams (``BLOCKFLOW_TMQ_HANDOVER_DGRAM=1``): a sender's socket and a
+"""Direct hand-overs as AF_UNIX datagrams (the default; ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=0`` turns them off): a sender's socket and a
 receiver instance's, beside the ZeroMQ sockets of ``handover.py``, which stay the fallback. The
 datagrams' layout and the fallback's rules are in ``wire.py``."""
 
@@ -14,8 +14,8 @@ from blockflow.core import env
 
 
 def datagrams_on() -> bool:
-    """Whether hand-overs go as datagrams first (``BLOCKFLOW_TMQ_HANDOVER_DGRAM``; wire.py)."""
-    return os.environ.get(env.TMQ_HANDOVER_DGRAM) == "1"
+    """Whether hand-overs go as datagrams first: unless ``BLOCKFLOW_TMQ_HANDOVER_DGRAM`` is ``0`` (wire.py)."""
+    return os.environ.get(env.TMQ_HANDOVER_DGRAM) != "0"
 
 
 class DatagramOut:

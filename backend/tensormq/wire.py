@@ -30,7 +30,7 @@ one message per sample, no answer::
 
 :func:`handed` and :func:`failed` build a message, :func:`hand_over_of` reads one.
 
-Sender to receiver as datagrams (``BLOCKFLOW_TMQ_HANDOVER_DGRAM=1``): the same messages, those of one
+Sender to receiver as datagrams (the default; ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=0`` turns them off): the same messages, those of one
 call in one AF_UNIX datagram (more where they pass ``DGRAM_MAX`` bytes), sent to each receiver
 instance's datagram socket at :func:`hand_over_dgram_path` (its stream socket's name ending ``.dg``)
 without waiting. Each message in a datagram, one after the other::

@@ -41,20 +41,21 @@ def exported_example(name: str, directory: Path) -> Path:
     return directory / f"{name}.yaml"
 
 
-# The runtime directories of the servers whose hand-overs go as datagrams, by URL.
-DATAGRAMS: dict[str, Path] = {}
+# The runtime directories of the servers that hand over directly, by URL, and whether as datagrams.
+HAND_OVERS: dict[str, tuple[Path, bool]] = {}
 
 
-# hand_over_dgram: the hand-over plan with hand-overs as datagrams (BLOCKFLOW_TMQ_HANDOVER_DGRAM=1).
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "hand_over_dgram", *EXAMPLES])
+# hand_over_zmq: the hand-over plan with hand-overs over ZeroMQ only (BLOCKFLOW_TMQ_HANDOVER_DGRAM=0);
+# hand_over sends them as datagrams, the default.
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "hand_over_zmq", *EXAMPLES])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
-    name = request.param.removesuffix("_dgram")
+    name = request.param.removesuffix("_zmq")
     plan = load_plan(exported_example(name, where) if name in EXAMPLES else PLANS / f"{name}.yaml")
-    datagrams = {"BLOCKFLOW_TMQ_HANDOVER_DGRAM": "1"} if request.param.endswith("_dgram") else None
-    with own_server(plan, where, env=datagrams) as server:
-        if datagrams:
-            DATAGRAMS[server.http_url] = server.runtime_dir
+    zmq_only = {"BLOCKFLOW_TMQ_HANDOVER_DGRAM": "0"} if request.param.endswith("_zmq") else None
+    with own_server(plan, where, env=zmq_only) as server:
+        if name == "hand_over":
+            HAND_OVERS[server.http_url] = (server.runtime_dir, zmq_only is None)
         yield plan, server.http_url
 
 
@@ -146,8 +147,10 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
 
     with ThreadPoolExecutor(8) as pool:  # requests of both tasks batched together in every block
         assert max(pool.map(one, list(want))) <= 1e-4
-    if url in DATAGRAMS:  # each receiver instance listens for datagrams too
-        assert len(list((DATAGRAMS[url] / "tmq").glob("ho*.dg"))) == len(list((DATAGRAMS[url] / "tmq").glob("ho*.sock"))) > 0
+    if url in HAND_OVERS:  # each receiver instance listens for datagrams too, unless turned off
+        tmq, datagrams = HAND_OVERS[url][0] / "tmq", HAND_OVERS[url][1]
+        receivers = len(list(tmq.glob("ho*.sock")))
+        assert receivers > 0 and len(list(tmq.glob("ho*.dg"))) == (receivers if datagrams else 0)
 
     client = http.InferenceServerClient(url.removeprefix("http://"))
 

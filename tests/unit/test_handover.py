@@ -93,9 +93,9 @@ def test_the_generator_wires_direct_hand_overs_on_tensormq_only() -> None:
 def runtime(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A runtime directory; every test of the runtime runs with hand-overs over ZeroMQ and as datagrams."""
     if request.param == "dgram":
-        monkeypatch.setenv(env.TMQ_HANDOVER_DGRAM, "1")
+        monkeypatch.delenv(env.TMQ_HANDOVER_DGRAM, raising=False)  # the default
     else:
-        monkeypatch.delenv(env.TMQ_HANDOVER_DGRAM, raising=False)
+        monkeypatch.setenv(env.TMQ_HANDOVER_DGRAM, "0")
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
     ensure_tensormq(rt)
@@ -350,7 +350,7 @@ def test_datagrams_carry_a_calls_hand_overs_and_a_malformed_tail_is_dropped() ->
 
 
 def test_a_receivers_full_datagram_queue_sends_the_rest_over_zeromq_and_loses_nothing(runtime: Path) -> None:
-    if os.environ.get(env.TMQ_HANDOVER_DGRAM) != "1":
+    if os.environ.get(env.TMQ_HANDOVER_DGRAM) == "0":
         pytest.skip("datagrams only")
     key = read_key(runtime)
     into = HandIn(runtime, "b2", ROLE, key, wait_s=2.0, keep_s=10.0)
