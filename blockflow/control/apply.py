@@ -37,9 +37,10 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
    delete their directories. In-flight requests of a removed task hold their
    own references to its models, so they finish.
 
-If a load in steps 3–4 fails, everything done so far is undone: old files go
-back, changed models are reloaded from them, new models are unloaded and
-deleted (:mod:`blockflow.control.undo`). The server then serves the old plan for every task, and
+If a load in steps 3–4 fails, everything done so far is undone
+(:mod:`blockflow.control.undo`): new ensembles are unloaded and deleted (they
+may run changed blocks), old files go back, changed models are reloaded from
+them, then new blocks are unloaded and deleted. The server then serves the old plan for every task, and
 :class:`~blockflow.core.errors.ApplyError` says what failed and what was restored.
 Nothing is unloaded before every load succeeded.
 

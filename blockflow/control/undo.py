@@ -32,9 +32,13 @@ class Undo:
     undo_wait_s = 120.0
 
     def _undo(self, done: list[Change], backup: Mapping[str, RenderedModel | None]) -> list[str]:
-        """Put back what a failed apply changed: changed models' old files, reloaded blocks before
-        ensembles; then the new models, unloaded and deleted once their loads have ended (:meth:`_retire_new`)."""
-        notes = []
+        """Put back what a failed apply changed: the new ensembles first, unloaded and deleted once their
+        loads have ended (:meth:`_retire_new`), as they may run the changed blocks; then changed models'
+        old files, reloaded blocks before ensembles; then the new blocks, retired alike."""
+        new = [c for c in done if c.action == "add"]
+        # A new task's ensemble that is READY would otherwise pass its requests to a changed block already
+        # back to its old interface, and fail them, for as long as the reloads take.
+        notes = self._retire_new([c for c in new if c.ensemble], backup)
         for c in done:
             if c.action != "add":
                 before = backup.get(c.model)
@@ -45,7 +49,7 @@ class Undo:
                 notes.append(f"reloaded the previous {c.model}")
             except ApplyError as exc:
                 notes.append(f"could not reload the previous {c.model}: {exc}")
-        return notes + self._retire_new([c for c in done if c.action == "add"], backup)
+        return notes + self._retire_new([c for c in new if not c.ensemble], backup)
 
     def _retire_new(self, new: list[Change], backup: Mapping[str, RenderedModel | None]) -> list[str]:
         """Unload the ``new`` models of a failed apply, ensembles first, then delete their directories.

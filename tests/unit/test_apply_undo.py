@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tritonclient.grpc.model_config_pb2 import ModelConfig
+
 from blockflow.control.apply import Applier
 from blockflow.control.diff import Change
 from blockflow.ensemble_gen import generator
+from blockflow.ensemble_gen.rendered import RenderedModel
 from blockflow.triton.api import ModelState
 
 
@@ -19,6 +22,7 @@ class _Triton:
         self.repo, self.script = repo, {m: list(s) for m, s in script.items()}
         self.timeout = 0.1
         self.unloaded: list[str] = []
+        self.events: list[str] = []  # loads and unloads, in order
 
     def index(self) -> list[ModelState]:
         out = []
@@ -34,10 +38,16 @@ class _Triton:
         assert self.script[model][0] == "READY", f"{model} unloaded while {self.script[model][0]}"
         assert not any(self.script[e][0] in ("READY", "UNLOADING") for e in self.unloaded), "an ensemble first"
         self.unloaded.append(model)
+        self.events.append(f"unload {model}")
         self.script[model] = ["UNLOADING", "UNAVAILABLE"]
 
+    def load(self, model: str) -> None:
+        self.events.append(f"load {model}")
+        self.script[model] = ["READY"]
 
-def _undo(tmp_path: Path, script: dict[str, list[str]], ensembles: set[str], wait_s: float) -> tuple[list[str], _Triton]:
+
+def _undo(tmp_path: Path, script: dict[str, list[str]], ensembles: set[str], wait_s: float,
+          changed: frozenset[str] = frozenset()) -> tuple[list[str], _Triton]:
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / generator.MARKER).write_text("{}")
@@ -47,8 +57,10 @@ def _undo(tmp_path: Path, script: dict[str, list[str]], ensembles: set[str], wai
     triton = _Triton(repo, script)
     applier.control = triton  # type: ignore[assignment]
     applier.undo_wait_s = wait_s
-    done = [Change(m, m in ensembles, "add") for m in script]
-    return applier._undo(done, dict.fromkeys(script)), triton
+    done = [Change(m, m in ensembles, "change" if m in changed else "add") for m in script]
+    backup = {m: RenderedModel(m, {"config.pbtxt": f'name: "{m}" # before\n'.encode()}, ModelConfig(), None)
+              if m in changed else None for m in script}
+    return applier._undo(done, backup), triton
 
 
 def test_a_new_model_still_loading_is_unloaded_once_ready_then_deleted(tmp_path: Path) -> None:
@@ -64,3 +76,13 @@ def test_a_load_that_does_not_end_in_time_is_left_in_place_and_said(tmp_path: Pa
     assert triton.unloaded == ["done"]
     assert notes[0].startswith("new stuck was still loading") and notes[1:] == ["unloaded new done"]
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == sorted([generator.MARKER, "stuck"])
+
+
+def test_new_ensembles_go_before_a_changed_block_is_reloaded_and_new_blocks_after(tmp_path: Path) -> None:
+    notes, triton = _undo(tmp_path, {"shared": ["READY"], "new_task": ["READY"], "new_head": ["READY"]},
+                          {"new_task"}, wait_s=5, changed=frozenset({"shared"}))
+    # new_task runs shared: while it is loaded, shared keeps the interface it was loaded with.
+    assert triton.events == ["unload new_task", "load shared", "unload new_head"]
+    assert notes == ["unloaded new new_task", "reloaded the previous shared", "unloaded new new_head"]
+    assert (tmp_path / "repo" / "shared" / "config.pbtxt").read_text().endswith("# before\n")
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == sorted([generator.MARKER, "shared"])
