@@ -204,8 +204,8 @@ class Bench:
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "quick": self.cfg.quick,
                 "commit": commit(),
                 # Like with like: the split and its monolithic references in one precision, one input path.
-                "precision": self.plan.task_precision(self.task),
-                "reference_precision": self.plan.task_precision(self.task),
+                "precision": self.plan.precision_label(self.task),
+                "reference_precision": self.plan.precision_label(self.task),
                 "mps": self.cfg.mps, "warm_cores_ms": self.cfg.warm_cores_ms, "input": self.cfg.input, "repeats": self.cfg.repeats,
                 "cuda_graphs": sorted({self.plan.blocks[b].cuda_graphs for b in self.task.path}),
                 "complete": False}

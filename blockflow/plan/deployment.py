@@ -227,6 +227,14 @@ class Plan:
         kinds = {self.blocks[b].precision for b in task.path}
         return kinds.pop() if len(kinds) == 1 else "fp32"
 
+    def precision_label(self, task: Task) -> str:
+        """What ``task``'s blocks run in, for reports: the one precision, or each block's where they differ
+        (``mixed: stem fp16, head fp32``; its monolithic references run each part in its block's precision)."""
+        kinds = {self.blocks[b].precision for b in task.path}
+        if len(kinds) == 1:
+            return kinds.pop()
+        return "mixed: " + ", ".join(f"{b} {self.blocks[b].precision}" for b in task.path)
+
     def reference_variants(self, task: Task) -> list[tuple[bool, bool]]:
         """(CUDA graphs, fp32) of each monolithic reference generated for ``task``: one per
         ``references`` variant, each part in its block's precision, and the eager fp32 one when any

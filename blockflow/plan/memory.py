@@ -149,15 +149,21 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
     plus a smaller share for each other member.
     """
     m = plan.models[deploy.model]
-    params = 0
+
+    def profile(first: int, last: int) -> tuple[int, int]:
+        if m.stage_files is not None:
+            return _file_stage_profile(tuple(m.stage_files), tuple(m.input_shape), first, last)
+        return _stage_profile(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes, first, last)
+
+    weight_bytes = 0
     largests: list[int] = []
     for blocks in chains:
-        if m.stage_files is not None:
-            p, a = _file_stage_profile(tuple(m.stage_files), tuple(m.input_shape), blocks[0].first, blocks[-1].last)
-        else:
-            p, a = _stage_profile(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
-                                  blocks[0].first, blocks[-1].last)
-        params, largests = params + p, largests + [a]
+        p, a = profile(blocks[0].first, blocks[-1].last)
+        largests.append(a)
+        if len({b.precision for b in blocks}) == 1:
+            weight_bytes += p * BYTES[blocks[0].precision]
+        else:  # a whole path of blocks in different precisions (one model per task): each part in its own
+            weight_bytes += sum(profile(b.first, b.last)[0] * BYTES[b.precision] for b in blocks)
     width = BYTES[deploy.precision]
     # A detector's last block runs eagerly whatever the plan says (blockflow.backend.runtime).
     graphed = deploy.cuda_graphs and not any(plan.block_outputs(blocks[-1]) for blocks in chains)
@@ -166,7 +172,7 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
         graphs, overhead = deploy.max_batch_size * per_sample * width / 2**20, cal.process_mib
     else:
         graphs, overhead = 0.0, cal.eager_process_mib
-    return Process(name, gpu, params * width / 2**20, graphs, pool_mib, overhead, graphed)
+    return Process(name, gpu, weight_bytes / 2**20, graphs, pool_mib, overhead, graphed)
 
 
 def modular(plan: Plan, gpus: int, cal: Calibration) -> list[Process]:

@@ -269,6 +269,18 @@ def test_memory_model_counts_one_process_per_pack() -> None:
     assert row["packed_mib"] < min(row["traditional_mib"], row["fused_mib"])
 
 
+def test_one_model_per_task_weighs_each_part_in_its_blocks_precision() -> None:
+    from blockflow.plan import load_plan, memory
+
+    plan = load_plan(ROOT / "tests" / "plans" / "bf16_hops.yaml")  # a bf16 trunk, an fp32 head_a
+    cal = memory.Calibration()
+    split = {p.model: p.weights_mib for p in memory.modular(plan, 1, cal)}
+    whole = {p.model: p.weights_mib for p in memory.traditional(plan, 1, cal)}
+    assert whole["task_a"] == pytest.approx(split["trunk"] + split["head_a"])
+    assert whole["task_b"] == pytest.approx(split["trunk"] + split["head_b"])
+    assert split["head_a"] == pytest.approx(2 * split["head_b"])  # same stages, fp32 against bf16
+
+
 def test_a_pack_pays_one_full_graph_pool_and_a_share_for_each_further_head() -> None:
     import yaml
 

@@ -23,6 +23,9 @@ def test_a_mixed_path_has_a_reference_in_each_blocks_precision_and_an_fp32_one()
     fp32, _ = generator.reference_spec(plan, task, graph=False, fp32=True)
     assert fp32.precision == "fp32" and all(p.precision is None for p in fp32.parts)
     assert plan.reference_models(task) == ["task_a__ref", "task_a__ref_fp32"]
+    # Reports name each block's precision, not the fp32 that task_precision falls back to.
+    assert plan.task_precision(task) == "fp32"
+    assert plan.precision_label(task) == "mixed: trunk bf16, head_a fp32"
 
 
 def test_the_mixed_reference_equals_its_blocks_run_one_after_the_other() -> None:
