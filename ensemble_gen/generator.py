@@ -23,9 +23,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from blockflow.core import also_accepts
 from blockflow.core.errors import GenerateError
 from blockflow.core.spec import (
-    ACTIVATION_IN,
     LOGITS,
-    BridgeSpec,
     Head,
     ModelSpec,
     Part,
@@ -33,7 +31,6 @@ from blockflow.core.spec import (
     Precision,
     TaskOutput,
     TransportName,
-    activation_names,
     head_output,
     hop_dtype,
 )
@@ -67,8 +64,7 @@ from blockflow.backend.model import TritonPythonModel  # noqa: E402
 __all__ = ["TritonPythonModel"]
 '''
 # A crossing model's model.py: the same, with the crossing's runtime (blockflow.plan.crossing).
-BRIDGE_PY = MODEL_PY.replace("from blockflow.backend.model import", "from blockflow.backend.bridge import").replace(
-    "this model's spec is the `blockflow.spec` parameter", "this crossing's is the `blockflow.bridge` parameter")
+BRIDGE_PY = crossing_models.model_py(MODEL_PY)
 
 
 
@@ -196,23 +192,6 @@ def _emit(files: dict[str, bytes], cfg: mc.ModelConfig, extra: Mapping[str, byte
         files[f"{cfg.name}/{rel}"] = data
 
 
-def _crossing(plan: Plan, name: str, steps: Sequence[Step], server: str, model: str,
-              outputs: Sequence[TaskOutput], onward: Sequence[str]) -> mc.ModelConfig:
-    """The crossing model that sends a run's last hop on to ensemble ``model`` of ``server``, whose
-    path goes on through blocks ``onward``."""
-    last = steps[-1].spec
-    target = plan.raw.servers[server]
-    inputs = tuple((n, last.out_dtype) for n in activation_names(ACTIVATION_IN, len(last.out_shapes)))
-    # Requests batched into one call stay within every onward block's batch; answers whose size varies
-    # per request (a detector's) are not batched: each request's own answer is trimmed to its own count.
-    ragged = any(-1 in o.shape for o in outputs)
-    bridge = BridgeSpec(grpc=target.grpc, model=model, timeout_s=target.timeout_s, inputs=inputs,
-                        outputs=tuple(o.name for o in outputs),
-                        max_batch_size=0 if ragged else min(plan.blocks[b].max_batch_size for b in onward))
-    return crossing_models.crossing_config(name, bridge, last.out_shapes, last.out_dtype, outputs,
-                                           min(s.spec.max_batch_size for s in steps))
-
-
 def render(plan: Plan) -> dict[str, bytes]:
     """Every file of the repository for ``plan``, keyed by relative POSIX path."""
     files: dict[str, bytes] = {}
@@ -268,9 +247,9 @@ def render(plan: Plan) -> dict[str, bytes]:
             outputs = plan.block_outputs(last) or (TaskOutput(name=LOGITS, dtype="fp32", shape=plan.block_out_shape(last)),)
             cross = naming.crossing_model(tname, index + 1)
             crossing_models.add_crossing_step(cfg, cross, outputs)
-            _emit(files, _crossing(plan, cross, steps, onward, naming.run_ensemble(tname, index + 1), outputs,
-                                   [b for _, run in crossing.runs(plan, task)[index + 1:] for b in run]),
-                  {"1/model.py": BRIDGE_PY.encode()}, [])
+            onward_blocks = [b for _, run in crossing.runs(plan, task)[index + 1:] for b in run]
+            bridge = crossing_models.bridge_config(plan, cross, steps, onward, naming.run_ensemble(tname, index + 1), outputs, onward_blocks)
+            _emit(files, bridge, {"1/model.py": BRIDGE_PY.encode()}, [])
         _emit(files, cfg, {"1/.keep": b""}, [])  # Triton needs a version directory, even for ensembles
     for mname, (spec, deploy) in blocks.items():
         if spec.transport == "tensormq" and mname in feeders:  # a TensorMQ consumer accepts its feeders' tickets only
