@@ -3,7 +3,7 @@ pre-cut stage files; and what a GPU runs instead (BatchNorms folded into their c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 
 from blockflow.backend.stage_cache import StageCache
-from blockflow.core import arch, programs, stage_files
+from blockflow.core import arch, detection, programs, stage_files
 from blockflow.core.errors import BlockError
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
@@ -133,6 +133,60 @@ def _trained_state_dict(network: str, name: str) -> dict[str, torch.Tensor]:
 
 def _state_dict_of(network: str) -> str:
     return f"the state_dict of program {network}" if programs.is_program(network) else f"torchvision's {network}"
+
+
+TENSOR = object()  # where an :class:`EagerTail` takes a tensor of the prefix
+
+
+class EagerTail:
+    """The eager node a detector's graph ends in (``blockflow.core.detection``: region proposals, heads,
+    NMS), run on the tensors the rest of the graph gives it."""
+
+    def __init__(self, target: Callable[..., Any], args: Sequence[Any]) -> None:
+        self.target = target
+        self.args = list(args)  # constants, and TENSOR where a tensor of the prefix goes, in order
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        given = iter(tensors)
+        out: tuple[torch.Tensor, ...] = self.target(*(next(given) if a is TENSOR else a for a in self.args))
+        return out
+
+
+def split_eager_tail(part: nn.Module) -> tuple[fx.GraphModule, EagerTail] | None:
+    """``part`` (a detector's last stages) as the traced prefix a CUDA graph can hold, giving the tensors
+    the eager node takes, and that node (:class:`EagerTail`); None where the graph does not end in one.
+
+    The modules the node takes (heads, anchors, transform) stay submodules of the prefix, so moving or
+    casting the prefix moves and casts them too."""
+    if not isinstance(part, fx.GraphModule):
+        return None
+    nodes = list(part.graph.nodes)
+    output = nodes[-1]
+    eager = output.args[0] if output.op == "output" else None
+    if not (isinstance(eager, fx.Node) and eager.op == "call_function"
+            and eager.target in (detection.detect_rcnn, detection.detect_dense)) or eager.kwargs:
+        return None
+    modules = [a for a in eager.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    tensors = [a for a in eager.args if isinstance(a, fx.Node) and a.op != "get_attr"]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node is not eager and node is not output:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[a] for a in tensors))
+    prefix = fx.GraphModule(part, graph, f"{type(part).__name__}_prefix").eval()
+
+    def attribute(node: fx.Node) -> Any:
+        value: Any = prefix
+        for name in str(node.target).split("."):
+            value = getattr(value, name)
+        return value
+
+    constants = {a: attribute(a) for a in modules}
+    prefix.graph.eliminate_dead_code()  # the get_attr nodes only the eager node read (their modules stay)
+    prefix.recompile()
+    args = [constants.get(a, TENSOR) if isinstance(a, fx.Node) else a for a in eager.args]
+    return prefix, EagerTail(eager.target, args)
 
 
 def fold_batchnorm(part: nn.Module) -> nn.Module:

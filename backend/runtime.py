@@ -18,7 +18,7 @@ import torch
 
 from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
-from blockflow.backend.parts import Chain, build_part, fold_batchnorm
+from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, split_eager_tail
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
 from blockflow.core.errors import RequestError
@@ -106,6 +106,14 @@ class BlockRunner:
         parts = [build_part(spec, p, cache) for p in spec.parts]
         if self.is_cuda:
             parts = [fold_batchnorm(p) for p in parts]
+        graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"
+        # A detector's last stages: what its graph traced (the backbone's rest, the FPN) replays as CUDA
+        # graphs; its eager node (proposals, heads, NMS: sizes a graph cannot hold) runs after each replay.
+        self.tail: EagerTail | None = None
+        if graphs and spec.outputs:
+            split = split_eager_tail(parts[-1])
+            if split is not None:
+                parts[-1], self.tail = split
         mixed = any(p.precision not in (None, spec.precision) for p in spec.parts)
         module = Chain(parts, [DTYPES[p.precision or spec.precision] for p in spec.parts] if mixed else None).eval()
         self.in_shapes = fed_shapes(spec)  # an encoded image: as decoded (blockflow.backend.image_decode)
@@ -120,9 +128,8 @@ class BlockRunner:
         if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
             self.module = self.module.to(memory_format=torch.channels_last)
         self.buckets = batch_buckets(spec.max_batch_size)
-        # A detector's last part runs eagerly: its proposals and NMS give sizes a graph cannot hold.
-        self.use_graphs = (self.is_cuda and spec.cuda_graphs and not spec.outputs
-                           and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1")
+        # Other networks of several outputs (an exported program's) run eagerly.
+        self.use_graphs = graphs and (not spec.outputs or self.tail is not None)
         self._graphs: dict[int, _Graph] = {}
         # Hops of one input and one output already checked, by the ids of their tensors (held, so
         # an id cannot be reused while its entry lives).
@@ -156,6 +163,8 @@ class BlockRunner:
             pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             for b in sizes:  # largest first, so smaller graphs reuse its pool
                 self._graphs[b] = self._capture(b, pool)
+                if self.tail is not None:  # its first calls' costs too
+                    self.tail(*self._graphs[b].static_outs)
         else:
             for b in sizes:
                 self._eager(self._zeros(b))
@@ -172,9 +181,12 @@ class BlockRunner:
         row-major. Conversions inside the graph leave a request's copies in and out as plain
         same-layout memcpys (``Tensor.copy_`` across layouts cost ~25 us of host time each)."""
         if self.image is not None:
-            return [y.to(self.out_dtype).contiguous() for y in self.module(self.image(static_ins[0]))]
-        ins = [s.to(self.dtype).contiguous(memory_format=f) for s, f in zip(static_ins, self.formats, strict=True)]
-        return [y.to(self.out_dtype).contiguous() for y in self.module(*ins)]
+            ys: list[torch.Tensor] = self.module(self.image(static_ins[0]))
+        else:
+            ys = self.module(*(s.to(self.dtype).contiguous(memory_format=f) for s, f in zip(static_ins, self.formats, strict=True)))
+        if self.tail is not None:  # the eager node's inputs, as it takes them
+            return ys
+        return [y.to(self.out_dtype).contiguous() for y in ys]
 
     def _capture(self, batch: int, pool: Any) -> _Graph:
         static_ins = [torch.zeros((batch, *s), device=self.device, dtype=self.in_dtype) for s in self.in_shapes]
@@ -222,14 +234,12 @@ class BlockRunner:
     def _eager(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.image is not None:
             ins = [self.image(xs[0].to(device=self.device, non_blocking=True))]
-            self._inputs_copied()
-            image_out: list[torch.Tensor] = self.module(*ins)
-            return image_out
-        ins = [x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=f)
-               for x, f in zip(xs, self.formats, strict=True)]
+        else:
+            ins = [x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=f)
+                   for x, f in zip(xs, self.formats, strict=True)]
         self._inputs_copied()
         out: list[torch.Tensor] = self.module(*ins)
-        return out
+        return out if self.tail is None else list(self.tail(*out))
 
     def _inputs_copied(self, dma: bool = False) -> None:
         """Mark the end of a call's copies out of page-locked host inputs (torch's own copies from
@@ -314,6 +324,8 @@ class BlockRunner:
                 if lap is not None:
                     lap("run:replay")
                 results = g.static_outs if full else [y[:batch] for y in g.static_outs]
+                if self.tail is not None:
+                    results = list(self.tail(*results))
                 if outs is not None:
                     for out, result in zip(outs, results, strict=True):
                         self._copy(out, result)

@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from blockflow.core import detection
 from blockflow.core.arch import meta_network, slice_stages
 from blockflow.core.errors import CalibrationError
 from blockflow.plan import naming
@@ -165,8 +166,9 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
         else:  # a whole path of blocks in different precisions (one model per task): each part in its own
             weight_bytes += sum(profile(b.first, b.last)[0] * BYTES[b.precision] for b in blocks)
     width = BYTES[deploy.precision]
-    # A detector's last block runs eagerly whatever the plan says (blockflow.backend.runtime).
-    graphed = deploy.cuda_graphs and not any(plan.block_outputs(blocks[-1]) for blocks in chains)
+    # A network of several outputs runs eagerly, but for a detector's traced stages (blockflow.backend.runtime).
+    graphed = deploy.cuda_graphs and (detection.is_detection(m.network)
+                                      or not any(plan.block_outputs(blocks[-1]) for blocks in chains))
     if graphed:
         per_sample = cal.activation_factor * max(largests) + cal.pack_head_factor * (sum(largests) - max(largests))
         graphs, overhead = deploy.max_batch_size * per_sample * width / 2**20, cal.process_mib

@@ -68,6 +68,33 @@ def test_split_stages_compose_to_the_whole_detector() -> None:
     assert all(torch.equal(a, b) for a, b in zip(y, whole, strict=True))
 
 
+@pytest.mark.parametrize("name", ["retinanet_resnet50_fpn_v2", "maskrcnn_resnet50_fpn_v2"])
+def test_a_detectors_last_stages_split_into_a_graphable_prefix_and_its_eager_node(name: str) -> None:
+    """On a GPU the runner replays the prefix as CUDA graphs and runs the eager node after it."""
+    from blockflow.backend.parts import split_eager_tail
+
+    net = arch.build_network(name, 5, 3, (3, 96, 96))
+    cut = ["backbone.body.layer2"]
+    x = torch.rand(2, 3, 96, 96, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        first = arch.slice_stages(net, name, cut, 0, 0)
+        last = arch.slice_stages(net, name, cut, 1, 1)
+        y = first(x)
+        y = tuple(y) if isinstance(y, (tuple, list)) else (y,)
+        whole = last(*y)
+        split = split_eager_tail(last)
+        assert split is not None
+        prefix, tail = split
+        assert not any(n.target in (detection.detect_rcnn, detection.detect_dense) for n in prefix.graph.nodes)
+        features = prefix(*y)
+        assert len(features) == 5  # the pyramid's levels (and its pooled one)
+        got = tail(*features)
+    assert len(got) == len(whole) and all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
+    assert int(got[0].sum()) > 0, "seeded weights must detect something"
+    classifier = arch.slice_stages(arch.build_network("resnet18", 5, 0, (3, 32, 32)), "resnet18", ["layer2"], 1, 1)
+    assert split_eager_tail(classifier) is None
+
+
 def test_keypoint_rcnn_is_refused_with_what_is_served() -> None:
     raw = {"version": 1, "name": "kp", "models": {"m": {"arch": "keypointrcnn_resnet50_fpn", "input_shape": [3, 64, 64]}},
            "blocks": {"b": {"model": "m", "stages": 0}}, "tasks": {"t": {"path": ["b"]}}}
@@ -120,12 +147,12 @@ def test_a_detectors_heads_in_fp16_or_bf16_are_refused_its_backbone_is_not() -> 
             parse_plan(raw)
 
 
-def test_the_memory_model_gives_a_detectors_last_block_no_graph_pool() -> None:
-    """It runs eagerly whatever the plan says (the runner declines graphs for it), so it has none."""
+def test_the_memory_model_gives_a_detectors_last_block_a_graph_pool_for_its_traced_prefix() -> None:
+    """Its traced stages replay as CUDA graphs (the runner runs only the eager node eagerly)."""
     from blockflow.plan import load_plan, memory
 
     plan = load_plan(Path(__file__).resolve().parents[2] / "plans" / "bench_vision.yaml")
     cal = memory.Calibration.load(memory.shipped_calibration("h200"))
     procs = {p.model: p for p in memory.modular(plan, 1, cal)}
-    assert procs["detect_rest"].activations_mib == 0 and procs["detect_rest"].overhead_mib == cal.eager_process_mib
+    assert procs["detect_rest"].activations_mib > 0 and procs["detect_rest"].overhead_mib == cal.process_mib
     assert procs["backbone"].activations_mib > 0 and procs["segment_rest"].activations_mib > 0
