@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 
 if TYPE_CHECKING:
+    import torch
+
     from blockflow.plan import Plan
     from blockflow.triton.server import TritonServer
 
@@ -71,6 +73,13 @@ def in_child(fn: Callable[..., T], *args: Any) -> T:
     weights) leaves with it, where the pytest process would keep it beside the shared server's stubs."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
+
+
+def tensor_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``blockflow.bench.agreement.relative_error`` of two tensors, taken on the CPU in NumPy."""
+    from blockflow.bench.agreement import relative_error
+
+    return relative_error(got.detach().cpu().numpy(), want.detach().cpu().numpy())
 
 
 def wait_serve_ready(proc: subprocess.Popen[bytes], log: Path, control: str, http: str, token: str) -> None:

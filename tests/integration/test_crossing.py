@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from blockflow.backend.runtime import BlockRunner
+from blockflow.bench.agreement import relative_error
 from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
 from blockflow.ensemble_gen import generator
@@ -64,10 +65,6 @@ def _images(batch: int) -> np.ndarray:
     return np.random.default_rng(batch).standard_normal((batch, 3, 32, 32), dtype=np.float32)
 
 
-def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 def test_a_crossing_task_equals_its_unsplit_model(servers: Servers) -> None:
     reference = BlockRunner(generator.reference_spec(servers.plan, servers.plan.tasks["x_cross"], graph=False)[0],
                             torch.device("cpu"))
@@ -76,7 +73,7 @@ def test_a_crossing_task_equals_its_unsplit_model(servers: Servers) -> None:
             x = _images(batch)
             got = edge.infer("x_cross", x)
             want = reference.run(torch.from_numpy(x)).numpy()
-            assert got.shape == want.shape == (batch, 10) and _rel_err(got, want) <= TOL, batch
+            assert got.shape == want.shape == (batch, 10) and relative_error(got, want) <= TOL, batch
         assert edge.infer("x_local", _images(2)).shape == (2, 10)
         assert cloud.infer("x_far", _images(2)).shape == (2, 10)
         ready = {m["name"] for m in edge.models()}
@@ -100,7 +97,7 @@ def test_concurrent_requests_crossing_together_each_get_their_own_rows(servers: 
         answers = list(pool.map(ask, sent))
     for x, got in zip(sent, answers, strict=True):
         want = reference.run(torch.from_numpy(x)).numpy()
-        assert got.shape == want.shape and _rel_err(got, want) <= TOL
+        assert got.shape == want.shape and relative_error(got, want) <= TOL
 
 
 def test_a_stopped_next_server_fails_only_the_crossing_task_quickly_and_it_heals(servers: Servers) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from blockflow.bench.agreement import relative_error
 from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
 from blockflow.plan import Plan, load_plan, naming
@@ -62,10 +63,6 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield plan, server.http_url, references
 
 
-def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-12)) if b.size else 0.0
-
-
 def _check(got: dict[str, np.ndarray], want: list[np.ndarray], names: list[str], where: Any) -> None:
     assert list(got) == names, where
     for name, g, w in zip(names, got.values(), want, strict=True):
@@ -73,7 +70,7 @@ def _check(got: dict[str, np.ndarray], want: list[np.ndarray], names: list[str],
         if np.issubdtype(w.dtype, np.integer):
             assert np.array_equal(g, w), (where, name)
         else:
-            assert _rel_err(g, w) <= TOL, (where, name)
+            assert relative_error(g, w) <= TOL, (where, name)
 
 
 def test_every_task_equals_its_reference_on_every_transport(served: tuple[Plan, str, dict[tuple[str, int], list[np.ndarray]]]) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from blockflow.backend.runtime import BlockRunner
+from blockflow.bench.agreement import relative_error
 from blockflow.clients.client import TaskClient
 from blockflow.ensemble_gen import generator
 from blockflow.plan import Plan, load_plan
@@ -36,10 +37,6 @@ TOL = _tolerance()
 
 def _images(batch: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((batch, 3, 64, 64), dtype=np.float32)
-
-
-def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 class Served:
@@ -79,7 +76,7 @@ def test_each_task_answers_as_its_reference(served: Served, reference: dict[str,
             x = _images(batch, seed=batch)
             got, want = c.infer(task, x), _want(reference, task, x)
             assert got.shape == want.shape == (batch, 10)
-            assert _rel_err(got, want) <= TOL, (task, batch)
+            assert relative_error(got, want) <= TOL, (task, batch)
 
 
 def test_concurrent_requests_to_two_members_get_their_own_answers(served: Served, reference: dict[str, BlockRunner]) -> None:
@@ -104,9 +101,9 @@ def test_concurrent_requests_to_two_members_get_their_own_answers(served: Served
     with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(call, jobs))
     for (task, _), got, want in zip(jobs, results, expected, strict=True):
-        assert _rel_err(got, want) <= TOL, task
+        assert relative_error(got, want) <= TOL, task
     # The other member's reference would give other logits: each answer is its own task's.
-    assert _rel_err(results[0], _want(reference, tasks[1], jobs[0][1])) > 1e-2
+    assert relative_error(results[0], _want(reference, tasks[1], jobs[0][1])) > 1e-2
     deadline = time.monotonic() + 30  # Triton counts a request once it releases it
     while (after := counts())[0] - before[0] < len(jobs) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -125,4 +122,4 @@ def test_a_direct_request_without_outputs_gets_every_members_answer(served: Serv
     assert sorted(o["name"] for o in res.get_response()["outputs"]) == ["LOGITS__w_one", "LOGITS__w_two"]
     for task in ("w_one", "w_two"):
         got = res.as_numpy(f"LOGITS__{task}")
-        assert got is not None and _rel_err(got, _want(reference, task, x)) <= TOL
+        assert got is not None and relative_error(got, _want(reference, task, x)) <= TOL

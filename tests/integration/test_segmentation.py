@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from blockflow.backend.runtime import BlockRunner
+from blockflow.bench.agreement import relative_error
 from blockflow.clients.client import TaskClient
 from blockflow.core import arch
 from blockflow.core.spec import ModelSpec
@@ -45,10 +46,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str
     plan = load_plan(PLAN)
     with own_server(plan, tmp_path_factory.mktemp("segment_shared")) as server:
         yield plan, server.http_url
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def _here(task: str, x: np.ndarray) -> np.ndarray:
@@ -93,8 +90,8 @@ def test_each_task_equals_its_reference_and_the_network(served: tuple[Plan, str]
             got = c.infer(task, _images(batch))
             ref, here = references[task, batch]
             assert got.shape == ref.shape == (batch, *EXPECTED[task][0])
-            assert rel_err(got, ref) <= TOL, (task, batch)
-            assert rel_err(got, here) <= TOL, (task, batch)
+            assert relative_error(got, ref) <= TOL, (task, batch)
+            assert relative_error(got, here) <= TOL, (task, batch)
 
 
 def test_the_shared_block_is_one_model_serving_both_tasks(served: tuple[Plan, str]) -> None:

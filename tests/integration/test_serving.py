@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from blockflow.bench.agreement import relative_error
 from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
 from blockflow.plan import Plan, naming
@@ -35,10 +36,6 @@ TOL = _tolerance()
 
 def images(batch: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((batch, *shape), dtype=np.float32)
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def input_shape(plan: Plan, task: str) -> tuple[int, ...]:
@@ -103,7 +100,7 @@ def test_ensemble_equals_monolithic_reference(served: Served, plan_name: str, en
             x = task_images(plan, task, batch, seed=batch)
             got, want = c.infer(ensemble, x), c.infer(reference, x)
             assert got.shape == want.shape == (batch, plan.models[plan.blocks[plan.tasks[task].path[-1]].model].num_classes)
-            assert rel_err(got, want) <= TOL, (ensemble, batch)
+            assert relative_error(got, want) <= TOL, (ensemble, batch)
 
 
 def _concurrent_jobs_match_references(served: Served, jobs: list[tuple[str, np.ndarray]]) -> None:
@@ -118,7 +115,7 @@ def _concurrent_jobs_match_references(served: Served, jobs: list[tuple[str, np.n
     with ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(call, jobs))
     for (task, _), got, want in zip(jobs, results, expected, strict=True):
-        assert rel_err(got, want) <= TOL, task
+        assert relative_error(got, want) <= TOL, task
 
 
 def test_concurrent_requests_on_shared_blocks_get_their_own_results(served: Served) -> None:
@@ -173,8 +170,8 @@ def test_a_head_pack_runs_the_heads_a_direct_request_names(served: Served) -> No
     with TaskClient(served.http) as tc:
         for task in ("p_three", "p_four"):
             want = tc.infer(naming.reference_model(task, False), x)
-            assert rel_err(both.as_numpy(f"LOGITS__{task}"), want) <= TOL
-        assert rel_err(one.as_numpy("LOGITS__p_four"), tc.infer("p_four", x)) <= TOL
+            assert relative_error(both.as_numpy(f"LOGITS__{task}"), want) <= TOL
+        assert relative_error(one.as_numpy("LOGITS__p_four"), tc.infer("p_four", x)) <= TOL
 
 
 def test_bad_request_fails_alone(served: Served) -> None:
@@ -324,7 +321,7 @@ def test_a_crashed_block_fails_alone_and_is_reloaded(served: Served) -> None:
         assert server.heal(expected) == ["r34_head"]
         assert server.heal(expected) == []  # healthy again: nothing to do
         got, want = c.infer("t34", x), c.infer("t34__ref", x)
-    assert rel_err(got, want) <= TOL
+    assert relative_error(got, want) <= TOL
     assert server.process is not None and server.process.poll() is None
 
 

@@ -7,6 +7,8 @@ import torch
 
 from blockflow.core import arch
 
+from ..conftest import tensor_error
+
 # One network of each family the product promises, at the smallest input it takes (CPU time in CI).
 FAMILIES = [
     ("mobilenet_v3_small", (3, 32, 32)),
@@ -18,10 +20,6 @@ FAMILIES = [
     ("regnet_y_400mf", (3, 32, 32)),
     ("resnext50_32x4d", (3, 32, 32)),
 ]
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def _chain(stages: list[torch.nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -53,7 +51,7 @@ def test_stages_chained_are_the_whole_network(name: str, shape: tuple[int, ...])
                     ys = _chain(stages[:i + 1], x)
                     assert tuple(tuple(y.shape[1:]) for y in ys) == shapes[i], (cuts, i, [y.shape for y in ys], shapes[i])
             assert float(whole.abs().max()) > 1e-3, "an output that does not depend on the input would test nothing"
-            assert _rel_err(ys[0], whole) <= 1e-5, (name, cuts, batch)
+            assert tensor_error(ys[0], whole) <= 1e-5, (name, cuts, batch)
     # Two stages at once are the same as the two one after the other.
     cuts = [names[len(names) // 3], names[2 * len(names) // 3]]
     stages = [arch.slice_stages(net, name, cuts, i, i) for i in range(3)]
@@ -105,4 +103,4 @@ def test_a_stage_never_changes_its_inputs_in_place() -> None:
             kept = [m.clone() for m in mids]
             y = second(*mids)
             assert all(torch.equal(m, k) for m, k in zip(mids, kept, strict=True)), cut
-            assert _rel_err(y, whole) <= 1e-6, cut
+            assert tensor_error(y, whole) <= 1e-6, cut

@@ -16,12 +16,10 @@ from blockflow.core.trained_weights import trained_weights
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan, parse_plan
 
+from ..conftest import tensor_error
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @pytest.mark.parametrize(("name", "cuts", "shape"), [
@@ -37,7 +35,7 @@ def test_stages_compose_to_the_torchvision_model(name: str, cuts: list[str], sha
         y = x
         for i in range(len(cuts) + 1):
             y = arch.slice_stages(net, name, cuts, i, i)(y)
-    assert rel_err(y, full) <= 1e-6
+    assert tensor_error(y, full) <= 1e-6
     assert arch.stage_output_shapes(name, cuts, shape, 1000)[-1] == ((1000,),)
 
 
@@ -63,7 +61,7 @@ def test_task_path_equals_reference_at_several_batches() -> None:
         for r in runners:
             y = r.run(y)
         assert y.shape == (batch, 10)
-        assert rel_err(y, ref.run(x)) <= 1e-5
+        assert tensor_error(y, ref.run(x)) <= 1e-5
 
 
 def test_bad_input_is_a_request_error() -> None:
@@ -103,7 +101,7 @@ def test_weights_file_for_whole_model_or_just_the_block(tmp_path: Path) -> None:
     safe = tmp_path / "whole.safetensors"
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, safe)
     for f in (whole, block_only, safe):
-        assert rel_err(BlockRunner(_spec_with_file(f), CPU).run(x), expected) <= 1e-6
+        assert tensor_error(BlockRunner(_spec_with_file(f), CPU).run(x), expected) <= 1e-6
 
 
 def test_bad_weights_files_fail_clearly(tmp_path: Path) -> None:
@@ -142,7 +140,7 @@ def test_plan_with_weights_file_round_trip(tmp_path: Path) -> None:
     for b in ("a", "b"):
         y = BlockRunner(block_spec(plan, plan.blocks[b], "triton-gpu"), CPU).run(y)
     with torch.inference_mode():
-        assert rel_err(y, net(x)) <= 1e-5
+        assert tensor_error(y, net(x)) <= 1e-5
 
 
 TRAINED_PLAN = """
@@ -176,7 +174,7 @@ def test_torchvisions_trained_weights_come_from_torch_hubs_cache_offline(tmp_pat
         got = x
         for name in ("a", "b"):
             got = BlockRunner(block_spec(plan, plan.blocks[name], "triton-gpu"), CPU).run(got)
-    assert rel_err(got, expected) <= 1e-5
+    assert tensor_error(got, expected) <= 1e-5
 
 
 def test_trained_weights_that_cannot_be_had_fail_with_the_file_and_where_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,13 +15,11 @@ from blockflow.core.errors import PlanError
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan, parse_plan
 
+from ..conftest import tensor_error
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 SHAPE = (3, 64, 64)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_segmentation_models_are_plan_architectures() -> None:
@@ -47,7 +45,7 @@ def test_stages_compose_to_the_segmentation_network(name: str, cut: str) -> None
         got = arch.slice_stages(net, name, [cut], 1, 1)(*(mid if isinstance(mid, tuple) else (mid,)))
         whole = arch.slice_stages(net, name, [], 0, 0)(x)
     assert got.shape == (2, 3, 64, 64)
-    assert rel_err(got, full) <= 1e-5 and rel_err(whole, full) <= 1e-5
+    assert tensor_error(got, full) <= 1e-5 and tensor_error(whole, full) <= 1e-5
     assert [list(s) for s in arch.stage_output_shapes(name, [cut], SHAPE, 3)[-1]] == [[3, 64, 64]]
 
 
@@ -120,7 +118,7 @@ def test_the_reference_of_a_path_across_models_equals_its_blocks() -> None:
             want = arch.slice_stages(seg, "deeplabv3_resnet50", ["backbone.layer2"], 1, 1)(
                 arch.slice_stages(r50, "resnet50", ["layer2"], 0, 0)(x))
         assert y.shape == (batch, 5, 64, 64)
-        assert rel_err(y, ref.run(x)) <= 1e-5 and rel_err(y, want) <= 1e-5
+        assert tensor_error(y, ref.run(x)) <= 1e-5 and tensor_error(y, want) <= 1e-5
 
 
 def test_the_early_stages_of_resnet50_and_its_segmenters_compute_the_same() -> None:
