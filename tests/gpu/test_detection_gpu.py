@@ -1,8 +1,9 @@
 """Detectors on the GPU: a classifier and a RetinaNet sharing ResNet-50's stem..layer2 in fp16 blocks
-(CUDA graphs) on TensorMQ, the RetinaNet's heads and NMS in an fp32 block (eager), 320x320. The
+(CUDA graphs) on TensorMQ, the RetinaNet's rest in an fp32 block (its heads and NMS eager), 320x320. The
 classifier equals its fp32 unsplit reference within fp16's bound; the detector's best boxes are
 the reference's (``blockflow.bench.agreement.detections_agree``: the same label, IoU >= 0.9,
-score within 0.02), and its count within a few of it (fp16 moves scores near the threshold)."""
+score within 0.02), and its count within a few of it (fp16 moves scores near the threshold). The
+detector's block replays its traced stages as CUDA graphs and finds what it finds running eagerly."""
 
 from __future__ import annotations
 
@@ -65,10 +66,22 @@ def test_the_classifier_and_the_detector_answer_as_their_fp32_references(server:
     assert detections_agree(found, expected)["best_matched"] == 1.0
 
 
-def test_the_detector_block_runs_eagerly_and_its_backbone_in_a_graph(server: tuple[Plan, str]) -> None:
+def test_the_detector_block_graphs_its_traced_stages_and_runs_its_eager_node_after(server: tuple[Plan, str]) -> None:
     plan, _ = server
+    cuda0 = torch.device("cuda:0")
     spec = generator.block_spec(plan, plan.blocks["dg_detect"], "tensormq")
-    assert spec.cuda_graphs and spec.outputs  # the plan asks for graphs; the runner declines them for the eager part
-    runner = BlockRunner(spec, torch.device("cuda:0"))
-    assert not runner.use_graphs and not torch.backends.cudnn.benchmark
-    assert BlockRunner(generator.block_spec(plan, plan.blocks["dg_backbone"], "tensormq"), torch.device("cuda:0")).use_graphs
+    assert spec.cuda_graphs and spec.outputs
+    graphed = BlockRunner(spec, cuda0)
+    assert graphed.use_graphs and graphed.tail is not None and not torch.backends.cudnn.benchmark
+    eager = BlockRunner(spec.model_copy(update={"cuda_graphs": False}), cuda0)
+    assert not eager.use_graphs and eager.tail is None
+    graphed.warmup()
+    backbone = BlockRunner(generator.block_spec(plan, plan.blocks["dg_backbone"], "tensormq"), cuda0)
+    assert backbone.use_graphs
+    x = torch.rand(3, 3, 320, 320, generator=torch.Generator().manual_seed(9)) - 0.5
+    features = backbone.run_all([x])
+    names = [o.name for o in spec.task_outputs]
+    found = per_image({n: t.cpu().numpy() for n, t in zip(names, graphed.run_all(features), strict=True)})
+    want = per_image({n: t.cpu().numpy() for n, t in zip(names, eager.run_all(features), strict=True)})
+    assert [len(d) for d in found] == [len(w) for w in want] and all(len(w) > 0 for w in want)
+    assert detections_agree(found, want)["best_matched"] == 1.0
