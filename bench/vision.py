@@ -5,8 +5,8 @@ backbone) against its unsplit model, in one server.
 
 The plan serves each task split (its path's blocks, the backbone shared) and, with
 ``references: [graph]``, unsplit: the task's network in one process, each part in its block's
-precision, in a CUDA graph, except a detector's: a process that ends in a detector's heads runs
-eagerly, its backbone too, where the split runs the backbone's block in a graph.
+precision, in CUDA graphs (a detector's heads, proposals and NMS eagerly after them, as in the
+split's last block).
 First every task's answer is checked against its fp32 unsplit model on the same images:
 classifier and segmenter logits by their largest difference relative to the largest logit (and the
 segmenter's per-pixel classes by the share that agree), a detector's detections by its count and
@@ -102,8 +102,8 @@ def report(res: dict[str, Any]) -> str:
     L = [f"# Vision tasks over one backbone: `{meta['plan']}`", "",
          f"{meta['device']}, commit {meta['commit']}; perf_analyzer over HTTP, host-memory float32 images, batch 1, median of "
          f"{meta['repeats']} run(s) of {meta['seconds']:g} s ± half their range. *split*: the task's blocks (the backbone "
-         "shared); *unsplit*: its network in one process, each part in its block's precision, in a CUDA graph unless it ends "
-         "in a detector's heads (such a process runs eagerly, its backbone too).", "",
+         "shared); *unsplit*: its network in one process, each part in its block's precision, in CUDA graphs (a "
+         "detector's heads, proposals and NMS eagerly after them, as in the split's last block).", "",
          f"Each task against its fp32 unsplit model ({meta['check_batch']} images):", "",
          "| task | check |", "|---|---|"]
     for task, e in res["equal"].items():
