@@ -163,7 +163,8 @@ class BlockRunner:
             pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             for b in sizes:  # largest first, so smaller graphs reuse its pool
                 self._graphs[b] = self._capture(b, pool)
-                if self.tail is not None:  # its first calls' costs too
+                if self.tail is not None:  # its first calls' costs too, on what the graph gives for zeros
+                    self._graphs[b].graph.replay()
                     self.tail(*self._graphs[b].static_outs)
         else:
             for b in sizes:
@@ -275,7 +276,7 @@ class BlockRunner:
                 raise RequestError(f"input shape {list(x.shape)} does not match [{batch}, {', '.join(map(str, shape))}]")
         if self.image is not None and xs[0].dtype != self.in_dtype:  # a float image would not be scaled as uint8 is
             raise RequestError(f"the image is {xs[0].dtype}; this block takes {self.in_dtype}")
-        if self.use_graphs and outs is not None:
+        if self.use_graphs and outs is not None and self.tail is None:
             g = self._graphs.get(batch)
             # The usual TensorMQ hop: a graph of exactly this batch, every copy a plain memcpy. No
             # grad-mode context (its Python costs ~10-20 us a call on a host that woke for the

@@ -153,7 +153,7 @@ def _time_decode(chw: list[int] | tuple[int, ...], device: Any, batch: int, cuda
 def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> float:
     """The median ms of one batch of ``batch`` images: a replay of the runner's CUDA graph of that
     batch (captured as its warm-up captures it: the fp32 image converted to the block's precision and
-    layout, the network, the logits in fp32), or an eager run on the CPU."""
+    layout, the network, the logits in fp32; a detector's eager node after it), or an eager run on the CPU."""
     import torch
 
     if not cuda:
@@ -165,8 +165,15 @@ def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> fl
         return _median_ms(eager, replays, cuda=False)
     runner.buckets = [batch]  # warmup() captures one graph per bucket: this batch's only
     runner.warmup()
-    graph = runner._graphs[batch].graph
-    return _median_ms(graph.replay, replays, cuda=True)
+    g, tail = runner._graphs[batch], runner.tail
+    if tail is None:
+        return _median_ms(g.graph.replay, replays, cuda=True)
+
+    def whole() -> None:  # a detector: its traced stages' graph, then its eager node, as the block runs them
+        g.graph.replay()
+        tail(*g.static_outs)
+
+    return _median_ms(whole, replays, cuda=True)
 
 
 def parse_child(returncode: int, stdout: str, stderr: str) -> tuple[dict[str, Any] | None, str | None]:

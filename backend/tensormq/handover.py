@@ -163,7 +163,12 @@ class HandIn:
         # the datagram socket beside it once, then.
         self.dgram_path = hand_over_dgram_path(self.path)
         self.dgram_path.unlink(missing_ok=True)
-        self.dgram = DatagramIn(self.dgram_path) if datagrams_on() else None
+        self.dgram: DatagramIn | None = None
+        if datagrams_on():
+            try:
+                self.dgram = DatagramIn(self.dgram_path)
+            except OSError:  # no datagram socket: senders find none beside the ZeroMQ one and use that
+                self.dgram = None
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -20,6 +20,7 @@ The *traditional* deployment of the same tasks runs each task's whole path in on
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -149,9 +150,8 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
     A pack pays weights per member, the overhead once, and a graph pool sized by its largest member
     plus a smaller share for each other member.
     """
-    m = plan.models[deploy.model]
-
-    def profile(first: int, last: int) -> tuple[int, int]:
+    def profile(model: str, first: int, last: int) -> tuple[int, int]:
+        m = plan.models[model]
         if m.stage_files is not None:
             return _file_stage_profile(tuple(m.stage_files), tuple(m.input_shape), first, last)
         return _stage_profile(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes, first, last)
@@ -159,16 +159,19 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
     weight_bytes = 0
     largests: list[int] = []
     for blocks in chains:
-        p, a = profile(blocks[0].first, blocks[-1].last)
-        largests.append(a)
-        if len({b.precision for b in blocks}) == 1:
-            weight_bytes += p * BYTES[blocks[0].precision]
-        else:  # a whole path of blocks in different precisions (one model per task): each part in its own
-            weight_bytes += sum(profile(b.first, b.last)[0] * BYTES[b.precision] for b in blocks)
+        # A whole path (one model per task) may go on from one model's blocks to another's, in other
+        # precisions: each run of one model and precision weighed as itself.
+        largest = 0
+        for (model, precision), run in itertools.groupby(blocks, key=lambda b: (b.model, b.precision)):
+            run_blocks = list(run)
+            p, a = profile(model, run_blocks[0].first, run_blocks[-1].last)
+            weight_bytes += p * BYTES[precision]
+            largest = max(largest, a)
+        largests.append(largest)
     width = BYTES[deploy.precision]
     # A network of several outputs runs eagerly, but for a detector's traced stages (blockflow.backend.runtime).
-    graphed = deploy.cuda_graphs and (detection.is_detection(m.network)
-                                      or not any(plan.block_outputs(blocks[-1]) for blocks in chains))
+    graphed = deploy.cuda_graphs and all(not plan.block_outputs(c[-1]) or detection.is_detection(plan.models[c[-1].model].network)
+                                         for c in chains)
     if graphed:
         per_sample = cal.activation_factor * max(largests) + cal.pack_head_factor * (sum(largests) - max(largests))
         graphs, overhead = deploy.max_batch_size * per_sample * width / 2**20, cal.process_mib

@@ -279,6 +279,14 @@ def test_one_model_per_task_weighs_each_part_in_its_blocks_precision() -> None:
     assert whole["task_a"] == pytest.approx(split["trunk"] + split["head_a"])
     assert whole["task_b"] == pytest.approx(split["trunk"] + split["head_b"])
     assert split["head_a"] == pytest.approx(2 * split["head_b"])  # same stages, fp32 against bf16
+    # A path that goes on from one model's blocks to another's: each weighed as its own model; a
+    # detector's whole model graphs its traced stages, as its last block does.
+    vision = load_plan(ROOT / "plans" / "bench_vision.yaml")
+    split = {p.model: p for p in memory.modular(vision, 1, cal)}
+    whole = {p.model: p for p in memory.traditional(vision, 1, cal)}
+    assert whole["detect"].weights_mib == pytest.approx(split["backbone"].weights_mib + split["detect_rest"].weights_mib)
+    assert whole["segment"].weights_mib == pytest.approx(split["backbone"].weights_mib + split["segment_rest"].weights_mib)
+    assert whole["detect"].cuda_graphs and whole["detect"].overhead_mib == cal.process_mib
 
 
 def test_a_pack_pays_one_full_graph_pool_and_a_share_for_each_further_head() -> None:
