@@ -48,5 +48,6 @@ def detections_agree(got: list[Detections], want: list[Detections]) -> dict[str,
             checked += 1
             matched += any(w.labels[j] == g.labels[k] and iou(g.boxes[k], w.boxes[j]) >= IOU
                            and abs(float(w.scores[j]) - float(g.scores[k])) <= SCORE for j in range(len(w)))
-    return {"count": float(np.mean([len(w) for w in want])), "count_diff": float(max(abs(len(g) - len(w)) for g, w in zip(got, want, strict=True))),
+    diffs = [abs(len(g) - len(w)) for g, w in zip(got, want, strict=True)]
+    return {"count": float(np.mean([len(w) for w in want])) if want else 0.0, "count_diff": float(max(diffs, default=0)),
             "best_matched": matched / checked if checked else 1.0}

@@ -67,7 +67,6 @@ __all__ = ["TritonPythonModel"]
 BRIDGE_PY = crossing_models.model_py(MODEL_PY)
 
 
-
 def _parts(blocks: Sequence[Block]) -> tuple[Part, ...]:
     return tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights) for b in blocks)
 
@@ -168,7 +167,6 @@ def _network(plan: Plan, model: str) -> dict[str, Any]:
     m = plan.models[model]
     return {"arch": m.network, "cut_points": tuple(m.cut_points), "num_classes": m.num_classes,
             "input_shape": tuple(m.input_shape), "stage_files": tuple(m.stage_files or ())}
-
 
 
 def _digest(cfg: mc.ModelConfig, extra: Mapping[str, bytes], weight_files: list[Path]) -> str:

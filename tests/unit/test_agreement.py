@@ -38,3 +38,7 @@ def test_the_same_detections_agree_and_a_moved_box_or_another_label_does_not() -
     assert detections_agree(moved, want)["best_matched"] == 0.5
     relabelled = [_dets([[0, 0, 10, 10]], [0.9], [3])]
     assert detections_agree(relabelled, want) == {"count": 2.0, "count_diff": 1.0, "best_matched": 0.0}
+
+
+def test_no_images_agree_with_no_images() -> None:
+    assert detections_agree([], []) == {"count": 0.0, "count_diff": 0.0, "best_matched": 1.0}
