@@ -166,15 +166,14 @@ def _process(plan: Plan, name: str, chains: list[list[Block]], deploy: Block, gp
             run_blocks = list(run)
             p, a = profile(model, run_blocks[0].first, run_blocks[-1].last)
             weight_bytes += p * BYTES[precision]
-            largest = max(largest, a)
+            largest = max(largest, a * BYTES[precision])  # bytes: the graph's tensors in their run's precision
         largests.append(largest)
-    width = BYTES[deploy.precision]
     # A network of several outputs runs eagerly, but for a detector's traced stages (blockflow.backend.runtime).
     graphed = deploy.cuda_graphs and all(not plan.block_outputs(c[-1]) or detection.is_detection(plan.models[c[-1].model].network)
                                          for c in chains)
     if graphed:
         per_sample = cal.activation_factor * max(largests) + cal.pack_head_factor * (sum(largests) - max(largests))
-        graphs, overhead = deploy.max_batch_size * per_sample * width / 2**20, cal.process_mib
+        graphs, overhead = deploy.max_batch_size * per_sample / 2**20, cal.process_mib
     else:
         graphs, overhead = 0.0, cal.eager_process_mib
     return Process(name, gpu, weight_bytes / 2**20, graphs, pool_mib, overhead, graphed)
