@@ -3,6 +3,7 @@ pre-cut stage files; and what a GPU runs instead (BatchNorms folded into their c
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def split_eager_tail(part: nn.Module) -> tuple[fx.GraphModule, EagerTail] | None
     output = nodes[-1]
     eager = output.args[0] if output.op == "output" else None
     if not (isinstance(eager, fx.Node) and eager.op == "call_function"
-            and eager.target in (detection.detect_rcnn, detection.detect_dense)) or eager.kwargs:
+            and eager.target in detection.EAGER_NODES) or eager.kwargs:
         return None
     modules = [a for a in eager.args if isinstance(a, fx.Node) and a.op == "get_attr"]
     tensors = [a for a in eager.args if isinstance(a, fx.Node) and a.op != "get_attr"]
@@ -175,14 +176,7 @@ def split_eager_tail(part: nn.Module) -> tuple[fx.GraphModule, EagerTail] | None
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[a] for a in tensors))
     prefix = fx.GraphModule(part, graph, f"{type(part).__name__}_prefix").eval()
-
-    def attribute(node: fx.Node) -> Any:
-        value: Any = prefix
-        for name in str(node.target).split("."):
-            value = getattr(value, name)
-        return value
-
-    constants = {a: attribute(a) for a in modules}
+    constants = {a: operator.attrgetter(str(a.target))(prefix) for a in modules}
     prefix.graph.eliminate_dead_code()  # the get_attr nodes only the eager node read (their modules stay)
     prefix.recompile()
     args = [constants.get(a, TENSOR) if isinstance(a, fx.Node) else a for a in eager.args]

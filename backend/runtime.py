@@ -164,8 +164,7 @@ class BlockRunner:
             for b in sizes:  # largest first, so smaller graphs reuse its pool
                 self._graphs[b] = self._capture(b, pool)
                 if self.tail is not None:  # its first calls' costs too, on what the graph gives for zeros
-                    self._graphs[b].graph.replay()
-                    self.tail(*self._graphs[b].static_outs)
+                    self.replay_bucket(b)
         else:
             for b in sizes:
                 self._eager(self._zeros(b))
@@ -175,6 +174,13 @@ class BlockRunner:
             # a block process keeps them for its lifetime unless released here (blockflow.bench.memory measures it).
             if os.environ.get(env.KEEP_ALLOCATOR_CACHE) != "1":
                 torch.cuda.empty_cache()
+
+    def replay_bucket(self, batch: int) -> list[torch.Tensor]:
+        """Replay the CUDA graph of bucket ``batch`` on what its static inputs hold, a detector's eager node
+        after it: its static outputs, or the eager node's (fresh tensors)."""
+        g = self._graphs[batch]
+        g.graph.replay()
+        return g.static_outs if self.tail is None else list(self.tail(*g.static_outs))
 
     def _graph_forward(self, static_ins: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """What a graph captures: the inputs as they arrive (row-major, the hop's dtype) converted

@@ -39,7 +39,7 @@ WARM_S = 0.5  # replays before the timed ones, long enough for the GPU's clocks 
 CHILD_TIMEOUT_S = 900.0
 
 
-def _median_ms(step: Callable[[], None], replays: int, cuda: bool) -> float:
+def _median_ms(step: Callable[[], object], replays: int, cuda: bool) -> float:
     """The median time of ``step`` over ``replays`` calls after ``WARM_S`` of warm-up: by CUDA events
     around each call (GPU time) on a GPU, by the host clock on the CPU."""
     import torch
@@ -165,15 +165,10 @@ def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> fl
         return _median_ms(eager, replays, cuda=False)
     runner.buckets = [batch]  # warmup() captures one graph per bucket: this batch's only
     runner.warmup()
-    g, tail = runner._graphs[batch], runner.tail
-    if tail is None:
-        return _median_ms(g.graph.replay, replays, cuda=True)
-
-    def whole() -> None:  # a detector: its traced stages' graph, then its eager node, as the block runs them
-        g.graph.replay()
-        tail(*g.static_outs)
-
-    return _median_ms(whole, replays, cuda=True)
+    if runner.tail is None:
+        return _median_ms(runner._graphs[batch].graph.replay, replays, cuda=True)
+    # A detector: its traced stages' graph, then its eager node, as the block runs them.
+    return _median_ms(lambda: runner.replay_bucket(batch), replays, cuda=True)
 
 
 def parse_child(returncode: int, stdout: str, stderr: str) -> tuple[dict[str, Any] | None, str | None]:

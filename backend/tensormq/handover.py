@@ -168,7 +168,7 @@ class HandIn:
             try:
                 self.dgram = DatagramIn(self.dgram_path)
             except OSError:  # no datagram socket: senders find none beside the ZeroMQ one and use that
-                self.dgram = None
+                pass
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)

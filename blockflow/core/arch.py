@@ -332,7 +332,7 @@ def _find_cuts(traced: Traced, hop_tensor: Any, input_shape: tuple[int, ...]) ->
             found.append(Cut(name, tuple(tensors)))
             found_ends.append(end)
     result = only_output(traced.nodes[output])
-    if isinstance(result, fx.Node) and result.target in (detection.detect_rcnn, detection.detect_dense):
+    if isinstance(result, fx.Node) and result.target in detection.EAGER_NODES:
         return Cuts(tuple(found), tuple(found_ends), (1,), input_shape)  # a detector's outputs: detection.task_outputs
     if isinstance(result, (tuple, list)) and all(isinstance(n, fx.Node) for n in result):  # several outputs
         outs = [hop_tensor(n) for n in result]

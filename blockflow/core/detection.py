@@ -201,6 +201,8 @@ def detect_dense(head: Any, anchor_generator: Any, transform: Any, post: _DenseP
 
 fx.wrap("detect_rcnn")
 fx.wrap("detect_dense")
+# The eager node a traced detector ends in (one of these functions, called once).
+EAGER_NODES = (detect_rcnn, detect_dense)
 
 
 def build(arch: str, num_classes: int, input_shape: Sequence[int]) -> DetectionNet:

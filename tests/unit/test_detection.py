@@ -85,7 +85,7 @@ def test_a_detectors_last_stages_split_into_a_graphable_prefix_and_its_eager_nod
         split = split_eager_tail(last)
         assert split is not None
         prefix, tail = split
-        assert not any(n.target in (detection.detect_rcnn, detection.detect_dense) for n in prefix.graph.nodes)
+        assert not any(n.target in detection.EAGER_NODES for n in prefix.graph.nodes)
         features = prefix(*y)
         assert len(features) == 5  # the pyramid's levels (and its pooled one)
         got = tail(*features)
