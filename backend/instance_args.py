@@ -24,9 +24,11 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
 
 def tensor_names(spec: ModelSpec) -> tuple[list[str], list[str]]:
     """Triton's input and output tensor names: a TensorMQ hop is one ticket per sample whatever it
-    carries; other hops have one tensor per value that crosses the cut."""
+    carries; other hops have one tensor per value that crosses the cut. Side inputs come after the
+    hop's, each by its own name (on every transport: they never cross a hop)."""
     tmq = spec.transport == "tensormq"
     ins = [IMAGE] if spec.takes_image else activation_names(ACTIVATION_IN, 1 if tmq else len(spec.in_shapes))
+    ins += [s.name for s in spec.side_inputs]
     outs = [o.name for o in spec.task_outputs] if spec.gives_logits else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
     return ins, outs
 

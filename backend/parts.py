@@ -20,18 +20,40 @@ from blockflow.core.trained_weights import trained_weights
 
 class Chain(nn.Module):
     """Parts run one after another; a part that gives several tensors hands them all to the next.
-    With ``dtypes`` (parts in several precisions), each part's floating inputs are cast to its dtype."""
+    With ``dtypes`` (parts in several precisions), each part's floating inputs are cast to its dtype.
 
-    def __init__(self, parts: Sequence[nn.Module], dtypes: Sequence[torch.dtype] | None = None) -> None:
+    With ``sides`` (a block that reads side inputs, :func:`side_positions`), the chain takes its
+    entering tensors, then the spec's side inputs; part ``k`` takes what enters it, then the side
+    inputs at positions ``sides[1][k]`` of the ``sides[0]`` given."""
+
+    def __init__(self, parts: Sequence[nn.Module], dtypes: Sequence[torch.dtype] | None = None,
+                 sides: tuple[int, Sequence[Sequence[int]]] | None = None) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.dtypes = list(dtypes) if dtypes is not None else None
+        self.side_count = sides[0] if sides is not None else 0
+        self.sides = [tuple(s) for s in sides[1]] if sides is not None else []
+        if sides is not None and len(self.sides) != len(self.parts):
+            raise ValueError(f"side inputs given for {len(self.sides)} parts of {len(self.parts)}")
 
     def forward(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        if self.side_count:
+            return self._with_sides(xs)
         for k, part in enumerate(self.parts):
             if self.dtypes is not None:
                 xs = tuple(x.to(self.dtypes[k]) if x.is_floating_point() else x for x in xs)
             out = part(*xs)
+            xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return list(xs)
+
+    def _with_sides(self, given: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        hops = len(given) - self.side_count
+        xs, side = given[:hops], given[hops:]
+        for k, part in enumerate(self.parts):
+            ins = (*xs, *(side[i] for i in self.sides[k]))
+            if self.dtypes is not None:  # the side inputs too, each part from the values given
+                ins = tuple(x.to(self.dtypes[k]) if x.is_floating_point() else x for x in ins)
+            out = part(*ins)
             xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         return list(xs)
 
@@ -41,6 +63,14 @@ class Chain(nn.Module):
             for part, dtype in zip(self.parts, self.dtypes, strict=True):
                 part.to(dtype=dtype)
 
+
+def side_positions(spec: ModelSpec) -> tuple[int, list[tuple[int, ...]]] | None:
+    """What :class:`Chain` takes as ``sides`` for ``spec``'s parts (None where it takes no side input):
+    how many side inputs the block takes, and each part's as positions in ``spec.side_inputs``."""
+    if not spec.side_inputs:
+        return None
+    at = {s.name: i for i, s in enumerate(spec.side_inputs)}
+    return len(at), [tuple(at[n] for n in p.side_inputs) for p in spec.parts]
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:

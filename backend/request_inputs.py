@@ -16,7 +16,7 @@ from torch.utils.dlpack import from_dlpack
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.image_input import feed_dtype, takes_encoded
 from blockflow.backend.replies import error, failure_code
-from blockflow.backend.runtime import DTYPES
+from blockflow.backend.runtime import DTYPES, SIDE_DTYPES
 from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import NoTracer, Tracer
@@ -33,6 +33,11 @@ class RequestInputs:
     def __init__(self, spec: ModelSpec, names: list[str], device: torch.device, ends: TensorMQEnds, stream: int,
                  tracer: Tracer | NoTracer) -> None:
         self.names = names
+        # The hop's tensors' names (a TensorMQ hop's: its ticket), then each side input's (instance_args.tensor_names).
+        self.sides = spec.side_inputs
+        self.side_dtypes = [SIDE_DTYPES[s.dtype] for s in spec.side_inputs]
+        self.hops = len(names) - len(self.sides)
+        self.hop_names = names[:self.hops]
         self.shapes = spec.in_shapes
         self.dtype = feed_dtype(spec) or DTYPES[spec.in_dtype]
         self.consumer, self.relay = ends.consumer, ends.relay
@@ -51,14 +56,18 @@ class RequestInputs:
     def read_all(self, requests: list[Any], responses: list[Any], releases: list[Release]) -> tuple[list[list[torch.Tensor]], list[int]]:
         """Each readable request's input tensors and its position in ``requests``; the others get
         their error response in ``responses``. The slots read are added to ``releases``. Encoded
-        images are decoded here, the call's together (:class:`ImageDecoder`)."""
+        images are decoded here, the call's together (:class:`ImageDecoder`); each request's side
+        inputs follow its decoded images."""
         batch: list[list[torch.Tensor]] = []
         owners: list[int] = []
         files: list[list[bytes]] = []
+        sides: list[list[torch.Tensor]] = []  # of the requests in ``files``
         for i, request in enumerate(requests):
             try:
                 if self.decoder is not None:
-                    files.append(self.files(request))
+                    rows = self.files(request)
+                    sides.append(self.read_sides(request, len(rows)) if self.sides else [])
+                    files.append(rows)
                 else:
                     batch.append(self.read(request, releases))
                 owners.append(i)
@@ -68,11 +77,11 @@ class RequestInputs:
             return batch, owners
         decoded = owners
         owners = []
-        for i, x in zip(decoded, self.decoder.decode(files), strict=True):
+        for i, x, side in zip(decoded, self.decoder.decode(files), sides, strict=True):
             if isinstance(x, RequestError):
                 responses[i] = pb_utils.InferenceResponse(error=error(str(x), failure_code(x)))
             else:
-                batch.append([x])
+                batch.append([x, *side])
                 owners.append(i)
         self.tracer.lap("read:decode")
         return batch, owners
@@ -110,14 +119,41 @@ class RequestInputs:
             views, rel = (gather(tickets, shapes, stream, lap) if self.relay is None else
                           self.relay.read(tickets, lambda t: gather(t, shapes, stream, lap)))
             self.tracer.lap("read:gather")
-            releases.extend(rel)
+            releases.extend(rel)  # released with the call's, also if a side input below fails the request
+            if self.sides:  # not through the pool: plain tensors of the request
+                return [*views, *self._sides(tensors[self.hops:], int(views[0].shape[0]))]
             return views
         xs = [from_dlpack(t.to_dlpack()) for t in tensors]
-        for name, x, shape in zip(self.names, xs, self.shapes, strict=True):
+        for name, x, shape in zip(self.hop_names, xs[:self.hops] if self.sides else xs, self.shapes, strict=True):
             if x.dtype != self.dtype or tuple(x.shape[1:]) != shape or x.shape[0] != xs[0].shape[0]:
                 raise RequestError(f"input {name!r} is {x.dtype} {list(x.shape)}; "
                                    f"expected {self.dtype} [{int(xs[0].shape[0])}, {', '.join(map(str, shape))}]")
+        if self.sides:
+            self._check_sides(xs[self.hops:], int(xs[0].shape[0]))
         return xs
+
+    def read_sides(self, request: Any, batch: int) -> list[torch.Tensor]:
+        """A request of ``batch`` samples' side inputs, checked."""
+        tensors = []
+        for name in self.names[self.hops:]:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                raise RequestError(f"request has no input {name!r}")
+            tensors.append(tensor)
+        return self._sides(tensors, batch)
+
+    def _sides(self, tensors: list[Any], batch: int) -> list[torch.Tensor]:
+        """Side inputs' Triton tensors (host or GPU) by DLPack, checked."""
+        xs = [from_dlpack(t.to_dlpack()) for t in tensors]
+        self._check_sides(xs, batch)
+        return xs
+
+    def _check_sides(self, xs: list[torch.Tensor], batch: int) -> None:
+        """Each side input in its declared dtype and shape, ``batch`` samples, as its request's hop tensors."""
+        for x, side, dtype in zip(xs, self.sides, self.side_dtypes, strict=True):
+            if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
+                raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; "
+                                   f"expected {dtype} [{batch}, {', '.join(map(str, side.shape))}]")
 
     def own(self, batch: list[list[torch.Tensor]]) -> None:
         """Copy the inputs that arrived on a GPU into this block's memory (:meth:`DeviceInputs.own`)."""

@@ -4,7 +4,8 @@ Pure PyTorch, no Triton: ``blockflow.backend.model`` wraps it for the Python bac
 tests drive it directly. On a GPU it runs channels-last, in the plan's
 precision, and (optionally) replays one CUDA graph per batch-size bucket;
 inputs and outputs at its edges are in standard layout, in the hop's dtype (a task's image as the
-plan gives it, converted by ``blockflow.backend.image_input`` inside what the block runs).
+plan gives it, converted by ``blockflow.backend.image_input`` inside what the block runs; a side
+input in its own dtype, float32 or int64).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
-from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, split_eager_tail
+from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, side_positions, split_eager_tail
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
 from blockflow.core.errors import RequestError
@@ -30,6 +31,8 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+# A side input's element type (``SideInput.dtype``), as it arrives and as a runner takes it.
+SIDE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "int64": torch.int64}
 
 
 PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
@@ -115,8 +118,16 @@ class BlockRunner:
             if split is not None:
                 parts[-1], self.tail = split
         mixed = any(p.precision not in (None, spec.precision) for p in spec.parts)
-        module = Chain(parts, [DTYPES[p.precision or spec.precision] for p in spec.parts] if mixed else None).eval()
-        self.in_shapes = fed_shapes(spec)  # an encoded image: as decoded (blockflow.backend.image_decode)
+        module = Chain(parts, [DTYPES[p.precision or spec.precision] for p in spec.parts] if mixed else None,
+                       side_positions(spec)).eval()
+        self.in_shapes = fed_shapes(spec)  # the hop's tensors; an encoded image: as decoded (blockflow.backend.image_decode)
+        # Side inputs, taken after the hop's tensors: in their declared dtype, floating ones converted to
+        # the block's (its parts' where they differ: the chain casts each part's) inside what the block runs.
+        self.hops = len(self.in_shapes)
+        self.sides = spec.side_inputs
+        self.side_dtypes = [SIDE_DTYPES[s.dtype] for s in spec.side_inputs]
+        self.side_casts = [d if not d.is_floating_point or mixed else self.dtype for d in self.side_dtypes]
+        self.input_count = self.hops + len(self.sides)
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
         # A uint8, HWC or normalised image: converted on the device before the first stage.
@@ -145,9 +156,19 @@ class BlockRunner:
 
     def _zeros(self, batch: int) -> list[torch.Tensor]:
         if self.image is not None:  # converted by the block itself: as it arrives
-            return [torch.zeros((batch, *self.in_shapes[0]), device=self.device, dtype=self.in_dtype)]
-        return [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
-                for s, f in zip(self.in_shapes, self.formats, strict=True)]
+            xs = [torch.zeros((batch, *self.in_shapes[0]), device=self.device, dtype=self.in_dtype)]
+        else:
+            xs = [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
+                  for s, f in zip(self.in_shapes, self.formats, strict=True)]
+        return xs + self._side_zeros(batch) if self.sides else xs
+
+    def _side_zeros(self, batch: int) -> list[torch.Tensor]:
+        """A zero of each side input, in its declared dtype (what a request gives)."""
+        return [torch.zeros((batch, *s.shape), device=self.device, dtype=d) for s, d in zip(self.sides, self.side_dtypes, strict=True)]
+
+    def _side_ins(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The side inputs of ``xs`` (on this device) as the block takes them: floating ones in its dtype."""
+        return [x.to(dtype=d).contiguous() for x, d in zip(xs[self.hops:], self.side_casts, strict=True)]
 
     @torch.inference_mode()
     def warmup(self, pool: Any = None) -> None:
@@ -187,16 +208,27 @@ class BlockRunner:
         to the block's dtype and layout, the block, its outputs converted to the next hop's dtype,
         row-major. Conversions inside the graph leave a request's copies in and out as plain
         same-layout memcpys (``Tensor.copy_`` across layouts cost ~25 us of host time each)."""
-        if self.image is not None:
-            ys: list[torch.Tensor] = self.module(self.image(static_ins[0]))
+        if self.sides:
+            ys: list[torch.Tensor] = self.module(*self._hop_ins(static_ins[:self.hops]), *self._side_ins(static_ins))
+        elif self.image is not None:
+            ys = self.module(self.image(static_ins[0]))
         else:
             ys = self.module(*(s.to(self.dtype).contiguous(memory_format=f) for s, f in zip(static_ins, self.formats, strict=True)))
         if self.tail is not None:  # the eager node's inputs, as it takes them
             return ys
         return [y.to(self.out_dtype).contiguous() for y in ys]
 
+    def _hop_ins(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The hop's tensors (on this device) as the block takes them: the image converted, others in its dtype and layout."""
+        if self.image is not None:
+            return [self.image(xs[0])]
+        return [x.to(self.dtype).contiguous(memory_format=f) for x, f in zip(xs, self.formats, strict=True)]
+
     def _capture(self, batch: int, pool: Any) -> _Graph:
+        # Static inputs as requests give them: the hop's dtype, each side input's own.
         static_ins = [torch.zeros((batch, *s), device=self.device, dtype=self.in_dtype) for s in self.in_shapes]
+        if self.sides:
+            static_ins += self._side_zeros(batch)
         side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -239,7 +271,10 @@ class BlockRunner:
         return [y[:batch] for y in self._eager(padded)]
 
     def _eager(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self.image is not None:
+        if self.sides:
+            on = [x.to(device=self.device, non_blocking=True) for x in xs]
+            ins = [*self._hop_ins(on[:self.hops]), *self._side_ins(on)]
+        elif self.image is not None:
             ins = [self.image(xs[0].to(device=self.device, non_blocking=True))]
         else:
             ins = [x.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous(memory_format=f)
@@ -258,8 +293,9 @@ class BlockRunner:
 
     def run_all(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None = None,
                 lap: Callable[[str], None] | None = None) -> list[torch.Tensor]:
-        """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device, any float dtype
-        (a task's image: the plan's dtype, uint8 or float32).
+        """Run a batch. ``xs``: one ``[B, *shape]`` tensor per input, on any device: the hop's, any float
+        dtype (a task's image: the plan's dtype, uint8 or float32), then each side input's
+        (``spec.side_inputs``) in its declared dtype, float32 or int64.
 
         Returns one ``[B, *shape]`` tensor per output on this device, row-major, in the hop's dtype
         (``spec.out_dtype``: fp32 for logits, the block's fp16/bf16 for a hop); or, when
@@ -267,19 +303,21 @@ class BlockRunner:
         dtype and returns them. ``lap`` (a block's tracer): called at the end of a CUDA graph's steps
         (checks, input copies, replay), on the usual TensorMQ hop and where inputs come from the host.
         """
-        if self._pins is not None and not xs[0].is_cuda and self._pins.any_pinned:
+        if self._pins is not None and self._pins.any_pinned and (not xs[0].is_cuda or (self.sides and not all(x.is_cuda for x in xs))):
             self._host_inputs = True
         if outs is not None and len(xs) == 1 and len(outs) == 1:
             hit = self._plain.get((id(xs[0]), id(outs[0])))
             if hit is not None and hit.x is xs[0] and hit.out is outs[0]:
                 self._replay(hit, lap)
                 return list(outs)
-        if len(xs) != len(self.in_shapes):
-            raise RequestError(f"{len(xs)} input tensor(s) given; this block takes {len(self.in_shapes)}")
+        if len(xs) != self.input_count:
+            raise RequestError(f"{len(xs)} input tensor(s) given; this block takes {self.input_count}")
         batch = int(xs[0].shape[0])
-        for x, shape in zip(xs, self.in_shapes, strict=True):
+        for x, shape in zip(xs[:self.hops] if self.sides else xs, self.in_shapes, strict=True):
             if tuple(x.shape[1:]) != shape or x.shape[0] < 1 or int(x.shape[0]) != batch:
                 raise RequestError(f"input shape {list(x.shape)} does not match [{batch}, {', '.join(map(str, shape))}]")
+        if self.sides:
+            self._check_sides(xs[self.hops:], batch)
         if self.image is not None and xs[0].dtype != self.in_dtype:  # a float image would not be scaled as uint8 is
             raise RequestError(f"the image is {xs[0].dtype}; this block takes {self.in_dtype}")
         if self.use_graphs and outs is not None and self.tail is None:
@@ -297,6 +335,12 @@ class BlockRunner:
                 return list(outs)
         with torch.inference_mode():
             return self._run_all(batch, xs, outs, lap)
+
+    def _check_sides(self, xs: Sequence[torch.Tensor], batch: int) -> None:
+        for x, side, dtype in zip(xs, self.sides, self.side_dtypes, strict=True):
+            if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
+                raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; expected {dtype} "
+                                   f"[{batch}, {', '.join(map(str, side.shape))}]")
 
     def _replay(self, hop: _PlainHop, lap: Callable[[str], None] | None) -> None:
         """Copy in, replay, copy out: the usual TensorMQ hop, with no torch call but the replay."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import math
 import statistics
 import subprocess
 import tempfile
@@ -14,6 +15,7 @@ from typing import Any
 
 from blockflow.clients.images import padded_files, random_jpegs
 from blockflow.core.errors import EnvironmentProblem
+from blockflow.core.spec import SideInput
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
 
@@ -24,15 +26,18 @@ FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and r
 SAMPLE_IMAGES = Path(__file__).resolve().parent / "data" / "images"
 
 
-def encoded_input_data(dest: Path, files: Sequence[Path] | None = None) -> Path:
+def encoded_input_data(dest: Path, files: Sequence[Path] | None = None, sides: Sequence[SideInput] = ()) -> Path:
     """perf_analyzer's ``--input-data`` JSON at ``dest`` for a task that takes encoded images: one
     request's image per file (``files``, else the sample JPEGs; where those are missing, seeded random
     ones), sent in turn. Each is the uint8 tensor's raw bytes (``b64``) with its shape, ``[L]``: every
     file zero-padded to the longest, so that a batch of any of them (perf_analyzer's ``-b``, which
-    stacks consecutive entries) is one ``[B, L]`` tensor; the task ignores the padding."""
+    stacks consecutive entries) is one ``[B, L]`` tensor; the task ignores the padding. Each entry
+    gives the task's side inputs (``sides``) too, every one a sample of ones (perf_analyzer wants
+    every input's data from the file once it reads one; ones, not zeros: a network may divide by them)."""
     images = [f.read_bytes() for f in (files if files is not None else sorted(SAMPLE_IMAGES.glob("*.jpg")))]
     rows = padded_files(images) if images else random_jpegs(4)
-    data = [{"IMAGE": {"b64": base64.b64encode(row.tobytes()).decode(), "shape": [len(row)]}} for row in rows]
+    ones = {s.name: {"content": [1.0 if s.dtype == "fp32" else 1] * math.prod(s.shape), "shape": list(s.shape)} for s in sides}
+    data = [{"IMAGE": {"b64": base64.b64encode(row.tobytes()).decode(), "shape": [len(row)]}, **ones} for row in rows]
     dest.write_text(json.dumps({"data": data}))
     return dest
 

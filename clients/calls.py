@@ -1,10 +1,11 @@
 """What both clients of ``blockflow.clients.client`` build the same way: the tritonclient module of a
-protocol, a call's request (its image input, the outputs it asks for, Triton's per-request options),
+protocol, a call's request (its image input and side inputs, the outputs it asks for, Triton's per-request options),
 its answer read back, and tritonclient's errors as :class:`ClientError`."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -79,6 +80,7 @@ class ClientBase:
     shm_headers: dict[str, str]  # open Triton's shared-memory API (registering CUDA regions)
     _shm_key: str
     _mod: Any
+    _inputs: dict[str, TaskInput]  # each task's input, read from its metadata on its first call
 
     def _setup(self, url: str, protocol: Protocol, timeout_s: float, input_memory: str, device: int,
                shm_key: str | None) -> None:
@@ -92,23 +94,38 @@ class ClientBase:
 
     def _request(self, task: str, images: Any, kind: TaskInput, headers: dict[str, str] | None, request_id: str,
                  priority: int, timeout_s: float | None, region: CudaInputRegion | None = None,
-                 outputs: tuple[str, ...] = (LOGITS,)) -> _Request:
+                 outputs: tuple[str, ...] = (LOGITS,), sides: Mapping[str, Any] | None = None) -> _Request:
         """The call's arguments: the image input (``images`` checked by ``kind``; in the request, or
-        written into ``region``), the wanted output, and Triton's options: its own timeout in
+        written into ``region``), the side inputs (``sides``, checked: :meth:`_sides`; always in the
+        request), the wanted output, and Triton's options: its own timeout in
         microseconds (and, over gRPC, the client's deadline), the priority, the request id, the headers."""
+        from tritonclient.utils import np_to_triton_dtype
+
         if region is not None:
             inp = self._cuda_input(images, kind.datatype, region)
         else:
             x = np.asarray(images)  # checked: a contiguous array of the task's dtype (or a CPU tensor of it)
             inp = self._mod.InferInput(IMAGE, list(x.shape), kind.datatype)
             inp.set_data_from_numpy(x)
+        inps = [inp]
+        for name, value in (sides or {}).items():
+            side = self._mod.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+            side.set_data_from_numpy(value)
+            inps.append(side)
         kwargs: dict[str, Any] = {"outputs": [self._mod.InferRequestedOutput(o) for o in outputs], "request_id": request_id,
                                   "priority": priority, "headers": headers}
         if timeout_s is not None:
             kwargs["timeout"] = int(timeout_s * 1e6)
         if self.protocol == "grpc":
             kwargs["client_timeout"] = timeout_s if timeout_s is not None else self.timeout_s
-        return _Request((task, [inp]), kwargs)
+        return _Request((task, inps), kwargs)
+
+    def _sides(self, task: str, inputs: Mapping[str, Any] | None, images: Any) -> dict[str, Any]:
+        """A call's side inputs as the task takes them (:meth:`TaskInput.check_sides`, the batch of the
+        checked ``images``); unchecked where the task's metadata could not be read (the call says why)."""
+        if task not in self._inputs:
+            return {name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()}
+        return self._inputs[task].check_sides(task, inputs, int(images.shape[0]))
 
     @staticmethod
     def _image_bytes(images: Any) -> int:

@@ -9,11 +9,14 @@ Every task is a Triton ensemble that takes ``IMAGE`` (fp32 ``[batch, 3, H, W]``,
 
 A detector's task gives ``COUNT``, ``BOXES``, ``SCORES``, ``LABELS`` (and ``MASKS``) instead:
 :meth:`TaskClient.detect` returns them per image, :meth:`TaskClient.infer_outputs` as they are.
+A task whose network takes more than the image (side inputs, e.g. an image's ``size``) takes them
+by name, batched like the images: ``c.infer_outputs("boxes", images, inputs={"size": sizes})``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Literal
 
@@ -84,7 +87,7 @@ class TaskClient(ClientBase):
         return self._shape(self._metadata(task))
 
     def input_of(self, task: str) -> TaskInput:
-        """The task's image input (dtype and shape), read once per task."""
+        """The task's image input (dtype and shape), its side inputs and outputs, read once per task."""
         if task not in self._inputs:
             self._inputs[task] = TaskInput.of(self._metadata(task))
         return self._inputs[task]
@@ -98,39 +101,47 @@ class TaskClient(ClientBase):
                               str(getattr(exc, "status", lambda: "")() or "").removeprefix("StatusCode.") or None) from exc
 
     def infer(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-              priority: int = 0, timeout_s: float | None = None) -> Array:
-        """Logits of ``images`` (numpy, or with ``input_memory="cuda"`` also a torch tensor)."""
-        return self.infer_timed(task, images, headers=headers, request_id=request_id, priority=priority, timeout_s=timeout_s).logits
+              priority: int = 0, timeout_s: float | None = None,
+              inputs: Mapping[str, Any] | None = None) -> Array:
+        """Logits of ``images`` (numpy, or with ``input_memory="cuda"`` also a torch tensor). ``inputs``: the
+        task's side inputs by name (:meth:`input_of` lists them), numpy arrays batched like ``images``;
+        they go in the request, also where the images go through CUDA shared memory."""
+        return self.infer_timed(task, images, headers=headers, request_id=request_id, priority=priority, timeout_s=timeout_s,
+                                inputs=inputs).logits
 
     def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-                    priority: int = 0, timeout_s: float | None = None) -> Timed:
+                    priority: int = 0, timeout_s: float | None = None,
+                    inputs: Mapping[str, Any] | None = None) -> Timed:
         start = time.perf_counter()
-        result = self._call(task, images, (LOGITS,), headers, request_id, priority, timeout_s)
+        result = self._call(task, images, (LOGITS,), headers, request_id, priority, timeout_s, inputs)
         return self._timed(task, result, start)
 
     def infer_outputs(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-                      priority: int = 0, timeout_s: float | None = None) -> dict[str, Array]:
+                      priority: int = 0, timeout_s: float | None = None,
+                      inputs: Mapping[str, Any] | None = None) -> dict[str, Array]:
         """Every output the task answers with, by name (a detector's ``COUNT``, ``BOXES``, ...)."""
-        result = self._call(task, images, None, headers, request_id, priority, timeout_s)
+        result = self._call(task, images, None, headers, request_id, priority, timeout_s, inputs)
         return {name: np.asarray(result.as_numpy(name)) for name in self.input_of(task).outputs}
 
     def detect(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-               priority: int = 0, timeout_s: float | None = None) -> list[Detections]:
+               priority: int = 0, timeout_s: float | None = None,
+               inputs: Mapping[str, Any] | None = None) -> list[Detections]:
         """A detector task's detections, per image (:class:`blockflow.clients.detections.Detections`)."""
         return per_image(self.infer_outputs(task, images, headers=headers, request_id=request_id, priority=priority,
-                                            timeout_s=timeout_s))
+                                            timeout_s=timeout_s, inputs=inputs))
 
     def _call(self, task: str, images: Any, outputs: tuple[str, ...] | None, headers: dict[str, str] | None,
-              request_id: str, priority: int, timeout_s: float | None) -> Any:
+              request_id: str, priority: int, timeout_s: float | None, inputs: Mapping[str, Any] | None) -> Any:
         if task not in self._inputs:
             try:
                 self._inputs[task] = TaskInput.of(self._client.get_model_metadata(task))
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
         images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
+        sides = self._sides(task, inputs, images)
         region = self._region_for(images) if self.input_memory == "cuda" and not kind.encoded else None
         req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region,
-                            self._wanted(task, kind, outputs))
+                            self._wanted(task, kind, outputs), sides)
         try:
             return self._client.infer(*req.args, **req.kwargs)
         except Exception as exc:
@@ -185,7 +196,7 @@ class AsyncTaskClient(ClientBase):
         return self._shape(await self._metadata(task))
 
     async def input_of(self, task: str) -> TaskInput:
-        """The task's image input (dtype and shape), read once per task."""
+        """The task's image input (dtype and shape), its side inputs and outputs, read once per task."""
         if task not in self._inputs:
             self._inputs[task] = TaskInput.of(await self._metadata(task))
         return self._inputs[task]
@@ -198,40 +209,45 @@ class AsyncTaskClient(ClientBase):
             raise ClientError(self._not_served(task, names)) from exc
 
     async def infer(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-                    priority: int = 0, timeout_s: float | None = None) -> Array:
+                    priority: int = 0, timeout_s: float | None = None,
+                    inputs: Mapping[str, Any] | None = None) -> Array:
         return (await self.infer_timed(task, images, headers=headers, request_id=request_id, priority=priority,
-                                       timeout_s=timeout_s)).logits
+                                       timeout_s=timeout_s, inputs=inputs)).logits
 
     async def infer_timed(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-                          priority: int = 0, timeout_s: float | None = None) -> Timed:
+                          priority: int = 0, timeout_s: float | None = None,
+                          inputs: Mapping[str, Any] | None = None) -> Timed:
         start = time.perf_counter()
-        result = await self._call(task, images, (LOGITS,), headers, request_id, priority, timeout_s)
+        result = await self._call(task, images, (LOGITS,), headers, request_id, priority, timeout_s, inputs)
         return self._timed(task, result, start)
 
     async def infer_outputs(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-                            priority: int = 0, timeout_s: float | None = None) -> dict[str, Array]:
+                            priority: int = 0, timeout_s: float | None = None,
+                            inputs: Mapping[str, Any] | None = None) -> dict[str, Array]:
         """Every output the task answers with, by name (:meth:`TaskClient.infer_outputs`)."""
-        result = await self._call(task, images, None, headers, request_id, priority, timeout_s)
+        result = await self._call(task, images, None, headers, request_id, priority, timeout_s, inputs)
         return {name: np.asarray(result.as_numpy(name)) for name in (await self.input_of(task)).outputs}
 
     async def detect(self, task: str, images: Any, *, headers: dict[str, str] | None = None, request_id: str = "",
-                     priority: int = 0, timeout_s: float | None = None) -> list[Detections]:
+                     priority: int = 0, timeout_s: float | None = None,
+                     inputs: Mapping[str, Any] | None = None) -> list[Detections]:
         """A detector task's detections, per image (:meth:`TaskClient.detect`)."""
         return per_image(await self.infer_outputs(task, images, headers=headers, request_id=request_id,
-                                                  priority=priority, timeout_s=timeout_s))
+                                                  priority=priority, timeout_s=timeout_s, inputs=inputs))
 
     async def _call(self, task: str, images: Any, outputs: tuple[str, ...] | None, headers: dict[str, str] | None,
-                    request_id: str, priority: int, timeout_s: float | None) -> Any:
+                    request_id: str, priority: int, timeout_s: float | None, inputs: Mapping[str, Any] | None) -> Any:
         if task not in self._inputs:
             try:
                 self._inputs[task] = TaskInput.of(await self._client.get_model_metadata(task))
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
         images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
+        sides = self._sides(task, inputs, images)
         wanted = self._wanted(task, kind, outputs)
         region = self._take_region(images) if self.input_memory == "cuda" and not kind.encoded else None  # files: in the request
         try:
-            req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region, wanted)
+            req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region, wanted, sides)
             try:
                 return await self._client.infer(*req.args, **req.kwargs)
             except Exception as exc:

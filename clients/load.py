@@ -56,32 +56,35 @@ class LoadSpec:
     input_memory: Literal["host", "cuda"] = "host"  # "cuda": images through CUDA shared-memory regions (AsyncTaskClient)
 
 
-async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, t0: float, out: list[Record]) -> None:  # type: ignore[type-arg]
+async def _one(client: AsyncTaskClient, task: str, x: np.ndarray, sides: dict[str, Images], t0: float,  # type: ignore[type-arg]
+               out: list[Record]) -> None:
     sent = time.perf_counter()
     try:
         outputs = (await client.input_of(task)).outputs
         if outputs and LOGITS not in outputs:  # a detector's task: every output it answers with
-            await client.infer_outputs(task, x)
+            await client.infer_outputs(task, x, inputs=sides)
         else:
-            await client.infer(task, x)
+            await client.infer(task, x, inputs=sides)
         out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, True))
     except Exception as exc:  # a failed request is a data point, not the end of the run
         out.append(Record(task, x.shape[0], sent - t0, (time.perf_counter() - sent) * 1e3, False, str(exc)[:200]))
 
 
-async def _inputs(client: AsyncTaskClient, spec: LoadSpec) -> dict[str, Images]:
+async def _inputs(client: AsyncTaskClient, spec: LoadSpec) -> dict[str, tuple[Images, dict[str, Images]]]:
     """Each task's (seeded, random) batch, in the dtype its input takes: standard normal float32, uint8
-    noise for a task that takes uint8 images, or noise encoded as JPEG for one that takes encoded images."""
-    out: dict[str, Images] = {}
+    noise for a task that takes uint8 images, or noise encoded as JPEG for one that takes encoded images;
+    with ones for each of its side inputs (not zeros: a network may divide by a size or a scale)."""
+    out: dict[str, tuple[Images, dict[str, Images]]] = {}
     for task in dict.fromkeys(spec.tasks):
         try:
             kind = await client.input_of(task)
         except ClientError:  # its requests fail and say why
             kind = TaskInput()
         rng = np.random.default_rng(spec.seed)
-        out[task] = (random_jpegs(spec.batch, seed=spec.seed) if kind.encoded else
-                     rng.integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8) if kind.uint8 else
-                     rng.standard_normal((spec.batch, *spec.shape), dtype=np.float32))
+        x = (random_jpegs(spec.batch, seed=spec.seed) if kind.encoded else
+             rng.integers(0, 256, (spec.batch, *spec.shape), dtype=np.uint8) if kind.uint8 else
+             rng.standard_normal((spec.batch, *spec.shape), dtype=np.float32))
+        out[task] = x, {s.name: np.ones((spec.batch, *s.shape), s.dtype) for s in kind.side_inputs}
     return out
 
 
@@ -100,7 +103,7 @@ async def run_load(spec: LoadSpec, progress: Callable[[int], None] | None = None
                 k = i
                 while time.perf_counter() < deadline and len(records) < limit:
                     task = spec.tasks[k % len(spec.tasks)]
-                    await _one(client, task, xs[task], t0, records)
+                    await _one(client, task, *xs[task], t0, records)
                     k += 1
                     if progress:
                         progress(1)
@@ -114,7 +117,7 @@ async def run_load(spec: LoadSpec, progress: Callable[[int], None] | None = None
                 next_at += rng.expovariate(spec.rate)
                 await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
                 name = rng.choice(list(spec.tasks))
-                task = asyncio.ensure_future(_one(client, name, xs[name], t0, records))
+                task = asyncio.ensure_future(_one(client, name, *xs[name], t0, records))
                 if progress:
                     task.add_done_callback(lambda _: progress(1))
                 pending.add(task)

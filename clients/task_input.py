@@ -1,11 +1,15 @@
 """What a task's ``IMAGE`` input takes (datatype and one image's shape, from its metadata), and the check
 that images a client sends are of that kind: refused, never cast, when they are not. A task whose plan
 says ``input: {dtype: encoded}`` takes JPEG or PNG files' bytes: Triton UINT8 ``[batch, L]``, one file per
-row, zero-padded to the longest (:func:`blockflow.clients.images.padded_files`)."""
+row, zero-padded to the longest (:func:`blockflow.clients.images.padded_files`). A task whose network takes
+more than the image takes its side inputs too (:class:`SideInputKind`), each named by the network's argument,
+batched like the image; they are checked against the task's metadata before a call, and refused, never
+cast, when they are not what it takes."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -15,17 +19,39 @@ from blockflow.clients.images import padded_files
 from blockflow.core.errors import ClientError
 from blockflow.core.spec import IMAGE
 
+# Triton's datatypes of side inputs, and the numpy dtypes a client sends them in.
+SIDE_DTYPES: dict[str, np.dtype[Any]] = {"FP32": np.dtype(np.float32), "INT64": np.dtype(np.int64)}
+
+
+@dataclass(frozen=True)
+class SideInputKind:
+    """A task input other than the image: its Triton name, Triton datatype (``FP32`` or ``INT64``) and
+    one sample's shape (the batch comes first, the image's)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The numpy dtype it is sent in (float32 or int64)."""
+        return SIDE_DTYPES.get(self.datatype, np.dtype(np.float32))
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.dtype} [batch, {', '.join(map(str, self.shape))}])"
+
 
 @dataclass(frozen=True)
 class TaskInput:
     """What a task's ``IMAGE`` takes: Triton's datatype (``FP32`` or ``UINT8``) and one image's shape:
     ``[3, H, W]`` or ``[H, W, 3]`` for pixels, ``(-1,)`` for encoded files (``UINT8``, one file's bytes
     per row, of any length); and the names of the outputs the task answers with (``LOGITS``, or a
-    detector's ``COUNT``, ``BOXES``, ...; empty: not known)."""
+    detector's ``COUNT``, ``BOXES``, ...; empty: not known); and its side inputs, in the task's order."""
 
     datatype: str = "FP32"
     shape: tuple[int, ...] | None = None  # None: not known (a model without an IMAGE input)
     outputs: tuple[str, ...] = ()
+    side_inputs: tuple[SideInputKind, ...] = ()
 
     @property
     def layout(self) -> Literal["CHW", "HWC"]:
@@ -51,9 +77,30 @@ class TaskInput:
         for i in inputs:
             if i["name"] == IMAGE:
                 shape = tuple(int(d) for d in i["shape"])
-                # [batch, L]: encoded files (a network's image has three axes).
-                return TaskInput(str(i["datatype"]), shape[-1:] if len(shape) <= 2 else shape[-3:], outputs)
+                # [batch, L]: encoded files (a network's image has three axes); a batching model's
+                # every input has the batch first (its side inputs too).
+                batched = len(shape) in (2, 4)
+                sides = tuple(SideInputKind(str(j["name"]), str(j["datatype"]),
+                                            tuple(int(d) for d in j["shape"])[1 if batched else 0:])
+                              for j in inputs if _side(str(j["name"])))
+                return TaskInput(str(i["datatype"]), shape[-1:] if len(shape) <= 2 else shape[-3:], outputs, sides)
         return TaskInput(outputs=outputs)
+
+    def check_sides(self, task: str, inputs: Mapping[str, Any] | None, batch: int) -> dict[str, Any]:
+        """``inputs`` as the task takes them, in its order: each of its side inputs given, none other, each
+        a numpy array (or a CPU torch tensor) of its dtype and shape ``[batch, ...]`` (``batch``: the
+        images'). Python numbers and lists are taken where they convert exactly (floats for an fp32 input:
+        to the nearest float32, the only way Python writes one)."""
+        given = dict(inputs or {})
+        takes = ", ".join(map(str, self.side_inputs)) or "none"
+        unknown = [n for n in given if n not in {s.name for s in self.side_inputs}]
+        if unknown:
+            raise ClientError(f"task {task!r} takes no input {unknown[0]!r}: its inputs besides {IMAGE} are {takes}")
+        missing = [s for s in self.side_inputs if s.name not in given]
+        if missing:
+            raise ClientError(f"task {task!r} needs its side input(s) {', '.join(map(str, missing))}: pass "
+                              f"inputs={{{', '.join(f'{s.name!r}: array' for s in missing)}}}")
+        return {s.name: _side_array(task, s, given[s.name], batch) for s in self.side_inputs}
 
     def check(self, task: str, images: Any) -> Any:
         """``images`` as the task takes them (contiguous; numpy stays numpy, torch stays torch). A float
@@ -95,6 +142,50 @@ class TaskInput:
         raise ClientError(f"task {task!r} takes encoded images (JPEG or PNG files' bytes, one per image), got a {got} "
                           f"array of shape {shape}: send the files as they are (blockflow.clients.images.image_files: "
                           "uint8 [batch, L], one file per row, zero-padded to the longest), not decoded pixels")
+
+
+def _side(name: str) -> bool:
+    """Whether an input of a model that takes IMAGE is a side input, not a block's hop tensor (side
+    inputs never take the reserved names: ACTIVATION*, HANDED*)."""
+    return name != IMAGE and not name.startswith(("ACTIVATION", "HANDED"))
+
+
+def _side_array(task: str, side: SideInputKind, value: Any, batch: int) -> Any:
+    """``value`` as the contiguous numpy array ``side`` takes, or a :class:`ClientError` that names it."""
+    want = f"{side.dtype} [batch, {', '.join(map(str, side.shape))}]"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if hasattr(value, "dtype"):  # an array (or a numpy scalar): of the dtype, never cast
+        x = np.asarray(value)
+        if x.dtype != side.dtype:
+            raise ClientError(f"side input {side.name!r} of task {task!r} takes {want}, got {x.dtype}: "
+                              f"send it as {side.dtype} (x.astype(np.{side.dtype}) if its values are exact)")
+    else:
+        x = _exact(task, side, want, value)
+    if x.shape != (batch, *side.shape):
+        raise ClientError(f"side input {side.name!r} of task {task!r} takes {want} with the images' batch {batch}; "
+                          f"got shape {list(x.shape)}" + (" (one row per image)" if x.shape[1:] == side.shape else ""))
+    return np.ascontiguousarray(x)
+
+
+def _exact(task: str, side: SideInputKind, want: str, value: Any) -> Any:
+    """Python numbers or (nested) lists as ``side``'s dtype where they convert exactly."""
+    try:
+        x = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged lists
+        raise ClientError(f"side input {side.name!r} of task {task!r} takes {want}, got {type(value).__name__}: {exc}") from None
+    kind = x.dtype.kind
+    ok = kind in "iu" or (kind == "f" and side.dtype == np.float32)
+    if ok:
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = x.astype(side.dtype)
+            # Integers must be kept exactly; floats rounded to float32 must stay finite.
+            ok = bool(np.array_equal(y.astype(x.dtype), x) if kind in "iu" else np.array_equal(np.isfinite(y), np.isfinite(x)))
+    if not ok:
+        raise ClientError(f"side input {side.name!r} of task {task!r} takes {want}; {x.dtype} values "
+                          f"{'' if kind in 'iuf' else 'of this kind '}do not convert to {side.dtype} exactly")
+    return y
 
 
 def _rows(images: Any) -> bool:

@@ -18,6 +18,7 @@ from blockflow.core.spec import (
     SPEC_PARAMETER,
     TICKET_BYTES,
     ModelSpec,
+    SideInput,
     activation_names,
 )
 from blockflow.plan import Block
@@ -33,6 +34,8 @@ DIGEST_PARAMETER = "blockflow.digest"
 # Triton's type for each hop dtype.
 HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
 OUTPUT_TYPES = {"fp32": mc.TYPE_FP32, "int64": mc.TYPE_INT64}
+# Triton's type for each side input dtype (a task input besides the image).
+SIDE_TYPES = {"fp32": mc.TYPE_FP32, "int64": mc.TYPE_INT64}
 
 
 # Triton's type of each way a task's image arrives (encoded: one JPEG or PNG file's bytes per image, a
@@ -52,6 +55,10 @@ def _tensor(name: str, dims: Sequence[int], cls: type[mc.ModelInput] | type[mc.M
     t.data_type = data_type
     t.dims.extend(int(d) for d in dims)
     return t
+
+
+def _side_tensor(side: SideInput) -> mc.ModelInput:
+    return _tensor(side.name, side.shape, mc.ModelInput, SIDE_TYPES[side.dtype])
 
 
 def _instance_group(block: Block) -> mc.ModelInstanceGroup:
@@ -89,6 +96,8 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     else:  # one input per tensor that crosses the cut
         cfg.input.extend(_tensor(n, shape, mc.ModelInput, HOP_TYPES[spec.in_dtype])
                          for n, shape in zip(activation_names(ACTIVATION_IN, len(spec.in_shapes)), spec.in_shapes, strict=True))
+    # Task inputs besides the image that its parts read, after the hop: the ensemble gives them as the client sent them.
+    cfg.input.extend(_side_tensor(s) for s in spec.side_inputs)
     if spec.heads:  # a head pack answers each task on its own output
         cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
     elif spec.gives_logits:
@@ -141,13 +150,16 @@ class Step:
 
 
 def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int], logits_shape: Sequence[int],
-                    wiring: Wiring | None = None, entry: Sequence[tuple[str, Sequence[int], int]] | None = None) -> mc.ModelConfig:
+                    wiring: Wiring | None = None, entry: Sequence[tuple[str, Sequence[int], int]] | None = None,
+                    side_inputs: Sequence[SideInput] = ()) -> mc.ModelConfig:
     """The ensemble that chains ``steps``: IMAGE in, LOGITS out, one named tensor per hop.
 
     ``wiring``: which step's output each step takes, where blocks hand over directly
     (``blockflow.plan.direct_pairs``); by default each takes the step before's. ``entry``: the
     ensemble's inputs (name, dims, type) where it takes no image (a run after a crossing,
-    ``blockflow.ensemble_gen.crossing``), which its first step takes by the same names."""
+    ``blockflow.ensemble_gen.crossing``), which its first step takes by the same names.
+    ``side_inputs``: the task's inputs besides the image, taken after it and given, by name, to
+    every step whose spec reads them (never carried by a hop)."""
     cfg = mc.ModelConfig()
     cfg.name = name
     cfg.platform = "ensemble"
@@ -156,6 +168,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         cfg.input.append(_tensor(IMAGE, image_shape, mc.ModelInput, image_type(steps[0].spec)))
     else:
         cfg.input.extend(_tensor(n, dims, mc.ModelInput, t) for n, dims, t in entry)
+    cfg.input.extend(_side_tensor(s) for s in side_inputs)
     first = [IMAGE] if entry is None else [n for n, _, _ in entry]
     answer = steps[-1].spec.outputs  # a detector's outputs; none: LOGITS
     if answer:
@@ -172,6 +185,11 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         inputs = [IMAGE] if s.spec.takes_image else activation_names(ACTIVATION_IN, len(carried))
         for name, tensor in zip(inputs, carried, strict=True):
             step.input_map[name] = tensor
+        for side in s.spec.side_inputs:
+            if side not in side_inputs:
+                raise ValueError(f"step {s.model} of ensemble {name} reads side input {side.name!r} "
+                                 f"({side.dtype} {list(side.shape)}), which the ensemble does not take")
+            step.input_map[side.name] = side.name
         for k, j in enumerate(wiring.after.get(i, ()) if wiring is not None else ()):
             step.input_map[f"{HANDED_AFTER}_{k}"] = given[j][0]
         if s.spec.gives_logits:

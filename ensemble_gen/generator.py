@@ -67,8 +67,9 @@ __all__ = ["TritonPythonModel"]
 BRIDGE_PY = crossing_models.model_py(MODEL_PY)
 
 
-def _parts(blocks: Sequence[Block]) -> tuple[Part, ...]:
-    return tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights) for b in blocks)
+def _parts(plan: Plan, blocks: Sequence[Block]) -> tuple[Part, ...]:
+    return tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights, side_inputs=plan.block_side_inputs(b))
+                 for b in blocks)
 
 
 def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: str, blocks: list[Block], transport: TransportName,
@@ -83,7 +84,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         stage_files=tuple(model.stage_files or ()),
         num_classes=model.num_classes,
         input_shape=tuple(model.input_shape),
-        parts=_parts(blocks),
+        parts=_parts(plan, blocks),
         precision=precision,
         cuda_graphs=cuda_graphs,
         max_batch_size=max_batch_size,
@@ -99,6 +100,7 @@ def _path_spec(plan: Plan, kind: Literal["block", "reference", "pack"], name: st
         heads=heads,
         image=model.image if blocks[0].first == 0 else None,
         outputs=plan.block_outputs(blocks[-1]),
+        side_inputs=plan.side_inputs_of(blocks),
     )
 
 
@@ -121,7 +123,7 @@ def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[Mod
     pack of whole models (``pack: all``) takes the image, as a first block does (its ``image``, its
     dtype and shape), and each member's ensemble is that one step."""
     first = pack.heads[0][0]
-    heads = tuple(Head(task=t, parts=_parts(h)) for t, h in zip(pack.tasks, pack.heads, strict=True))
+    heads = tuple(Head(task=t, parts=_parts(plan, h)) for t, h in zip(pack.tasks, pack.heads, strict=True))
     spec = _path_spec(plan, "pack", pack.name, list(pack.heads[0]), transport, first.precision, first.cuda_graphs,
                       first.max_batch_size, heads)
     return spec, dataclasses.replace(first, name=pack.name)
@@ -240,7 +242,8 @@ def render(plan: Plan) -> dict[str, bytes]:
         last = plan.blocks[task.path[-1]]
         wiring = direct_pairs.wiring(paths[ename], relay) if ename in paths else None
         cfg = ensemble_config(ename, steps, steps[0].spec.in_shape, plan.block_out_shape(last), wiring,
-                              crossing_models.entry(steps[0].spec) if index else None)
+                              crossing_models.entry(steps[0].spec) if index else None,
+                              () if index else plan.task_side_inputs(task))
         if onward is not None:
             outputs = plan.block_outputs(last) or (TaskOutput(name=LOGITS, dtype="fp32", shape=plan.block_out_shape(last)),)
             cross = naming.crossing_model(tname, index + 1)

@@ -12,7 +12,7 @@ from rich.table import Table
 from blockflow.cli.app import JSON, PLAN, app, emit, err, out
 
 if TYPE_CHECKING:
-    from blockflow.plan import Plan
+    from blockflow.plan import Plan, Task
 
 
 @app.command()
@@ -47,7 +47,7 @@ def validate(plan: Path, as_json: bool) -> None:
 @click.option("--num-classes", type=click.IntRange(1), default=1000, show_default=True, help="With --cuts and a model name.")
 @JSON
 def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: bool) -> None:
-    """Tasks, blocks, what each task shares, and the tensors between blocks; or, with --cuts, a network's legal cuts."""
+    """Tasks (what each takes, shares, answers), blocks, the tensors between them; or, with --cuts, a network's legal cuts."""
     from blockflow.core.spec import hop_dtype
     from blockflow.plan import load_plan
 
@@ -62,6 +62,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
               "tasks": [{"task": t.name, "transports": list(p.transports_of(t)), "path": list(t.path),
                          "shared_blocks": [b for b in t.path if len(sharing[b]) > 1],
                          "hand_overs": [list(pair) for pair in p.task_hand_overs(t)],
+                         "inputs": [{"name": n, "dtype": d, "shape": list(sh)} for n, d, sh in _task_inputs(p, t)],
                          "outputs": [{"name": n, "dtype": d, "shape": list(sh)} for n, d, sh in _task_outputs(p, t.path[-1])],
                          "hops": [{"shapes": [list(s) for s in p.block_out_shapes(p.blocks[n])],
                                    "dtype": hop_dtype(p.blocks[n].precision)} for n in t.path[:-1]]}
@@ -85,7 +86,8 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
             ", ".join(sharing[b.name]) or "[yellow]unused[/]",
         )
     tasks = Table(title="tasks")
-    for col in ("task", "transport", "path", "shared blocks", "hands over directly", "hop tensors (per sample)", "outputs"):
+    for col in ("task", "transport", "path", "shared blocks", "hands over directly", "hop tensors (per sample)", "inputs",
+                "outputs"):
         tasks.add_column(col)
     for t in p.tasks.values():
         shared = [b for b in t.path if len(sharing[b]) > 1]
@@ -94,9 +96,10 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
             shapes, dtype = p.block_out_shapes(p.blocks[name]), hop_dtype(p.blocks[name].precision)
             hops.append(f"{_shapes(shapes)} {dtype} {_mib(shapes, dtype)}")
         direct = ", ".join(f"{a} ⇒ {b}" for a, b in p.task_hand_overs(t))
+        taken = ", ".join(f"{n} {list(sh)}" + ("" if d in ("fp32", "float32") else f" {d}") for n, d, sh in _task_inputs(p, t))
         answer = ", ".join(f"{n} {list(sh)}" + ("" if d == "fp32" else f" {d}") for n, d, sh in _task_outputs(p, t.path[-1]))
         tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", direct or "-",
-                      "; ".join(hops) or "-", answer)
+                      "; ".join(hops) or "-", taken, answer)
     out.print(tasks)
     out.print(blocks)
 
@@ -213,6 +216,17 @@ def generate(plan: Path, output: Path, check: bool, server_name: str | None, as_
         emit({"output": str(output), "models": sorted(generator.model_names(files))})
         return
     out.print(f"wrote {len(generator.model_names(files))} models to {output}")
+
+
+def _task_inputs(p: Plan, task: Task) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, per-sample shape) of what ``task`` takes: its image (as it arrives: float32, uint8
+    or encoded; -1 where it varies), then each side input its blocks read (fp32 or int64)."""
+    from blockflow.core.spec import IMAGE
+
+    model = p.models[p.blocks[task.path[0]].model]
+    image = model.image
+    return [(IMAGE, image.dtype if image is not None else "float32", model.image_shape),
+            *((s.name, s.dtype, s.shape) for s in p.task_side_inputs(task))]
 
 
 def _task_outputs(p: Plan, last: str) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -9,7 +9,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from blockflow.cli import where
+from blockflow.cli import side_inputs, where
 from blockflow.cli.app import JSON, app, emit, err, out
 
 
@@ -24,9 +24,12 @@ from blockflow.cli.app import JSON, app, emit, err, out
 @click.option("--url", default=None, help="host:port (default: $BLOCKFLOW_HTTP_URL or $BLOCKFLOW_GRPC_URL, else the running "
               "server's endpoints file, else 127.0.0.1:8000 for http, :8001 for grpc).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True, help="Send the request this many times; report latency percentiles.")
+@click.option("--input", "sides", multiple=True, metavar="NAME=FILE.npy", callback=lambda _c, _p, v: side_inputs.files(v),
+              help="A side input of the task (an input besides the image: `blockflow show` lists them), from a .npy file of "
+                   "its dtype, shaped [batch, ...] or one sample's (repeated over the batch). Repeat for each.")
 @JSON
 def infer(task: str, image: Path | None, random_input: bool, batch: int, protocol: str, url: str | None, repeat: int,
-          as_json: bool) -> None:
+          sides: dict[str, Any], as_json: bool) -> None:
     """Send images to a task; print its top-5 classes (a segmentation task: the classes most of the
     image's pixels take; a detector: its best boxes with labels and scores) and the latency."""
     import numpy as np
@@ -34,12 +37,14 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
     from blockflow.clients.client import TaskClient, top_k
     from blockflow.clients.detections import is_detector
     from blockflow.clients.images import class_names, image_files, load_image, load_image_uint8, random_jpegs
+    from blockflow.core.spec import LOGITS
 
     if (image is None) == (not random_input):
         raise click.UsageError("give exactly one of --image FILE or --random")
     address = where.http(url, protocol)
     with where.reaching(address), TaskClient(address.value, protocol) as client:  # type: ignore[arg-type]
         kind = client.input_of(task)
+        inputs = side_inputs.batched(task, kind, sides, batch)
         shape = kind.shape or client.input_shape(task)
         rng = np.random.default_rng(0)
         x: np.ndarray[Any, Any]
@@ -55,15 +60,22 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
         else:
             x = rng.standard_normal((batch, *shape), dtype=np.float32)
         latencies = []
+        if kind.outputs and LOGITS not in kind.outputs and not is_detector(list(kind.outputs)):  # named outputs
+            for _ in range(repeat):
+                start = time.perf_counter()
+                answer = client.infer_outputs(task, x, inputs=inputs)
+                latencies.append((time.perf_counter() - start) * 1e3)
+            side_inputs.print_outputs(task, answer, address.value, protocol, batch, repeat, np.array(latencies), as_json)
+            return
         if is_detector(list(kind.outputs)):
             for _ in range(repeat):
                 start = time.perf_counter()
-                found = client.detect(task, x)
+                found = client.detect(task, x, inputs=inputs)
                 latencies.append((time.perf_counter() - start) * 1e3)
             _print_detections(task, found, address.value, protocol, batch, repeat, np.array(latencies), as_json)
             return
         for _ in range(repeat):
-            result = client.infer_timed(task, x)
+            result = client.infer_timed(task, x, inputs=inputs)
             latencies.append(result.latency_ms)
     names = class_names(result.logits.shape[1])
     lat = np.array(latencies)

@@ -12,7 +12,9 @@ boundary is a tensor (at most ``MAX_HOP_TENSORS`` of them): they are what the ho
 order the network computed them. Inside a residual block that is two tensors (the block's input,
 kept for the skip, and the branch so far); between blocks, one. Stage ``i`` runs from just after
 cut ``i-1`` up to and including cut ``i``; the last stage runs to the end. A stage takes one
-argument per tensor that enters it and returns one tensor, or a tuple when several leave it. Each
+argument per tensor that enters it, then one per side input its nodes read (an exported program's
+arguments after the image, ``blockflow.core.programs.program_side_inputs``: never a value a hop
+carries, they reach each stage from the task), and returns one tensor, or a tuple when several leave it. Each
 stage is its own ``GraphModule`` holding the same nodes, in the same order, as the whole traced
 network: running the stages one after another is exactly the unsplit forward pass.
 
@@ -33,8 +35,9 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -44,8 +47,17 @@ from torch import fx, nn
 from blockflow.core import detection
 from blockflow.core.cuts import Cut, Cuts, HopTensor
 from blockflow.core.folding import fold_input_size
-from blockflow.core.programs import is_program, load_program, module_path, program_input, program_output_names, recorded_tensor
-from blockflow.core.spec import TaskOutput
+from blockflow.core.programs import (
+    SIDE_INPUTS_ATTR,
+    is_program,
+    load_program,
+    module_path,
+    program_input,
+    program_output_names,
+    program_side_inputs,
+    recorded_tensor,
+)
+from blockflow.core.spec import SideInput, TaskOutput
 
 # The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
 MAX_HOP_TENSORS = 8
@@ -140,6 +152,8 @@ class Traced:
     nodes: tuple[fx.Node, ...]
     paths: tuple[str, ...]  # dotted module path of each node (``features.4.block.2``; a node's name at top level)
     last_use: tuple[int, ...]  # index of the last node that uses each node's value (its own index if none)
+    # Index of each side input's placeholder (an exported program's arguments after the image), in order.
+    sides: tuple[int, ...] = ()
 
     def end_of(self, cut: str) -> int:
         """Index of the last node of module (or node) ``cut``; ``KeyError`` if the network has none."""
@@ -149,16 +163,28 @@ class Traced:
         return max(hits)
 
     def live_after(self, boundary: int) -> list[fx.Node]:
-        """Values computed at or before ``boundary`` that a later node still uses (parameters excluded)."""
-        return [n for i, n in enumerate(self.nodes[:boundary + 1]) if n.op != "get_attr" and self.last_use[i] > boundary]
+        """Values computed at or before ``boundary`` that a later node still uses (parameters and side
+        inputs excluded: no hop carries them)."""
+        return [n for i, n in enumerate(self.nodes[:boundary + 1])
+                if n.op != "get_attr" and self.last_use[i] > boundary and i not in self.sides]
+
+    def side_users(self) -> tuple[tuple[int, ...], ...]:
+        """Indices of the nodes that read each side input (the output node among them, if it does)."""
+        index = {n: i for i, n in enumerate(self.nodes)}
+        return tuple(tuple(sorted(index[u] for u in self.nodes[s].users)) for s in self.sides)
 
 
 def trace(net: nn.Module) -> Traced:
+    """``net``'s graph. An exported program's arguments after the first are its side inputs where it
+    was loaded as a whole model (``load_program(single=True)``), tensors entering it otherwise (a
+    pre-cut stage file); a torchvision network has none."""
     if isinstance(net, fx.GraphModule):  # an exported program: already a graph
         nodes = tuple(net.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
-        return Traced(net, nodes, tuple(module_path(n) or n.name for n in nodes), last_use)
+        placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+        sides = tuple(placeholders[1:]) if getattr(net, SIDE_INPUTS_ATTR, False) else ()
+        return Traced(net, nodes, tuple(module_path(n) or n.name for n in nodes), last_use, sides)
     from torchvision.models.feature_extraction import NodePathTracer
 
     tracer = NodePathTracer()
@@ -175,31 +201,42 @@ def trace(net: nn.Module) -> Traced:
 
 
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
-    """Stages ``first..last`` (inclusive) as one module taking the tensors live at cut ``first-1``."""
+    """Stages ``first..last`` (inclusive) as one module taking the tensors live at cut ``first-1``
+    (the network's inputs other than side inputs, for stage 0), then the side inputs its nodes read
+    (in the network's argument order: ``stage_side_inputs``)."""
     bounds = [traced.end_of(c) for c in cut_points]
     start = bounds[first - 1] + 1 if first > 0 else 0
     output = next(n for n in traced.nodes if n.op == "output")
     end = bounds[last] if last < len(bounds) else traced.nodes.index(output) - 1
+    stage = traced.nodes[start:end + 1]
+    readers = {*stage, *([output] if last >= len(bounds) else [])}
+    sides = [traced.nodes[s] for s in traced.sides if not readers.isdisjoint(traced.nodes[s].users)]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if first > 0:
         entering = traced.live_after(bounds[first - 1])
+        prefix = "x"  # the hop tensors' argument names, unlike any side input's
+        while any(re.fullmatch(re.escape(prefix) + r"\d*", str(s.target)) for s in sides):
+            prefix += "_"
         for i, node in enumerate(entering):
-            env[node] = graph.placeholder("x" if len(entering) == 1 else f"x{i}")
+            env[node] = graph.placeholder(prefix if len(entering) == 1 else f"{prefix}{i}")
     else:
-        entering = [n for n in traced.nodes if n.op == "placeholder"]
+        entering = [n for i, n in enumerate(traced.nodes) if n.op == "placeholder" and i not in traced.sides]
         for node in entering:
             env[node] = graph.node_copy(node, env.__getitem__)
-    stage = traced.nodes[start:end + 1]
-    for node in entering:
+    for node in sides:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    for node in [*entering, *sides]:
         # A stage's inputs may be another process's memory (a TensorMQ pool, read-only on the CPU):
         # a stage that would change one in place (a ReLU(inplace=True) or ``+=`` right after the
         # cut) works on its own copy.
         if any(_mutates(user, node) for user in node.users if user in stage):
             env[node] = graph.call_method("clone", (env[node],))
     for node in stage:
-        if node.op == "get_attr":
-            continue  # fetched where a node of this stage uses it (below), never for a later stage
+        if node.op in ("get_attr", "placeholder"):
+            # A parameter is fetched where a node of this stage uses it (below), never for a later
+            # stage; the inputs the stage takes are placeholders already (above).
+            continue
         for used in node.all_input_nodes:  # parameters read by this stage but fetched earlier in the whole graph
             if used not in env and used.op == "get_attr":
                 env[used] = graph.node_copy(used, env.__getitem__)
@@ -298,7 +335,9 @@ def _torchvision_cuts(arch: str, input_shape: tuple[int, ...], num_classes: int)
 def _program_cuts(path: str, mtime_ns: int, size: int) -> Cuts:
     traced = trace(load_program(path))
     batch, sample_shape = program_input(traced.module, path)
-    return _find_cuts(traced, lambda node: recorded_tensor(node, batch), sample_shape)
+    sides = program_side_inputs(traced.module, path)
+    cuts = _find_cuts(traced, lambda node: recorded_tensor(node, batch), sample_shape)
+    return replace(cuts, sides=sides, side_users=traced.side_users())
 
 
 def _shape_prop_tensor(node: fx.Node) -> HopTensor | None:
@@ -358,6 +397,30 @@ def task_outputs(arch: str, input_shape: Sequence[int]) -> tuple[TaskOutput, ...
     if not detection.is_detection(arch):
         return ()
     return tuple(TaskOutput(name=n, dtype=d, shape=s) for n, d, s in detection.task_outputs(arch, input_shape))  # type: ignore[arg-type]
+
+
+def side_inputs(network: str, input_shape: Sequence[int], num_classes: int) -> tuple[SideInput, ...]:
+    """The network's side inputs (an exported program's arguments after the image), in argument
+    order; none for a torchvision network."""
+    return legal_cuts(network, tuple(input_shape), num_classes).sides
+
+
+def stage_side_inputs(network: str, cut_points: Sequence[str], input_shape: Sequence[int], num_classes: int,
+                      first: int, last: int) -> tuple[str, ...]:
+    """The names of the side inputs stages ``first..last`` (inclusive) of ``network`` cut at
+    ``cut_points`` read, in argument order: what their stage module takes after its entering tensors."""
+    cuts = legal_cuts(network, tuple(input_shape), num_classes)
+    if not cuts.sides:
+        return ()
+    bounds = []
+    for c in cut_points:
+        if cuts.get(c) is None:
+            raise ValueError(f"{c!r} is not a legal cut of {network}")
+        bounds.append(cuts.position(c))
+    start = bounds[first - 1] + 1 if first > 0 else 0
+    end = bounds[last] if last < len(bounds) else math.inf  # the last stage: to the output, which may read one
+    return tuple(s.name for s, users in zip(cuts.sides, cuts.side_users, strict=True)
+                 if any(start <= u <= end for u in users))
 
 
 def stage_output_shapes(

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blockflow.core.spec import SideInput
+
 
 @dataclass(frozen=True)
 class HopTensor:
@@ -41,7 +43,8 @@ class Cut:
 
 @dataclass(frozen=True)
 class Cuts:
-    """The legal cuts of one network at one input shape, in network order, and its output's shape."""
+    """The legal cuts of one network at one input shape, in network order, its output's shape and
+    its side inputs."""
 
     cuts: tuple[Cut, ...]
     ends: tuple[int, ...]  # index of each cut's last node in the traced graph
@@ -50,6 +53,11 @@ class Cuts:
     # A network of several outputs (an exported program's): each one's per-sample shape and dtype;
     # empty for one (``output_shape``).
     outputs: tuple[HopTensor, ...] = ()
+    # Its side inputs (an exported program's arguments after the image: never carried by a hop), in
+    # argument order, and the indices in the traced graph of the nodes that read each (where a
+    # stage reads it: ``blockflow.core.arch.stage_side_inputs``).
+    sides: tuple[SideInput, ...] = ()
+    side_users: tuple[tuple[int, ...], ...] = ()
 
     def names(self) -> list[str]:
         return [c.name for c in self.cuts]

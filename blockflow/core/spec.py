@@ -88,6 +88,20 @@ class ImageInput(_Strict):
 OutputDtype = Literal["fp32", "int64"]
 
 
+# A task input other than the image (a side input): its element type.
+SideDtype = Literal["fp32", "int64"]
+
+
+class SideInput(_Strict):
+    """A task input other than the image (an exported program's further argument, named by it): its
+    Triton name, element type and per-sample shape. It travels from the task's ensemble straight to
+    every block whose stages read it, never across a hop, so it keeps its dtype on every transport."""
+
+    name: str
+    dtype: SideDtype
+    shape: tuple[int, ...]
+
+
 class TaskOutput(_Strict):
     """One output a task answers with: its name, element type and per-sample shape, ``-1`` where
     it varies (a detector's detections: padded per request to its largest count, see
@@ -137,6 +151,9 @@ class Part(_Strict):
     # Its own precision where its block's is not the spec's: the unsplit reference of a path whose
     # blocks differ (fp16 stages, then a detector's fp32 heads) runs each part as its block does.
     precision: Precision | None = None
+    # The side inputs (names among the spec's ``side_inputs``) its stages read, in the order they
+    # take them after the tensors that enter the part.
+    side_inputs: tuple[str, ...] = ()
 
 
 class Head(_Strict):
@@ -238,11 +255,19 @@ class ModelSpec(_Strict):
     # What the last block of a task whose network is no classifier answers with (a detector's
     # COUNT, BOXES, ...); empty: LOGITS of ``out_shape``.
     outputs: tuple[TaskOutput, ...] = ()
+    # The task inputs besides the image that this model's parts read (each part names its own), taken
+    # after its hop tensors (the image, or what crosses its cut), in this order.
+    side_inputs: tuple[SideInput, ...] = ()
 
     @model_validator(mode="after")
     def _pack_has_heads(self) -> ModelSpec:
         if (self.kind == "pack") != bool(self.heads):
             raise ValueError("a spec has heads exactly when its kind is 'pack'")
+        names = {s.name for s in self.side_inputs}
+        for part in [*self.parts, *(p for h in self.heads for p in h.parts)]:
+            unknown = set(part.side_inputs) - names
+            if unknown:
+                raise ValueError(f"part of block {part.block!r} reads side input(s) {sorted(unknown)} the spec does not take")
         return self
 
     def head_specs(self) -> list[tuple[str, ModelSpec]]:
@@ -292,7 +317,7 @@ class ModelSpec(_Strict):
 
         # Optional fields are left out when empty, so a spec that uses none of them keeps its bytes (and digest).
         optional = ("heads", "accepts_from", "extra_in_shapes", "extra_out_shapes", "stage_files", "hand_over", "image",
-                    "outputs")
+                    "outputs", "side_inputs")
         omitted = {k for k in optional if not getattr(self, k)} | {k for k in ("in_dtype", "out_dtype") if getattr(self, k) == "fp32"}
         data = self.model_dump(mode="json", exclude=omitted)
         for part in [*data["parts"], *(p for h in data.get("heads", ()) for p in h["parts"])]:
@@ -302,4 +327,6 @@ class ModelSpec(_Strict):
                 del part["network"]
             if part["precision"] is None:
                 del part["precision"]
+            if not part["side_inputs"]:
+                del part["side_inputs"]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

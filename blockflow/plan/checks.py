@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
+from blockflow.core.spec import LOGITS, SideInput
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import crossing
 from blockflow.plan.deployment import Plan
@@ -129,7 +131,10 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
             yield PlanIssue(f"blocks.{name}.precision", f"{block.precision} for a detector's last stages (heads, NMS); give "
                                                         "this block fp32 or tf32 (its backbone's blocks may run fp16)")
     for tname, task in raw.tasks.items():
-        yield from _path_issues(plan, tname, task, good_blocks)
+        path_issues = list(_path_issues(plan, tname, task, good_blocks))
+        yield from path_issues
+        if not path_issues and task.path and set(task.path) <= good_blocks:
+            yield from _side_input_issues(plan, tname)
     yield from crossing.issues(plan)
     for name in good_blocks:
         feeders = plan.block_feeders(plan.blocks[name])
@@ -246,6 +251,44 @@ def _path_issues(plan: Plan, tname: str, task: TaskDef, good_blocks: set[str]) -
             listed = ", ".join(f"{m!r} takes {list(plan.models[m].input_shape)}" for m in models)
             yield PlanIssue(f"tasks.{tname}.path", f"the models of one path must take the same input_shape, but {listed}; "
                                                    "give them one input_shape")
+
+
+# The ensemble's own tensors between its steps (``blockflow.ensemble_gen.configs.ensemble_config``).
+_HOP_TENSOR = re.compile(r"^hop[0-9]+_")
+
+
+def _side_input_issues(plan: Plan, tname: str) -> Iterable[PlanIssue]:
+    """Why ``tname``'s inputs besides the image (its path's side inputs) cannot be served as written."""
+    task = plan.tasks[tname]
+    blocks = [plan.blocks[b] for b in task.path]
+    seen: dict[str, tuple[str, SideInput]] = {}  # name -> (the first model that reads it, what it is there)
+    for model in dict.fromkeys(b.model for b in blocks):
+        read = {n for b in blocks if b.model == model for n in plan.block_side_inputs(b)}
+        for side in plan.model_side_inputs(model):
+            if side.name not in read:
+                continue
+            first = seen.setdefault(side.name, (model, side))
+            if first[1] != side:
+                yield PlanIssue(f"tasks.{tname}.path", f"side input {side.name!r} is {_side(first[1])} in model {first[0]!r} "
+                                                       f"but {_side(side)} in model {model!r}; one task input has one dtype "
+                                                       "and shape: export the programs with the same, or rename one")
+    sides = plan.task_side_inputs(task)
+    if not sides:
+        return
+    last = blocks[-1]
+    answers = {o.name for o in plan.block_outputs(last)} or {LOGITS}
+    for side in sides:
+        if side.name in answers:
+            yield PlanIssue(f"tasks.{tname}.path", f"side input {side.name!r} is also the name of one of the task's outputs "
+                                                   f"({', '.join(sorted(answers))}); rename the program's argument or output")
+        elif _HOP_TENSOR.match(side.name):
+            yield PlanIssue(f"tasks.{tname}.path", f"side input {side.name!r} looks like a tensor the task's ensemble names "
+                                                   "between its steps (hop<i>_...); rename the program's argument")
+    yield from crossing.side_input_issues(plan, task, sides)
+
+
+def _side(side: SideInput) -> str:
+    return f"{side.dtype} {list(side.shape)}"
 
 
 def _shapes(shapes: list[list[int]]) -> str:

@@ -8,15 +8,17 @@ continues after ends in a *crossing* (``<task>__cross<i+1>``, ``blockflow.backen
 its request's tensors to the next server's ensemble over Triton's gRPC, in the hop's dtype, and
 answers with what that one answers. A crossing fails its request, never the server, when the
 next server does not answer within that server's ``timeout_s``; the next request tries again.
+A crossing carries the hop's tensors only: a task whose blocks read inputs besides the image (side
+inputs) keeps its path on one server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from blockflow.core.errors import PlanIssue
-from blockflow.core.spec import hop_dtype
+from blockflow.core.spec import SideInput, hop_dtype
 
 if TYPE_CHECKING:
     from blockflow.plan.deployment import Plan, Task
@@ -88,3 +90,12 @@ def issues(plan: Plan) -> Iterable[PlanIssue]:
             if hop_dtype(last.precision) == "bf16":
                 yield PlanIssue(f"blocks.{last.name}.precision", f"bf16 activations cannot cross servers (task {tname!r}): "
                                                                  "give the block before a crossing fp16, fp32 or tf32")
+
+
+def side_input_issues(plan: Plan, task: Task, sides: Sequence[SideInput]) -> Iterable[PlanIssue]:
+    """Why ``task``, whose blocks read ``sides``, cannot cross servers as written."""
+    if sides and crosses(plan, task):
+        names = ", ".join(repr(s.name) for s in sides)
+        yield PlanIssue(f"tasks.{task.name}.path", f"the path crosses servers ({' → '.join(s for s, _ in runs(plan, task))}) "
+                                                   f"and its blocks read task inputs besides the image ({names}), which a "
+                                                   "crossing does not carry; keep this task's blocks on one server")

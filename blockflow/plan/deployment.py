@@ -15,7 +15,7 @@ from typing import Any, Literal
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanError, PlanIssue
-from blockflow.core.spec import HopDtype, Precision, TaskOutput, TransportName, WeightsSource, hop_dtype
+from blockflow.core.spec import HopDtype, Precision, SideInput, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import direct_pairs, naming
 from blockflow.plan.packs import HeadPack, head_packs
@@ -269,6 +269,36 @@ class Plan:
             return ()
         return archs.task_outputs(m.network, m.input_shape)
 
+    def model_side_inputs(self, model: str) -> tuple[SideInput, ...]:
+        """Every task input besides the image that ``model``'s network takes, in its argument order
+        (an exported program's further arguments; none for torchvision networks and stage files)."""
+        m = self.models[model]
+        if m.program is None or m.stage_files is not None:
+            return ()
+        return archs.side_inputs(m.network, tuple(m.input_shape), m.num_classes)
+
+    def block_side_inputs(self, block: Block) -> tuple[str, ...]:
+        """The side inputs ``block``'s stages read, in the order its stages take them."""
+        m = self.models[block.model]
+        if not self.model_side_inputs(block.model):
+            return ()
+        return archs.stage_side_inputs(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
+                                       block.first, block.last)
+
+    def side_inputs_of(self, blocks: Sequence[Block]) -> tuple[SideInput, ...]:
+        """The side inputs some of ``blocks`` read (a fused segment's, a whole path's): model by model
+        in the order the blocks come, each model's in its network's argument order, each name once."""
+        read = {name for b in blocks for name in self.block_side_inputs(b)}
+        out: dict[str, SideInput] = {}
+        for model in dict.fromkeys(b.model for b in blocks):
+            out.update((s.name, s) for s in self.model_side_inputs(model) if s.name in read and s.name not in out)
+        return tuple(out.values())
+
+    def task_side_inputs(self, task: Task) -> tuple[SideInput, ...]:
+        """What ``task`` takes besides its image: the side inputs its path reads (the plan's checks
+        make one name mean one dtype and shape along it)."""
+        return self.side_inputs_of([self.blocks[b] for b in task.path])
+
     def device_issues(self, gpus: int) -> list[PlanIssue]:
         """Placement problems on a machine with ``gpus`` visible GPUs (checked when serving)."""
         issues = []
@@ -311,7 +341,8 @@ class Plan:
         if not paths:
             return {}
         kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
-        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept)
+        readers = {d.name for t in self.tasks.values() for d in self.deployed(t) if self.side_inputs_of(d.blocks)}
+        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept, readers)
 
     def task_hand_overs(self, task: Task) -> list[tuple[str, str]]:
         """The pairs of :meth:`hand_overs` on ``task``'s deployed path, in order."""
@@ -331,7 +362,8 @@ class Plan:
             elif not self.task_hand_overs(t):
                 out.append(f"tasks.{t.name}: hand_over 'direct' finds no pair on its path: a block must be the only one "
                            "after the other and the other the only one before it in every task, and the one that takes "
-                           "over is no task's first, second or last block (docs/plan.md)")
+                           "over is no task's first, second or last block and reads no task input besides the image "
+                           "(docs/plan.md)")
         return out
 
 

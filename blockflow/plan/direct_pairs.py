@@ -8,7 +8,9 @@ the ensemble gives ``b``, as a key, the ticket ``a`` was given, and runs ``a`` a
 A pair qualifies only where the blocks' part is the same in every task: ``a`` is the only block
 after ``a`` and ``a`` the only block before ``b`` on every path, ``b`` is neither a task's second
 block (``a`` would take the image, and there is no ticket to key on) nor its last (the ensemble
-must take ``b``'s output), and neither is a head pack. Consecutive pairs make a *run*
+must take ``b``'s output), and neither is a head pack; nor does ``b`` read a task input besides the image
+(a side input: the ensemble gives it to the blocks that read it, and ``b`` takes nothing from the
+ensemble but its key). Consecutive pairs make a *run*
 ``s -> r1 -> r2 ...``: every receiver is keyed by the ticket ``s`` was given. The block after a
 run's last receiver (the *join*) takes the outputs no other step takes, as optional inputs, so
 that Triton runs every step of the run (it runs only the steps whose outputs some step takes).
@@ -33,9 +35,10 @@ class Wiring:
 
 
 def pairs(paths: Mapping[str, Sequence[str]], packs: Set[str] = frozenset(),
-          kept: Sequence[Sequence[str]] = ()) -> dict[str, str]:
+          kept: Sequence[Sequence[str]] = (), readers: Set[str] = frozenset()) -> dict[str, str]:
     """Sender -> receiver of every pair that hands over directly, given each task's models in order
-    (``kept``: the paths of tasks whose ensembles keep every step; their blocks hand over nothing)."""
+    (``kept``: the paths of tasks whose ensembles keep every step; their blocks hand over nothing;
+    ``readers``: the models that read side inputs, which never receive)."""
     after: dict[str, set[str]] = {}
     before: dict[str, set[str]] = {}
     steady = {m for path in kept for m in path} | set(packs)
@@ -46,7 +49,7 @@ def pairs(paths: Mapping[str, Sequence[str]], packs: Set[str] = frozenset(),
     out: dict[str, str] = {}
     for a, nexts in sorted(after.items()):
         b = next(iter(nexts))
-        if len(nexts) != 1 or before[b] != {a} or a in steady or b in steady:
+        if len(nexts) != 1 or before[b] != {a} or a in steady or b in steady or b in readers:
             continue
         places = [(p.index(b), len(p)) for p in paths.values() if b in p]
         if all(2 <= i <= n - 2 for i, n in places):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.core import detection
-from blockflow.core.arch import meta_network, slice_stages
+from blockflow.core.arch import meta_network, side_inputs, slice_stages, stage_side_inputs
 from blockflow.core.errors import CalibrationError
 from blockflow.plan import naming
 from blockflow.plan.deployment import Block, Plan
@@ -109,11 +109,18 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
 
     net = meta_network(arch, num_classes, input_shape)
     xs: tuple[torch.Tensor, ...] = (torch.empty((1, *input_shape), device="meta"),)
+    # Task inputs besides the image (an exported program's): each stage range takes those it reads after its hop tensors.
+    sides = {s.name: torch.empty((1, *s.shape), device="meta", dtype=torch.int64 if s.dtype == "int64" else torch.float32)
+             for s in side_inputs(arch, input_shape, num_classes)}
+
+    def read(a: int, b: int) -> tuple[torch.Tensor, ...]:
+        return tuple(sides[n] for n in stage_side_inputs(arch, cut_points, input_shape, num_classes, a, b)) if sides else ()
+
     if first > 0:
-        entering = slice_stages(net, arch, cut_points, 0, first - 1)(*xs)
+        entering = slice_stages(net, arch, cut_points, 0, first - 1)(*xs, *read(0, first - 1))
         xs = entering if isinstance(entering, tuple) else (entering,)
     part = slice_stages(net, arch, cut_points, first, last)
-    ShapeProp(part).propagate(*xs)  # every node's output shape, on the meta device
+    ShapeProp(part).propagate(*xs, *read(first, last))  # every node's output shape, on the meta device
     largest = max([x.numel() for x in xs] + [int(torch.Size(n.meta["tensor_meta"].shape).numel()) for n in part.graph.nodes
                                              if isinstance(n.meta.get("tensor_meta"), TensorMetadata)])
     params = sum(p.numel() for p in part.parameters()) + sum(b.numel() for b in part.buffers())

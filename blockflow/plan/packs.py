@@ -22,7 +22,8 @@ class HeadPack:
     With ``pack: all`` a head that is the task's whole path (one segment, the image in, its
     model's output out) is packed too, with the other whole models of its model deployed alike
     (``after`` is empty: the pack takes the image). A group of more than ``pack_size`` heads is
-    split into packs of nearly equal size.
+    split into packs of nearly equal size. A head that reads a task input besides the image (a side
+    input) is never packed.
     """
 
     name: str  # the pack's segment name, e.g. ``trunk__heads`` (before any transport suffix)
@@ -46,6 +47,8 @@ def head_packs(plan: Plan) -> dict[str, HeadPack]:
         if (whole and plan.raw.pack != "all") or any(users[b.name] != [task.name] for b in head):
             continue
         if plan.block_outputs(head[-1]):  # a detector answers several tensors; a pack, one per member
+            continue
+        if plan.side_inputs_of(head):  # a pack would take every member's, which one task's request lacks
             continue
         after = "" if whole else naming.segment_model([b.name for b in segments[-2]])
         first = head[0]

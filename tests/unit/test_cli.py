@@ -200,7 +200,7 @@ def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None
     assert invalid["valid"] is False and any(i["loc"] == "defaults.instances" for i in invalid["issues"])  # type: ignore[attr-defined]
     shown = shown_f.result()
     assert shown.keys() == {"plan", "tasks", "blocks"}
-    assert {"task", "transports", "path", "shared_blocks", "hand_overs", "hops", "outputs"} == set(shown["tasks"][0])  # type: ignore[index]
+    assert {"task", "transports", "path", "shared_blocks", "hand_overs", "hops", "inputs", "outputs"} == set(shown["tasks"][0])  # type: ignore[index]
     cuts = cuts_f.result()
     assert cuts["networks"][0]["cuts"][0].keys() == {"cut", "tensors", "bytes_per_sample"}  # type: ignore[index]
     memory = memory_f.result()

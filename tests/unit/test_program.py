@@ -65,7 +65,7 @@ def test_a_cut_inside_the_long_skip_carries_it(program: Path) -> None:
     assert sorted({k.split(".")[0] for k in last.state_dict()}) == ["head", "up"]
 
 
-def test_a_program_with_a_fixed_batch_or_two_inputs_is_refused(tmp_path: Path) -> None:
+def test_a_program_with_a_fixed_batch_or_a_bad_second_input_is_refused(tmp_path: Path) -> None:
     fixed = tmp_path / "fixed.pt2"
     torch.export.save(torch.export.export(nn.Linear(4, 2).eval(), (torch.randn(2, 4),)), fixed)
     with pytest.raises(ValueError, match="exported for batches of exactly 2; export it with a dynamic batch"):
@@ -73,12 +73,18 @@ def test_a_program_with_a_fixed_batch_or_two_inputs_is_refused(tmp_path: Path) -
 
     class Two(nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return a + b
+            return a * b.sum()
 
-    two = tmp_path / "two.pt2"
-    torch.export.save(torch.export.export(Two(), (torch.randn(2, 4), torch.randn(2, 4))), two)
-    with pytest.raises(ValueError, match="takes 2 input"):
-        arch.legal_cuts(str(two), (), 0)
+    batch = torch.export.Dim("batch")
+    two = tmp_path / "two.pt2"  # a second input with the batch of the first: a side input
+    torch.export.save(torch.export.export(Two(), (torch.randn(2, 4), torch.randn(2, 3)),
+                                          dynamic_shapes=({0: batch}, {0: batch})), two)
+    assert [s.name for s in arch.side_inputs(str(two), (), 0)] == ["b"]
+    other = tmp_path / "other.pt2"  # a second input of a fixed batch: no side input
+    torch.export.save(torch.export.export(Two(), (torch.randn(2, 4), torch.randn(2, 3)),
+                                          dynamic_shapes=({0: batch}, None)), other)
+    with pytest.raises(ValueError, match="side input 'b' has no dynamic batch first"):
+        arch.legal_cuts(str(other), (), 0)
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="cannot load exported program"):
