@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable
 
 from blockflow.core import arch as archs
+from blockflow.core import detection
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.spec import LOGITS, SideInput
@@ -125,7 +126,8 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
 
     for name in good_blocks:
         block = plan.blocks[name]
-        if block.precision in ("fp16", "bf16") and plan.block_outputs(block):
+        if (block.precision in ("fp16", "bf16") and plan.block_outputs(block)
+                and detection.is_detection(plan.models[block.model].network)):  # not an exported program's outputs
             # Its heads, proposals and NMS run in the block's precision: torchvision's NMS has no bf16
             # kernel, and its batched NMS offsets boxes by class in their dtype, which fp16 cannot hold apart.
             yield PlanIssue(f"blocks.{name}.precision", f"{block.precision} for a detector's last stages (heads, NMS); give "

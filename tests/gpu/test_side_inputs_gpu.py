@@ -1,7 +1,8 @@
 """Task inputs besides the image on the GPU: the two exported programs of ``tests.side_programs`` cut in
-two, fp16 blocks with CUDA graphs (each side input a static input of its own dtype), on TensorMQ and on
-Triton's GPU tensors. The int64 ``size`` stays an integer (its ``area`` is exact); what fp16 computes is
-within its bound of the program run whole in fp32."""
+two, fp16 blocks, on TensorMQ and on Triton's GPU tensors. ``scaled``'s blocks replay CUDA graphs that
+hold its fp32 ``scale`` as a static input; ``sized``'s last block (named outputs) runs eagerly, and its
+int64 ``size`` stays an integer (``area`` is exact). What fp16 computes is within its bound of the
+program run whole in fp32."""
 
 from __future__ import annotations
 

@@ -249,3 +249,11 @@ def test_show_lists_each_tasks_inputs(programs: Path) -> None:
     res = CliRunner().invoke(app, ["show", str(programs / "side.json")])
     assert res.exit_code == 0, res.output
     assert "IMAGE [3, 16, 16], size [2] int64" in res.output and "IMAGE [3, 16, 16], scale [1]" in res.output
+
+
+def test_a_program_of_named_outputs_may_end_in_an_fp16_block(programs: Path) -> None:
+    # Only a detector's last stages (its NMS) must run in fp32 or tf32; an exported program's outputs need not.
+    data = _data()
+    data["defaults"]["precision"] = "fp16"
+    plan = _plan(programs, data)
+    assert plan.blocks["b1"].precision == "fp16" and plan.block_outputs(plan.blocks["b1"])
