@@ -213,6 +213,23 @@ def split_eager_tail(part: nn.Module) -> tuple[fx.GraphModule, EagerTail] | None
     return prefix, EagerTail(eager.target, args)
 
 
+def on_device(part: nn.Module, device: torch.device) -> nn.Module:
+    """``part`` with the devices its graphs name as constants (an exported program's ``torch.arange(...,
+    device='cpu')``: the device it was exported on) made ``device``, so its new tensors are made where it runs."""
+    for module in part.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            given = node.kwargs.get("device")
+            if isinstance(given, torch.device) and given != device:
+                node.kwargs = {**node.kwargs, "device": device}
+                changed = True
+        if changed:
+            module.recompile()
+    return part
+
+
 def fold_batchnorm(part: nn.Module) -> nn.Module:
     """``part`` with each BatchNorm that follows a convolution folded into it (eval mode).
 

@@ -19,7 +19,7 @@ import torch
 
 from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
-from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, side_positions, split_eager_tail
+from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, on_device, side_positions, split_eager_tail
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
 from blockflow.core.errors import RequestError
@@ -108,7 +108,7 @@ class BlockRunner:
             torch.backends.cudnn.benchmark = not spec.outputs
         parts = [build_part(spec, p, cache) for p in spec.parts]
         if self.is_cuda:
-            parts = [fold_batchnorm(p) for p in parts]
+            parts = [fold_batchnorm(on_device(p, device)) for p in parts]
         graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"
         # A detector's last stages: what its graph traced (the backbone's rest, the FPN) replays as CUDA
         # graphs; its eager node (proposals, heads, NMS: sizes a graph cannot hold) runs after each replay.

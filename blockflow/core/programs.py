@@ -58,6 +58,10 @@ def load_program(path: str, single: bool = True) -> fx.GraphModule:
         # blocks check their inputs' shapes themselves, and a stage has no such module.
         if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
             module.graph.erase_node(node)
+        # A ``.to(dtype)`` is exported with an assertion of the tensor's dtype and device as exported
+        # (the CPU): a block runs the same nodes on its GPU, and in its own precision.
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            module.graph.erase_node(node)
     module.recompile()
     setattr(module, SIDE_INPUTS_ATTR, single)
     setattr(module, ARG_NAMES_ATTR, _argument_names(program))

@@ -7,8 +7,7 @@ import re
 from collections.abc import Iterable
 
 from blockflow.core import arch as archs
-from blockflow.core import detection
-from blockflow.core import stage_files
+from blockflow.core import detection, stage_files
 from blockflow.core.errors import PlanIssue
 from blockflow.core.spec import LOGITS, SideInput
 from blockflow.core.trained_weights import trained_weights

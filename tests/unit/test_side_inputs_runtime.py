@@ -301,3 +301,27 @@ def test_encoded_images_keep_their_request_s_side_inputs(programs: dict[str, Pat
 def test_side_inputs_of_the_spec_keep_their_order(programs: dict[str, Path]) -> None:
     assert arch.side_inputs(str(programs["scaled"]), (), 0) == (SideInput(name="scale", dtype="fp32", shape=(1,)),)
     assert arch.side_inputs(str(programs["sized_boxes"]), (), 0) == (SideInput(name="size", dtype="int64", shape=(2,)),)
+
+
+def test_a_programs_stages_make_their_tensors_on_the_blocks_device(tmp_path: Path) -> None:
+    """An exported ``.to(dtype)`` asserts the CPU it was exported on, and ``arange(..., device=x.device)``
+    names it: neither may pin a block on a GPU to the CPU."""
+    from blockflow.backend.parts import on_device
+
+    class Ramp(torch.nn.Module):
+        def forward(self, image: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+            ramp = torch.arange(4, device=image.device, dtype=torch.float32)
+            return image.mean((1, 2, 3)).reshape(-1, 1) * ramp + size.to(image.dtype)
+
+    batch = torch.export.Dim("batch", min=1, max=64)
+    path = tmp_path / "ramp.pt2"
+    torch.export.save(torch.export.export(Ramp(), (torch.randn(2, 3, 8, 8), torch.ones(2, 4, dtype=torch.int64)),
+                                          dynamic_shapes=({0: batch}, {0: batch})), path)
+    stage = arch.stage_module(arch.trace(arch.build_network(str(path), 0, 0)), [], 0, 0)
+    assert not any("_assert_tensor_metadata" in str(n.target) for n in stage.graph.nodes)
+    meta = torch.device("meta")
+    on_device(stage, meta)
+    devices = [n.kwargs["device"] for n in stage.graph.nodes if "device" in n.kwargs]
+    assert devices and all(d == meta for d in devices)
+    out = stage(torch.empty(3, 3, 8, 8, device=meta), torch.empty(3, 4, dtype=torch.int64, device=meta))
+    assert out.device == meta and tuple(out.shape) == (3, 4)
