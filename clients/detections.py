@@ -29,6 +29,15 @@ class Detections:
     def __len__(self) -> int:
         return int(self.scores.shape[0])
 
+    def rescaled(self, input_hw: tuple[int, int], original_hw: tuple[int, int]) -> Detections:
+        """These detections with their boxes in the pixels of the image the input was resized from
+        (``original_hw``: its height and width; ``input_hw``: the task's). Masks stay the input's size."""
+        (ih, iw), (oh, ow) = input_hw, original_hw
+        if min(ih, iw, oh, ow) <= 0:
+            raise ClientError(f"sizes must be positive: input {input_hw}, original {original_hw}")
+        scale = np.array([ow / iw, oh / ih, ow / iw, oh / ih], dtype=np.float32)
+        return Detections(self.boxes * scale, self.scores, self.labels, self.masks)
+
 
 def is_detector(output_names: list[str]) -> bool:
     """Whether a task with these outputs is a detector's."""

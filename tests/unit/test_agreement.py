@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from blockflow.bench.agreement import detections_agree, relative_error
 from blockflow.clients.detections import Detections
+from blockflow.core.errors import ClientError
 
 
 def test_the_relative_error_is_the_largest_difference_over_the_reference_scale() -> None:
@@ -42,3 +44,12 @@ def test_the_same_detections_agree_and_a_moved_box_or_another_label_does_not() -
 
 def test_no_images_agree_with_no_images() -> None:
     assert detections_agree([], []) == {"count": 0.0, "count_diff": 0.0, "best_matched": 1.0}
+
+
+def test_detections_rescale_to_the_original_images_pixels() -> None:
+    d = _dets([[10, 20, 30, 40]], [0.9], [3])
+    r = d.rescaled((320, 320), (480, 640))  # an image 640 wide, 480 high, resized to 320x320
+    np.testing.assert_allclose(r.boxes, [[20, 30, 60, 60]])
+    assert r.scores is d.scores and r.labels is d.labels
+    with pytest.raises(ClientError, match="positive"):
+        d.rescaled((0, 320), (480, 640))
