@@ -158,9 +158,11 @@ def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> fl
 
     if not cuda:
         x = torch.zeros(batch, *runner.in_shapes[0], dtype=runner.in_dtype)  # a uint8 task's image is uint8
+        # Task inputs besides the image (an exported program's): ones, as `blockflow load` sends.
+        sides = [torch.ones(batch, *s.shape, dtype=d) for s, d in zip(runner.sides, runner.side_dtypes, strict=True)]
 
         def eager() -> None:
-            runner.run_all([x])
+            runner.run_all([x, *sides])
 
         return _median_ms(eager, replays, cuda=False)
     runner.buckets = [batch]  # warmup() captures one graph per bucket: this batch's only

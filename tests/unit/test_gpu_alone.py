@@ -133,3 +133,17 @@ def test_the_like_for_like_table_adds_the_split_against_the_gpu_alone(tmp_path: 
     assert md.count("| fp16, host memory | ") == 1 and f" {100 * split / 13579:.0f}% of 13,579/s |" in md
     assert next(line for line in md.splitlines() if line.startswith("| fp16, CUDA shared memory |")).endswith(" — |")
     assert len([line for line in md.splitlines() if line.startswith("| ")]) == 3  # header and two rows
+
+
+def test_a_task_with_side_inputs_is_measured_with_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tests import side_programs
+
+    monkeypatch.setattr(gpu_alone, "REPLAYS", {1: 3})
+    monkeypatch.setattr(gpu_alone, "OTHER_REPLAYS", 3)
+    monkeypatch.setattr(gpu_alone, "WARM_S", 0.0)
+    side_programs.scaled(tmp_path)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("version: 1\nmodels: {m: {program: scaled.pt2, cut_points: [body]}}\ndefaults: {placement: cpu}\n"
+                    "blocks: {a: {model: m, stages: 0}, b: {model: m, stages: 1}}\ntasks: {t: {path: [a, b]}}\n")
+    figures, reason = gpu_alone.measure(plan, "t", None, (1, 2), "cpu")
+    assert reason is None and figures is not None and figures["batch1_ms"] > 0
