@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from blockflow.backend.runtime import DTYPES, BlockRunner
+from blockflow.bench.agreement import relative_error
 from blockflow.core import endpoints
 from blockflow.core.env import SHM_KEY_FILE_VAR
 from blockflow.core.spec import hop_dtype
@@ -26,8 +27,8 @@ TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 1e-2}
 
 
 def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
-    a_, b_ = torch.as_tensor(a).double().cpu(), torch.as_tensor(b).double().cpu()
-    return float((a_ - b_).abs().max() / b_.abs().max())
+    """``relative_error`` of tensors of any device and dtype (bf16 has no NumPy type: both in float64)."""
+    return relative_error(torch.as_tensor(a).double().cpu().numpy(), torch.as_tensor(b).double().cpu().numpy())
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
