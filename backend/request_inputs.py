@@ -16,11 +16,12 @@ from torch.utils.dlpack import from_dlpack
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.image_input import feed_dtype, takes_encoded
 from blockflow.backend.replies import error, failure_code
-from blockflow.backend.runtime import DTYPES, SIDE_DTYPES
+from blockflow.backend.runtime import DTYPES, check_sides
 from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core.errors import RequestError
+from blockflow.core.programs import SIDE_DTYPES
 from blockflow.core.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -114,22 +115,22 @@ class RequestInputs:
             # Not as_numpy(): that is a copy the stub made when it loaded the request, and with the
             # H100 machine's NumPy it held the same wrong bytes on every request.
             tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
+            # Side inputs are checked before the tickets claim their slots: a request they fail holds none.
+            sides = self._sides(tensors[self.hops:], int(tickets.shape[0])) if self.sides else []
             self.tracer.lap("read:input")
             gather, shapes, stream, lap = self.consumer.gather_tensors, self.shapes, self.stream, self.tracer.part_lap
             views, rel = (gather(tickets, shapes, stream, lap) if self.relay is None else
                           self.relay.read(tickets, lambda t: gather(t, shapes, stream, lap)))
             self.tracer.lap("read:gather")
-            releases.extend(rel)  # released with the call's, also if a side input below fails the request
-            if self.sides:  # not through the pool: plain tensors of the request
-                return [*views, *self._sides(tensors[self.hops:], int(views[0].shape[0]))]
-            return views
+            releases.extend(rel)
+            return [*views, *sides] if sides else views  # side inputs: not through the pool, plain tensors of the request
         xs = [from_dlpack(t.to_dlpack()) for t in tensors]
         for name, x, shape in zip(self.hop_names, xs[:self.hops] if self.sides else xs, self.shapes, strict=True):
             if x.dtype != self.dtype or tuple(x.shape[1:]) != shape or x.shape[0] != xs[0].shape[0]:
                 raise RequestError(f"input {name!r} is {x.dtype} {list(x.shape)}; "
                                    f"expected {self.dtype} [{int(xs[0].shape[0])}, {', '.join(map(str, shape))}]")
         if self.sides:
-            self._check_sides(xs[self.hops:], int(xs[0].shape[0]))
+            check_sides(xs[self.hops:], self.sides, self.side_dtypes, int(xs[0].shape[0]))
         return xs
 
     def read_sides(self, request: Any, batch: int) -> list[torch.Tensor]:
@@ -145,15 +146,8 @@ class RequestInputs:
     def _sides(self, tensors: list[Any], batch: int) -> list[torch.Tensor]:
         """Side inputs' Triton tensors (host or GPU) by DLPack, checked."""
         xs = [from_dlpack(t.to_dlpack()) for t in tensors]
-        self._check_sides(xs, batch)
+        check_sides(xs, self.sides, self.side_dtypes, batch)
         return xs
-
-    def _check_sides(self, xs: list[torch.Tensor], batch: int) -> None:
-        """Each side input in its declared dtype and shape, ``batch`` samples, as its request's hop tensors."""
-        for x, side, dtype in zip(xs, self.sides, self.side_dtypes, strict=True):
-            if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
-                raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; "
-                                   f"expected {dtype} [{batch}, {', '.join(map(str, side.shape))}]")
 
     def own(self, batch: list[list[torch.Tensor]]) -> None:
         """Copy the inputs that arrived on a GPU into this block's memory (:meth:`DeviceInputs.own`)."""

@@ -23,7 +23,8 @@ from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, env
 from blockflow.core.errors import RequestError
-from blockflow.core.spec import ModelSpec
+from blockflow.core.programs import SIDE_DTYPES
+from blockflow.core.spec import ModelSpec, SideInput
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -32,7 +33,15 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 # A side input's element type (``SideInput.dtype``), as it arrives and as a runner takes it.
-SIDE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "int64": torch.int64}
+
+
+def check_sides(xs: Sequence[torch.Tensor], sides: Sequence[SideInput], dtypes: Sequence[torch.dtype], batch: int) -> None:
+    """Each side input in its declared dtype and per-sample shape, ``batch`` samples (its hop tensors'):
+    a ``RequestError`` naming the first that is not."""
+    for x, side, dtype in zip(xs, sides, dtypes, strict=True):
+        if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
+            raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; "
+                               f"expected {dtype} [{batch}, {', '.join(map(str, side.shape))}]")
 
 
 PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
@@ -317,7 +326,7 @@ class BlockRunner:
             if tuple(x.shape[1:]) != shape or x.shape[0] < 1 or int(x.shape[0]) != batch:
                 raise RequestError(f"input shape {list(x.shape)} does not match [{batch}, {', '.join(map(str, shape))}]")
         if self.sides:
-            self._check_sides(xs[self.hops:], batch)
+            check_sides(xs[self.hops:], self.sides, self.side_dtypes, batch)
         if self.image is not None and xs[0].dtype != self.in_dtype:  # a float image would not be scaled as uint8 is
             raise RequestError(f"the image is {xs[0].dtype}; this block takes {self.in_dtype}")
         if self.use_graphs and outs is not None and self.tail is None:
@@ -335,12 +344,6 @@ class BlockRunner:
                 return list(outs)
         with torch.inference_mode():
             return self._run_all(batch, xs, outs, lap)
-
-    def _check_sides(self, xs: Sequence[torch.Tensor], batch: int) -> None:
-        for x, side, dtype in zip(xs, self.sides, self.side_dtypes, strict=True):
-            if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
-                raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; expected {dtype} "
-                                   f"[{batch}, {', '.join(map(str, side.shape))}]")
 
     def _replay(self, hop: _PlainHop, lap: Callable[[str], None] | None) -> None:
         """Copy in, replay, copy out: the usual TensorMQ hop, with no torch call but the replay."""

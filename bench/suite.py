@@ -96,7 +96,8 @@ class Bench:
         first = self.plan.models[self.plan.blocks[self.task.path[0]].model]
         if first.input is not None and first.input.dtype == "encoded":
             self.shape = None
-            self.input_data = encoded_input_data(Path(tempfile.mkdtemp(prefix="bench-images-")) / "images.json")
+            self.input_data = encoded_input_data(Path(tempfile.mkdtemp(prefix="bench-images-")) / "images.json",
+                                                 sides=self.plan.task_side_inputs(self.task))
         self.output_bytes = answer_bytes(self.plan, self.task.name, max(cfg.batches))
 
     # ------------------------------------------------------------------ models of a plan

@@ -34,8 +34,8 @@ DIGEST_PARAMETER = "blockflow.digest"
 # Triton's type for each hop dtype.
 HOP_TYPES = {"fp32": mc.TYPE_FP32, "fp16": mc.TYPE_FP16, "bf16": mc.TYPE_BF16}
 OUTPUT_TYPES = {"fp32": mc.TYPE_FP32, "int64": mc.TYPE_INT64}
-# Triton's type for each side input dtype (a task input besides the image).
-SIDE_TYPES = {"fp32": mc.TYPE_FP32, "int64": mc.TYPE_INT64}
+# Triton's type for each side input dtype (a task input besides the image): the same two.
+SIDE_TYPES = OUTPUT_TYPES
 
 
 # Triton's type of each way a task's image arrives (encoded: one JPEG or PNG file's bytes per image, a

@@ -96,7 +96,7 @@ def show(plan: str, cuts: bool, input_shape: str, num_classes: int, as_json: boo
             shapes, dtype = p.block_out_shapes(p.blocks[name]), hop_dtype(p.blocks[name].precision)
             hops.append(f"{_shapes(shapes)} {dtype} {_mib(shapes, dtype)}")
         direct = ", ".join(f"{a} ⇒ {b}" for a, b in p.task_hand_overs(t))
-        taken = ", ".join(f"{n} {list(sh)}" + ("" if d in ("fp32", "float32") else f" {d}") for n, d, sh in _task_inputs(p, t))
+        taken = ", ".join(f"{n} {list(sh)}" + ("" if d == "float32" else f" {d}") for n, d, sh in _task_inputs(p, t))
         answer = ", ".join(f"{n} {list(sh)}" + ("" if d == "fp32" else f" {d}") for n, d, sh in _task_outputs(p, t.path[-1]))
         tasks.add_row(t.name, " + ".join(p.transports_of(t)), " → ".join(t.path), ", ".join(shared) or "-", direct or "-",
                       "; ".join(hops) or "-", taken, answer)
@@ -220,13 +220,13 @@ def generate(plan: Path, output: Path, check: bool, server_name: str | None, as_
 
 def _task_inputs(p: Plan, task: Task) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, per-sample shape) of what ``task`` takes: its image (as it arrives: float32, uint8
-    or encoded; -1 where it varies), then each side input its blocks read (fp32 or int64)."""
+    or encoded; -1 where it varies), then each side input its blocks read (float32 or int64: NumPy's names, as the image's)."""
     from blockflow.core.spec import IMAGE
 
     model = p.models[p.blocks[task.path[0]].model]
     image = model.image
     return [(IMAGE, image.dtype if image is not None else "float32", model.image_shape),
-            *((s.name, s.dtype, s.shape) for s in p.task_side_inputs(task))]
+            *((s.name, "float32" if s.dtype == "fp32" else s.dtype, s.shape) for s in p.task_side_inputs(task))]
 
 
 def _task_outputs(p: Plan, last: str) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -209,11 +209,17 @@ def _print_tries(first: Task, p: Plan, server: TritonServer) -> None:
 
     image = ",".join(map(str, p.models[p.blocks[first.path[0]].model].image_shape))  # [H, W, 3] for HWC tasks
     out.print("try:")
-    out.print(f"  blockflow infer {first.name} --random --url {server.http_url}")
-    out.print(f"  blockflow infer {first.name} --random --protocol grpc --url {server.grpc_url}")
+    # A task's inputs besides the image come from .npy files (docs/plan.md, "Task inputs besides the image").
+    sides = "".join(f" --input {s.name}={s.name}.npy" for s in p.task_side_inputs(first))
+    out.print(f"  blockflow infer {first.name} --random{sides} --url {server.http_url}")
+    out.print(f"  blockflow infer {first.name} --random{sides} --protocol grpc --url {server.grpc_url}")
     images = f" --shape IMAGE:{image}"
     if image == "-1":  # encoded images need real files' bytes (random ones fail as not JPEG/PNG); the data gives their shape
         images = " --input-data images.json"
-        out.print("  python -c \"from pathlib import Path; from blockflow.bench.perf_analyzer import encoded_input_data; "
-                  "encoded_input_data(Path('images.json'))\"")
+        load, given = "", ""
+        if sides:  # the data file gives every input: the side inputs too (ones)
+            load = f"from blockflow.plan import load_plan; p = load_plan({p.source!r}); "
+            given = f", sides=p.task_side_inputs(p.tasks[{first.name!r}])"
+        out.print(f"  python -c \"from pathlib import Path; from blockflow.bench.perf_analyzer import encoded_input_data; {load}"
+                  f"encoded_input_data(Path('images.json'){given})\"")
     out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --concurrency-range 1:4 -b 1{images}")

@@ -112,7 +112,9 @@ def program_input(module: fx.GraphModule, path: str) -> tuple[torch.SymInt, tupl
     return batch, tuple(int(d) for d in value.shape[1:])
 
 
-_SIDE_DTYPES: dict[torch.dtype, SideDtype] = {torch.float32: "fp32", torch.int64: "int64"}
+# Each side input dtype as torch has it (and back).
+SIDE_DTYPES: dict[SideDtype, torch.dtype] = {"fp32": torch.float32, "int64": torch.int64}
+_SIDE_DTYPES: dict[torch.dtype, SideDtype] = {v: k for k, v in SIDE_DTYPES.items()}
 
 
 def program_side_inputs(module: fx.GraphModule, path: str) -> tuple[SideInput, ...]:

@@ -33,6 +33,7 @@ from typing import Any
 from blockflow.core import detection
 from blockflow.core.arch import meta_network, side_inputs, slice_stages, stage_side_inputs
 from blockflow.core.errors import CalibrationError
+from blockflow.core.programs import SIDE_DTYPES
 from blockflow.plan import naming
 from blockflow.plan.deployment import Block, Plan
 from blockflow.plan.load import parse_plan
@@ -110,7 +111,7 @@ def _stage_profile(arch: str, cut_points: tuple[str, ...], input_shape: tuple[in
     net = meta_network(arch, num_classes, input_shape)
     xs: tuple[torch.Tensor, ...] = (torch.empty((1, *input_shape), device="meta"),)
     # Task inputs besides the image (an exported program's): each stage range takes those it reads after its hop tensors.
-    sides = {s.name: torch.empty((1, *s.shape), device="meta", dtype=torch.int64 if s.dtype == "int64" else torch.float32)
+    sides = {s.name: torch.empty((1, *s.shape), device="meta", dtype=SIDE_DTYPES[s.dtype])
              for s in side_inputs(arch, input_shape, num_classes)}
 
     def read(a: int, b: int) -> tuple[torch.Tensor, ...]:

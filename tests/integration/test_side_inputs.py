@@ -87,8 +87,8 @@ def test_the_task_says_what_it_takes_and_a_client_that_sends_otherwise_is_told(s
             c.infer_outputs("sized", image, inputs={"size": np.zeros((2, 2), dtype=np.float32)})
         with pytest.raises(ClientError, match="nope"):
             c.infer_outputs("sized", image, inputs={"size": np.zeros((2, 2), dtype=np.int64), "nope": image})
-    # Past the client's checks, straight to Triton: a batch whose side input has fewer rows fails alone,
-    # with an error, and the task answers the next request.
+    # Past the client's checks, straight to Triton: a batch whose side input has fewer rows is refused
+    # (by Triton's own batch check, before any block; the blocks check again), and the task answers the next request.
     raw = httpclient.InferenceServerClient(url.removeprefix("http://"))
     img = httpclient.InferInput("IMAGE", [2, 3, 16, 16], "FP32")
     img.set_data_from_numpy(image)

@@ -245,7 +245,7 @@ def test_show_lists_each_tasks_inputs(programs: Path) -> None:
     tasks = {t["task"]: t for t in json.loads(res.output)["tasks"]}
     assert tasks["sized"]["inputs"] == [{"name": "IMAGE", "dtype": "float32", "shape": [3, 16, 16]},
                                         {"name": "size", "dtype": "int64", "shape": [2]}]
-    assert tasks["scaled"]["inputs"][1] == {"name": "scale", "dtype": "fp32", "shape": [1]}
+    assert tasks["scaled"]["inputs"][1] == {"name": "scale", "dtype": "float32", "shape": [1]}
     res = CliRunner().invoke(app, ["show", str(programs / "side.json")])
     assert res.exit_code == 0, res.output
     assert "IMAGE [3, 16, 16], size [2] int64" in res.output and "IMAGE [3, 16, 16], scale [1]" in res.output
@@ -257,3 +257,15 @@ def test_a_program_of_named_outputs_may_end_in_an_fp16_block(programs: Path) -> 
     data["defaults"]["precision"] = "fp16"
     plan = _plan(programs, data)
     assert plan.blocks["b1"].precision == "fp16" and plan.block_outputs(plan.blocks["b1"])
+
+
+def test_serve_suggests_commands_that_send_the_side_inputs(programs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from blockflow.cli import serve
+
+    plan = _plan(programs, _data())
+    server = SimpleNamespace(http_url="127.0.0.1:8000", grpc_url="127.0.0.1:8001")
+    serve._print_tries(plan.tasks["sized"], plan, server)  # type: ignore[arg-type]
+    printed = capsys.readouterr().out
+    assert "blockflow infer sized --random --input size=size.npy --url 127.0.0.1:8000" in printed

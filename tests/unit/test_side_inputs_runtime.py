@@ -224,13 +224,15 @@ def request_inputs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 class _Consumer:
-    """Gives the views it is told to for any ticket."""
+    """Gives the views it is told to for any ticket, and one release (the slot they are in) per gather."""
 
     def __init__(self, views: list[torch.Tensor]) -> None:
         self.views = views
+        self.gathered = 0
 
     def gather_tensors(self, tickets: Any, shapes: Any, stream: int, lap: Any) -> tuple[list[torch.Tensor], list[Any]]:
-        return self.views, []
+        self.gathered += 1
+        return self.views, [("slot", self.gathered)]
 
 
 def _reader(module: Any, spec: ModelSpec, consumer: _Consumer | None = None) -> Any:
@@ -261,14 +263,19 @@ def test_request_inputs_read_side_inputs_after_the_hop(programs: dict[str, Path]
 def test_tensormq_gathers_the_hop_and_reads_side_inputs_as_plain_tensors(programs: dict[str, Path], request_inputs: Any) -> None:
     spec = _spec(programs["sized_boxes"], ["stem", "body"], [(2, 2)], transport="tensormq")
     views = [torch.randn(3, *s) for s in spec.in_shapes]
-    reader = _reader(request_inputs, spec, _Consumer(views))
+    consumer = _Consumer(views)
+    reader = _reader(request_inputs, spec, consumer)
     ticket, size = torch.zeros(3, 256, dtype=torch.uint8), torch.ones(3, 2, dtype=torch.int64)
-    requests = [_request(ACTIVATION_IN=ticket, size=size), _request(ACTIVATION_IN=ticket, size=size[:, :1])]
-    responses: list[Any] = [None, None]
-    batch, owners = reader.read_all(requests, responses, [])
+    requests = [_request(ACTIVATION_IN=ticket, size=size), _request(ACTIVATION_IN=ticket, size=size[:, :1]),
+                _request(ACTIVATION_IN=ticket, size=size[:2])]
+    responses: list[Any] = [None] * len(requests)
+    releases: list[Any] = []
+    batch, owners = reader.read_all(requests, responses, releases)
     assert owners == [0] and len(batch[0]) == len(views) + 1
     assert all(a is b for a, b in zip(batch[0], views, strict=False)) and torch.equal(batch[0][-1], size)
-    assert "'size'" in responses[1].error.message
+    assert "'size'" in responses[1].error.message and "expected torch.int64 [3, 2]" in responses[2].error.message
+    # A request its side inputs fail claims no slot (checked before its tickets are gathered): nothing to leak.
+    assert consumer.gathered == 1 and releases == [("slot", 1)]
 
 
 class _Decoder:
