@@ -28,7 +28,10 @@ TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 1e-2}
 
 def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
     """``relative_error`` of tensors of any device and dtype (bf16 has no NumPy type: both in float64)."""
-    return relative_error(torch.as_tensor(a).double().cpu().numpy(), torch.as_tensor(b).double().cpu().numpy())
+    def f64(x: torch.Tensor | np.ndarray) -> np.ndarray:
+        return x.astype(np.float64) if isinstance(x, np.ndarray) else x.double().cpu().numpy()
+
+    return relative_error(f64(a), f64(b))
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
