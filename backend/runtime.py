@@ -21,10 +21,10 @@ from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
 from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, on_device, side_positions, split_eager_tail
 from blockflow.backend.stage_cache import StageCache
-from blockflow.core import cuda, env
+from blockflow.core import cuda, detection, env
 from blockflow.core.errors import RequestError
 from blockflow.core.programs import SIDE_DTYPES
-from blockflow.core.spec import ModelSpec, SideInput
+from blockflow.core.spec import ORIGINAL_SIZE, ModelSpec, SideInput
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -42,6 +42,9 @@ def check_sides(xs: Sequence[torch.Tensor], sides: Sequence[SideInput], dtypes: 
         if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
             raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; "
                                f"expected {dtype} [{batch}, {', '.join(map(str, side.shape))}]")
+        if side.name == ORIGINAL_SIZE and not bool(((x >= 1) & (x <= detection.MAX_ORIGINAL_SIDE)).all()):
+            raise RequestError(f"input {ORIGINAL_SIZE!r} gives each image's height and width in pixels: 1 to "
+                               f"{detection.MAX_ORIGINAL_SIDE} each; got {x.reshape(-1, 2).tolist()[:4]}")
 
 
 PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
@@ -137,6 +140,8 @@ class BlockRunner:
         self.side_dtypes = [SIDE_DTYPES[s.dtype] for s in spec.side_inputs]
         self.side_casts = [d if not d.is_floating_point or mixed else self.dtype for d in self.side_dtypes]
         self.input_count = self.hops + len(self.sides)
+        # Where a detector's task gives each image's original size (read after the stages, by no stage).
+        self.original_size = next((self.hops + i for i, s in enumerate(self.sides) if s.name == ORIGINAL_SIZE), None)
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
         # A uint8, HWC or normalised image: converted on the device before the first stage.
@@ -386,6 +391,8 @@ class BlockRunner:
                     return list(outs)
         if results is None:
             results = self._eager_bucketed(xs)
+        if self.original_size is not None:  # a detector's boxes, in each image's original pixels
+            results = detection.in_original_pixels(results, xs[self.original_size], self.spec.input_shape)
         if outs is not None:
             for out, result in zip(outs, results, strict=True):
                 out.copy_(result)  # converts dtype and layout in one pass

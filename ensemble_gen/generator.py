@@ -68,7 +68,7 @@ BRIDGE_PY = crossing_models.model_py(MODEL_PY)
 
 
 def _parts(plan: Plan, blocks: Sequence[Block]) -> tuple[Part, ...]:
-    return tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights, side_inputs=plan.block_side_inputs(b))
+    return tuple(Part(block=b.name, first=b.first, last=b.last, weights=b.weights, side_inputs=plan.stage_side_inputs(b))
                  for b in blocks)
 
 

@@ -3,6 +3,7 @@ and how it prints the answer of a task that gives named outputs (neither LOGITS 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -29,6 +30,27 @@ def files(given: tuple[str, ...]) -> dict[str, Any]:
         except (OSError, ValueError) as exc:  # missing, unreadable, not a .npy of plain numbers
             raise click.BadParameter(f"cannot read {file} for {name!r}: {exc}", param_hint="--input") from None
     return arrays
+
+
+def with_original_size(kind: TaskInput, sides: dict[str, Any], image: Path | None, random_hw: tuple[int, int]) -> dict[str, Any]:
+    """``sides`` with a detector's ORIGINAL_SIZE where the task takes it and none was given: the image
+    file's height and width (so its boxes come back in the file's pixels), or the random images'."""
+    import numpy as np
+
+    from blockflow.core.spec import ORIGINAL_SIZE
+
+    if ORIGINAL_SIZE in sides or ORIGINAL_SIZE not in {s.name for s in kind.side_inputs}:
+        return sides
+    if image is None:
+        return {**sides, ORIGINAL_SIZE: np.array(random_hw, dtype=np.int64)}
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(image) as im:
+            width, height = im.size
+    except (OSError, UnidentifiedImageError) as exc:
+        raise click.BadParameter(f"cannot read {image}: {exc}", param_hint="--image") from None
+    return {**sides, ORIGINAL_SIZE: np.array([height, width], dtype=np.int64)}
 
 
 def batched(task: str, kind: TaskInput, sides: dict[str, Any], batch: int) -> dict[str, Any]:

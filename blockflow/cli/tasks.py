@@ -44,8 +44,10 @@ def infer(task: str, image: Path | None, random_input: bool, batch: int, protoco
     address = where.http(url, protocol)
     with where.reaching(address), TaskClient(address.value, protocol) as client:  # type: ignore[arg-type]
         kind = client.input_of(task)
-        inputs = side_inputs.batched(task, kind, sides, batch)
         shape = kind.shape or client.input_shape(task)
+        rh, rw = (224, 224) if kind.encoded else shape[:2] if kind.layout == "HWC" else shape[1:3]  # random_jpegs' size
+        sides = side_inputs.with_original_size(kind, sides, image, (int(rh), int(rw)))
+        inputs = side_inputs.batched(task, kind, sides, batch)
         rng = np.random.default_rng(0)
         x: np.ndarray[Any, Any]
         if kind.encoded:  # the file's bytes as they are: the task decodes and resizes them

@@ -199,6 +199,20 @@ def detect_dense(head: Any, anchor_generator: Any, transform: Any, post: _DenseP
     return padded(detections, False, features[0].device)
 
 
+# The largest ORIGINAL_SIZE side a task takes (a million pixels): boxes scaled by more would lose their precision.
+MAX_ORIGINAL_SIDE = 1_000_000
+
+
+def in_original_pixels(outputs: Sequence[torch.Tensor], sizes: torch.Tensor, input_shape: Sequence[int]) -> list[torch.Tensor]:
+    """A detector's outputs (:data:`OUTPUT_ORDER`) with each image's boxes scaled from the network's input
+    (``input_shape``'s height and width) to its original size (``sizes``: ``[B, 2]`` height, width)."""
+    h, w = int(input_shape[-2]), int(input_shape[-1])
+    boxes = outputs[1]
+    hw = sizes.to(device=boxes.device, dtype=boxes.dtype)
+    scale = torch.stack([hw[:, 1] / w, hw[:, 0] / h, hw[:, 1] / w, hw[:, 0] / h], dim=1)
+    return [outputs[0], boxes * scale[:, None, :], *outputs[2:]]
+
+
 fx.wrap("detect_rcnn")
 fx.wrap("detect_dense")
 # The eager node a traced detector ends in (one of these functions, called once).

@@ -35,6 +35,9 @@ SPEC_PARAMETER = "blockflow.spec"
 # Tensor names every generated model uses. Task ensembles take IMAGE and give LOGITS,
 # so a client never sees how a task is split.
 IMAGE = "IMAGE"
+# A detector task's optional side input (plan ``input: {original_size: true}``): each image's height and
+# width before the client resized it to the network's input, int64 [2]; its boxes come back in those pixels.
+ORIGINAL_SIZE = "ORIGINAL_SIZE"
 LOGITS = "LOGITS"
 # A detector task's outputs instead (blockflow.core.detection): detections per image, and each
 # detection's box, score, label and (Mask R-CNN) mask, padded along the detection axis.

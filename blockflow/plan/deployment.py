@@ -15,7 +15,7 @@ from typing import Any, Literal
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanError, PlanIssue
-from blockflow.core.spec import HopDtype, Precision, SideInput, TaskOutput, TransportName, WeightsSource, hop_dtype
+from blockflow.core.spec import ORIGINAL_SIZE, HopDtype, Precision, SideInput, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import direct_pairs, naming
 from blockflow.plan.packs import HeadPack, head_packs
@@ -273,17 +273,26 @@ class Plan:
         """Every task input besides the image that ``model``'s network takes, in its argument order
         (an exported program's further arguments; none for torchvision networks and stage files)."""
         m = self.models[model]
+        if m.original_size:
+            return (SideInput(name=ORIGINAL_SIZE, dtype="int64", shape=(2,)),)
         if m.program is None or m.stage_files is not None:
             return ()
         return archs.side_inputs(m.network, tuple(m.input_shape), m.num_classes)
 
     def block_side_inputs(self, block: Block) -> tuple[str, ...]:
-        """The side inputs ``block``'s stages read, in the order its stages take them."""
+        """The side inputs ``block`` reads: those its stages read, in the order they take them; a detector's
+        last block, ORIGINAL_SIZE (read by the block after its stages, never by a stage: see :meth:`stage_side_inputs`)."""
         m = self.models[block.model]
+        if m.original_size:
+            return (ORIGINAL_SIZE,) if block.last == m.stage_count - 1 else ()
         if not self.model_side_inputs(block.model):
             return ()
         return archs.stage_side_inputs(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
                                        block.first, block.last)
+
+    def stage_side_inputs(self, block: Block) -> tuple[str, ...]:
+        """The side inputs ``block``'s stage modules take (``Part.side_inputs``): all it reads but ORIGINAL_SIZE."""
+        return tuple(n for n in self.block_side_inputs(block) if n != ORIGINAL_SIZE)
 
     def side_inputs_of(self, blocks: Sequence[Block]) -> tuple[SideInput, ...]:
         """The side inputs some of ``blocks`` read (a fused segment's, a whole path's): model by model

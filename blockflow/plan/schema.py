@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blockflow.core import arch as archs
-from blockflow.core import programs
+from blockflow.core import detection, programs
 from blockflow.core.spec import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -44,6 +44,9 @@ class InputDef(_Strict):
 
     dtype: ImageDtype = "float32"
     layout: ImageLayout = "CHW"
+    # A detector's task also takes ORIGINAL_SIZE (int64 [2]: each image's height and width before it was
+    # resized to input_shape) and answers boxes in those pixels.
+    original_size: bool = False
     normalize: Literal["imagenet", "none"] | None = None
     mean: list[float] | None = Field(default=None, min_length=3, max_length=3)
     std: list[float] | None = Field(default=None, min_length=3, max_length=3)
@@ -106,6 +109,9 @@ class ModelDef(_Strict):
             if given:
                 raise ValueError(f"{' and '.join(given)} come(s) from the exported program; leave "
                                  f"{'them' if len(given) > 1 else 'it'} out")
+        if self.original_size and not (self.arch is not None and detection.is_detection(self.arch)):
+            raise ValueError("input.original_size is for torchvision's detectors (it puts their boxes in the original "
+                             "image's pixels); an exported program takes such an input as an argument of its own")
         return self
 
     @field_validator("program")
@@ -136,6 +142,11 @@ class ModelDef(_Strict):
         if len(v) != 3 or v[0] != 3 or not (32 <= v[1] <= 4096 and 32 <= v[2] <= 4096):
             raise ValueError(f"input_shape {list(v)} is not [3, H, W] with 32 <= H, W <= 4096")
         return v
+
+    @property
+    def original_size(self) -> bool:
+        """Whether the model's tasks take each image's original size (a detector's ORIGINAL_SIZE)."""
+        return self.input is not None and self.input.original_size
 
     @property
     def image(self) -> ImageInput | None:

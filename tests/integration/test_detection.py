@@ -22,6 +22,7 @@ import pytest
 from blockflow.bench.agreement import relative_error
 from blockflow.clients.client import TaskClient
 from blockflow.core.errors import ClientError
+from blockflow.core.spec import ORIGINAL_SIZE
 from blockflow.plan import Plan, load_plan, naming
 
 from ..conftest import in_child, own_server
@@ -38,6 +39,12 @@ def _images(batch: int) -> np.ndarray:
     return np.random.default_rng(batch).random((batch, 3, 128, 128), dtype=np.float32)
 
 
+def _sides(plan: Plan, task: str, batch: int) -> dict[str, np.ndarray]:
+    """What ``task`` takes besides its images: a detector's ORIGINAL_SIZE (each image's height and width)."""
+    names = {s.name for s in plan.task_side_inputs(plan.tasks[task])}
+    return {ORIGINAL_SIZE: np.array([[480, 640], [256, 128], [128, 128]], dtype=np.int64)[:batch]} if ORIGINAL_SIZE in names else {}
+
+
 def _references(plan_path: str) -> dict[tuple[str, int], list[np.ndarray]]:
     """(task, batch) -> the outputs of the task's unsplit reference, in the task's output order."""
     import torch
@@ -50,7 +57,8 @@ def _references(plan_path: str) -> dict[tuple[str, int], list[np.ndarray]]:
         runner = BlockRunner(generator.reference_spec(plan, task, graph=False)[0], torch.device("cpu"))
         with torch.inference_mode():
             for batch in BATCHES:
-                out[name, batch] = [y.numpy() for y in runner.run_all([torch.from_numpy(_images(batch))])]
+                sides = [torch.from_numpy(a) for a in _sides(plan, name, batch).values()]
+                out[name, batch] = [y.numpy() for y in runner.run_all([torch.from_numpy(_images(batch)), *sides])]
     return out
 
 
@@ -82,7 +90,7 @@ def test_every_task_equals_its_reference_on_every_transport(served: tuple[Plan, 
                 model = naming.task_model(name, transport, task.transport)
                 names = list(c.input_of(model).outputs)
                 for batch in BATCHES:
-                    got = c.infer_outputs(model, _images(batch))
+                    got = c.infer_outputs(model, _images(batch), inputs=_sides(plan, name, batch))
                     _check(got, references[name, batch], names, (model, batch))
                     if "COUNT" in got:
                         assert int(got["COUNT"].sum()) > 0, (model, batch)  # seeded weights detect something
@@ -123,3 +131,27 @@ def test_cli_infer_prints_detections_and_perf_analyzer_measures_a_detector(
                           "--stability-percentage", "999"], capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "Throughput" in res.stdout
+
+
+def test_cli_infer_sends_an_image_files_original_size(served: tuple[Plan, str, dict[tuple[str, int], list[np.ndarray]]],
+                                                      tmp_path: Path) -> None:
+    plan, url, _ = served
+    if "df_fcos_t" not in plan.tasks:
+        pytest.skip("the families plan's FCOS takes ORIGINAL_SIZE")
+    from PIL import Image
+
+    photo = sorted((ROOT / "bench" / "data" / "images").glob("*.jpg"))[0]
+    with Image.open(photo) as im:
+        width, height = im.size
+    as_input = tmp_path / "as_input.npy"
+    np.save(as_input, np.array([128, 128], dtype=np.int64))  # the network's own size: boxes as it finds them
+
+    def boxes(*extra: str) -> np.ndarray:
+        res = subprocess.run([sys.executable, "-m", "blockflow", "infer", "df_fcos_t", "--image", str(photo), "--url", url,
+                              "--json", *extra], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+        assert res.returncode == 0, res.stderr
+        return np.array([d["box"] for d in json.loads(res.stdout)["detections"][0]["best"]], dtype=np.float64)
+
+    in_file, in_input = boxes(), boxes("--input", f"ORIGINAL_SIZE={as_input}")
+    assert in_file.shape == in_input.shape and len(in_file) > 0
+    np.testing.assert_allclose(in_file, in_input * [width / 128, height / 128, width / 128, height / 128], rtol=1e-4, atol=1e-2)

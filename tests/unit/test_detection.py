@@ -156,3 +156,40 @@ def test_the_memory_model_gives_a_detectors_last_block_a_graph_pool_for_its_trac
     procs = {p.model: p for p in memory.modular(plan, 1, cal)}
     assert procs["detect_rest"].activations_mib > 0 and procs["detect_rest"].overhead_mib == cal.process_mib
     assert procs["backbone"].activations_mib > 0 and procs["segment_rest"].activations_mib > 0
+
+
+def test_a_detector_given_original_sizes_answers_boxes_in_their_pixels() -> None:
+    from blockflow.backend.runtime import BlockRunner
+    from blockflow.core.errors import RequestError
+    from blockflow.core.spec import ORIGINAL_SIZE
+
+    plan = load_plan(ROOT / "tests" / "plans" / "detect_families.yaml")
+    task = plan.tasks["df_fcos_t"]
+    files = generator.render(plan)
+    last = parse_pbtxt(files["df_fcos_b/config.pbtxt"].decode())
+    assert [(i.name, list(i.dims)) for i in last.input][-1] == (ORIGINAL_SIZE, [2])
+    assert ORIGINAL_SIZE not in [i.name for i in parse_pbtxt(files["df_fcos_a/config.pbtxt"].decode()).input]
+    ens = parse_pbtxt(files["df_fcos_t/config.pbtxt"].decode())
+    assert [list(s.input_map) for s in ens.ensemble_scheduling.step][1][-1] == ORIGINAL_SIZE
+    assert ORIGINAL_SIZE not in ens.ensemble_scheduling.step[0].input_map
+    spec = generator.reference_spec(plan, task, graph=False)[0]
+    assert [s.name for s in spec.side_inputs] == [ORIGINAL_SIZE] and all(not p.side_inputs for p in spec.parts)
+    sized = BlockRunner(spec, torch.device("cpu"))
+    plain = BlockRunner(spec.model_copy(update={"side_inputs": ()}), torch.device("cpu"))
+    x = torch.rand(2, 3, 128, 128, generator=torch.Generator().manual_seed(0))
+    sizes = torch.tensor([[480, 640], [64, 32]])
+    with torch.inference_mode():
+        got, want = sized.run_all([x, sizes]), plain.run_all([x])
+    assert int(want[0].sum()) > 0 and torch.equal(got[0], want[0]) and torch.equal(got[3], want[3])
+    scale = torch.tensor([[640 / 128, 480 / 128] * 2, [32 / 128, 64 / 128] * 2])
+    assert torch.allclose(got[1], want[1] * scale[:, None, :])
+    for bad in (torch.tensor([[0, 640], [64, 32]]), torch.tensor([[480, 2_000_000], [64, 32]])):
+        with pytest.raises(RequestError, match="ORIGINAL_SIZE"):
+            sized.run_all([x, bad])
+
+
+def test_original_size_is_for_detectors() -> None:
+    raw = load_plan(ROOT / "tests" / "plans" / "detect_families.yaml").raw.model_dump(mode="json", exclude_none=True)
+    raw["models"]["fcn"]["input"] = {"original_size": True}
+    with pytest.raises(PlanError, match="original_size is for torchvision's detectors"):
+        parse_plan(raw)
