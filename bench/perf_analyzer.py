@@ -42,6 +42,21 @@ def encoded_input_data(dest: Path, files: Sequence[Path] | None = None, sides: S
     return dest
 
 
+def side_input_data(dest: Path, image_shape: Sequence[int], uint8: bool, sides: Sequence[SideInput]) -> Path:
+    """perf_analyzer's ``--input-data`` directory at ``dest`` for a task that takes side inputs: a file per
+    input, named as it, holding one sample's raw bytes: a seeded random image (uint8 or float32, of the
+    task's per-sample shape) and ones for each side input (random int64 would be no valid size)."""
+    import numpy as np
+
+    dest.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, tuple(image_shape), dtype=np.uint8) if uint8 else rng.standard_normal(tuple(image_shape), dtype=np.float32)
+    (dest / "IMAGE").write_bytes(image.tobytes())
+    for s in sides:
+        (dest / s.name).write_bytes(np.ones(s.shape, dtype=np.int64 if s.dtype == "int64" else np.float32).tobytes())
+    return dest
+
+
 def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: float, concurrency: int | None = None,
                   rate: float | None = None, input_memory: str = "host", output_bytes: int = 0,
                   shm_key_file: Path | None = None, input_data: Path | None = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 from blockflow.bench import gpu_alone
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
-from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer
+from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer, side_input_data
 from blockflow.bench.plans import answer_bytes, in_precision, spread, task_models
 from blockflow.bench.report import write_report
 from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats
@@ -98,6 +98,9 @@ class Bench:
             self.shape = None
             self.input_data = encoded_input_data(Path(tempfile.mkdtemp(prefix="bench-images-")) / "images.json",
                                                  sides=self.plan.task_side_inputs(self.task))
+        elif sides := self.plan.task_side_inputs(self.task):  # random bytes would be no valid side input (a size)
+            self.input_data = side_input_data(Path(tempfile.mkdtemp(prefix="bench-inputs-")), first.image_shape,
+                                              first.image is not None and first.image.dtype == "uint8", sides)
         self.output_bytes = answer_bytes(self.plan, self.task.name, max(cfg.batches))
 
     # ------------------------------------------------------------------ models of a plan

@@ -119,3 +119,24 @@ def test_blockflow_infer_sends_side_inputs_from_npy_files(served: tuple[str, Pat
     bad = subprocess.run([sys.executable, "-m", "blockflow", "infer", "sized", "--random", "--url",
                           url.removeprefix("http://"), "--input", f"sise={sizes}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "sise" in bad.stderr
+
+
+def test_perf_analyzer_measures_a_task_with_side_inputs(served: tuple[str, Path, Path], tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from blockflow.bench.perf_analyzer import side_input_data
+    from blockflow.core.spec import SideInput
+
+    url, _, _ = served
+    data = side_input_data(tmp_path / "data", (3, 16, 16), False, (SideInput(name="size", dtype="int64", shape=(2,)),))
+    pa = shutil.which("perf_analyzer", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if pa is None:
+        pytest.fail("perf_analyzer not found; run ./scripts/setup.sh")
+    res = subprocess.run([pa, "-m", "sized", "-u", url.removeprefix("http://"), "-b", "2", "--input-data", str(data),
+                          "--concurrency-range", "1", "--measurement-mode", "count_windows", "--measurement-request-count", "5",
+                          "--max-trials", "3", "--stability-percentage", "999"], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Throughput" in res.stdout

@@ -207,3 +207,14 @@ def test_infer_says_what_is_wrong_with_an_input(monkeypatch: pytest.MonkeyPatch,
         got, err, fake = _infer(monkeypatch, capsys, *args)
         assert got == code and says in err and "Traceback" not in err, (args, got, err)
         assert len(err.strip().splitlines()) == 1 and not fake.calls, (args, err)
+
+
+def test_bench_input_directory_gives_one_samples_bytes_per_input(tmp_path: Path) -> None:
+    from blockflow.bench.perf_analyzer import side_input_data
+
+    sides = (SideInput(name="size", dtype="int64", shape=(2,)), SideInput(name="scale", dtype="fp32", shape=(1,)))
+    where = side_input_data(tmp_path / "in", (3, 16, 16), False, sides)
+    assert sorted(p.name for p in where.iterdir()) == ["IMAGE", "scale", "size"]
+    assert (where / "IMAGE").stat().st_size == 3 * 16 * 16 * 4
+    assert np.frombuffer((where / "size").read_bytes(), dtype=np.int64).tolist() == [1, 1]
+    assert (side_input_data(tmp_path / "u8", (16, 16, 3), True, ()) / "IMAGE").stat().st_size == 16 * 16 * 3
