@@ -24,7 +24,7 @@ from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, detection, env
 from blockflow.core.errors import RequestError
 from blockflow.core.programs import SIDE_DTYPES
-from blockflow.core.spec import ORIGINAL_SIZE, ModelSpec, SideInput
+from blockflow.core.spec import BOXES, ORIGINAL_SIZE, ModelSpec, SideInput
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -42,9 +42,13 @@ def check_sides(xs: Sequence[torch.Tensor], sides: Sequence[SideInput], dtypes: 
         if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
             raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; "
                                f"expected {dtype} [{batch}, {', '.join(map(str, side.shape))}]")
-        if side.name == ORIGINAL_SIZE and not bool(((x >= 1) & (x <= detection.MAX_ORIGINAL_SIDE)).all()):
-            raise RequestError(f"input {ORIGINAL_SIZE!r} gives each image's height and width in pixels: 1 to "
-                               f"{detection.MAX_ORIGINAL_SIDE} each; got {x.reshape(-1, 2).tolist()[:4]}")
+        # Its values where they are in host memory (a check on a GPU would wait for it; there they are clamped).
+        if side.name == ORIGINAL_SIZE and not x.is_cuda:
+            bad = ((x < 1) | (x > detection.MAX_ORIGINAL_SIDE)).any(dim=1).nonzero()
+            if len(bad):
+                row = int(bad[0, 0])
+                raise RequestError(f"input {ORIGINAL_SIZE!r} gives each image's height and width in pixels, 1 to "
+                                   f"{detection.MAX_ORIGINAL_SIDE} each; sample {row} is {x[row].tolist()}")
 
 
 PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
@@ -141,7 +145,8 @@ class BlockRunner:
         self.side_casts = [d if not d.is_floating_point or mixed else self.dtype for d in self.side_dtypes]
         self.input_count = self.hops + len(self.sides)
         # Where a detector's task gives each image's original size (read after the stages, by no stage).
-        self.original_size = next((self.hops + i for i, s in enumerate(self.sides) if s.name == ORIGINAL_SIZE), None)
+        self.original_size = next((self.hops + i for i, s in enumerate(self.sides) if s.name == ORIGINAL_SIZE), None) \
+            if any(o.name == BOXES for o in spec.outputs) else None
         # Channels-last for image-like tensors on a GPU (each input converted on its own).
         self.formats = [torch.channels_last if self.is_cuda and len(s) == 3 else torch.contiguous_format for s in self.in_shapes]
         # A uint8, HWC or normalised image: converted on the device before the first stage.
@@ -297,6 +302,12 @@ class BlockRunner:
         out: list[torch.Tensor] = self.module(*ins)
         return out if self.tail is None else list(self.tail(*out))
 
+    def _answer(self, results: list[torch.Tensor], xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """A detector's answer with its boxes in each image's original pixels, where its task gives them."""
+        if self.original_size is None:
+            return results
+        return detection.in_original_pixels(results, xs[self.original_size], self.spec.input_shape)
+
     def _inputs_copied(self, dma: bool = False) -> None:
         """Mark the end of a call's copies out of page-locked host inputs (torch's own copies from
         such memory are asynchronous too; ``dma``: :meth:`_copy` queued one), so :meth:`settle_inputs`
@@ -384,15 +395,13 @@ class BlockRunner:
                     lap("run:replay")
                 results = g.static_outs if full else [y[:batch] for y in g.static_outs]
                 if self.tail is not None:
-                    results = list(self.tail(*results))
+                    results = self._answer(list(self.tail(*results)), xs)
                 if outs is not None:
                     for out, result in zip(outs, results, strict=True):
                         self._copy(out, result)
                     return list(outs)
         if results is None:
-            results = self._eager_bucketed(xs)
-        if self.original_size is not None:  # a detector's boxes, in each image's original pixels
-            results = detection.in_original_pixels(results, xs[self.original_size], self.spec.input_shape)
+            results = self._answer(self._eager_bucketed(xs), xs)
         if outs is not None:
             for out, result in zip(outs, results, strict=True):
                 out.copy_(result)  # converts dtype and layout in one pass

@@ -19,6 +19,7 @@ its ten best boxes (each found in the reference with the same label, IoU >= 0.9 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,10 @@ import numpy.typing as npt
 
 from blockflow.bench.agreement import BEST, IOU, SCORE, detections_agree, relative_error
 from blockflow.bench.harness import commit, device_name, served, task_images, write_results
-from blockflow.bench.perf_analyzer import median_of, perf_analyzer
+from blockflow.bench.perf_analyzer import median_of, perf_analyzer, side_input_data
 from blockflow.bench.report import spread_text
 from blockflow.clients.client import TaskClient
-from blockflow.core.spec import BOXES
+from blockflow.core.spec import BOXES, ORIGINAL_SIZE
 from blockflow.plan import Plan, load_plan, naming
 
 
@@ -43,19 +44,31 @@ def logits_agree(got: npt.NDArray[np.float32], want: npt.NDArray[np.float32]) ->
     return out
 
 
+def side_inputs(plan: Plan, name: str, batch: int) -> dict[str, npt.NDArray[Any]]:
+    """What task ``name`` takes besides its images: a detector's ORIGINAL_SIZE as the network's own size
+    (its boxes as it finds them), ones for any other."""
+    model = plan.models[plan.blocks[plan.tasks[name].path[0]].model]
+    out = {}
+    for s in plan.task_side_inputs(plan.tasks[name]):
+        one = np.array(model.input_shape[1:] if s.name == ORIGINAL_SIZE else np.ones(s.shape),
+                       dtype=np.int64 if s.dtype == "int64" else np.float32)
+        out[s.name] = np.broadcast_to(one, (batch, *one.shape)).copy()
+    return out
+
+
 def check(plan: Plan, url: str, batch: int) -> dict[str, dict[str, float]]:
     """Every task against its fp32 unsplit model, on ``batch`` seeded images."""
     out = {}
     with TaskClient(url) as client:
         for name in plan.tasks:
-            x = task_images(plan, name, batch, seed=batch)
+            x, sides = task_images(plan, name, batch, seed=batch), side_inputs(plan, name, batch)
             # The fp32 unsplit model: served beside the task's own unless the task is fp32 throughout.
             fp32 = naming.fp32_reference(name)
             want = fp32 if fp32 in plan.reference_models(plan.tasks[name]) else plan.reference_models(plan.tasks[name])[0]
             if any(o.name == BOXES for o in plan.block_outputs(plan.blocks[plan.tasks[name].path[-1]])):
-                out[name] = detections_agree(client.detect(name, x), client.detect(want, x))
+                out[name] = detections_agree(client.detect(name, x, inputs=sides), client.detect(want, x, inputs=sides))
             else:
-                out[name] = logits_agree(client.infer(name, x), client.infer(want, x))
+                out[name] = logits_agree(client.infer(name, x, inputs=sides), client.infer(want, x, inputs=sides))
     return out
 
 
@@ -76,14 +89,17 @@ def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seco
         for name in tasks or list(plan.tasks):
             model = plan.models[plan.blocks[plan.tasks[name].path[0]].model]
             shape = "IMAGE:" + ",".join(str(d) for d in model.image_shape)
+            taken = plan.task_side_inputs(plan.tasks[name])  # random int64 would be no valid size: ones
+            data = side_input_data(Path(tempfile.mkdtemp(prefix="bench-vision-")), model.image_shape,
+                                   model.image is not None and model.image.dtype == "uint8", taken) if taken else None
             row: dict[str, Any] = {}
             unsplit = [m for m in plan.reference_models(plan.tasks[name]) if m != naming.fp32_reference(name)]
             if not unsplit:
                 raise SystemExit(f"{plan_path} serves no unsplit model of {name}: give it references: [graph] (or [eager])")
             for label, served_model in (("split", name), ("unsplit", unsplit[-1])):
-                perf_analyzer(server.http_url, served_model, shape, 1, 0.5, concurrency=1)  # warm-up, not recorded
-                row[label] = {str(c): median_of([perf_analyzer(server.http_url, served_model, shape, 1, seconds, concurrency=c)
-                                                  for _ in range(repeats)]) for c in concurrencies}
+                perf_analyzer(server.http_url, served_model, shape, 1, 0.5, concurrency=1, input_data=data)  # warm-up, not recorded
+                row[label] = {str(c): median_of([perf_analyzer(server.http_url, served_model, shape, 1, seconds, concurrency=c,
+                                                               input_data=data) for _ in range(repeats)]) for c in concurrencies}
                 print(f"[vision] {name} {label}: " + ", ".join(
                     f"c{c} p50 {r.get('p50_ms', float('nan')):.2f} ms {r.get('throughput', float('nan')):.0f}/s" for c, r in row[label].items()),
                     flush=True)

@@ -18,7 +18,7 @@ from blockflow.core.spec import BOXES, COUNT, LABELS, MASKS, SCORES
 @dataclass(frozen=True)
 class Detections:
     """One image's detections, best first: ``boxes`` ``[n, 4]`` (x1, y1, x2, y2 in the input's
-    pixels), ``scores`` ``[n]``, ``labels`` ``[n]`` (int64) and, from Mask R-CNN, ``masks``
+    pixels, or the original image's where the task takes ``ORIGINAL_SIZE``), ``scores`` ``[n]``, ``labels`` ``[n]`` (int64) and, from Mask R-CNN, ``masks``
     ``[n, H, W]`` (probabilities)."""
 
     boxes: npt.NDArray[np.float32]

@@ -205,21 +205,30 @@ def _print_endpoints(serving: Serving, written: Path | None) -> None:
 
 def _print_tries(first: Task, p: Plan, server: TritonServer) -> None:
     """Commands to try ``first`` with, on ``server``."""
+    from blockflow.core.spec import ORIGINAL_SIZE
     from blockflow.triton.doctor import perf_analyzer_path
 
-    image = ",".join(map(str, p.models[p.blocks[first.path[0]].model].image_shape))  # [H, W, 3] for HWC tasks
+    model = p.models[p.blocks[first.path[0]].model]
+    image = ",".join(map(str, model.image_shape))  # [H, W, 3] for HWC tasks
     out.print("try:")
-    # A task's inputs besides the image come from .npy files (docs/plan.md, "Task inputs besides the image").
-    sides = "".join(f" --input {s.name}={s.name}.npy" for s in p.task_side_inputs(first))
+    # A task's inputs besides the image come from .npy files (docs/plan.md, "Task inputs besides the image");
+    # `infer` gives a detector's ORIGINAL_SIZE itself (the image's).
+    taken = p.task_side_inputs(first)
+    sides = "".join(f" --input {s.name}={s.name}.npy" for s in taken if s.name != ORIGINAL_SIZE)
     out.print(f"  blockflow infer {first.name} --random{sides} --url {server.http_url}")
     out.print(f"  blockflow infer {first.name} --random{sides} --protocol grpc --url {server.grpc_url}")
     images = f" --shape IMAGE:{image}"
+    write = "from pathlib import Path; from blockflow.bench.perf_analyzer import "
     if image == "-1":  # encoded images need real files' bytes (random ones fail as not JPEG/PNG); the data gives their shape
         images = " --input-data images.json"
         load, given = "", ""
-        if sides:  # the data file gives every input: the side inputs too (ones)
+        if taken:  # the data file gives every input: the side inputs too (ones)
             load = f"from blockflow.plan import load_plan; p = load_plan({p.source!r}); "
             given = f", sides=p.task_side_inputs(p.tasks[{first.name!r}])"
-        out.print(f"  python -c \"from pathlib import Path; from blockflow.bench.perf_analyzer import encoded_input_data; {load}"
-                  f"encoded_input_data(Path('images.json'){given})\"")
+        out.print(f"  python -c \"{write}encoded_input_data; {load}encoded_input_data(Path('images.json'){given})\"")
+    elif taken:  # random int64 would be no valid side input (a size): a directory of one sample per input
+        images = " --input-data inputs"
+        uint8 = model.image is not None and model.image.dtype == "uint8"
+        out.print(f"  python -c \"{write}side_input_data; from blockflow.plan import load_plan; p = load_plan({p.source!r}); "
+                  f"side_input_data(Path('inputs'), {tuple(model.image_shape)}, {uint8}, p.task_side_inputs(p.tasks[{first.name!r}]))\"")
     out.print(f"  {perf_analyzer_path() or 'perf_analyzer'} -m {first.name} -u {server.http_url} --concurrency-range 1:4 -b 1{images}")

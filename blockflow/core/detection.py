@@ -208,7 +208,8 @@ def in_original_pixels(outputs: Sequence[torch.Tensor], sizes: torch.Tensor, inp
     (``input_shape``'s height and width) to its original size (``sizes``: ``[B, 2]`` height, width)."""
     h, w = int(input_shape[-2]), int(input_shape[-1])
     boxes = outputs[1]
-    hw = sizes.to(device=boxes.device, dtype=boxes.dtype)
+    # Checked where they arrive in host memory; on a GPU held in range instead (no wait for the device).
+    hw = sizes.clamp(1, MAX_ORIGINAL_SIDE).to(device=boxes.device, dtype=boxes.dtype)
     scale = torch.stack([hw[:, 1] / w, hw[:, 0] / h, hw[:, 1] / w, hw[:, 0] / h], dim=1)
     return [outputs[0], boxes * scale[:, None, :], *outputs[2:]]
 

@@ -159,7 +159,7 @@ def program_side_inputs(module: fx.GraphModule, path: str) -> tuple[SideInput, .
         if not _triton_name(name) or name in taken:
             why = "is an output's name too" if name in taken else "is not a name a task input can take"
             raise ValueError(f"{what} {why}; rename the argument of the model's forward (letters, digits and _, "
-                             "starting with a letter; not IMAGE, LOGITS, ACTIVATION..., HANDED... nor an output's "
+                             "starting with a letter; not IMAGE, LOGITS, ORIGINAL_SIZE, ACTIVATION..., HANDED... nor an output's "
                              "name) and export it again")
         sides.append(SideInput(name=name, dtype=_SIDE_DTYPES[value.dtype], shape=tuple(int(d) for d in value.shape[1:])))
     return tuple(sides)
@@ -180,7 +180,8 @@ def recorded_tensor(node: fx.Node, batch: torch.SymInt | None = None) -> HopTens
 # A task output's or side input's name: what Triton and its clients call it (never a name the
 # ensembles use themselves).
 _TRITON_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
-_RESERVED = {"IMAGE", "LOGITS", "ACTIVATION_IN", "ACTIVATION_OUT"}
+# ORIGINAL_SIZE: a detector's side input, which its block reads after its stages (blockflow.core.detection).
+_RESERVED = {"IMAGE", "LOGITS", "ACTIVATION_IN", "ACTIVATION_OUT", "ORIGINAL_SIZE"}
 
 
 def _triton_name(name: object) -> bool:

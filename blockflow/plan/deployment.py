@@ -271,7 +271,8 @@ class Plan:
 
     def model_side_inputs(self, model: str) -> tuple[SideInput, ...]:
         """Every task input besides the image that ``model``'s network takes, in its argument order
-        (an exported program's further arguments; none for torchvision networks and stage files)."""
+        (an exported program's further arguments; a detector's ORIGINAL_SIZE where its ``input`` asks; none
+        for other torchvision networks and stage files)."""
         m = self.models[model]
         if m.original_size:
             return (SideInput(name=ORIGINAL_SIZE, dtype="int64", shape=(2,)),)

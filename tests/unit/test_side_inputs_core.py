@@ -140,6 +140,11 @@ class _Named(nn.Module):
         return image.flatten(1)[:, :1] * IMAGE
 
 
+class _OriginalSize(nn.Module):  # a detector's side input, which its block (not a stage) reads
+    def forward(self, image: torch.Tensor, ORIGINAL_SIZE: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        return image.flatten(1)[:, :1] * ORIGINAL_SIZE
+
+
 class _Boxes(nn.Module):
     def forward(self, image: torch.Tensor, boxes: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"boxes": image.flatten(1)[:, :4] * boxes, "count": boxes.sum(1, keepdim=True)}
@@ -160,6 +165,7 @@ def _export(model: nn.Module, side: torch.Tensor, shapes: Callable[[torch.export
     (_Unrelated(), torch.randn(4, 2), lambda b: ({0: b}, {0: torch.export.Dim("other")}), "a batch of its own; it must share the image's batch"),
     (_Named(), torch.randn(3, 1), lambda b: ({0: b}, {0: b}), "'IMAGE' is not a name a task input can take; rename the argument"),
     (_Boxes(), torch.randn(3, 4), lambda b: ({0: b}, {0: b}), "'boxes' is an output's name too; rename the argument"),
+    (_OriginalSize(), torch.randn(3, 1), lambda b: ({0: b}, {0: b}), "'ORIGINAL_SIZE' is not a name a task input can take"),
 ])
 def test_a_bad_side_input_is_refused_saying_how_to_export_it(tmp_path: Path, model: nn.Module, side: torch.Tensor,
                                                              shapes: Callable[[torch.export.Dim], tuple[object, ...]],

@@ -269,3 +269,4 @@ def test_serve_suggests_commands_that_send_the_side_inputs(programs: Path, capsy
     serve._print_tries(plan.tasks["sized"], plan, server)  # type: ignore[arg-type]
     printed = capsys.readouterr().out
     assert "blockflow infer sized --random --input size=size.npy --url 127.0.0.1:8000" in printed
+    assert "side_input_data(Path('inputs'), (3, 16, 16), False" in printed and "-b 1 --input-data inputs" in printed
