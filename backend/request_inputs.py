@@ -103,12 +103,7 @@ class RequestInputs:
 
     def read(self, request: Any, releases: list[Release]) -> list[torch.Tensor]:
         """A request's input tensors (the tensors its tickets name, for TensorMQ)."""
-        tensors = []
-        for name in self.names:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is None:
-                raise RequestError(f"request has no input {name!r}")
-            tensors.append(tensor)
+        tensors = _named(request, self.names)
         if self.consumer is not None:
             # Tickets are 256 host bytes: NumPy takes them through the tensor's own DLPack export in
             # ~5 us, where torch.utils.dlpack.from_dlpack took ~30 us inside a stub (2-core host).
@@ -135,13 +130,7 @@ class RequestInputs:
 
     def read_sides(self, request: Any, batch: int) -> list[torch.Tensor]:
         """A request of ``batch`` samples' side inputs, checked."""
-        tensors = []
-        for name in self.names[self.hops:]:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is None:
-                raise RequestError(f"request has no input {name!r}")
-            tensors.append(tensor)
-        return self._sides(tensors, batch)
+        return self._sides(_named(request, self.names[self.hops:]), batch)
 
     def _sides(self, tensors: list[Any], batch: int) -> list[torch.Tensor]:
         """Side inputs' Triton tensors (host or GPU) by DLPack, checked."""
@@ -153,3 +142,14 @@ class RequestInputs:
         """Copy the inputs that arrived on a GPU into this block's memory (:meth:`DeviceInputs.own`)."""
         if self.device_inputs is not None and self.device_inputs.own(batch):
             self.tracer.lap("read:own")
+
+
+def _named(request: Any, names: list[str]) -> list[Any]:
+    """The request's Triton tensors of ``names``, in order; a ``RequestError`` naming the first it lacks."""
+    tensors = []
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            raise RequestError(f"request has no input {name!r}")
+        tensors.append(tensor)
+    return tensors

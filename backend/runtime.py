@@ -32,7 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-# A side input's element type (``SideInput.dtype``), as it arrives and as a runner takes it.
 
 
 def check_sides(xs: Sequence[torch.Tensor], sides: Sequence[SideInput], dtypes: Sequence[torch.dtype], batch: int) -> None:
@@ -227,12 +226,7 @@ class BlockRunner:
         to the block's dtype and layout, the block, its outputs converted to the next hop's dtype,
         row-major. Conversions inside the graph leave a request's copies in and out as plain
         same-layout memcpys (``Tensor.copy_`` across layouts cost ~25 us of host time each)."""
-        if self.sides:
-            ys: list[torch.Tensor] = self.module(*self._hop_ins(static_ins[:self.hops]), *self._side_ins(static_ins))
-        elif self.image is not None:
-            ys = self.module(self.image(static_ins[0]))
-        else:
-            ys = self.module(*(s.to(self.dtype).contiguous(memory_format=f) for s, f in zip(static_ins, self.formats, strict=True)))
+        ys: list[torch.Tensor] = self.module(*self._hop_ins(static_ins[:self.hops]), *self._side_ins(static_ins))
         if self.tail is not None:  # the eager node's inputs, as it takes them
             return ys
         return [y.to(self.out_dtype).contiguous() for y in ys]
