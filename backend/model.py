@@ -35,7 +35,7 @@ from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import tracer_for
-from blockflow.core import cuda, env
+from blockflow.core import env
 from blockflow.core.errors import BlockError
 from blockflow.core.spec import ModelSpec
 
@@ -82,7 +82,6 @@ class TritonPythonModel:
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.ends.producer is None
-        self._done = self._sleeping_wait() if self.sync_outputs else None
         self.logger.log_info(
             f"blockflow: {model} instance {instance} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}{f', {len(spec.heads)} heads' if spec.heads else ''}, {spec.precision}, "
@@ -193,18 +192,6 @@ class TritonPythonModel:
             self._fail(responses, owners, batch, range(len(batch)), exc)
             return False
 
-    def _sleeping_wait(self) -> int | None:
-        """A blocking-sync event to wait on for the call's GPU work, or None to wait on the stream.
-
-        A stream sync spins its thread (CUDA's default schedule with fewer contexts than CPUs) for
-        as long as the GPU works, a whole core per block process under load, taken from Triton's
-        threads and the other blocks; on the event the thread sleeps until the driver wakes it.
-        """
-        if os.environ.get(env.SYNC_WAIT, "spin") == "spin":
-            return None
-        with torch.cuda.device(self.device):
-            return cuda.event_create()
-
     def _sync(self, responses: list[Any], owners: list[int], batch: list[list[torch.Tensor]], failed: set[int]) -> bool:
         """Wait for the call's GPU work; whether it is done (if not, the requests not failed yet fail).
 
@@ -212,11 +199,7 @@ class TritonPythonModel:
         be done by then. One wait for the whole call: a pack queues every head's work first.
         """
         try:
-            if self._done is None:
-                torch.cuda.current_stream(self.device).synchronize()
-            else:
-                cuda.event_record(self._done, self.stream)
-                cuda.event_synchronize(self._done)
+            torch.cuda.current_stream(self.device).synchronize()
             return True
         except Exception as exc:
             rest = [k for k in range(len(batch)) if k not in failed]

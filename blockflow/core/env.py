@@ -53,7 +53,6 @@ TMQ_PREPARE = "BLOCKFLOW_TMQ_PREPARE"  # "0": TensorMQ producers reserve and sig
 TMQ_EARLY = "BLOCKFLOW_TMQ_EARLY"  # "0": a TensorMQ block answers only after queuing its GPU work (backend/replies.py)
 TMQ_HANDOVER_DGRAM = "BLOCKFLOW_TMQ_HANDOVER_DGRAM"  # "0": direct hand-overs over ZeroMQ only; else as AF_UNIX datagrams first, ZeroMQ the fallback (backend/tensormq/wire.py)
 PIN_HOST_INPUTS = "BLOCKFLOW_PIN_HOST_INPUTS"  # "0": a first block's host images go to the GPU through the driver's staging (backend/host_pins.py)
-SYNC_WAIT = "BLOCKFLOW_SYNC_WAIT"  # "sleep": a block waits for its outputs' GPU work asleep (a blocking-sync event), "spin": on the stream (backend/model.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
 # -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
