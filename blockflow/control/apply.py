@@ -39,8 +39,9 @@ How an update runs (:meth:`Applier.apply`), and why in this order:
 
 If a load in steps 3–4 fails, everything done so far is undone
 (:mod:`blockflow.control.undo`): new ensembles are unloaded and deleted (they
-may run changed blocks), old files go back, changed models are reloaded from
-them, then new blocks are unloaded and deleted. The server then serves the old plan for every task, and
+may run changed blocks), ensembles whose hand-overs changed run as plain chains
+of their old steps while the blocks go back, old files go back, changed models are
+reloaded from them, then new blocks are unloaded and deleted. The server then serves the old plan for every task, and
 :class:`~blockflow.core.errors.ApplyError` says what failed and what was restored.
 Nothing is unloaded before every load succeeded.
 
@@ -66,6 +67,7 @@ from blockflow.control.order import (
     Widening,
     bridge,
     hand_over_order,
+    hand_overs_changed,
     stand_ins,
     widening,
     with_planned_references,
@@ -280,7 +282,7 @@ class Applier(Undo):
         try:
             self._load_waves(blocks, ensembles, self._widened(wanted, wider.new), done, report, order, backup)
         except Exception as exc:
-            restored = self._undo(done, self._widened(backup, wider.old))
+            restored = self._undo(done, self._widened(backup, wider.old), hand_overs_changed(ensembles, backup, wanted))
             self._close_widening(wider.old, wider, {c.model for c in done})
             raise ApplyError(f"{exc}\nrolled back ({'; '.join(restored) or 'nothing to undo'}); "
                              f"the server serves {previous}") from None

@@ -53,6 +53,18 @@ def hand_over_order(ensembles: Iterable[Change], old: Mapping[str, RenderedModel
     return HandOverOrder(tuple(first), tuple(bridged))
 
 
+def hand_overs_changed(ensembles: Iterable[Change], old: Mapping[str, RenderedModel | None],
+                       new: Mapping[str, RenderedModel]) -> frozenset[str]:
+    """The changed ``ensembles`` whose direct hand-overs differ between their ``old`` and ``new`` models:
+    an undo runs them as a plain chain while their blocks go back (:meth:`~blockflow.control.undo.Undo._undo`)."""
+    out = set()
+    for c in ensembles:
+        before, now = old.get(c.model), new.get(c.model)
+        if c.action == "change" and before is not None and now is not None and handed_pairs(before.config) != handed_pairs(now.config):
+            out.add(c.model)
+    return frozenset(out)
+
+
 def bridge(ensemble: RenderedModel) -> RenderedModel:
     """An ensemble with its steps as a plain chain, stamped so that no plan's digest matches it: a
     server left running it (an apply cut short) is brought in step by the next apply."""

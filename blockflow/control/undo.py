@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blockflow.control.diff import Change
+from blockflow.control.order import bridge
 from blockflow.core.errors import ApplyError
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.rendered import RenderedModel
@@ -31,25 +32,46 @@ class Undo:
     # its unload; a load timeout's worth where that is longer.
     undo_wait_s = 120.0
 
-    def _undo(self, done: list[Change], backup: Mapping[str, RenderedModel | None]) -> list[str]:
+    def _undo(self, done: list[Change], backup: Mapping[str, RenderedModel | None],
+              handed: frozenset[str] = frozenset()) -> list[str]:
         """Put back what a failed apply changed: the new ensembles first, unloaded and deleted once their
-        loads have ended (:meth:`_retire_new`), as they may run the changed blocks; then changed models'
-        old files, reloaded blocks before ensembles; then the new blocks, retired alike."""
+        loads have ended (:meth:`_retire_new`), as they may run the changed blocks; the changed ensembles
+        of ``handed`` (whose direct hand-overs the apply changed) as plain chains of their old steps; then
+        changed models' old files, reloaded blocks before ensembles; then the new blocks, retired alike."""
         new = [c for c in done if c.action == "add"]
         # A new task's ensemble that is READY would otherwise pass its requests to a changed block already
         # back to its old interface, and fail them, for as long as the reloads take.
         notes = self._retire_new([c for c in new if c.ensemble], backup)
+        # An ensemble whose hand-overs changed may already run as planned, on blocks that make (or wait
+        # for) hand-overs their old versions do not; a plain chain of its old steps runs on both versions
+        # (the apply's own order, step 4), and its files hold that chain while the blocks reload, as
+        # Triton reloads a block's loaded ensembles from their files.
+        plain = {c.model: before for c in done if c.ensemble and c.action == "change" and c.model in handed
+                 and (before := backup.get(c.model)) is not None}
+        for model, before in plain.items():
+            generator.write_model(self.repository, model, bridge(before).files)
+        for model in plain:
+            try:
+                self._load(model)
+                notes.append(f"loaded {model} as its previous steps without hand-overs")
+            except ApplyError as exc:
+                notes.append(f"could not load {model} without hand-overs: {exc}")
         for c in done:
-            if c.action != "add":
-                before = backup.get(c.model)
-                generator.write_model(self.repository, c.model, before.files if before is not None else None)
+            if c.action != "add" and c.model not in plain:
+                self._write_previous(c, backup)
         for c in sorted((c for c in done if c.action == "change"), key=lambda c: c.ensemble):
+            if c.model in plain:  # its blocks are back: now its own previous version
+                self._write_previous(c, backup)
             try:
                 self._load(c.model)
                 notes.append(f"reloaded the previous {c.model}")
             except ApplyError as exc:
                 notes.append(f"could not reload the previous {c.model}: {exc}")
         return notes + self._retire_new([c for c in new if not c.ensemble], backup)
+
+    def _write_previous(self, c: Change, backup: Mapping[str, RenderedModel | None]) -> None:
+        before = backup.get(c.model)
+        generator.write_model(self.repository, c.model, before.files if before is not None else None)
 
     def _retire_new(self, new: list[Change], backup: Mapping[str, RenderedModel | None]) -> list[str]:
         """Unload the ``new`` models of a failed apply, ensembles first, then delete their directories.
@@ -115,3 +137,4 @@ class Undo:
             for m in self.control.index():
                 out.setdefault(m.name, set()).add(m.state)
         return out
+

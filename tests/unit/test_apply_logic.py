@@ -13,7 +13,7 @@ import pytest
 
 from blockflow.control.apply import Applier, Report, expected_instances, stand_in_note
 from blockflow.control.diff import Change, Served, as_served, compute_diff
-from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, stand_ins, widening
+from blockflow.control.order import HandOverOrder, Widening, bridge, hand_over_order, hand_overs_changed, stand_ins, widening
 from blockflow.core import also_accepts
 from blockflow.core.also_accepts import AlsoAccepts
 from blockflow.core.errors import ApplyError
@@ -148,6 +148,9 @@ def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: P
     # An ensemble whose new steps name a block the server does not run yet is bridged instead.
     order = hand_over_order(ensembles, direct, chain, [s for s in _served(plans["direct"]) if s.name != "mid_b"])
     assert order == HandOverOrder(bridged=tuple(ensembles))
+    # An undo runs both as plain chains while their blocks go back, whichever way their hand-overs changed.
+    assert hand_overs_changed(ensembles, direct, chain) == hand_overs_changed(ensembles, chain, direct) == {"task_a", "task_b"}
+    assert hand_overs_changed(ensembles, direct, direct) == frozenset()
 
 
 def test_without_hand_overs_is_the_ensemble_the_generator_wires_without_them() -> None:
@@ -321,9 +324,9 @@ def test_a_block_given_other_feeders_also_accepts_the_old_ones_until_the_change_
 
 
 def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_blocks_before_ensembles(tmp_path: Path) -> None:
-    """The trading change fails while its blocks load: the bridged ensembles' old files (with their
-    hand-overs) go back, the previous blocks reload before them, and the new block that had loaded
-    is unloaded."""
+    """The trading change fails while its blocks load: the bridged ensembles run as plain chains of
+    their old steps while the previous blocks reload, then their old files (with their hand-overs) go
+    back and they reload, and the new block that had loaded is unloaded."""
     plans = _mixed_plan_objects()
     old = rendered.render(plans["old"])
     repo = tmp_path / "repo"
@@ -334,7 +337,7 @@ def test_a_failed_change_with_bridges_puts_every_old_file_back_and_reloads_block
         rec.apply(plans["new"])
     assert rec.waves[0] == ["fork", "long"] and len(rec.waves) == 2
     assert rec.loaded[-1] == "g"  # the wave's first load (added blocks come first) succeeded
-    assert rec.reloaded == [m for m in rec.waves[1] if m != "g"] + ["fork", "long"]
+    assert rec.reloaded == ["fork", "long"] + [m for m in rec.waves[1] if m != "g"] + ["fork", "long"]
     assert rec.unloaded == ["g"]
     assert generator.diff(old.files, repo) == []  # every old file back, no bridge, no new block
 

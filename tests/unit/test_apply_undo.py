@@ -9,6 +9,7 @@ from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 from blockflow.control.apply import Applier
 from blockflow.control.diff import Change
+from blockflow.control.order import bridge
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.rendered import RenderedModel
 from blockflow.triton.api import ModelState
@@ -86,3 +87,36 @@ def test_new_ensembles_go_before_a_changed_block_is_reloaded_and_new_blocks_afte
     assert notes == ["unloaded new new_task", "reloaded the previous shared", "unloaded new new_head"]
     assert (tmp_path / "repo" / "shared" / "config.pbtxt").read_text().endswith("# before\n")
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == sorted([generator.MARKER, "shared"])
+
+
+def test_an_ensemble_whose_hand_overs_changed_runs_as_a_plain_chain_while_its_blocks_go_back(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / generator.MARKER).write_text("{}")
+    script = {"b1": ["READY"], "b2": ["READY"], "task": ["READY"], "other": ["READY"]}
+    for m in script:
+        generator.write_model(repo, m, {"config.pbtxt": f'name: "{m}" # planned\n'.encode()})
+    applier = Applier("127.0.0.1:1", repo)
+    triton = _Triton(repo, script)
+    loaded: list[str] = []  # each load: the model and the config file it found
+    load = triton.load
+    def load_reading(model: str) -> None:
+        loaded.append(f"{model}: {(repo / model / 'config.pbtxt').read_text().strip()}")
+        load(model)
+    triton.load = load_reading  # type: ignore[method-assign]
+    applier.control = triton  # type: ignore[assignment]
+    old = {"b1": RenderedModel("b1", {"config.pbtxt": b'name: "b1" # before\n'}, ModelConfig(), None),
+           "b2": RenderedModel("b2", {"config.pbtxt": b'name: "b2" # before\n'}, ModelConfig(), None),
+           "task": RenderedModel.parse("task", {"config.pbtxt": b'name: "task" platform: "ensemble" # before\n'}),
+           "other": RenderedModel.parse("other", {"config.pbtxt": b'name: "other" platform: "ensemble" # before\n'})}
+    done = [Change("b1", False, "change"), Change("b2", False, "change"),
+            Change("task", True, "change"), Change("other", True, "change")]
+    notes = applier._undo(done, old, frozenset({"task"}))
+    plain = bridge(old["task"]).files["config.pbtxt"].decode().strip()
+    # b1 and b2 reload while task's files hold the plain chain, and only then does task get its own back;
+    # other (hand-overs unchanged) goes back with them as before.
+    assert loaded[0] == f"task: {plain}" and "before" not in plain
+    assert loaded[1:] == ['b1: name: "b1" # before', 'b2: name: "b2" # before',
+                          'task: name: "task" platform: "ensemble" # before', 'other: name: "other" platform: "ensemble" # before']
+    assert notes[0] == "loaded task as its previous steps without hand-overs"
+    assert notes[1:] == [f"reloaded the previous {m}" for m in ("b1", "b2", "task", "other")]
