@@ -16,12 +16,12 @@ from torch.utils.dlpack import from_dlpack
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.image_input import feed_dtype, takes_encoded
 from blockflow.backend.replies import error, failure_code
-from blockflow.backend.runtime import DTYPES, check_sides
+from blockflow.backend.runtime import DTYPES
+from blockflow.backend.side_inputs import check_sides, side_dtypes
 from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core.errors import RequestError
-from blockflow.core.programs import SIDE_DTYPES
 from blockflow.core.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class RequestInputs:
         self.names = names
         # The hop's tensors' names (a TensorMQ hop's: its ticket), then each side input's (instance_args.tensor_names).
         self.sides = spec.side_inputs
-        self.side_dtypes = [SIDE_DTYPES[s.dtype] for s in spec.side_inputs]
+        self.side_dtypes = side_dtypes(spec.side_inputs)
         self.hops = len(names) - len(self.sides)
         self.hop_names = names[:self.hops]
         self.shapes = spec.in_shapes

@@ -2,29 +2,29 @@
 
 Pure PyTorch, no Triton: ``blockflow.backend.model`` wraps it for the Python backend and
 tests drive it directly. On a GPU it runs channels-last, in the plan's
-precision, and (optionally) replays one CUDA graph per batch-size bucket;
+precision, and (optionally) replays one CUDA graph per batch-size bucket (``blockflow.backend.graphs``);
 inputs and outputs at its edges are in standard layout, in the hop's dtype (a task's image as the
 plan gives it, converted by ``blockflow.backend.image_input`` inside what the block runs; a side
-input in its own dtype, float32 or int64).
+input in its own dtype, float32 or int64: ``blockflow.backend.side_inputs``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from blockflow.backend.graphs import PLAIN_HOPS, Graph, PlainHop, batch_buckets, bucket_for, capture
 from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
 from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, on_device, side_positions, split_eager_tail
+from blockflow.backend.side_inputs import check_sides, side_casts, side_dtypes, side_ins, side_zeros
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, detection, env
 from blockflow.core.errors import RequestError
-from blockflow.core.programs import SIDE_DTYPES
-from blockflow.core.spec import BOXES, ORIGINAL_SIZE, ModelSpec, SideInput
+from blockflow.core.spec import BOXES, ORIGINAL_SIZE, ModelSpec
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -32,63 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-
-
-def check_sides(xs: Sequence[torch.Tensor], sides: Sequence[SideInput], dtypes: Sequence[torch.dtype], batch: int) -> None:
-    """Each side input in its declared dtype and per-sample shape, ``batch`` samples (its hop tensors'):
-    a ``RequestError`` naming the first that is not."""
-    for x, side, dtype in zip(xs, sides, dtypes, strict=True):
-        if x.dtype != dtype or tuple(x.shape[1:]) != side.shape or int(x.shape[0]) != batch:
-            raise RequestError(f"input {side.name!r} is {x.dtype} {list(x.shape)}; "
-                               f"expected {dtype} [{batch}, {', '.join(map(str, side.shape))}]")
-        # Its values where they are in host memory (a check on a GPU would wait for it; there they are clamped).
-        if side.name == ORIGINAL_SIZE and not x.is_cuda:
-            bad = ((x < 1) | (x > detection.MAX_ORIGINAL_SIDE)).any(dim=1).nonzero()
-            if len(bad):
-                row = int(bad[0, 0])
-                raise RequestError(f"input {ORIGINAL_SIZE!r} gives each image's height and width in pixels, 1 to "
-                                   f"{detection.MAX_ORIGINAL_SIDE} each; sample {row} is {x[row].tolist()}")
-
-
-PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
-
-
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two up to ``max_batch_size``, and ``max_batch_size`` itself."""
-    out, b = [], 1
-    while b < max_batch_size:
-        out.append(b)
-        b *= 2
-    out.append(max_batch_size)
-    return out
-
-
-def bucket_for(batch: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if b >= batch:
-            return b
-    raise RequestError(f"batch of {batch} exceeds the block's max_batch_size {buckets[-1]}")
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    static_ins: list[torch.Tensor]
-    static_outs: list[torch.Tensor]
-
-
-class _PlainHop:
-    """A TensorMQ hop checked once: its input and output tensors (the same pool views come back
-    request after request), its graph, and the plain copies' addresses. Checking a hop costs ~20
-    torch calls, ~16-18 us a call on an H100 host that woke for the request (docs/performance.md,
-    "The split's cost"); finding it again costs a dict lookup."""
-
-    __slots__ = ("x", "out", "graph", "copies_in", "copies_out")
-
-    def __init__(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], g: _Graph) -> None:
-        self.x, self.out, self.graph = xs[0], outs[0], g.graph
-        self.copies_in = [(s.data_ptr(), x.data_ptr(), s.nbytes) for s, x in zip(g.static_ins, xs, strict=True)]
-        self.copies_out = [(o.data_ptr(), r.data_ptr(), o.nbytes) for o, r in zip(outs, g.static_outs, strict=True)]
 
 
 def _same_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -140,8 +83,8 @@ class BlockRunner:
         # the block's (its parts' where they differ: the chain casts each part's) inside what the block runs.
         self.hops = len(self.in_shapes)
         self.sides = spec.side_inputs
-        self.side_dtypes = [SIDE_DTYPES[s.dtype] for s in spec.side_inputs]
-        self.side_casts = [d if not d.is_floating_point or mixed else self.dtype for d in self.side_dtypes]
+        self.side_dtypes = side_dtypes(spec.side_inputs)
+        self.side_casts = side_casts(self.side_dtypes, self.dtype, mixed)
         self.input_count = self.hops + len(self.sides)
         # Where a detector's task gives each image's original size (read after the stages, by no stage).
         self.original_size = next((self.hops + i for i, s in enumerate(self.sides) if s.name == ORIGINAL_SIZE), None) \
@@ -159,10 +102,10 @@ class BlockRunner:
         self.buckets = batch_buckets(spec.max_batch_size)
         # Other networks of several outputs (an exported program's) run eagerly.
         self.use_graphs = graphs and (not spec.outputs or self.tail is not None)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[int, Graph] = {}
         # Hops of one input and one output already checked, by the ids of their tensors (held, so
         # an id cannot be reused while its entry lives).
-        self._plain: dict[tuple[int, int], _PlainHop] = {}
+        self._plain: dict[tuple[int, int], PlainHop] = {}
         self._stream = int(torch.cuda.current_stream(device).cuda_stream) if self.is_cuda else 0
         # A first block's host image: copied by DMA from the backend's shared memory once that is
         # page-locked (blockflow.backend.host_pins), then waited for before the call returns.
@@ -178,15 +121,7 @@ class BlockRunner:
         else:
             xs = [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
                   for s, f in zip(self.in_shapes, self.formats, strict=True)]
-        return xs + self._side_zeros(batch) if self.sides else xs
-
-    def _side_zeros(self, batch: int) -> list[torch.Tensor]:
-        """A zero of each side input, in its declared dtype (what a request gives)."""
-        return [torch.zeros((batch, *s.shape), device=self.device, dtype=d) for s, d in zip(self.sides, self.side_dtypes, strict=True)]
-
-    def _side_ins(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The side inputs of ``xs`` (on this device) as the block takes them: floating ones in its dtype."""
-        return [x.to(dtype=d).contiguous() for x, d in zip(xs[self.hops:], self.side_casts, strict=True)]
+        return xs + side_zeros(self.sides, self.side_dtypes, batch, self.device) if self.sides else xs
 
     @torch.inference_mode()
     def warmup(self, pool: Any = None) -> None:
@@ -226,7 +161,7 @@ class BlockRunner:
         to the block's dtype and layout, the block, its outputs converted to the next hop's dtype,
         row-major. Conversions inside the graph leave a request's copies in and out as plain
         same-layout memcpys (``Tensor.copy_`` across layouts cost ~25 us of host time each)."""
-        ys: list[torch.Tensor] = self.module(*self._hop_ins(static_ins[:self.hops]), *self._side_ins(static_ins))
+        ys: list[torch.Tensor] = self.module(*self._hop_ins(static_ins[:self.hops]), *side_ins(static_ins[self.hops:], self.side_casts))
         if self.tail is not None:  # the eager node's inputs, as it takes them
             return ys
         return [y.to(self.out_dtype).contiguous() for y in ys]
@@ -237,21 +172,12 @@ class BlockRunner:
             return [self.image(xs[0])]
         return [x.to(self.dtype).contiguous(memory_format=f) for x, f in zip(xs, self.formats, strict=True)]
 
-    def _capture(self, batch: int, pool: Any) -> _Graph:
+    def _capture(self, batch: int, pool: Any) -> Graph:
         # Static inputs as requests give them: the hop's dtype, each side input's own.
         static_ins = [torch.zeros((batch, *s), device=self.device, dtype=self.in_dtype) for s in self.in_shapes]
         if self.sides:
-            static_ins += self._side_zeros(batch)
-        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # cuDNN picks algorithms on the first calls; keep that out of the graph
-                self._graph_forward(static_ins)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            static_outs = self._graph_forward(static_ins)
-        return _Graph(graph, static_ins, static_outs)
+            static_ins += side_zeros(self.sides, self.side_dtypes, batch, self.device)
+        return capture(self._graph_forward, static_ins, self.device, pool)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """``dst.copy_(src)`` on this block's stream; a driver memcpy when no conversion is needed.
@@ -286,7 +212,7 @@ class BlockRunner:
     def _eager(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.sides:
             on = [x.to(device=self.device, non_blocking=True) for x in xs]
-            ins = [*self._hop_ins(on[:self.hops]), *self._side_ins(on)]
+            ins = [*self._hop_ins(on[:self.hops]), *side_ins(on[self.hops:], self.side_casts)]
         elif self.image is not None:
             ins = [self.image(xs[0].to(device=self.device, non_blocking=True))]
         else:
@@ -327,7 +253,7 @@ class BlockRunner:
         if outs is not None and len(xs) == 1 and len(outs) == 1:
             hit = self._plain.get((id(xs[0]), id(outs[0])))
             if hit is not None and hit.x is xs[0] and hit.out is outs[0]:
-                self._replay(hit, lap)
+                hit.replay(self._stream, lap)
                 return list(outs)
         if len(xs) != self.input_count:
             raise RequestError(f"{len(xs)} input tensor(s) given; this block takes {self.input_count}")
@@ -345,29 +271,15 @@ class BlockRunner:
             # grad-mode context (its Python costs ~10-20 us a call on a host that woke for the
             # request, bench.hop_host): a replay and driver memcpys record nothing for autograd.
             if g is not None and all(map(_memcpy_ok, g.static_ins, xs)) and all(map(_memcpy_ok, outs, g.static_outs)):
-                hop = _PlainHop(xs, outs, g)
+                hop = PlainHop(xs, outs, g)
                 if len(xs) == 1 and len(outs) == 1:
                     if len(self._plain) >= PLAIN_HOPS:
                         self._plain.clear()
                     self._plain[(id(xs[0]), id(outs[0]))] = hop
-                self._replay(hop, lap)
+                hop.replay(self._stream, lap)
                 return list(outs)
         with torch.inference_mode():
             return self._run_all(batch, xs, outs, lap)
-
-    def _replay(self, hop: _PlainHop, lap: Callable[[str], None] | None) -> None:
-        """Copy in, replay, copy out: the usual TensorMQ hop, with no torch call but the replay."""
-        if lap is not None:
-            lap("run:checks")
-        for dst, src, nbytes in hop.copies_in:
-            cuda.memcpy_async(dst, src, nbytes, self._stream)
-        if lap is not None:
-            lap("run:copy_in")
-        hop.graph.replay()
-        if lap is not None:
-            lap("run:replay")
-        for dst, src, nbytes in hop.copies_out:
-            cuda.memcpy_async(dst, src, nbytes, self._stream)
 
     def _run_all(self, batch: int, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor] | None,
                  lap: Callable[[str], None] | None = None) -> list[torch.Tensor]:

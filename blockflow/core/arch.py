@@ -33,7 +33,6 @@ so a network built for one (``build_network`` records it) is traced with the siz
 from __future__ import annotations
 
 import math
-import operator
 import os
 import re
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from torch import fx, nn
 from blockflow.core import detection
 from blockflow.core.cuts import Cut, Cuts, HopTensor
 from blockflow.core.folding import fold_input_size
+from blockflow.core.in_place import mutates
 from blockflow.core.programs import (
     SIDE_INPUTS_ATTR,
     is_program,
@@ -57,7 +57,7 @@ from blockflow.core.programs import (
     program_side_inputs,
     recorded_tensor,
 )
-from blockflow.core.spec import SideInput, TaskOutput
+from blockflow.core.spec import TaskOutput
 
 # The most tensors one hop may carry: each is a Triton input/output of the blocks on both sides.
 MAX_HOP_TENSORS = 8
@@ -203,7 +203,7 @@ def trace(net: nn.Module) -> Traced:
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
     """Stages ``first..last`` (inclusive) as one module taking the tensors live at cut ``first-1``
     (the network's inputs other than side inputs, for stage 0), then the side inputs its nodes read
-    (in the network's argument order: ``stage_side_inputs``)."""
+    (in the network's argument order: ``blockflow.core.side_inputs.stage_side_inputs``)."""
     bounds = [traced.end_of(c) for c in cut_points]
     start = bounds[first - 1] + 1 if first > 0 else 0
     output = next(n for n in traced.nodes if n.op == "output")
@@ -230,7 +230,7 @@ def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: in
         # A stage's inputs may be another process's memory (a TensorMQ pool, read-only on the CPU):
         # a stage that would change one in place (a ReLU(inplace=True) or ``+=`` right after the
         # cut) works on its own copy.
-        if any(_mutates(user, node) for user in node.users if user in stage):
+        if any(mutates(user, node) for user in node.users if user in stage):
             env[node] = graph.call_method("clone", (env[node],))
     for node in stage:
         if node.op in ("get_attr", "placeholder"):
@@ -256,29 +256,6 @@ def only_output(output: fx.Node) -> Any:
     segmentation network a dict, whose ``out`` is its output)."""
     value = network_output(output.args[0])
     return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
-
-
-_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                       operator.irshift}
-
-
-def _mutates(node: fx.Node, value: fx.Node) -> bool:
-    """Whether ``node`` may change ``value`` (its first argument) in place."""
-    if not node.args or node.args[0] is not value:
-        return False
-    owner = node.graph.owning_module
-    if node.op == "call_module" and owner is not None:
-        return bool(getattr(owner.get_submodule(str(node.target)), "inplace", False))
-    if node.op == "call_method":
-        return str(node.target).endswith("_")
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):  # an exported graph's aten op
-        first = node.target._schema.arguments[0] if node.target._schema.arguments else None
-        return bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return bool(node.kwargs.get("inplace")) or node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
-    return False
 
 
 def slice_stages(net: nn.Module, arch: str, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:
@@ -399,39 +376,20 @@ def task_outputs(arch: str, input_shape: Sequence[int]) -> tuple[TaskOutput, ...
     return tuple(TaskOutput(name=n, dtype=d, shape=s) for n, d, s in detection.task_outputs(arch, input_shape))  # type: ignore[arg-type]
 
 
-def side_inputs(network: str, input_shape: Sequence[int], num_classes: int) -> tuple[SideInput, ...]:
-    """The network's side inputs (an exported program's arguments after the image), in argument
-    order; none for a torchvision network."""
-    return legal_cuts(network, tuple(input_shape), num_classes).sides
-
-
-def stage_side_inputs(network: str, cut_points: Sequence[str], input_shape: Sequence[int], num_classes: int,
-                      first: int, last: int) -> tuple[str, ...]:
-    """The names of the side inputs stages ``first..last`` (inclusive) of ``network`` cut at
-    ``cut_points`` read, in argument order: what their stage module takes after its entering tensors."""
-    cuts = legal_cuts(network, tuple(input_shape), num_classes)
-    if not cuts.sides:
-        return ()
-    bounds = []
-    for c in cut_points:
-        if cuts.get(c) is None:
-            raise ValueError(f"{c!r} is not a legal cut of {network}")
-        bounds.append(cuts.position(c))
-    start = bounds[first - 1] + 1 if first > 0 else 0
-    end = bounds[last] if last < len(bounds) else math.inf  # the last stage: to the output, which may read one
-    return tuple(s.name for s, users in zip(cuts.sides, cuts.side_users, strict=True)
-                 if any(start <= u <= end for u in users))
-
-
 def stage_output_shapes(
     arch: str, cut_points: Sequence[str], input_shape: Sequence[int], num_classes: int
 ) -> list[tuple[tuple[int, ...], ...]]:
     """Per-sample shapes of the tensors each stage gives (meta device: no weights, no compute)."""
     cuts = legal_cuts(arch, tuple(input_shape), num_classes)
-    shapes = []
+    return [*(cut.shapes for cut in cuts_at(cuts, arch, cut_points)), (cuts.output_shape,)]
+
+
+def cuts_at(cuts: Cuts, network: str, cut_points: Sequence[str]) -> list[Cut]:
+    """The cuts named ``cut_points``, in their order; ``ValueError`` for a name that is no legal cut of ``network``."""
+    out = []
     for c in cut_points:
         cut = cuts.get(c)
         if cut is None:
-            raise ValueError(f"{c!r} is not a legal cut of {arch}")
-        shapes.append(cut.shapes)
-    return [*shapes, (cuts.output_shape,)]
+            raise ValueError(f"{c!r} is not a legal cut of {network}")
+        out.append(cut)
+    return out

@@ -55,7 +55,7 @@ class Cuts:
     outputs: tuple[HopTensor, ...] = ()
     # Its side inputs (an exported program's arguments after the image: never carried by a hop), in
     # argument order, and the indices in the traced graph of the nodes that read each (where a
-    # stage reads it: ``blockflow.core.arch.stage_side_inputs``).
+    # stage reads it: ``blockflow.core.side_inputs.stage_side_inputs``).
     sides: tuple[SideInput, ...] = ()
     side_users: tuple[tuple[int, ...], ...] = ()
 

@@ -3,8 +3,9 @@
 ``schema`` is the file format, ``load`` reads and checks a plan, ``checks`` holds the checks
 that need the whole graph, ``deployment`` is the validated :class:`Plan` and how it deploys,
 ``packs`` which task heads run as one model, ``naming`` names the generated Triton models,
-``direct_pairs`` says which neighbouring blocks may hand over directly, ``memory`` estimates what
-a plan needs.
+``direct_pairs`` says which neighbouring blocks may hand over directly, ``side_inputs`` which
+task inputs besides the image each model, block and task takes, ``crossing`` a plan across servers,
+``memory`` estimates what a plan needs.
 """
 
 from blockflow.plan.deployment import Block, Deployed, Plan, Task

@@ -1,6 +1,6 @@
 """A validated plan: its blocks with every setting resolved, its tasks, and how they deploy
 (fusion of consecutive blocks, packs of heads (``blockflow.plan.packs``), the model each deployed
-unit becomes)."""
+unit becomes, the task inputs besides the image each reads (``blockflow.plan.side_inputs``))."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from blockflow.core import arch as archs
 from blockflow.core import stage_files
 from blockflow.core.errors import PlanError, PlanIssue
-from blockflow.core.spec import ORIGINAL_SIZE, HopDtype, Precision, SideInput, TaskOutput, TransportName, WeightsSource, hop_dtype
+from blockflow.core.spec import HopDtype, Precision, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
 from blockflow.plan import direct_pairs, naming
 from blockflow.plan.packs import HeadPack, head_packs
@@ -26,6 +26,7 @@ from blockflow.plan.schema import (
     ModelDef,
     PlanModel,
 )
+from blockflow.plan.side_inputs import SideInputs
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ class Deployed:
     pack: HeadPack | None = None
 
 
-class Plan:
-    """A validated plan. Build it with :func:`load_plan` or :func:`parse_plan`."""
+class Plan(SideInputs):
+    """A validated plan. Build it with :func:`load_plan` or :func:`parse_plan`; its side inputs
+    (task inputs besides the image) come from :class:`blockflow.plan.side_inputs.SideInputs`."""
 
     def __init__(self, raw: PlanModel, source: str = "", base_dir: Path | None = None,
                  weights_dirs: Sequence[Path] | None = None) -> None:
@@ -268,46 +270,6 @@ class Plan:
         if block.last != m.stage_count - 1 or m.stage_files is not None:
             return ()
         return archs.task_outputs(m.network, m.input_shape)
-
-    def model_side_inputs(self, model: str) -> tuple[SideInput, ...]:
-        """Every task input besides the image that ``model``'s network takes, in its argument order
-        (an exported program's further arguments; a detector's ORIGINAL_SIZE where its ``input`` asks; none
-        for other torchvision networks and stage files)."""
-        m = self.models[model]
-        if m.original_size:
-            return (SideInput(name=ORIGINAL_SIZE, dtype="int64", shape=(2,)),)
-        if m.program is None or m.stage_files is not None:
-            return ()
-        return archs.side_inputs(m.network, tuple(m.input_shape), m.num_classes)
-
-    def block_side_inputs(self, block: Block) -> tuple[str, ...]:
-        """The side inputs ``block`` reads: those its stages read, in the order they take them; a detector's
-        last block, ORIGINAL_SIZE (read by the block after its stages, never by a stage: see :meth:`stage_side_inputs`)."""
-        m = self.models[block.model]
-        if m.original_size:
-            return (ORIGINAL_SIZE,) if block.last == m.stage_count - 1 else ()
-        if not self.model_side_inputs(block.model):
-            return ()
-        return archs.stage_side_inputs(m.network, tuple(m.cut_points), tuple(m.input_shape), m.num_classes,
-                                       block.first, block.last)
-
-    def stage_side_inputs(self, block: Block) -> tuple[str, ...]:
-        """The side inputs ``block``'s stage modules take (``Part.side_inputs``): all it reads but ORIGINAL_SIZE."""
-        return tuple(n for n in self.block_side_inputs(block) if n != ORIGINAL_SIZE)
-
-    def side_inputs_of(self, blocks: Sequence[Block]) -> tuple[SideInput, ...]:
-        """The side inputs some of ``blocks`` read (a fused segment's, a whole path's): model by model
-        in the order the blocks come, each model's in its network's argument order, each name once."""
-        read = {name for b in blocks for name in self.block_side_inputs(b)}
-        out: dict[str, SideInput] = {}
-        for model in dict.fromkeys(b.model for b in blocks):
-            out.update((s.name, s) for s in self.model_side_inputs(model) if s.name in read and s.name not in out)
-        return tuple(out.values())
-
-    def task_side_inputs(self, task: Task) -> tuple[SideInput, ...]:
-        """What ``task`` takes besides its image: the side inputs its path reads (the plan's checks
-        make one name mean one dtype and shape along it)."""
-        return self.side_inputs_of([self.blocks[b] for b in task.path])
 
     def device_issues(self, gpus: int) -> list[PlanIssue]:
         """Placement problems on a machine with ``gpus`` visible GPUs (checked when serving)."""

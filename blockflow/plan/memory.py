@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.core import detection
-from blockflow.core.arch import meta_network, side_inputs, slice_stages, stage_side_inputs
+from blockflow.core.arch import meta_network, slice_stages
 from blockflow.core.errors import CalibrationError
 from blockflow.core.programs import SIDE_DTYPES
+from blockflow.core.side_inputs import side_inputs, stage_side_inputs
 from blockflow.plan import naming
 from blockflow.plan.deployment import Block, Plan
 from blockflow.plan.load import parse_plan

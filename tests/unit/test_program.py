@@ -14,6 +14,7 @@ from torch import nn
 
 from blockflow.core import arch, stage_files
 from blockflow.core.errors import PlanError
+from blockflow.core.side_inputs import side_inputs
 from blockflow.plan import parse_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ def test_a_program_with_a_fixed_batch_or_a_bad_second_input_is_refused(tmp_path:
     two = tmp_path / "two.pt2"  # a second input with the batch of the first: a side input
     torch.export.save(torch.export.export(Two(), (torch.randn(2, 4), torch.randn(2, 3)),
                                           dynamic_shapes=({0: batch}, {0: batch})), two)
-    assert [s.name for s in arch.side_inputs(str(two), (), 0)] == ["b"]
+    assert [s.name for s in side_inputs(str(two), (), 0)] == ["b"]
     other = tmp_path / "other.pt2"  # a second input of a fixed batch: no side input
     torch.export.save(torch.export.export(Two(), (torch.randn(2, 4), torch.randn(2, 3)),
                                           dynamic_shapes=({0: batch}, None)), other)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockflow.backend.runtime import BlockRunner, batch_buckets, bucket_for
+from blockflow.backend.graphs import batch_buckets, bucket_for
+from blockflow.backend.runtime import BlockRunner
 from blockflow.core import arch
 from blockflow.core.errors import BlockError, PlanError, RequestError
 from blockflow.core.spec import ModelSpec, Part, WeightsSource

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from blockflow.core import arch
+from blockflow.core.side_inputs import side_inputs, stage_side_inputs
 from blockflow.core.spec import SideInput
 
 from .. import side_programs
@@ -29,7 +30,7 @@ def _run_stages(path: Path, cuts: list[str], image: torch.Tensor, side: torch.Te
     net = arch.build_network(str(path), 0, 0)
     xs: tuple[torch.Tensor, ...] = (image,)
     for i in range(len(cuts) + 1):
-        reads = arch.stage_side_inputs(str(path), cuts, (), 0, i, i)
+        reads = stage_side_inputs(str(path), cuts, (), 0, i, i)
         assert set(reads) <= {name}
         out = arch.slice_stages(net, str(path), cuts, i, i)(*xs, *(side for _ in reads))
         xs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -43,19 +44,19 @@ def _whole(path: Path, image: torch.Tensor, side: torch.Tensor) -> tuple[torch.T
 
 def test_the_side_inputs_and_the_stages_that_read_them(programs: dict[str, Path]) -> None:
     boxes, scaled = str(programs["sized_boxes"]), str(programs["scaled"])
-    assert arch.side_inputs(boxes, (), 0) == (SideInput(name="size", dtype="int64", shape=(2,)),)
-    assert arch.side_inputs(scaled, (), 0) == (SideInput(name="scale", dtype="fp32", shape=(1,)),)
-    assert arch.side_inputs("resnet18", (3, 32, 32), 10) == ()
-    assert arch.stage_side_inputs("resnet18", ["layer2"], (3, 32, 32), 10, 0, 1) == ()
+    assert side_inputs(boxes, (), 0) == (SideInput(name="size", dtype="int64", shape=(2,)),)
+    assert side_inputs(scaled, (), 0) == (SideInput(name="scale", dtype="fp32", shape=(1,)),)
+    assert side_inputs("resnet18", (3, 32, 32), 10) == ()
+    assert stage_side_inputs("resnet18", ["layer2"], (3, 32, 32), 10, 0, 1) == ()
     for cuts in (["stem"], ["body"], ["box"], ["stem", "body"]):
-        assert [arch.stage_side_inputs(boxes, cuts, (), 0, i, i) for i in range(len(cuts) + 1)] == \
+        assert [stage_side_inputs(boxes, cuts, (), 0, i, i) for i in range(len(cuts) + 1)] == \
             [*([()] * len(cuts)), ("size",)]
-        assert arch.stage_side_inputs(boxes, cuts, (), 0, 0, len(cuts)) == ("size",)
+        assert stage_side_inputs(boxes, cuts, (), 0, 0, len(cuts)) == ("size",)
     # ``scale`` weighs the stem's features (read just after the stem) and is added to the logits.
-    assert [arch.stage_side_inputs(scaled, ["body"], (), 0, i, i) for i in range(2)] == [("scale",), ("scale",)]
-    assert [arch.stage_side_inputs(scaled, ["stem", "body"], (), 0, i, i) for i in range(3)] == [(), ("scale",), ("scale",)]
+    assert [stage_side_inputs(scaled, ["body"], (), 0, i, i) for i in range(2)] == [("scale",), ("scale",)]
+    assert [stage_side_inputs(scaled, ["stem", "body"], (), 0, i, i) for i in range(3)] == [(), ("scale",), ("scale",)]
     with pytest.raises(ValueError, match="'bodi' is not a legal cut"):
-        arch.stage_side_inputs(scaled, ["bodi"], (), 0, 0, 0)
+        stage_side_inputs(scaled, ["bodi"], (), 0, 0, 0)
     # Task outputs are named as before.
     assert [(o.name, o.dtype, o.shape) for o in arch.task_outputs(boxes, ())] == [("boxes", "fp32", (4,)), ("area", "int64", (1,))]
 
@@ -85,7 +86,7 @@ def test_stages_given_their_side_inputs_equal_the_program_run_whole(programs: di
     with torch.no_grad():
         want = _whole(path, image, side)
         for cuts in splits:
-            got = _run_stages(path, cuts, image, side, arch.side_inputs(str(path), (), 0)[0].name)
+            got = _run_stages(path, cuts, image, side, side_inputs(str(path), (), 0)[0].name)
             assert len(got) == len(want), cuts
             for g, w in zip(got, want, strict=True):
                 assert g.dtype == w.dtype and torch.allclose(g, w, rtol=0, atol=1e-6), (cuts, (g - w).abs().max())

@@ -21,6 +21,7 @@ from blockflow.backend.runtime import BlockRunner
 from blockflow.core import arch
 from blockflow.core.errors import RequestError
 from blockflow.core.programs import program_output_names
+from blockflow.core.side_inputs import side_inputs, stage_side_inputs
 from blockflow.core.spec import ModelSpec, Part, SideInput, TransportName, WeightsSource
 
 from .. import side_programs
@@ -46,13 +47,13 @@ def _spec(path: Path, cuts: Sequence[str], blocks: Sequence[tuple[int, int]], tr
     ins = (found.input_shape,) if first == 0 else shapes[first - 1]
     outs = shapes[last]
     parts = tuple(Part(block=f"{name}{k}", first=a, last=b, weights=WeightsSource(seed=0),
-                       side_inputs=arch.stage_side_inputs(network, cuts, (), 0, a, b)) for k, (a, b) in enumerate(blocks))
+                       side_inputs=stage_side_inputs(network, cuts, (), 0, a, b)) for k, (a, b) in enumerate(blocks))
     read = {n for p in parts for n in p.side_inputs}
     return ModelSpec(kind="block", name=name, arch=network, cut_points=tuple(cuts), num_classes=0,
                      input_shape=found.input_shape, parts=parts, precision="fp32", cuda_graphs=False, max_batch_size=8,
                      transport=transport, in_shape=ins[0], out_shape=outs[0], extra_in_shapes=ins[1:],
                      extra_out_shapes=outs[1:], outputs=arch.task_outputs(network, found.input_shape) if last == len(cuts) else (),
-                     side_inputs=tuple(s for s in arch.side_inputs(network, (), 0) if s.name in read))
+                     side_inputs=tuple(s for s in side_inputs(network, (), 0) if s.name in read))
 
 
 def _whole(path: Path, image: torch.Tensor, side: torch.Tensor) -> list[torch.Tensor]:
@@ -306,8 +307,8 @@ def test_encoded_images_keep_their_request_s_side_inputs(programs: dict[str, Pat
 
 
 def test_side_inputs_of_the_spec_keep_their_order(programs: dict[str, Path]) -> None:
-    assert arch.side_inputs(str(programs["scaled"]), (), 0) == (SideInput(name="scale", dtype="fp32", shape=(1,)),)
-    assert arch.side_inputs(str(programs["sized_boxes"]), (), 0) == (SideInput(name="size", dtype="int64", shape=(2,)),)
+    assert side_inputs(str(programs["scaled"]), (), 0) == (SideInput(name="scale", dtype="fp32", shape=(1,)),)
+    assert side_inputs(str(programs["sized_boxes"]), (), 0) == (SideInput(name="size", dtype="int64", shape=(2,)),)
 
 
 def test_a_programs_stages_make_their_tensors_on_the_blocks_device(tmp_path: Path) -> None:
