@@ -1,0 +1,27 @@
+"""py-spy's collapsed stacks added up by block (bench/lab/block_profile.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from blockflow.bench.lab import block_profile
+
+
+def test_samples_split_into_the_stubs_threads_execute_and_other_python_threads(tmp_path: Path) -> None:
+    (tmp_path / "pids.txt").write_text("100 7 b1\n100 8 b1\n200 7 b1\n100 9 b2\n")
+    (tmp_path / "100-7.txt").write_text(
+        " 30\n"  # a thread with no Python frame: the stub's own
+        "TritonPythonModel.execute (model.py:127);RequestInputs.read (request_inputs.py:112) 50\n"
+        "Thread._bootstrap (threading.py:1030);Consumer._release_loop (consumer.py:319) 10\n")
+    (tmp_path / "100-8.txt").write_text("Thread._bootstrap (threading.py:1030);Producer._serve (producer.py:262) 10\n")
+    (tmp_path / "200-7.txt").write_text(" 999\n")  # another window: left out
+    (tmp_path / "100-9.txt").write_text(" 5\n")
+    text = block_profile.summary(tmp_path, {"100"}, top=2)
+    assert "## b1: 100 samples\n\nexecute 50%, stub's own threads 30%, other Python threads 20%\n" in text
+    assert "- 50.0% RequestInputs.read (request_inputs.py:112)\n- 30.0% (no Python frame)\n" in text
+    assert "## b2: 5 samples\n\nstub's own threads 100%\n" in text
+
+
+def test_a_stubs_model_is_read_from_its_model_file() -> None:
+    m = block_profile._MODEL.search("/tmp/run/model_repository/r50__ref_graph/1/model.py triton_python_backend_shm_region_1 1048576")
+    assert m is not None and m.group(1) == "r50__ref_graph"
