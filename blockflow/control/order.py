@@ -56,13 +56,11 @@ def hand_over_order(ensembles: Iterable[Change], old: Mapping[str, RenderedModel
 def hand_overs_changed(ensembles: Iterable[Change], old: Mapping[str, RenderedModel | None],
                        new: Mapping[str, RenderedModel]) -> frozenset[str]:
     """The changed ``ensembles`` whose direct hand-overs differ between their ``old`` and ``new`` models:
-    an undo runs them as a plain chain while their blocks go back (:meth:`~blockflow.control.undo.Undo._undo`)."""
-    out = set()
-    for c in ensembles:
-        before, now = old.get(c.model), new.get(c.model)
-        if c.action == "change" and before is not None and now is not None and handed_pairs(before.config) != handed_pairs(now.config):
-            out.add(c.model)
-    return frozenset(out)
+    an undo runs them as a plain chain while their blocks go back (:meth:`~blockflow.control.undo.Undo._undo`).
+    An old ensemble whose files did not parse is not one: its hand-overs are unknown."""
+    return frozenset(c.model for c in ensembles
+                     if c.action == "change" and (before := old.get(c.model)) is not None and not before.unreadable
+                     and (now := new.get(c.model)) is not None and handed_pairs(before.config) != handed_pairs(now.config))
 
 
 def bridge(ensemble: RenderedModel) -> RenderedModel:

@@ -45,17 +45,20 @@ class Undo:
         # An ensemble whose hand-overs changed may already run as planned, on blocks that make (or wait
         # for) hand-overs their old versions do not; a plain chain of its old steps runs on both versions
         # (the apply's own order, step 4), and its files hold that chain while the blocks reload, as
-        # Triton reloads a block's loaded ensembles from their files.
-        plain = {c.model: before for c in done if c.ensemble and c.action == "change" and c.model in handed
-                 and (before := backup.get(c.model)) is not None}
-        for model, before in plain.items():
-            generator.write_model(self.repository, model, bridge(before).files)
-        for model in plain:
+        # Triton reloads a block's loaded ensembles from their files. Only where a changed block goes back.
+        reloading = any(not c.ensemble and c.action == "change" for c in done)
+        plain: set[str] = set()
+        for c in done if reloading else []:
+            before = backup.get(c.model)
+            if not (c.ensemble and c.action == "change" and c.model in handed and before is not None):
+                continue
             try:
-                self._load(model)
-                notes.append(f"loaded {model} as its previous steps without hand-overs")
-            except ApplyError as exc:
-                notes.append(f"could not load {model} without hand-overs: {exc}")
+                generator.write_model(self.repository, c.model, bridge(before).files)
+                self._load(c.model)
+                plain.add(c.model)
+                notes.append(f"loaded {c.model} as its previous steps without hand-overs")
+            except (ApplyError, ValueError) as exc:  # then its previous files, as for any other change
+                notes.append(f"could not load {c.model} without hand-overs: {exc}")
         for c in done:
             if c.action != "add" and c.model not in plain:
                 self._write_previous(c, backup)
@@ -137,4 +140,3 @@ class Undo:
             for m in self.control.index():
                 out.setdefault(m.name, set()).add(m.state)
         return out
-

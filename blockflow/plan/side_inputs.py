@@ -22,13 +22,12 @@ if TYPE_CHECKING:  # deployment imports this module: its classes are named for t
 class SideInputs:
     """The side-input queries of a plan, over its resolved ``models`` and ``blocks``."""
 
-    @property
-    def models(self) -> Mapping[str, ModelDef]:
-        raise NotImplementedError  # the plan's, resolved
+    if TYPE_CHECKING:  # the plan's, resolved (:class:`~blockflow.plan.deployment.Plan` has them)
+        @property
+        def models(self) -> Mapping[str, ModelDef]: ...
 
-    @property
-    def blocks(self) -> dict[str, Block]:
-        raise NotImplementedError  # the plan's, resolved
+        @property
+        def blocks(self) -> Mapping[str, Block]: ...
 
     def model_side_inputs(self, model: str) -> tuple[SideInput, ...]:
         """Every task input besides the image that ``model``'s network takes, in its argument order

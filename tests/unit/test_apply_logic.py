@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
@@ -151,6 +152,8 @@ def test_an_ensemble_that_stops_handing_over_loads_before_its_blocks(tmp_path: P
     # An undo runs both as plain chains while their blocks go back, whichever way their hand-overs changed.
     assert hand_overs_changed(ensembles, direct, chain) == hand_overs_changed(ensembles, chain, direct) == {"task_a", "task_b"}
     assert hand_overs_changed(ensembles, direct, direct) == frozenset()
+    unreadable = {m: dataclasses.replace(r, unreadable="does not parse") for m, r in chain.items()}
+    assert hand_overs_changed(ensembles, unreadable, direct) == frozenset()  # its hand-overs are unknown
 
 
 def test_without_hand_overs_is_the_ensemble_the_generator_wires_without_them() -> None:

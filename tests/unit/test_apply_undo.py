@@ -24,6 +24,7 @@ class _Triton:
         self.timeout = 0.1
         self.unloaded: list[str] = []
         self.events: list[str] = []  # loads and unloads, in order
+        self.on_disk: list[tuple[str, dict[str, str]]] = []  # each load: the model, and every config file then
 
     def index(self) -> list[ModelState]:
         out = []
@@ -45,6 +46,9 @@ class _Triton:
     def load(self, model: str) -> None:
         self.events.append(f"load {model}")
         self.script[model] = ["READY"]
+        # What each model's files say as it loads (Triton also reloads a loaded block's ensembles from theirs).
+        self.on_disk.append((model, {m: (self.repo / m / "config.pbtxt").read_text().strip()
+                                     for m in self.script if (self.repo / m / "config.pbtxt").is_file()}))
 
 
 def _undo(tmp_path: Path, script: dict[str, list[str]], ensembles: set[str], wait_s: float,
@@ -98,25 +102,27 @@ def test_an_ensemble_whose_hand_overs_changed_runs_as_a_plain_chain_while_its_bl
         generator.write_model(repo, m, {"config.pbtxt": f'name: "{m}" # planned\n'.encode()})
     applier = Applier("127.0.0.1:1", repo)
     triton = _Triton(repo, script)
-    loaded: list[str] = []  # each load: the model and the config file it found
-    load = triton.load
-    def load_reading(model: str) -> None:
-        loaded.append(f"{model}: {(repo / model / 'config.pbtxt').read_text().strip()}")
-        load(model)
-    triton.load = load_reading  # type: ignore[method-assign]
     applier.control = triton  # type: ignore[assignment]
-    old = {"b1": RenderedModel("b1", {"config.pbtxt": b'name: "b1" # before\n'}, ModelConfig(), None),
-           "b2": RenderedModel("b2", {"config.pbtxt": b'name: "b2" # before\n'}, ModelConfig(), None),
-           "task": RenderedModel.parse("task", {"config.pbtxt": b'name: "task" platform: "ensemble" # before\n'}),
-           "other": RenderedModel.parse("other", {"config.pbtxt": b'name: "other" platform: "ensemble" # before\n'})}
+    old = {m: RenderedModel(m, {"config.pbtxt": f'name: "{m}" # before\n'.encode()}, ModelConfig(), None) for m in ("b1", "b2")}
+    old |= {m: RenderedModel.parse(m, {"config.pbtxt": f'name: "{m}" platform: "ensemble" # before\n'.encode()}) for m in ("task", "other")}
     done = [Change("b1", False, "change"), Change("b2", False, "change"),
             Change("task", True, "change"), Change("other", True, "change")]
     notes = applier._undo(done, old, frozenset({"task"}))
     plain = bridge(old["task"]).files["config.pbtxt"].decode().strip()
-    # b1 and b2 reload while task's files hold the plain chain, and only then does task get its own back;
-    # other (hand-overs unchanged) goes back with them as before.
-    assert loaded[0] == f"task: {plain}" and "before" not in plain
-    assert loaded[1:] == ['b1: name: "b1" # before', 'b2: name: "b2" # before',
-                          'task: name: "task" platform: "ensemble" # before', 'other: name: "other" platform: "ensemble" # before']
-    assert notes[0] == "loaded task as its previous steps without hand-overs"
-    assert notes[1:] == [f"reloaded the previous {m}" for m in ("b1", "b2", "task", "other")]
+    assert "before" not in plain
+    assert triton.events == ["load task", "load b1", "load b2", "load task", "load other"]
+    # task's files hold the plain chain while b1 and b2 go back (Triton reloads it from them meanwhile),
+    # and only then its own; other (hand-overs unchanged) has its previous files from the start.
+    for model, files in triton.on_disk[:3]:
+        assert files["task"] == plain, model
+    for model, files in triton.on_disk[1:3]:
+        assert files["other"] == 'name: "other" platform: "ensemble" # before', model
+    assert triton.on_disk[1][1]["b1"] == 'name: "b1" # before'
+    assert triton.on_disk[3][1]["task"] == 'name: "task" platform: "ensemble" # before'
+    assert notes == ["loaded task as its previous steps without hand-overs"] + [
+        f"reloaded the previous {m}" for m in ("b1", "b2", "task", "other")]
+
+
+def test_without_a_block_going_back_no_plain_chain_is_loaded(tmp_path: Path) -> None:
+    notes, triton = _undo(tmp_path, {"task": ["READY"]}, {"task"}, wait_s=5, changed=frozenset({"task"}))
+    assert triton.events == ["load task"] and notes == ["reloaded the previous task"]
