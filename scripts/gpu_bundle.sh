@@ -4,6 +4,7 @@
 #   triton.tar.xz   tritonserver, the Python backend, the 3.12 stub and only the libraries they load
 #   site.tar.xz     pure-Python / cp312 packages: pyzmq, pydantic, tritonclient (HTTP+gRPC), gevent ...
 #   perf_analyzer.xz the perf_analyzer binary from the tritonclient 2.50 wheel
+#   py-spy.xz       py-spy, for `python -m blockflow.bench.lab.block_profile` (CPU shares of block processes)
 #   nginx.xz        the HTTP front door (Debian 12's nginx binary, as setup.sh puts in .venv/bin; it loads
 #                   libssl3, libpcre2-8, zlib and libcrypt, which Ubuntu 24.04 has)
 # Run here (after ./scripts/setup.sh); then carry .bundle to the GPU machine and run scripts/gpu_test.sh.
@@ -43,6 +44,8 @@ PKGS=(pyzmq pydantic pydantic-core annotated-types typing-inspection "tritonclie
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
 BIN="$(find "$WORK/site" -path '*/bin/perf_analyzer' | head -1)"
 xz -T0 -9 -c "$BIN" > "$OUT/perf_analyzer.xz"
+"$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d "$WORK/pyspy" py-spy
+(cd "$WORK/pyspy" && "$VENV/bin/python" -m zipfile -e py_spy-*.whl x && xz -T0 -9 -c x/py_spy-*.data/scripts/py-spy > "$OUT/py-spy.xz")
 rm -rf "$WORK/site/bin"
 NGINX="$(command -v "$VENV/bin/nginx" nginx /usr/sbin/nginx 2>/dev/null | head -1)"
 [ -n "$NGINX" ] || { echo "[bundle] no nginx: run ./scripts/setup.sh first" >&2; exit 1; }

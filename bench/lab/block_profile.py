@@ -7,8 +7,9 @@
 every Triton Python stub process on the machine at once for ``--seconds`` with py-spy
 (``record --format raw --nonblocking``: collapsed stacks, the process never paused), one file
 ``<T>-<pid>.txt`` per process and window ``T`` (the window's start, Unix seconds), and notes which
-model each process serves in ``pids.txt``. py-spy is a separate binary (``pip install py-spy``,
-or its wheel unpacked); ``--py-spy`` names it where it is not on ``PATH``.
+model each process serves in ``pids.txt``. py-spy is a separate binary: on the GPU machines
+``source scripts/gpu_env.sh`` puts the bundle's on ``PATH``; elsewhere ``pip install py-spy``, or
+``--py-spy`` names it.
 
 ``summary`` adds up the windows named by ``--windows`` (those under the load to look at; the
 benchmark's log says when each ran) for each model, all its instances together: the share of its
