@@ -381,15 +381,4 @@ def stage_output_shapes(
 ) -> list[tuple[tuple[int, ...], ...]]:
     """Per-sample shapes of the tensors each stage gives (meta device: no weights, no compute)."""
     cuts = legal_cuts(arch, tuple(input_shape), num_classes)
-    return [*(cut.shapes for cut in cuts_at(cuts, arch, cut_points)), (cuts.output_shape,)]
-
-
-def cuts_at(cuts: Cuts, network: str, cut_points: Sequence[str]) -> list[Cut]:
-    """The cuts named ``cut_points``, in their order; ``ValueError`` for a name that is no legal cut of ``network``."""
-    out = []
-    for c in cut_points:
-        cut = cuts.get(c)
-        if cut is None:
-            raise ValueError(f"{c!r} is not a legal cut of {network}")
-        out.append(cut)
-    return out
+    return [*(cut.shapes for cut in cuts.at(cut_points, arch)), (cuts.output_shape,)]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,16 @@ class Cuts:
 
     def get(self, name: str) -> Cut | None:
         return next((c for c in self.cuts if c.name == name), None)
+
+    def at(self, names: Sequence[str], network: str) -> list[Cut]:
+        """The cuts ``names``, in their order; ``ValueError`` for a name that is no legal cut of ``network``."""
+        out = []
+        for name in names:
+            cut = self.get(name)
+            if cut is None:
+                raise ValueError(f"{name!r} is not a legal cut of {network}")
+            out.append(cut)
+        return out
 
     def position(self, name: str) -> int:
         """Where the cut falls in the network (cuts of modules that end together share a position)."""

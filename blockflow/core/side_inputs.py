@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from blockflow.core.arch import cuts_at, legal_cuts
+from blockflow.core.arch import legal_cuts
 from blockflow.core.spec import SideInput
 
 
@@ -27,7 +27,7 @@ def stage_side_inputs(network: str, cut_points: Sequence[str], input_shape: Sequ
     cuts = legal_cuts(network, tuple(input_shape), num_classes)
     if not cuts.sides:
         return ()
-    bounds = [cuts.position(c.name) for c in cuts_at(cuts, network, cut_points)]
+    bounds = [cuts.position(c.name) for c in cuts.at(cut_points, network)]
     start = bounds[first - 1] + 1 if first > 0 else 0
     end = bounds[last] if last < len(bounds) else math.inf  # the last stage: to the output, which may read one
     return tuple(s.name for s, users in zip(cuts.sides, cuts.side_users, strict=True)
