@@ -16,6 +16,14 @@ from typing import Any
 ORDER = ["monolithic-eager", "monolithic-graph", "tensormq", "triton-gpu", "triton-cpu"]
 
 
+def _host_cpu_cell(cpu: dict[str, Any] | None) -> str:
+    if cpu is None:
+        return "—"
+    blocks = sum(cpu["blocks"].values())
+    return (f"{cpu['total']:.3f} (Triton {cpu['server']:.3f}, blocks {blocks:.3f}, front door {cpu['front_door']:.3f}, "
+            f"client {cpu['client']:.3f})")
+
+
 def _labels(d: dict[str, Any]) -> list[str]:
     return sorted(d, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
 
@@ -308,6 +316,13 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     cells.append(f"{_f(r.get('energy_mj_per_inference'), '.1f')} mJ, {_f(max(util) if util and util[0] is not None else None, '.0f')}% util, "
                                  f"{_f(sum(power) if power and power[0] is not None else None, '.0f')} W")
                 L.append(f"| {k} | " + " | ".join(cells) + " |")
+            L.append("")
+        if any("host_cpu_ms_per_inference" in r for rows in conc.values() for r in rows.values()):
+            L += ["## Host CPU per inference: ms of CPU time of Triton's threads, the block processes (every model's), "
+                  "the front door and the client (`bench/host_cpu.py`)", "",
+                  "| model | " + " | ".join(f"c{c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+            for k in _labels(conc):
+                L.append(f"| {k} | " + " | ".join(_host_cpu_cell(conc[k].get(c, {}).get("host_cpu_ms_per_inference")) for c in cs) + " |")
             L.append("")
     rate = {k: v for k, v in res.get("rate", {}).items() if isinstance(v, dict)}
     if rate:

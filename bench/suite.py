@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench import gpu_alone
+from blockflow.bench import gpu_alone, host_cpu
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer, side_input_data
@@ -111,16 +111,18 @@ class Bench:
     def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
                 rate: float | None = None) -> dict[str, Any]:
         before = model_stats(server.http_url)
-        e0, t0 = self.gpus.energy_mj(), time.monotonic()
+        cpu0, e0, t0 = host_cpu.snapshot(server), self.gpus.energy_mj(), time.monotonic()
         r = median_of([self._pa(server, model["model"], batch, self.cfg.seconds, concurrency, rate)
                        for _ in range(max(1, self.cfg.repeats))])
-        t1, e1 = time.monotonic(), self.gpus.energy_mj()
+        t1, e1, cpu1 = time.monotonic(), self.gpus.energy_mj(), host_cpu.snapshot(server)
         d = delta(model_stats(server.http_url), before)
         top = d.get(model["model"], {})
         inferences = top.get("inferences", 0)
         if self.gpus.available and inferences:
             r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1, strict=True)) / inferences
             r.update(self.gpus.window(t0, t1))
+        if cpu0 is not None and cpu1 is not None and inferences:
+            r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences)
         r["server_compute_ms"] = compute_ms(top)
         blocks = block_breakdown(d, model["blocks"], batch)
         if blocks:

@@ -31,11 +31,16 @@ def test_quick_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
         assert [x["p50_ms"] for x in r["runs"]] == [r["p50_ms"]] and r["spread"]["p50_ms"] == 0  # several runs: test_bench_stats
     assert [b["block"] for b in results["pipeline"]["tensormq"]["blocks"]] == ["trunk0__to__trunk1", "h1_a__to__h1_b"]
     assert set(results["concurrency"]["tensormq"]) == {"1", "4"} and set(results["rate"]["tensormq"]) == {"0.5", "1"}
+    # The host's CPU per inference: the split's block processes did work, and so did Triton and the client.
+    cpu = results["concurrency"]["tensormq"]["4"]["host_cpu_ms_per_inference"]
+    assert {"trunk0__to__trunk1", "h1_a__to__h1_b"} <= set(cpu["blocks"]) and cpu["blocks"]["trunk0__to__trunk1"] > 0
+    assert cpu["server"] > 0 and cpu["client"] > 0 and cpu["total"] >= sum(cpu["blocks"].values())
     report = (out / "report.md").read_text()
     assert "blocks and monolithic references in **fp32**" in report and "median of 1 perf_analyzer run(s)" in report
     for transport in ("tensormq", "triton-cpu"):
         assert f"| {transport} |" in report.split("## The split against the unsplit model (monolithic-eager")[1].split("##")[0]
-    for heading in ("Pipeline time (Fig 4.3)", "Batch scaling (Fig 4.7)", "Concurrency (Fig 4.11)", "Offered load (Fig 4.12)"):
+    for heading in ("Pipeline time (Fig 4.3)", "Batch scaling (Fig 4.7)", "Concurrency (Fig 4.11)", "Offered load (Fig 4.12)",
+                    "Host CPU per inference"):
         assert heading in report
     for png in ("fig4_3_pipeline.png", "fig4_4_breakdown.png", "fig4_7_batch.png", "fig4_11_clients.png", "fig4_12_offered_load.png"):
         assert (out / png).stat().st_size > 5000, png

@@ -1,0 +1,66 @@
+"""The host's CPU a benchmark window costs per inference, read from ``/proc`` around it: Triton's own
+threads, each model's block processes (all its instances), the nginx front door and the client
+(perf_analyzer, a child of the bench that has exited by then).
+
+A server whose split is bound by the host rather than the GPU (docs/performance.md, "Instances and
+MPS") shows here where its cores go, in the same run and units as its throughput. Processes that
+start or end within the window (a reload) count only their part of it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+from blockflow.core.procfs import stat_fields
+from blockflow.triton.process_group import group_members, stubs_by_model
+from blockflow.triton.server import TritonServer
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid``'s threads (not its children's); 0 once it is gone."""
+    try:
+        fields = stat_fields(pid)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime and stime: proc(5) fields 14 and 15
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """CPU seconds used so far: ``server`` (tritonserver), ``blocks`` (each model's stubs), ``front_door``
+    (nginx, its workers too) and ``client`` (the bench's waited-for children: perf_analyzer)."""
+
+    server: float
+    blocks: dict[str, float]
+    front_door: float
+    client: float
+
+
+def snapshot(server: TritonServer) -> HostCpu | None:
+    """The server's and the client's CPU seconds now; None without a running server."""
+    if server.process is None:
+        return None
+    pid = server.process.pid
+    blocks = {model: sum(cpu_seconds(p) for p in pids) for model, pids in stubs_by_model(pid).items()}
+    door = server.front_door.process if server.front_door is not None else None
+    front = sum(cpu_seconds(p) for p in group_members(door.pid)) if door is not None else 0.0
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return HostCpu(cpu_seconds(pid), blocks, front, usage.ru_utime + usage.ru_stime)
+
+
+def per_inference(before: HostCpu, after: HostCpu, inferences: int) -> dict[str, Any]:
+    """Milliseconds of CPU per inference between two snapshots: ``server``, ``front_door``, ``client``,
+    ``blocks`` (per model, those alive at both) and their ``total``."""
+    def ms(seconds: float) -> float:
+        return round(1000.0 * max(0.0, seconds) / inferences, 4)
+
+    blocks = {m: ms(after.blocks[m] - before.blocks[m]) for m in sorted(after.blocks.keys() & before.blocks.keys())}
+    out: dict[str, Any] = {"server": ms(after.server - before.server), "front_door": ms(after.front_door - before.front_door),
+                           "client": ms(after.client - before.client), "blocks": blocks}
+    out["total"] = round(out["server"] + out["front_door"] + out["client"] + sum(blocks.values()), 4)
+    return out

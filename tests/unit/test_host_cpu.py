@@ -1,0 +1,26 @@
+"""The host's CPU per inference between two snapshots (bench/host_cpu.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from blockflow.bench import host_cpu
+from blockflow.bench.host_cpu import HostCpu
+
+
+def test_per_inference_splits_the_windows_cpu_by_process_kind() -> None:
+    before = HostCpu(server=1.0, blocks={"b0": 2.0, "b1": 3.0, "gone": 1.0}, front_door=0.5, client=4.0)
+    after = HostCpu(server=1.2, blocks={"b0": 2.5, "b1": 3.1, "new": 9.0}, front_door=0.6, client=4.4)
+    cpu = host_cpu.per_inference(before, after, inferences=100)
+    # A model alive at one snapshot only (reloaded, started) is left out rather than counted whole.
+    assert cpu == {"server": 2.0, "front_door": 1.0, "client": 4.0, "blocks": {"b0": 5.0, "b1": 1.0}, "total": 13.0}
+
+
+def test_a_process_cpu_time_grows_with_its_work_and_is_zero_once_gone() -> None:
+    t0 = host_cpu.cpu_seconds(os.getpid())
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert host_cpu.cpu_seconds(os.getpid()) - t0 >= 0.1
+    assert host_cpu.cpu_seconds(2**22 + 7) == 0.0  # above pid_max's default: no such process
