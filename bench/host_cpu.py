@@ -3,8 +3,7 @@ threads, each model's block processes (all its instances), the nginx front door 
 (perf_analyzer, a child of the bench that has exited by then).
 
 A server whose split is bound by the host rather than the GPU (docs/performance.md, "Instances and
-MPS") shows here where its cores go, in the same run and units as its throughput. Processes that
-start or end within the window (a reload) count only their part of it.
+MPS") shows here where its cores go, in the same run and units as its throughput.
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass(frozen=True)
 class HostCpu:
-    """CPU seconds used so far: ``server`` (tritonserver), ``blocks`` (each model's stubs), ``front_door``
-    (nginx, its workers too) and ``client`` (the bench's waited-for children: perf_analyzer)."""
+    """CPU seconds used so far, by process: ``server`` (tritonserver), ``blocks`` (each model's stubs, by
+    pid), ``front_door`` (nginx and its workers, by pid) and ``client`` (the bench's waited-for children:
+    perf_analyzer)."""
 
     server: float
-    blocks: dict[str, float]
-    front_door: float
+    blocks: dict[str, dict[int, float]]
+    front_door: dict[int, float]
     client: float
 
 
@@ -46,21 +46,28 @@ def snapshot(server: TritonServer) -> HostCpu | None:
     if server.process is None:
         return None
     pid = server.process.pid
-    blocks = {model: sum(cpu_seconds(p) for p in pids) for model, pids in stubs_by_model(pid).items()}
+    blocks = {model: {p: cpu_seconds(p) for p in pids} for model, pids in stubs_by_model(pid).items()}
     door = server.front_door.process if server.front_door is not None else None
-    front = sum(cpu_seconds(p) for p in group_members(door.pid)) if door is not None else 0.0
+    front = {p: cpu_seconds(p) for p in group_members(door.pid)} if door is not None else {}
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return HostCpu(cpu_seconds(pid), blocks, front, usage.ru_utime + usage.ru_stime)
 
 
-def per_inference(before: HostCpu, after: HostCpu, inferences: int) -> dict[str, Any]:
+def _grown(before: dict[int, float], after: dict[int, float]) -> float:
+    """The CPU seconds the processes alive at ``after`` used since ``before`` (all of it for one started since)."""
+    return sum(max(0.0, t - before.get(p, 0.0)) for p, t in after.items())
+
+
+def per_inference(before: HostCpu, after: HostCpu, inferences: int, own: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Milliseconds of CPU per inference between two snapshots: ``server``, ``front_door``, ``client``,
-    ``blocks`` (per model, those alive at both) and their ``total``."""
+    ``blocks`` (per model), ``own_blocks`` (the models in ``own``: what the run measured) and the
+    ``total``. A process that ended within the window is left out; one that started counts whole."""
     def ms(seconds: float) -> float:
         return round(1000.0 * max(0.0, seconds) / inferences, 4)
 
-    blocks = {m: ms(after.blocks[m] - before.blocks[m]) for m in sorted(after.blocks.keys() & before.blocks.keys())}
-    out: dict[str, Any] = {"server": ms(after.server - before.server), "front_door": ms(after.front_door - before.front_door),
-                           "client": ms(after.client - before.client), "blocks": blocks}
+    blocks = {m: ms(_grown(before.blocks.get(m, {}), pids)) for m, pids in sorted(after.blocks.items())}
+    out: dict[str, Any] = {"server": ms(after.server - before.server), "front_door": ms(_grown(before.front_door, after.front_door)),
+                           "client": ms(after.client - before.client), "blocks": blocks,
+                           "own_blocks": round(sum(v for m, v in blocks.items() if m in own), 4)}
     out["total"] = round(out["server"] + out["front_door"] + out["client"] + sum(blocks.values()), 4)
     return out

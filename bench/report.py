@@ -19,9 +19,9 @@ ORDER = ["monolithic-eager", "monolithic-graph", "tensormq", "triton-gpu", "trit
 def _host_cpu_cell(cpu: dict[str, Any] | None) -> str:
     if cpu is None:
         return "—"
-    blocks = sum(cpu["blocks"].values())
-    return (f"{cpu['total']:.3f} (Triton {cpu['server']:.3f}, blocks {blocks:.3f}, front door {cpu['front_door']:.3f}, "
-            f"client {cpu['client']:.3f})")
+    others = sum(cpu["blocks"].values()) - cpu.get("own_blocks", 0.0)
+    return (f"{cpu['total']:.3f} (Triton {cpu['server']:.3f}, its blocks {cpu.get('own_blocks', 0.0):.3f}, other models' "
+            f"{others:.3f}, front door {cpu['front_door']:.3f}, client {cpu['client']:.3f})")
 
 
 def _labels(d: dict[str, Any]) -> list[str]:
@@ -318,8 +318,8 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                 L.append(f"| {k} | " + " | ".join(cells) + " |")
             L.append("")
         if any("host_cpu_ms_per_inference" in r for rows in conc.values() for r in rows.values()):
-            L += ["## Host CPU per inference: ms of CPU time of Triton's threads, the block processes (every model's), "
-                  "the front door and the client (`bench/host_cpu.py`)", "",
+            L += ["## Host CPU per inference: ms of CPU time of Triton's threads, the model's block processes, "
+                  "the other models' (idle meanwhile), the front door and the client (`bench/host_cpu.py`)", "",
                   "| model | " + " | ".join(f"c{c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
             for k in _labels(conc):
                 L.append(f"| {k} | " + " | ".join(_host_cpu_cell(conc[k].get(c, {}).get("host_cpu_ms_per_inference")) for c in cs) + " |")

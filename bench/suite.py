@@ -122,7 +122,8 @@ class Bench:
             r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1, strict=True)) / inferences
             r.update(self.gpus.window(t0, t1))
         if cpu0 is not None and cpu1 is not None and inferences:
-            r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences)
+            own = frozenset([model["model"], *model["blocks"]])  # the measured model and its blocks; the rest idle meanwhile
+            r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences, own)
         r["server_compute_ms"] = compute_ms(top)
         blocks = block_breakdown(d, model["blocks"], batch)
         if blocks:

@@ -44,7 +44,8 @@ PKGS=(pyzmq pydantic pydantic-core annotated-types typing-inspection "tritonclie
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
 BIN="$(find "$WORK/site" -path '*/bin/perf_analyzer' | head -1)"
 xz -T0 -9 -c "$BIN" > "$OUT/perf_analyzer.xz"
-"$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d "$WORK/pyspy" py-spy
+"$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WORK/pyspy" "py-spy==0.4.3"
 (cd "$WORK/pyspy" && "$VENV/bin/python" -m zipfile -e py_spy-*.whl x && xz -T0 -9 -c x/py_spy-*.data/scripts/py-spy > "$OUT/py-spy.xz")
 rm -rf "$WORK/site/bin"
 NGINX="$(command -v "$VENV/bin/nginx" nginx /usr/sbin/nginx 2>/dev/null | head -1)"

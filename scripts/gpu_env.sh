@@ -23,7 +23,7 @@ if [ ! -x "$DEST/bin/perf_analyzer" ] || [ ! -x "$DEST/bin/nginx" ]; then
   chmod +x "$DEST/bin/perf_analyzer"
 fi
 if [ -f "$BUNDLE/py-spy.xz" ] && [ ! -x "$DEST/bin/py-spy" ]; then  # optional: bundles made before it lack it
-  xz -dc "$BUNDLE/py-spy.xz" > "$DEST/bin/py-spy"; chmod +x "$DEST/bin/py-spy"
+  xz -dc "$BUNDLE/py-spy.xz" > "$DEST/bin/py-spy.part" && chmod +x "$DEST/bin/py-spy.part" && mv "$DEST/bin/py-spy.part" "$DEST/bin/py-spy"
 fi
 export BLOCKFLOW_TRITON_HOME="$DEST/triton/pytriton/tritonserver"
 export PYTHONPATH="$ROOT:$DEST/site${PYTHONPATH:+:$PYTHONPATH}"

@@ -16,7 +16,8 @@ benchmark's log says when each ran) for each model, all its instances together: 
 samples in the stub's own threads (no Python frame: Triton's messages in and out), in ``execute``,
 and in the block's other Python threads (TensorMQ's), then its busiest frames. py-spy counts a
 thread runnable but waiting for a core as busy, so on a host out of CPU the shares say where the
-processes want the cores, not how long each piece takes.
+processes want the cores, not how long each piece takes; a thread read between two frames may show
+no Python frame, so the stub's share is an upper bound. A window's failures go to ``errors.txt``.
 """
 
 from __future__ import annotations
@@ -57,15 +58,18 @@ def record(out: Path, py_spy: str, every: float, seconds: float, rate: int) -> N
     out.mkdir(parents=True, exist_ok=True)
     while True:
         t = int(time.time())
-        procs = []
+        procs: list[tuple[int, subprocess.Popen[bytes]]] = []
         with (out / "pids.txt").open("a") as notes:
             for pid, model in sorted(stub_models().items()):
                 notes.write(f"{t} {pid} {model}\n")
-                procs.append(subprocess.Popen(
+                procs.append((pid, subprocess.Popen(
                     [py_spy, "record", "-p", str(pid), "-d", f"{seconds:g}", "-r", str(rate), "-f", "raw", "--nonblocking",
-                     "-o", str(out / f"{t}-{pid}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for p in procs:
-            p.wait()
+                     "-o", str(out / f"{t}-{pid}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+        for pid, p in procs:
+            _, err = p.communicate()
+            if p.returncode:  # no samples from it this window (no ptrace permission, the process gone): say so
+                with (out / "errors.txt").open("a") as errors:
+                    errors.write(f"{t} pid {pid}: py-spy exit {p.returncode}: {err.decode(errors='replace').strip()}\n")
         time.sleep(max(0.0, every - (time.time() - t)))
 
 
@@ -87,7 +91,7 @@ def summary(out: Path, windows: set[str], top: int) -> str:
             if not count.isdigit():
                 continue
             n, python = int(count), [f for f in stack.split(";") if f]
-            kind = "stub's own threads" if not python else "execute" if any(f.startswith(EXECUTE) for f in python) else "other Python threads"
+            kind = "stub's own threads" if not python else "execute" if any(f.startswith(EXECUTE + " (") for f in python) else "other Python threads"
             kinds[served][kind] += n
             frames[served][python[-1] if python else "(no Python frame)"] += n
     lines = [f"# Busy samples by model over windows {', '.join(sorted(windows))}", ""]

@@ -35,6 +35,7 @@ def test_quick_bench_writes_results_report_and_plots(tmp_path: Path) -> None:
     cpu = results["concurrency"]["tensormq"]["4"]["host_cpu_ms_per_inference"]
     assert {"trunk0__to__trunk1", "h1_a__to__h1_b"} <= set(cpu["blocks"]) and cpu["blocks"]["trunk0__to__trunk1"] > 0
     assert cpu["server"] > 0 and cpu["client"] > 0 and cpu["total"] >= sum(cpu["blocks"].values())
+    assert cpu["own_blocks"] == round(cpu["blocks"]["trunk0__to__trunk1"] + cpu["blocks"]["h1_a__to__h1_b"], 4)
     report = (out / "report.md").read_text()
     assert "blocks and monolithic references in **fp32**" in report and "median of 1 perf_analyzer run(s)" in report
     for transport in ("tensormq", "triton-cpu"):

@@ -10,11 +10,12 @@ from blockflow.bench.host_cpu import HostCpu
 
 
 def test_per_inference_splits_the_windows_cpu_by_process_kind() -> None:
-    before = HostCpu(server=1.0, blocks={"b0": 2.0, "b1": 3.0, "gone": 1.0}, front_door=0.5, client=4.0)
-    after = HostCpu(server=1.2, blocks={"b0": 2.5, "b1": 3.1, "new": 9.0}, front_door=0.6, client=4.4)
-    cpu = host_cpu.per_inference(before, after, inferences=100)
-    # A model alive at one snapshot only (reloaded, started) is left out rather than counted whole.
-    assert cpu == {"server": 2.0, "front_door": 1.0, "client": 4.0, "blocks": {"b0": 5.0, "b1": 1.0}, "total": 13.0}
+    before = HostCpu(server=1.0, blocks={"b0": {10: 2.0}, "b1": {11: 3.0, 12: 5.0}, "ref": {13: 1.0}}, front_door={20: 0.5}, client=4.0)
+    # b1's pid 12 ended within the window (its lifetime must not cancel 11's work); pid 14 started (counts whole).
+    after = HostCpu(server=1.2, blocks={"b0": {10: 2.5}, "b1": {11: 3.1, 14: 0.2}, "ref": {13: 1.01}}, front_door={20: 0.6}, client=4.4)
+    cpu = host_cpu.per_inference(before, after, inferences=100, own=frozenset({"split", "b0", "b1"}))
+    assert cpu == {"server": 2.0, "front_door": 1.0, "client": 4.0, "blocks": {"b0": 5.0, "b1": 3.0, "ref": 0.1},
+                   "own_blocks": 8.0, "total": 15.1}
 
 
 def test_a_process_cpu_time_grows_with_its_work_and_is_zero_once_gone() -> None:
