@@ -8,25 +8,24 @@ MPS") shows here where its cores go, in the same run and units as its throughput
 
 from __future__ import annotations
 
-import os
+import contextlib
 import resource
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from blockflow.core.procfs import stat_fields
+from blockflow.core.procfs import cpu_seconds
 from blockflow.triton.process_group import group_members, stubs_by_model
 from blockflow.triton.server import TritonServer
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process ``pid``'s threads (not its children's); 0 once it is gone."""
-    try:
-        fields = stat_fields(pid)
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime and stime: proc(5) fields 14 and 15
+def cpu_of(pids: Iterable[int]) -> dict[int, float]:
+    """Each of ``pids``' CPU seconds so far (one gone meanwhile left out)."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out[pid] = cpu_seconds(pid)
+    return out
 
 
 @dataclass(frozen=True)
@@ -46,11 +45,11 @@ def snapshot(server: TritonServer) -> HostCpu | None:
     if server.process is None:
         return None
     pid = server.process.pid
-    blocks = {model: {p: cpu_seconds(p) for p in pids} for model, pids in stubs_by_model(pid).items()}
+    blocks = {model: cpu_of(pids) for model, pids in stubs_by_model(pid).items()}
     door = server.front_door.process if server.front_door is not None else None
-    front = {p: cpu_seconds(p) for p in group_members(door.pid)} if door is not None else {}
+    front = cpu_of(group_members(door.pid)) if door is not None else {}
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return HostCpu(cpu_seconds(pid), blocks, front, usage.ru_utime + usage.ru_stime)
+    return HostCpu(cpu_of([pid]).get(pid, 0.0), blocks, front, usage.ru_utime + usage.ru_stime)
 
 
 def _grown(before: dict[int, float], after: dict[int, float]) -> float:

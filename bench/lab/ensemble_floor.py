@@ -49,9 +49,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.bench.harness import commit, device_name, write_results
+from blockflow.bench.host_cpu import cpu_of
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.triton_stats import model_stats
-from blockflow.core.procfs import stat_fields
 from blockflow.triton.process_group import group_members
 from blockflow.triton.server import ServerOptions, TritonServer
 from blockflow.triton.warm_cores import WarmCores
@@ -242,22 +242,11 @@ def local_python_laps(n: int, pause_s: float) -> dict[str, float]:
     return {"wall_us": statistics.median(walls) / 1e3, "cpu_us": statistics.median(cpus) / 1e3, "n": n}
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = stat_fields(pid)  # utime and stime are proc(5)'s fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cpu(pgid: int, seconds: float = 2.0) -> dict[str, float]:
     """CPU share each process of the idle server uses (a stub that spins shows here)."""
-    def sample() -> dict[int, float]:
-        out = {}
-        for pid in group_members(pgid):
-            with contextlib.suppress(OSError):
-                out[pid] = _cpu_seconds(pid)
-        return out
-    before = sample()
+    before = cpu_of(group_members(pgid))
     time.sleep(seconds)
-    after = sample()
+    after = cpu_of(group_members(pgid))
     names = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in after if Path(f"/proc/{pid}/comm").exists()}
     return {f"{names.get(pid, '?')}[{pid}]": (after[pid] - before[pid]) / seconds for pid in after if pid in before}
 

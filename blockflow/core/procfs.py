@@ -3,6 +3,7 @@ and by each block process about its server (``blockflow.backend.server_watch``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,13 @@ def stat_fields(pid: int, thread: int | None = None) -> list[str]:
     the process is gone."""
     path = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
     return path.read_text().rsplit(")", 1)[-1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid``'s threads so far, not its children's (proc(5)'s
+    ``utime`` and ``stime``). Raises OSError when the process is gone."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def processes() -> Iterator[tuple[int, list[str]]]:
