@@ -121,7 +121,7 @@ class BlockRunner:
         else:
             xs = [torch.zeros((batch, *s), device=self.device, dtype=self.dtype).contiguous(memory_format=f)
                   for s, f in zip(self.in_shapes, self.formats, strict=True)]
-        return xs + side_zeros(self.sides, self.side_dtypes, batch, self.device) if self.sides else xs
+        return xs + side_zeros(self.sides, self.side_dtypes, batch, self.device)
 
     @torch.inference_mode()
     def warmup(self, pool: Any = None) -> None:
@@ -175,8 +175,7 @@ class BlockRunner:
     def _capture(self, batch: int, pool: Any) -> Graph:
         # Static inputs as requests give them: the hop's dtype, each side input's own.
         static_ins = [torch.zeros((batch, *s), device=self.device, dtype=self.in_dtype) for s in self.in_shapes]
-        if self.sides:
-            static_ins += side_zeros(self.sides, self.side_dtypes, batch, self.device)
+        static_ins += side_zeros(self.sides, self.side_dtypes, batch, self.device)
         return capture(self._graph_forward, static_ins, self.device, pool)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -19,8 +19,8 @@ ORDER = ["monolithic-eager", "monolithic-graph", "tensormq", "triton-gpu", "trit
 def _host_cpu_cell(cpu: dict[str, Any] | None) -> str:
     if cpu is None:
         return "—"
-    others = sum(cpu["blocks"].values()) - cpu.get("own_blocks", 0.0)
-    return (f"{cpu['total']:.3f} (Triton {cpu['server']:.3f}, its blocks {cpu.get('own_blocks', 0.0):.3f}, other models' "
+    others = sum(cpu["blocks"].values()) - cpu["own_blocks"]
+    return (f"{cpu['total']:.3f} (Triton {cpu['server']:.3f}, its blocks {cpu['own_blocks']:.3f}, other models' "
             f"{others:.3f}, front door {cpu['front_door']:.3f}, client {cpu['client']:.3f})")
 
 

@@ -47,18 +47,17 @@ class Undo:
         # (the apply's own order, step 4), and its files hold that chain while the blocks reload, as
         # Triton reloads a block's loaded ensembles from their files. Only where a changed block goes back.
         reloading = any(not c.ensemble and c.action == "change" for c in done)
+        chains = {c.model: before for c in done if reloading and c.ensemble and c.action == "change" and c.model in handed
+                  and (before := backup.get(c.model)) is not None}
         plain: set[str] = set()
-        for c in done if reloading else []:
-            before = backup.get(c.model)
-            if not (c.ensemble and c.action == "change" and c.model in handed and before is not None):
-                continue
+        for model, before in chains.items():
             try:
-                generator.write_model(self.repository, c.model, bridge(before).files)
-                self._load(c.model)
-                plain.add(c.model)
-                notes.append(f"loaded {c.model} as its previous steps without hand-overs")
+                generator.write_model(self.repository, model, bridge(before).files)
+                self._load(model)
+                plain.add(model)
+                notes.append(f"loaded {model} as its previous steps without hand-overs")
             except (ApplyError, ValueError) as exc:  # then its previous files, as for any other change
-                notes.append(f"could not load {c.model} without hand-overs: {exc}")
+                notes.append(f"could not load {model} without hand-overs: {exc}")
         for c in done:
             if c.action != "add" and c.model not in plain:
                 self._write_previous(c, backup)
