@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -32,25 +31,15 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-STUB = "triton_python_backend_stub"
+from blockflow.core.procfs import processes
+from blockflow.triton.process_group import stub_model
+
 EXECUTE = "TritonPythonModel.execute"
-_MODEL = re.compile(r"/([^/\s]+)/\d+/model\.py")  # the stub's first argument: <repository>/<model>/<version>/model.py
 
 
 def stub_models() -> dict[int, str]:
-    """Each running stub process's model, by pid (from its command line)."""
-    out = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile
-            continue
-        if argv and argv[0].decode(errors="replace").endswith(STUB):
-            m = _MODEL.search(" ".join(a.decode(errors="replace") for a in argv[1:]))
-            out[int(proc.name)] = m.group(1) if m else "?"
-    return out
+    """Each running stub process's model, by pid, whichever server it belongs to."""
+    return {pid: model for pid, _ in processes() if (model := stub_model(pid)) is not None}
 
 
 def record(out: Path, py_spy: str, every: float, seconds: float, rate: int) -> None:

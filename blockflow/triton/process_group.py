@@ -113,17 +113,24 @@ def reap_adopted(name: str, timeout: float, environ: str = "") -> list[int]:
         time.sleep(0.05)
 
 
+def stub_model(pid: int) -> str | None:
+    """The model a Python-backend stub process serves; None for another process or one gone."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    # The stub is started as: triton_python_backend_stub <repo>/<model>/<version>/model.py ...
+    if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub"):
+        return Path(cmd[1].decode()).parent.parent.name
+    return None
+
+
 def stubs_by_model(pgid: int) -> dict[str, list[int]]:
     """Model name -> PIDs of the live Python-backend stubs in process group ``pgid``."""
     out: dict[str, list[int]] = {}
     for pid in group_members(pgid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        # The stub is started as: triton_python_backend_stub <repo>/<model>/<version>/model.py ...
-        if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub"):
-            out.setdefault(Path(cmd[1].decode()).parent.parent.name, []).append(pid)
+        if (model := stub_model(pid)) is not None:
+            out.setdefault(model, []).append(pid)
     return out
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from blockflow.bench.lab import block_profile
@@ -22,6 +27,20 @@ def test_samples_split_into_the_stubs_threads_execute_and_other_python_threads(t
     assert "## b2: 5 samples\n\nstub's own threads 100%\n" in text
 
 
-def test_a_stubs_model_is_read_from_its_model_file() -> None:
-    m = block_profile._MODEL.search("/tmp/run/model_repository/r50__ref_graph/1/model.py triton_python_backend_shm_region_1 1048576")
-    assert m is not None and m.group(1) == "r50__ref_graph"
+def test_a_stub_process_is_found_with_its_model(tmp_path: Path) -> None:
+    # A process started as Triton starts a stub: an executable of the stub's name, its model file first.
+    stub = tmp_path / "triton_python_backend_stub"
+    shutil.copy(os.path.realpath(sys.executable), stub)
+    model = tmp_path / "repo" / "r50__ref_graph" / "1" / "model.py"
+    model.parent.mkdir(parents=True)
+    model.write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([str(stub), str(model), "triton_python_backend_shm_region_1", "1048576"])
+    try:
+        deadline = time.monotonic() + 10
+        while proc.pid not in (found := block_profile.stub_models()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found[proc.pid] == "r50__ref_graph"
+        assert os.getpid() not in found
+    finally:
+        proc.kill()
+        proc.wait()
