@@ -42,13 +42,20 @@ Who owns a slot when:
    does it make its own stream wait on the slot's event (on the GPU; no host
    synchronisation, no CUDA IPC call per request) and read.
 5. The consumer records an event after the work that read the slot; its release
-   thread waits for that event, then sends RELEASE — asynchronous, batched per
-   producer: one frame of ``(generation, slot, sequence, sample)`` items. A
-   consumer that is itself a producer (a middle block) uses the event it records
+   thread waits for that event, then *releases* the samples it claimed: it sets
+   their bits in the slot's release words in the producer's claim table, under
+   the entry's lock, only for claimed samples of the use the entry holds
+   (``ClaimTable.release``). Nothing is sent and the producer is not woken.
+   A consumer that is itself a producer (a middle block) uses the event it records
    at its own commit, which follows that work on the same stream; a consumer
-   that synchronised its stream releases at once.
-6. The producer drops one reference per item; at zero the slot is FREE again
-   and its next use gets a new sequence number.
+   that synchronised its stream releases at once. (``BLOCKFLOW_TMQ_RELEASE=message``
+   sends a RELEASE message per producer instead: one frame of
+   ``(generation, slot, sequence, sample)`` items, applied by the producer's server thread.)
+6. The producer reads every lent slot's release words at once (without a lock:
+   the claim table's note says why that is safe) whenever it reserves, reports its
+   usage, reaps or drains; a slot whose every sample is released is FREE again
+   and its next use gets a new sequence number. A full pool's ``reserve`` reads
+   them again every 2 ms while it waits.
 
 A ticket is one-shot and bound to its hop. It is accepted once (the claim is
 an atomic test-and-set under a record lock, shared by every instance of every
@@ -61,7 +68,8 @@ ticket names (the table carries the slot's sequence number). A refused ticket
 is never released, so a copy cannot free a slot its rightful reader still
 uses. Samples nobody claimed by the end of the claim window (tickets that left
 the ensemble: a direct call to a block, a cancelled request) are given back
-by the producer then, not at the end of the lease.
+by the producer then, not at the end of the lease: it marks them claimed and
+released in one step under the entry's lock, so none can be claimed after.
 
 What a sample is: the tensors that cross the cut, in the network's order. One
 tensor is a row of the batch; several (a skip connection that spans the cut)
@@ -149,7 +157,7 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   ``HANDED_AFTER_<k>`` and never reads them: Triton runs only the steps whose outputs some step
   takes (``docs/triton-notes.md``).
 
-Messages: everything on these sockets (consumer to producer: HELLO, RELEASE, STATS; sender to
+Messages: everything on these sockets (consumer to producer: HELLO, STATS, and RELEASE where messages release; sender to
 receiver: the hand-overs), frame by frame, is in ``backend/tensormq/wire.py``.
 
 The ticket (256 bytes, inside Triton's tensors and inside hand-overs) is laid out in

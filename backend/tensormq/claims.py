@@ -13,10 +13,18 @@ The table is a small file next to the producer's socket (``tmq/<id>-<generation>
 in the server's 0700 runtime directory, mode 0600), mapped by the producer and its
 consumers. Layout, little-endian, per slot ``i`` at ``HEADER + i * stride``::
 
-    offset  size  field
-    0       8     claim deadline (f64, CLOCK_MONOTONIC seconds; shared by every process of the host;
-                  FAILED (-1): the producer issued that use's tickets but could not write its data)
-    8       8*W   W words: bits 63..32 the slot's sequence number, bits 31..0 claimed samples 32w..32w+31
+    offset    size  field
+    0         8     claim deadline (f64, CLOCK_MONOTONIC seconds; shared by every process of the host;
+                    FAILED (-1): the producer issued that use's tickets but could not write its data)
+    8         8*W   W claim words: bits 63..32 the slot's sequence number, bits 31..0 claimed samples 32w..32w+31
+    8+8*W     8*W   W release words, the same layout: bits 31..0 released samples
+
+The release words are how a consumer gives a sample back (``release``): it sets the sample's bit,
+under the entry's lock, only for a sample it claimed, of the use the entry holds; so a duplicated or
+late release frees nothing early. The producer reads them without a lock (``released``, every slot at
+once) and frees a slot once every sample of its use is released: an aligned 8-byte word is read
+whole, its sequence number does not change during a use, and its bits only grow, so a read can come
+too early but never frees a slot that a reader still uses. No message and no wake-up of the producer.
 
 A producer may hand a batch's tickets on before it commits the batch (``Producer.issue``), so a
 ticket can reach its consumer while the entry still holds an earlier use of the slot: a ticket
@@ -35,13 +43,17 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from blockflow.core import env
 
 HEADER = struct.Struct("<4sHHII")  # magic, version, reserved, max_slots, words per slot
 MAGIC = b"BFCL"
-VERSION = 1
+VERSION = 2
 _DEADLINE = struct.Struct("<d")
 _WORD = struct.Struct("<Q")
 SAMPLES_PER_WORD = 32
@@ -61,7 +73,7 @@ class ClaimTable:
         self.path = path
         if create:
             words = max(1, -(-max_samples // SAMPLES_PER_WORD))
-            size = HEADER.size + max_slots * (8 + 8 * words)
+            size = HEADER.size + max_slots * (8 + 16 * words)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             os.ftruncate(fd, size)
             os.pwrite(fd, HEADER.pack(MAGIC, VERSION, 0, max_slots, words), 0)
@@ -75,11 +87,15 @@ class ClaimTable:
         self._map = mmap.mmap(fd, size)
         magic, version, _, max_slots, words = HEADER.unpack_from(self._map, 0)
         self.max_slots, self.words = int(max_slots), int(words)
-        if magic != MAGIC or version != VERSION or size != HEADER.size + self.max_slots * (8 + 8 * self.words):
+        self._release_words: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        if magic != MAGIC or version != VERSION or size != HEADER.size + self.max_slots * (8 + 16 * self.words):
             self.close()
             raise ValueError(f"{path} is not a TensorMQ claim table of version {VERSION}")
-        self.stride = 8 + 8 * self.words
+        self.stride = 8 + 16 * self.words
         self.max_samples = self.words * SAMPLES_PER_WORD
+        # Every slot's release words as one array over the mapping (HEADER and stride are multiples of 8).
+        entries = np.frombuffer(self._map, dtype="<u8", count=self.max_slots * self.stride // 8, offset=HEADER.size)
+        self._release_words = entries.reshape(self.max_slots, self.stride // 8)[:, 1 + self.words:]
 
     def _lock(self, slot: int) -> int:
         start: int = HEADER.size + slot * self.stride
@@ -92,11 +108,11 @@ class ClaimTable:
     # ------------------------------------------------------------------ producer
 
     def open_slot(self, slot: int, seq: int, deadline: float) -> None:
-        """A new use of ``slot``: sequence ``seq``, nothing claimed, claimable until ``deadline``."""
+        """A new use of ``slot``: sequence ``seq``, nothing claimed or released, claimable until ``deadline``."""
         start = self._lock(slot)
         try:
             _DEADLINE.pack_into(self._map, start, deadline)
-            for w in range(self.words):
+            for w in range(2 * self.words):
                 _WORD.pack_into(self._map, start + 8 + 8 * w, (seq & 0xFFFFFFFF) << 32)
         finally:
             self._unlock(slot)
@@ -109,16 +125,52 @@ class ClaimTable:
         """Samples of use ``seq`` of ``slot`` that were claimed; None if the entry holds another use."""
         start = self._lock(slot)
         try:
-            out: set[int] = set()
-            for w in range(self.words):
-                word = _WORD.unpack_from(self._map, start + 8 + 8 * w)[0]
-                if word >> 32 != seq & 0xFFFFFFFF:
-                    return None
-                bits = word & 0xFFFFFFFF
-                out.update(w * SAMPLES_PER_WORD + b for b in range(SAMPLES_PER_WORD) if bits >> b & 1)
+            return self._bits_locked(start, seq, 0)
+        finally:
+            self._unlock(slot)
+
+    def retire_unclaimed(self, slot: int, seq: int, samples: Iterable[int]) -> list[int]:
+        """Once the claim window of use ``seq`` ended: the ``samples`` nobody claimed, now marked claimed
+        and released at once (so none can be claimed from now on); none if the entry holds another use."""
+        start = self._lock(slot)
+        try:
+            claimed = self._bits_locked(start, seq, 0)
+            if claimed is None:
+                return []
+            out = sorted(set(samples) - claimed)
+            for k in out:
+                for part in (0, self.words):
+                    where = start + 8 + 8 * (part + k // SAMPLES_PER_WORD)
+                    _WORD.pack_into(self._map, where, _WORD.unpack_from(self._map, where)[0] | 1 << (k % SAMPLES_PER_WORD))
             return out
         finally:
             self._unlock(slot)
+
+    def _bits_locked(self, start: int, seq: int, part: int) -> set[int] | None:
+        """The samples whose bit is set in the claim (``part`` 0) or release (``part`` W) words of the
+        entry at ``start``, if it holds use ``seq``."""
+        out: set[int] = set()
+        for w in range(self.words):
+            word = _WORD.unpack_from(self._map, start + 8 + 8 * (part + w))[0]
+            if word >> 32 != seq & 0xFFFFFFFF:
+                return None
+            bits = word & 0xFFFFFFFF
+            out.update(w * SAMPLES_PER_WORD + b for b in range(SAMPLES_PER_WORD) if bits >> b & 1)
+        return out
+
+    def release_words(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """Every slot's release words, ``[max_slots, W]``, read in place (no lock: see the module's note)."""
+        assert self._release_words is not None, "the claim table is closed"
+        return self._release_words
+
+    @staticmethod
+    def release_target(seq: int, batch: int, words: int) -> list[int]:
+        """The release words of use ``seq`` of a slot once all its ``batch`` samples are released."""
+        out = []
+        for w in range(words):
+            n = min(SAMPLES_PER_WORD, max(0, batch - w * SAMPLES_PER_WORD))
+            out.append((seq & 0xFFFFFFFF) << 32 | ((1 << n) - 1))
+        return out
 
     # ------------------------------------------------------------------ consumer
 
@@ -136,15 +188,39 @@ class ClaimTable:
             if ahead:  # sequence numbers wrap: half the circle is ahead, the other half behind
                 return PENDING if ahead < 1 << 31 else "replayed or stale ticket: its pool slot has been reused since it was issued"
             bit = 1 << (sample % SAMPLES_PER_WORD)
-            if word & bit:
-                return "replayed ticket: it was already accepted once"
             deadline = _DEADLINE.unpack_from(self._map, start)[0]
+            if word & bit:  # claimed, or retired unclaimed once the window ended
+                return "expired ticket: it was not used within its claim window" if deadline != FAILED and now > deadline \
+                    else "replayed ticket: it was already accepted once"
             if deadline == FAILED:
                 return FAILED_BATCH
             if now > deadline:
                 return "expired ticket: it was not used within its claim window"
             _WORD.pack_into(self._map, where, word | bit)
             return None
+        finally:
+            self._unlock(slot)
+
+    def release(self, slot: int, seq: int, samples: Iterable[int]) -> int:
+        """Give back ``samples`` of use ``seq`` of ``slot`` (a consumer, once its reads are done): how many
+        were released. Only claimed samples of the use the entry holds are, each once."""
+        if not 0 <= slot < self.max_slots:
+            return 0
+        start = self._lock(slot)
+        try:
+            done = 0
+            for k in samples:
+                if not 0 <= k < self.max_samples:
+                    continue
+                bit = 1 << (k % SAMPLES_PER_WORD)
+                claim_at = start + 8 + 8 * (k // SAMPLES_PER_WORD)
+                release_at = claim_at + 8 * self.words
+                claim, rel = _WORD.unpack_from(self._map, claim_at)[0], _WORD.unpack_from(self._map, release_at)[0]
+                if claim >> 32 != seq & 0xFFFFFFFF or rel >> 32 != seq & 0xFFFFFFFF or not claim & bit or rel & bit:
+                    continue
+                _WORD.pack_into(self._map, release_at, rel | bit)
+                done += 1
+            return done
         finally:
             self._unlock(slot)
 
@@ -171,6 +247,7 @@ class ClaimTable:
         return None
 
     def close(self) -> None:
+        self._release_words = None  # a view of the mapping keeps it from closing
         try:
             self._map.close()
         except (BufferError, ValueError):

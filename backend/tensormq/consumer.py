@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -22,7 +23,7 @@ from blockflow.backend.tensormq.memory import CudaSegment, EventRing, HostSegmen
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import HELLO, RELEASE, RELEASE_ITEM, WELCOME, endpoint, listening, socket_path
 from blockflow.core import also_accepts as also_accepts_file
-from blockflow.core import cuda
+from blockflow.core import cuda, env
 from blockflow.core.runtime_dir import read_key
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
@@ -101,6 +102,9 @@ class Consumer:
         if device.type == "cuda":
             with torch.cuda.device(device):
                 self._ring = [cuda.event_create() for _ in range(RELEASE_EVENTS)]
+        # Releases as bits in each producer's claim table (no message, no wake-up of the producer), or
+        # with BLOCKFLOW_TMQ_RELEASE=message as ZeroMQ RELEASE messages to the producer's server thread.
+        self._by_message = os.environ.get(env.TMQ_RELEASE) == "message"
         self._releaser = threading.Thread(target=self._release_loop, name="tmq-releaser", daemon=True)
         self._releaser.start()
 
@@ -314,6 +318,8 @@ class Consumer:
     def _release_loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # driver calls below need the context current in this thread
+        # Per producer generation: its claim table (None once it stopped), or with messages its socket.
+        tables: dict[tuple[int, int], ClaimTable | None] = {}
         sockets: dict[tuple[int, int], zmq.Socket[Any]] = {}
         while True:
             item = self._queue.get()
@@ -322,30 +328,50 @@ class Consumer:
             event, releases, done = item
             if event is not None:
                 cuda.event_synchronize(event)
-            by_producer: dict[tuple[int, int], list[bytes]] = defaultdict(list)
-            for pid, gen, slot, seq, sample in releases:
-                by_producer[(pid, gen)].append(RELEASE_ITEM.pack(gen, slot, seq, sample))
-            if len(sockets) > 64:  # generations come and go with reloads; reconnecting is cheap
-                for old in sockets.values():
-                    old.close(0)
-                sockets.clear()
-            for key, items in by_producer.items():
-                sock = sockets.get(key)
-                if sock is None:
-                    sock = self._ctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 1000)
-                    sock.setsockopt(zmq.SNDHWM, 100_000)
-                    sock.connect(endpoint(self.runtime_dir, *key))
-                    sockets[key] = sock
-                try:
-                    sock.send_multipart([RELEASE, b"".join(items)], zmq.NOBLOCK)
-                    self.stats.releases_sent += len(items)
-                except zmq.Again:
-                    pass  # the producer's lease reclaims what we could not release
+            if len(tables) + len(sockets) > 64:  # generations come and go with reloads; opening again is cheap
+                _close_ends(tables, sockets)
+            self.stats.releases_sent += self._send(releases, sockets) if self._by_message else self._mark(releases, tables)
             if done is not None:
                 done.set()
-        for sock in sockets.values():
-            sock.close()
+        _close_ends(tables, sockets)
+
+    def _mark(self, releases: list[Release], tables: dict[tuple[int, int], ClaimTable | None]) -> int:
+        """Set the released samples' bits in their producers' claim tables; how many were released."""
+        by_slot: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+        for pid, gen, slot, seq, sample in releases:
+            by_slot[(pid, gen, slot, seq)].append(sample)
+        n = 0
+        for (pid, gen, slot, seq), samples in by_slot.items():
+            if (pid, gen) not in tables:
+                try:
+                    tables[(pid, gen)] = ClaimTable(claims_path(socket_path(self.runtime_dir, pid, gen)))
+                except (OSError, ValueError):
+                    tables[(pid, gen)] = None  # the producer stopped: its pool went with it
+            table = tables[(pid, gen)]
+            if table is not None:
+                n += table.release(slot, seq, samples)
+        return n
+
+    def _send(self, releases: list[Release], sockets: dict[tuple[int, int], zmq.Socket[Any]]) -> int:
+        """Send the releases to their producers, one RELEASE message each; how many were sent."""
+        by_producer: dict[tuple[int, int], list[bytes]] = defaultdict(list)
+        for pid, gen, slot, seq, sample in releases:
+            by_producer[(pid, gen)].append(RELEASE_ITEM.pack(gen, slot, seq, sample))
+        n = 0
+        for key, items in by_producer.items():
+            sock = sockets.get(key)
+            if sock is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(endpoint(self.runtime_dir, *key))
+                sockets[key] = sock
+            try:
+                sock.send_multipart([RELEASE, b"".join(items)], zmq.NOBLOCK)
+                n += len(items)
+            except zmq.Again:
+                pass  # the producer's lease reclaims what we could not release
+        return n
 
     def close(self) -> None:
         self._queue.put(None)
@@ -357,3 +383,13 @@ class Consumer:
                 for e in self._ring:
                     cuda.event_destroy(e)
             self._ring = []
+
+
+def _close_ends(tables: dict[tuple[int, int], ClaimTable | None], sockets: dict[tuple[int, int], zmq.Socket[Any]]) -> None:
+    for table in tables.values():
+        if table is not None:
+            table.close()
+    for sock in sockets.values():
+        sock.close()
+    tables.clear()
+    sockets.clear()

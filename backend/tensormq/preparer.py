@@ -28,6 +28,8 @@ class Preparer:
 
         def _sign(self, r: Reservation) -> list[bytes]: ...
 
+        def _collect_locked(self) -> None: ...
+
     def _start_preparer(self, name: str, prepare: bool) -> None:
         # A reservation made and signed between two calls, taken by the next call of the same
         # shape: at batch 1 that keeps reserving and signing (~0.1-0.2 ms of host time inside a
@@ -90,6 +92,7 @@ class Preparer:
                 if self._closing.is_set() or (self._ready is not None and self._ready.key == key):
                     continue
                 self._drop_ready_locked()  # one of another shape
+                self._collect_locked()
                 # Only from a pool with room to spare: a prepared slot must not make a request wait.
                 if 2 * (len(self.table.live) + 1) > self.table.max_slots or 2 * (self.table.bytes_in_use + nbytes) > self.table.capacity:
                     continue

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -90,6 +91,9 @@ class Producer(Preparer):
         remove_dead_generations(runtime_dir, self.id)
         # Created before the socket exists, so a consumer that reaches the socket finds the table.
         self.claims = ClaimTable(claims_path(sock_path), max_slots, max_samples, create=True)
+        # Committed slots whose releases are read from the claim table, and the release words that free each.
+        self._lent = np.zeros(max_slots, dtype=bool)
+        self._target = np.zeros((max_slots, self.claims.words), dtype=np.uint64)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -121,6 +125,7 @@ class Producer(Preparer):
             ready = self._take_ready_locked(key)
             if ready is not None:
                 return ready
+            self._collect_locked()
             slot = self.table.allocate(nbytes, batch, time.monotonic() + self.lease_s)
             if slot is None and self._drop_ready_locked():  # a request never waits behind a prepared slot
                 slot = self.table.allocate(nbytes, batch, time.monotonic() + self.lease_s)
@@ -134,7 +139,8 @@ class Producer(Preparer):
                         f"TensorMQ pool of {self.name} is full ({len(self.table.live)}/{self.table.max_slots} slots, "
                         f"{self.table.bytes_in_use}/{self.table.capacity} bytes) after waiting {self.wait_s:g} s; "
                         "raise tensormq.pool_mb or tensormq.slots in the plan, or lower the load")
-                self._cond.wait(remaining)
+                # Releases come through the claim table, which nothing signals: look again every 2 ms.
+                self._cond.wait(min(remaining, 0.002))
                 self._reap_locked()
                 slot = self.table.allocate(nbytes, batch, time.monotonic() + self.lease_s)
             self.stats.allocations += 1
@@ -143,6 +149,7 @@ class Producer(Preparer):
 
     def _reservation_locked(self, slot: Slot, key: Key) -> Reservation:
         batch, shapes, dtype = key
+        self._lent[slot.index] = False  # until its commit; an earlier use's release words must not free it
         offsets = tk.record_offsets(shapes)
         sample_shape = shapes[0] if len(shapes) == 1 else (offsets[-1],)
         sample_bytes = offsets[-1] * dtype.itemsize
@@ -195,6 +202,8 @@ class Producer(Preparer):
         with self._cond:
             r.slot.claim_deadline = time.monotonic() + self.claim_s
             self.claims.open_slot(r.slot.index, r.slot.seq, r.slot.claim_deadline)
+            self._target[r.slot.index] = ClaimTable.release_target(r.slot.seq, r.view.shape[0], self.claims.words)
+            self._lent[r.slot.index] = True
         out = self._signed(r)
         self.stats.tickets += len(out)
         small = self._preparer is not None and len(out) <= PREPARE_MAX_BATCH
@@ -220,6 +229,7 @@ class Producer(Preparer):
     def usage(self) -> tuple[int, int]:
         """(bytes, slots) in use: lent to requests, the prepared slot not counted."""
         with self._cond:
+            self._collect_locked()
             return self._usage_locked()
 
     def _usage_locked(self) -> tuple[int, int]:
@@ -230,15 +240,27 @@ class Producer(Preparer):
 
     # ------------------------------------------------------------------ server thread
 
+    def _collect_locked(self) -> None:
+        """Free the committed slots whose every sample its consumers released in the claim table."""
+        if not self._lent.any():
+            return
+        done = np.flatnonzero(self._lent & (self.claims.release_words() == self._target).all(axis=1))
+        for i in done.tolist():
+            self._lent[i] = False
+            slot = self.table.live.get(i)
+            if slot is not None and slot.seq == int(self._target[i, 0]) >> 32:
+                self.stats.releases += len(slot.pending)
+                self.table.release_all(i, slot.seq)
+        if len(done):
+            self._cond.notify_all()
+
     def _reap_locked(self) -> None:
+        self._collect_locked()
         now = time.monotonic()
         # Samples nobody claimed within the claim window will never be read (consumers refuse
         # them from then on): give them back now rather than at the end of the lease.
         for slot in self.table.unclaimed_due(now):
-            claimed = self.claims.claimed(slot.index, slot.seq)
-            if claimed is None:
-                continue
-            for sample in sorted(slot.pending - claimed):
+            for sample in self.claims.retire_unclaimed(slot.index, slot.seq, slot.pending):
                 self.table.release(slot.index, slot.seq, sample)
                 self.stats.unclaimed_tickets += 1
             self._cond.notify_all()
@@ -284,6 +306,7 @@ class Producer(Preparer):
                 self._cond.notify_all()
         elif kind == STATS:
             with self._cond:
+                self._collect_locked()
                 used, slots = self._usage_locked()
                 body = dict(self.stats.__dict__, bytes_in_use=used, slots_in_use=slots, slots_ready=int(self._ready is not None),
                             generation=self.generation)
@@ -301,7 +324,7 @@ class Producer(Preparer):
         with self._cond:
             self._drop_ready_locked()
             while self.table.live and (remaining := deadline - time.monotonic()) > 0:
-                self._cond.wait(min(remaining, 0.1))
+                self._cond.wait(min(remaining, 0.01))
                 self._reap_locked()
             return len(self.table.live)
 

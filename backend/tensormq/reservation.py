@@ -39,7 +39,7 @@ def producer_id(name: str) -> int:
 class Stats:
     allocations: int = 0
     tickets: int = 0
-    releases: int = 0
+    releases: int = 0  # samples consumers released (from the claim table: counted when their slot is freed)
     stale_releases: int = 0
     lease_expiries: int = 0
     expired_tickets: int = 0

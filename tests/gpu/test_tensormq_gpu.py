@@ -35,6 +35,7 @@ def _produce(runtime: str, device: int, conn: mp.connection.Connection, early: b
         tickets = prod.commit(r, stream)
         conn.send(float(x[0, 0, 0, 0].item()) if early else (tickets, float(x[0, 0, 0, 0].item())))
         b += 1
+    prod.usage()  # reads the releases in the claim table
     conn.send(prod.stats.releases)
     prod.close()
 

@@ -182,7 +182,12 @@ def _tickets(raw: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(raw)), dtype=torch.uint8).view(len(raw), 256)
 
 
-def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime: Path) -> None:
+@pytest.mark.parametrize("release", ["table", "message"])
+def test_consumer_maps_each_producer_segment_once_and_reads_exact_values(runtime: Path, release: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact values, zero-copy views, one handshake; every sample comes back, through the claim table
+    (the default) or as ZeroMQ RELEASE messages (``BLOCKFLOW_TMQ_RELEASE=message``)."""
+    monkeypatch.setenv(env.TMQ_RELEASE, release)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_producer_proc, args=(str(runtime), "blockA/0", there, 30.0))
@@ -447,9 +452,10 @@ def test_signed_but_out_of_bounds_or_misshaped_tickets_fail_alone(runtime: Path)
         time.sleep(0.2)
         # The claimed ticket of the failed request was released; the misshaped one was never
         # accepted, so its sample goes back when the claim window closes (not at the lease's end).
-        assert prod.usage()[1] == 1 and prod.stats.releases == 1
+        assert prod.usage()[1] == 1
         time.sleep(0.6)
         assert prod.usage()[1] == 0 and prod.stats.unclaimed_tickets == 1 and prod.stats.lease_expiries == 0
+        assert prod.stats.releases == 1  # counted when the slot is freed
     finally:
         consumer.close()
         prod.close()
@@ -537,9 +543,11 @@ def _claim_all(path: str, slots: int, samples: int, seq: int, result: str) -> No
     from blockflow.backend.tensormq.claims import ClaimTable
 
     table = ClaimTable(Path(path))
-    won = sum(table.claim(s, seq, k) is None for s in range(slots) for k in range(samples))
+    won = [(s, k) for s in range(slots) for k in range(samples) if table.claim(s, seq, k) is None]
+    for s, k in won:  # each gives back what it won, one sample at a time: the words are shared by all
+        assert table.release(s, seq, [k]) == 1
     table.close()
-    Path(result).write_text(str(won))
+    Path(result).write_text(str(len(won)))
 
 
 def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) -> None:
@@ -566,6 +574,8 @@ def test_a_claim_is_won_by_exactly_one_of_many_racing_processes(tmp_path: Path) 
     won = [int(r.read_text()) for r in results]
     assert sum(won) == slots * samples  # every sample claimed once, by one process only
     assert all(table.claimed(s, 5) == set(range(samples)) for s in range(slots))
+    # Every sample released by the process that claimed it: each slot's release words are the full target.
+    assert table.release_words().tolist() == [ClaimTable.release_target(5, samples, table.words)] * slots
     assert table.claimed(0, 6) is None and table.claim(0, 6, 0) is not None  # another use of the slot
     table.close()
 
@@ -681,5 +691,29 @@ def test_a_claim_table_tells_a_pending_use_from_a_stale_or_failed_one(tmp_path: 
         assert table.claim(1, 0, 0) is PENDING and "stale" in str(table.claim(1, 0xFFFFFFFE, 0))
         table.fail_slot(0, 8)
         assert "failed batch" in str(table.claim(0, 8, 0)) and "stale" in str(table.claim(0, 7, 0))
+    finally:
+        table.close()
+
+
+def test_a_consumer_releases_only_samples_it_claimed_of_the_use_the_entry_holds(tmp_path: Path) -> None:
+    from blockflow.backend.tensormq.claims import ClaimTable
+
+    table = ClaimTable(tmp_path / "t.claims", 2, 40, create=True)
+    try:
+        table.open_slot(0, 7, time.monotonic() + 60)
+        target = ClaimTable.release_target(7, 3, table.words)
+        assert table.claim(0, 7, 0) is None and table.claim(0, 7, 1) is None
+        assert table.release(0, 7, [0, 2]) == 1  # sample 2 was never claimed
+        assert table.release(0, 7, [0]) == 0  # a duplicated release
+        assert table.release(0, 6, [1]) == 0 and table.release(0, 8, [1]) == 0  # another use
+        assert table.release(0, 7, [1, 99]) == 1 and table.release(5, 7, [1]) == 0  # out of range: nothing
+        assert table.release_words()[0].tolist() != target  # sample 2 still out
+        # Once the window ended, the producer retires what nobody claimed: a late claim is refused as expired.
+        assert table.retire_unclaimed(0, 7, [0, 1, 2]) == [2]
+        assert table.release_words()[0].tolist() == target
+        assert "expired" in str(table.claim(0, 7, 2, now=time.monotonic() + 120))
+        assert table.retire_unclaimed(0, 6, [0]) == [] and table.retire_unclaimed(1, 7, [0]) == []
+        table.open_slot(0, 8, time.monotonic() + 60)  # a new use starts with nothing released
+        assert table.release_words()[0].tolist() == [8 << 32] * table.words
     finally:
         table.close()
