@@ -32,8 +32,11 @@ whose sequence number is *ahead* of the entry's is PENDING (the consumer waits f
 one that is behind it is stale.
 
 Every read-modify-write of an entry holds a POSIX record lock on that entry's bytes
-(``fcntl.lockf``), which excludes the other processes; inside the producer process the
-caller's own lock excludes its threads (POSIX locks do not).
+(``fcntl.lockf``), which excludes the other processes, and a lock of this process, which
+excludes its other threads. Record locks belong to the process, not the thread or the file
+descriptor: a block's execute thread (claims) and its release thread (releases) each holding
+"the" lock would both get in, and either one's unlock (or closing any descriptor of the file)
+would let another process in mid-write, losing a claim or release bit of another process.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,6 +63,8 @@ _WORD = struct.Struct("<Q")
 SAMPLES_PER_WORD = 32
 FAILED = -1.0  # a claim deadline no clock reaches: the use's tickets were issued, its data never written
 PENDING = "pending"  # claim(): the ticket's use is not committed yet; ask again
+# Held with a record lock, and while a table closes (that drops the process's record locks on its file).
+_THREADS = threading.Lock()
 FAILED_BATCH = "failed batch: the block that issued this ticket could not produce its data (its log says why)"
 
 
@@ -82,7 +88,8 @@ class ClaimTable:
         self._fd = fd
         size = os.fstat(fd).st_size
         if size < HEADER.size:
-            os.close(fd)
+            with _THREADS:
+                os.close(fd)
             raise ValueError(f"claim table {path} is truncated")
         self._map = mmap.mmap(fd, size)
         magic, version, _, max_slots, words = HEADER.unpack_from(self._map, 0)
@@ -99,11 +106,19 @@ class ClaimTable:
 
     def _lock(self, slot: int) -> int:
         start: int = HEADER.size + slot * self.stride
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
+        _THREADS.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
+        except BaseException:
+            _THREADS.release()
+            raise
         return start
 
     def _unlock(self, slot: int) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, self.stride, HEADER.size + slot * self.stride)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, self.stride, HEADER.size + slot * self.stride)
+        finally:
+            _THREADS.release()
 
     # ------------------------------------------------------------------ producer
 
@@ -252,4 +267,5 @@ class ClaimTable:
             self._map.close()
         except (BufferError, ValueError):
             pass
-        os.close(self._fd)
+        with _THREADS:  # closing a descriptor drops every record lock this process holds on the file
+            os.close(self._fd)

@@ -717,3 +717,29 @@ def test_a_consumer_releases_only_samples_it_claimed_of_the_use_the_entry_holds(
         assert table.release_words()[0].tolist() == [8 << 32] * table.words
     finally:
         table.close()
+
+
+def test_a_claim_table_entry_excludes_this_process_s_other_threads_too(tmp_path: Path) -> None:
+    """Record locks belong to the process: a block's release thread must still wait for its execute
+    thread's read-modify-write of the entry (else another process gets in mid-write and a bit is lost)."""
+    import threading
+
+    from blockflow.backend.tensormq.claims import ClaimTable
+
+    mine = ClaimTable(tmp_path / "t.claims", 1, 8, create=True)
+    other = ClaimTable(tmp_path / "t.claims")  # the release thread's own descriptor of the same file
+    try:
+        mine.open_slot(0, 3, time.monotonic() + 60)
+        assert mine.claim(0, 3, 0) is None
+        mine._lock(0)  # the execute thread, mid-claim
+        released: list[int] = []
+        t = threading.Thread(target=lambda: released.append(other.release(0, 3, [0])))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not released  # it waits for the entry
+        mine._unlock(0)
+        t.join(5)
+        assert released == [1]
+    finally:
+        other.close()
+        mine.close()
