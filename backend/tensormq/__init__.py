@@ -50,12 +50,14 @@ Who owns a slot when:
    at its own commit, which follows that work on the same stream; a consumer
    that synchronised its stream releases at once. (``BLOCKFLOW_TMQ_RELEASE=message``
    sends a RELEASE message per producer instead: one frame of
-   ``(generation, slot, sequence, sample)`` items, applied by the producer's server thread.)
+   ``(generation, slot, sequence, sample)`` items, whose bits the producer's server
+   thread sets in the same table; so consumers of either kind may share a batch.)
 6. The producer reads every lent slot's release words at once (without a lock:
-   the claim table's note says why that is safe) whenever it reserves, reports its
-   usage, reaps or drains; a slot whose every sample is released is FREE again
-   and its next use gets a new sequence number. A full pool's ``reserve`` reads
-   them again every 2 ms while it waits.
+   the claim table's note says why that is safe) whenever it reserves (its execute
+   thread, or the preparer), reports its usage, reaps, drains or applies a RELEASE
+   message; a slot whose every sample is released is FREE again and its next use
+   gets a new sequence number. A full pool's ``reserve`` reads them again every
+   2 ms while it waits.
 
 A ticket is one-shot and bound to its hop. It is accepted once (the claim is
 an atomic test-and-set under a record lock, shared by every instance of every
@@ -83,8 +85,8 @@ CPU), so a stage that would change an input in place copies it first
 What orders what: the event is recorded before the claim entry opens, and a
 ticket is accepted only once its entry is open, so a consumer that accepted a
 ticket waits on that record (a ticket handed on early waits for the entry). A slot is rewritten (and its event
-re-recorded) only after every reader's GPU work completed, because releases are
-sent only then.
+re-recorded) only after every reader's GPU work completed, because samples are
+released only then.
 
 Cancel, crash, restart:
 

@@ -21,10 +21,11 @@ consumers. Layout, little-endian, per slot ``i`` at ``HEADER + i * stride``::
 
 The release words are how a consumer gives a sample back (``release``): it sets the sample's bit,
 under the entry's lock, only for a sample it claimed, of the use the entry holds; so a duplicated or
-late release frees nothing early. The producer reads them without a lock (``released``, every slot at
-once) and frees a slot once every sample of its use is released: an aligned 8-byte word is read
-whole, its sequence number does not change during a use, and its bits only grow, so a read can come
-too early but never frees a slot that a reader still uses. No message and no wake-up of the producer.
+late release frees nothing early. The producer reads them without a lock (``release_words``, every
+slot at once) and frees a slot once its words equal the use's full set (``release_target``). A
+write may land byte by byte and a read may see part of it, but during a use the sequence number
+does not change and the bits only grow, so a read can only see fewer samples released than there
+are: it may free a slot late, never early. No message and no wake-up of the producer.
 
 A producer may hand a batch's tickets on before it commits the batch (``Producer.issue``), so a
 ticket can reach its consumer while the entry still holds an earlier use of the slot: a ticket
@@ -32,11 +33,12 @@ whose sequence number is *ahead* of the entry's is PENDING (the consumer waits f
 one that is behind it is stale.
 
 Every read-modify-write of an entry holds a POSIX record lock on that entry's bytes
-(``fcntl.lockf``), which excludes the other processes, and a lock of this process, which
-excludes its other threads. Record locks belong to the process, not the thread or the file
+(``fcntl.lockf``), which excludes the other processes, and this process's lock of the file,
+which excludes its other threads. Record locks belong to the process, not the thread or the file
 descriptor: a block's execute thread (claims) and its release thread (releases) each holding
-"the" lock would both get in, and either one's unlock (or closing any descriptor of the file)
-would let another process in mid-write, losing a claim or release bit of another process.
+"the" lock would both get in, and either one's unlock, or closing any descriptor of the file (a
+mapping holds one), would let another process in mid-write, losing a claim or release bit.
+So a table also closes under that lock.
 """
 
 from __future__ import annotations
@@ -63,8 +65,16 @@ _WORD = struct.Struct("<Q")
 SAMPLES_PER_WORD = 32
 FAILED = -1.0  # a claim deadline no clock reaches: the use's tickets were issued, its data never written
 PENDING = "pending"  # claim(): the ticket's use is not committed yet; ask again
-# Held with a record lock, and while a table closes (that drops the process's record locks on its file).
-_THREADS = threading.Lock()
+# Per file (device, inode), this process's lock: held with a record lock on the file, and while a
+# descriptor of it closes (which drops every record lock the process holds on it).
+_FILE_LOCKS: dict[tuple[int, int], threading.Lock] = {}
+_FILE_LOCKS_GUARD = threading.Lock()
+
+
+def _file_lock(fd: int) -> threading.Lock:
+    st = os.fstat(fd)
+    with _FILE_LOCKS_GUARD:
+        return _FILE_LOCKS.setdefault((st.st_dev, st.st_ino), threading.Lock())
 FAILED_BATCH = "failed batch: the block that issued this ticket could not produce its data (its log says why)"
 
 
@@ -86,12 +96,16 @@ class ClaimTable:
         else:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         self._fd = fd
+        self._threads = _file_lock(fd)
         size = os.fstat(fd).st_size
-        if size < HEADER.size:
-            with _THREADS:
+        try:
+            if size < HEADER.size:
+                raise ValueError(f"claim table {path} is truncated")
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            with self._threads:
                 os.close(fd)
-            raise ValueError(f"claim table {path} is truncated")
-        self._map = mmap.mmap(fd, size)
+            raise
         magic, version, _, max_slots, words = HEADER.unpack_from(self._map, 0)
         self.max_slots, self.words = int(max_slots), int(words)
         self._release_words: np.ndarray[Any, np.dtype[np.uint64]] | None = None
@@ -106,11 +120,11 @@ class ClaimTable:
 
     def _lock(self, slot: int) -> int:
         start: int = HEADER.size + slot * self.stride
-        _THREADS.acquire()
+        self._threads.acquire()
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
         except BaseException:
-            _THREADS.release()
+            self._threads.release()
             raise
         return start
 
@@ -118,7 +132,7 @@ class ClaimTable:
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_UN, self.stride, HEADER.size + slot * self.stride)
         finally:
-            _THREADS.release()
+            self._threads.release()
 
     # ------------------------------------------------------------------ producer
 
@@ -173,10 +187,18 @@ class ClaimTable:
             out.update(w * SAMPLES_PER_WORD + b for b in range(SAMPLES_PER_WORD) if bits >> b & 1)
         return out
 
-    def release_words(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
-        """Every slot's release words, ``[max_slots, W]``, read in place (no lock: see the module's note)."""
-        assert self._release_words is not None, "the claim table is closed"
+    def release_words(self) -> np.ndarray[Any, np.dtype[np.uint64]] | None:
+        """Every slot's release words, ``[max_slots, W]``, read in place (no lock: see the module's note);
+        None once the table is closed."""
         return self._release_words
+
+    def released(self, slot: int, seq: int) -> int:
+        """How many samples of use ``seq`` of ``slot`` are released (0 if the entry holds another use)."""
+        start = self._lock(slot)
+        try:
+            return len(self._bits_locked(start, seq, self.words) or ())
+        finally:
+            self._unlock(slot)
 
     @staticmethod
     def release_target(seq: int, batch: int, words: int) -> list[int]:
@@ -262,10 +284,10 @@ class ClaimTable:
         return None
 
     def close(self) -> None:
-        self._release_words = None  # a view of the mapping keeps it from closing
-        try:
-            self._map.close()
-        except (BufferError, ValueError):
-            pass
-        with _THREADS:  # closing a descriptor drops every record lock this process holds on the file
+        with self._threads:  # closing a descriptor (the mapping's too) drops this process's record locks on the file
+            self._release_words = None  # a view of the mapping keeps it from closing
+            try:
+                self._map.close()
+            except (BufferError, ValueError):
+                pass
             os.close(self._fd)

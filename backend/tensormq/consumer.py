@@ -62,15 +62,16 @@ class ConsumerStats:
     bad_tickets: int = 0
     refused_tickets: int = 0  # authentic, but replayed, redirected, stale or expired
     commit_waits: int = 0  # tickets that arrived before their batch's commit and waited for it
-    releases_sent: int = 0
+    releases_sent: int = 0  # samples released: set in their producer's claim table, or sent in a RELEASE message
 
 
 class Consumer:
     """Maps producers' pools once per generation and turns tickets into views.
 
     Threads: :meth:`gather` runs on the block's execute thread (it alone uses
-    the HELLO socket and the cache); a release thread owns the RELEASE sockets
-    and sends a batch's releases once the GPU work that read it has finished.
+    the HELLO socket and the cache); a release thread releases a batch's samples
+    once the GPU work that read it has finished (with claim tables of its own, or
+    the RELEASE sockets).
     """
 
     def __init__(self, runtime_dir: Path, device: torch.device, hello_timeout_s: float = 5.0,
@@ -345,8 +346,10 @@ class Consumer:
             if (pid, gen) not in tables:
                 try:
                     tables[(pid, gen)] = ClaimTable(claims_path(socket_path(self.runtime_dir, pid, gen)))
-                except (OSError, ValueError):
+                except FileNotFoundError:
                     tables[(pid, gen)] = None  # the producer stopped: its pool went with it
+                except (OSError, ValueError):
+                    continue  # tried again with the next release; meanwhile the lease takes these back
             table = tables[(pid, gen)]
             if table is not None:
                 n += table.release(slot, seq, samples)

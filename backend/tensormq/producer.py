@@ -48,8 +48,8 @@ class Producer(Preparer):
     """Owns one pool segment, one event per slot and a ROUTER socket that answers consumers.
 
     Threads: the block's execute thread calls :meth:`reserve` / :meth:`commit`;
-    the server thread answers HELLO/STATS, applies RELEASEs and reaps expired
-    leases; the preparer thread reserves the next small batch's slot and signs
+    the server thread answers HELLO/STATS (and RELEASE messages) and reaps expired
+    leases and unclaimed samples; the preparer thread reserves the next small batch's slot and signs
     its tickets between two calls (:meth:`prepare_ahead`). They touch the slot
     table under ``self._cond``.
     """
@@ -241,15 +241,16 @@ class Producer(Preparer):
     # ------------------------------------------------------------------ server thread
 
     def _collect_locked(self) -> None:
-        """Free the committed slots whose every sample its consumers released in the claim table."""
-        if not self._lent.any():
+        """Free the committed slots whose every sample is released in the claim table."""
+        words = self.claims.release_words()
+        if words is None or not self._lent.any():  # None: closed
             return
-        done = np.flatnonzero(self._lent & (self.claims.release_words() == self._target).all(axis=1))
+        done = np.flatnonzero(self._lent & (words == self._target).all(axis=1))
         for i in done.tolist():
             self._lent[i] = False
             slot = self.table.live.get(i)
             if slot is not None and slot.seq == int(self._target[i, 0]) >> 32:
-                self.stats.releases += len(slot.pending)
+                self.stats.releases += slot.samples - slot.retired
                 self.table.release_all(i, slot.seq)
         if len(done):
             self._cond.notify_all()
@@ -259,15 +260,21 @@ class Producer(Preparer):
         now = time.monotonic()
         # Samples nobody claimed within the claim window will never be read (consumers refuse
         # them from then on): give them back now rather than at the end of the lease.
+        retired = 0
         for slot in self.table.unclaimed_due(now):
-            for sample in self.claims.retire_unclaimed(slot.index, slot.seq, slot.pending):
-                self.table.release(slot.index, slot.seq, sample)
-                self.stats.unclaimed_tickets += 1
-            self._cond.notify_all()
+            n = len(self.claims.retire_unclaimed(slot.index, slot.seq, range(slot.samples)))
+            slot.retired += n
+            retired += n
+        if retired:
+            self.stats.unclaimed_tickets += retired
+            self._collect_locked()
         expired = self.table.reap(now)
+        for s in expired:  # what its consumers had released still counts as released
+            released = max(0, self.claims.released(s.index, s.seq) - s.retired)
+            self.stats.releases += released
+            self.stats.expired_tickets += s.samples - s.retired - released
         if expired:
             self.stats.lease_expiries += len(expired)
-            self.stats.expired_tickets += sum(len(s.pending) for s in expired)
             self._cond.notify_all()
 
     def _serve(self) -> None:
@@ -297,13 +304,16 @@ class Producer(Preparer):
             self.stats.hellos += 1
             self._router.send_multipart([ident, WELCOME, self._welcome])
         elif kind == RELEASE and len(frames) == 3 and len(frames[2]) % RELEASE_ITEM.size == 0:
+            # A release message sets the same bits a consumer sets itself (BLOCKFLOW_TMQ_RELEASE): the
+            # claim table is the one record of what was released, whichever way each consumer releases.
+            by_slot: dict[tuple[int, int], list[int]] = {}
+            for gen, slot, seq, sample in RELEASE_ITEM.iter_unpack(frames[2]):
+                if gen == self.generation:
+                    by_slot.setdefault((slot, seq), []).append(sample)
             with self._cond:
-                for gen, slot, seq, sample in RELEASE_ITEM.iter_unpack(frames[2]):
-                    if gen == self.generation and self.table.release(slot, seq, sample):
-                        self.stats.releases += 1
-                    else:
-                        self.stats.stale_releases += 1
-                self._cond.notify_all()
+                applied = sum(self.claims.release(slot, seq, samples) for (slot, seq), samples in by_slot.items())
+                self.stats.stale_releases += len(frames[2]) // RELEASE_ITEM.size - applied
+                self._collect_locked()
         elif kind == STATS:
             with self._cond:
                 self._collect_locked()
@@ -342,7 +352,8 @@ class Producer(Preparer):
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.remove_files()  # first the socket, so no consumer finds this producer while it closes
-        self.claims.close()
+        with self._cond:  # a thread that outlived its join finds the table closed, not half closed
+            self.claims.close()
         self.events.close()
         self.segment.close()
 

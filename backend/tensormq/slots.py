@@ -2,10 +2,10 @@
 
 Pure logic (no I/O, no locks): :class:`~blockflow.backend.tensormq.producer.Producer`
 serialises access. A slot holds one batch; it is freed when every sample ticket
-issued for it has been released or when its lease expires. Releases name the
-sample, so a duplicated release (a replayed ticket) cannot free a slot early.
-Each reuse of a slot index gets a new sequence number, so a late release for
-an earlier use is recognised and ignored.
+issued for it has been released (which the producer reads from its claim table,
+:mod:`~blockflow.backend.tensormq.claims`, sample by sample) or when its lease
+expires. Each reuse of a slot index gets a new sequence number, so a late release
+for an earlier use is recognised and ignored.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ class Slot:
     seq: int
     offset: int
     nbytes: int
-    pending: set[int]
+    samples: int  # the batch: one ticket per sample
     deadline: float
     # Until when consumers may claim its samples (blockflow.backend.tensormq.claims); after it, the samples
     # nobody claimed are released by the producer. inf until the slot is committed.
     claim_deadline: float = float("inf")
+    retired: int = 0  # samples nobody claimed in time, given back by the producer itself
 
 
 class SlotTable:
@@ -54,24 +55,14 @@ class SlotTable:
                     self._free[i] = (off + size, free - size)
                 index = self._idle_slots.pop()
                 self._seq[index] = (self._seq[index] + 1) & 0xFFFFFFFF
-                slot = Slot(index, self._seq[index], off, size, set(range(samples)), deadline)
+                slot = Slot(index, self._seq[index], off, size, samples, deadline)
                 self.live[index] = slot
                 self.bytes_in_use += size
                 return slot
         return None
 
-    def release(self, index: int, seq: int, sample: int) -> bool:
-        """Release one sample of use ``seq`` of slot ``index``; False if that use or sample is gone."""
-        slot = self.live.get(index)
-        if slot is None or slot.seq != seq or sample not in slot.pending:
-            return False
-        slot.pending.discard(sample)
-        if not slot.pending:
-            self._free_slot(slot)
-        return True
-
     def unclaimed_due(self, now: float) -> list[Slot]:
-        """Live slots whose claim window closed, still waiting for some sample (each is returned once)."""
+        """Live slots whose claim window closed (each is returned once)."""
         due = [s for s in self.live.values() if s.claim_deadline <= now]
         for s in due:
             s.claim_deadline = float("inf")

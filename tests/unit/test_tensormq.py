@@ -117,12 +117,11 @@ def test_slot_table_allocates_frees_and_coalesces() -> None:
     c = table.allocate(4 * ALIGN, samples=1, deadline=10)
     assert a and b and c and (a.offset, b.offset, c.offset) == (0, ALIGN, 4 * ALIGN)
     assert table.allocate(1, 1, 10) is None  # full
-    assert table.release(a.index, a.seq, 1) and a.index in table.live  # one of two samples
-    assert not table.release(a.index, a.seq, 1)  # the same sample again (a replayed ticket): ignored
-    assert a.index in table.live
-    assert table.release(a.index, a.seq, 0) and a.index not in table.live
-    assert not table.release(a.index, a.seq, 0)  # already free: stale
-    assert table.release(b.index, b.seq, 0)
+    table.release_all(a.index, a.seq + 1)  # another use of the slot: nothing
+    assert a.index in table.live and a.samples == 2
+    table.release_all(a.index, a.seq)
+    table.release_all(b.index, b.seq)
+    assert a.index not in table.live and b.index not in table.live
     big = table.allocate(4 * ALIGN, 1, 10)  # a and b coalesced into one 4-ALIGN range
     assert big is not None and big.offset == 0 and big.seq == 2  # a reused index gets a new sequence number
     assert [s.index for s in table.reap(now=11)] and table.bytes_in_use == 0
@@ -740,6 +739,56 @@ def test_a_claim_table_entry_excludes_this_process_s_other_threads_too(tmp_path:
         mine._unlock(0)
         t.join(5)
         assert released == [1]
+        # Closing a descriptor of the file (its mapping's too) drops the process's record locks: it waits as well.
+        mine._lock(0)
+        t = threading.Thread(target=other.close)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()
+        mine._unlock(0)
+        t.join(5)
+        assert not t.is_alive()
     finally:
-        other.close()
+        if other.release_words() is not None:
+            other.close()
         mine.close()
+
+
+def test_consumers_of_either_release_kind_share_a_batch_and_the_stats_count_each_sample(runtime: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One consumer sets its release bit in the claim table, another sends a RELEASE message: the slot
+    is freed once both are in. A slot whose lease runs out counts what was released as released."""
+    prod = Producer("blockM/0", runtime, CPU, pool_bytes=1 << 16, max_slots=4, lease_s=1.0, wait_s=1)
+    monkeypatch.setenv(env.TMQ_RELEASE, "table")
+    by_table = Consumer(runtime, CPU)
+    monkeypatch.setenv(env.TMQ_RELEASE, "message")
+    by_message = Consumer(runtime, CPU)
+    try:
+        r = prod.reserve((2, 4, 5), torch.float32)
+        tickets = prod.commit(r, 0)
+        _, first = by_table.gather(_tickets(tickets[:1]), (4, 5), 0)
+        _, second = by_message.gather(_tickets(tickets[1:]), (4, 5), 0)
+        by_table.release_now(first)
+        by_table.flush()
+        assert prod.usage()[1] == 1  # one of two
+        by_message.release_now(second)
+        by_message.flush()
+        deadline = time.monotonic() + 5
+        while prod.usage()[1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prod.usage() == (0, 0) and prod.stats.releases == 2 and prod.stats.stale_releases == 0
+        by_message.release_now(second)  # the same release again: stale, frees nothing
+        by_message.flush()
+        # A batch of four, three released, then its lease (1 s) runs out: 3 released, 1 expired.
+        r = prod.reserve((4, 4, 5), torch.float32)
+        _, got = by_table.gather(_tickets(prod.commit(r, 0)), (4, 5), 0)
+        by_table.release_now(got[:3])
+        by_table.flush()
+        time.sleep(1.3)
+        assert prod.usage() == (0, 0)
+        assert (prod.stats.releases, prod.stats.expired_tickets, prod.stats.lease_expiries) == (5, 1, 1)
+        assert prod.stats.stale_releases == 1
+    finally:
+        by_table.close()
+        by_message.close()
+        prod.close()
