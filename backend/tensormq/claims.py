@@ -122,6 +122,8 @@ class ClaimTable:
         start: int = HEADER.size + slot * self.stride
         self._threads.acquire()
         try:
+            if self._fd < 0:  # closed: its old number may be another file's by now
+                raise ValueError(f"claim table {self.path} is closed")
             fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
         except BaseException:
             self._threads.release()
@@ -286,8 +288,15 @@ class ClaimTable:
     def close(self) -> None:
         with self._threads:  # closing a descriptor (the mapping's too) drops this process's record locks on the file
             self._release_words = None  # a view of the mapping keeps it from closing
+            if self._fd < 0:
+                return
             try:
                 self._map.close()
             except (BufferError, ValueError):
                 pass
             os.close(self._fd)
+            self._fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0

@@ -256,6 +256,8 @@ class Producer(Preparer):
             self._cond.notify_all()
 
     def _reap_locked(self) -> None:
+        if self.claims.closed:  # a server thread that outlived close()
+            return
         self._collect_locked()
         now = time.monotonic()
         # Samples nobody claimed within the claim window will never be read (consumers refuse
@@ -311,6 +313,8 @@ class Producer(Preparer):
                 if gen == self.generation:
                     by_slot.setdefault((slot, seq), []).append(sample)
             with self._cond:
+                if self.claims.closed:
+                    return
                 applied = sum(self.claims.release(slot, seq, samples) for (slot, seq), samples in by_slot.items())
                 self.stats.stale_releases += len(frames[2]) // RELEASE_ITEM.size - applied
                 self._collect_locked()
@@ -352,7 +356,7 @@ class Producer(Preparer):
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.remove_files()  # first the socket, so no consumer finds this producer while it closes
-        with self._cond:  # a thread that outlived its join finds the table closed, not half closed
+        with self._cond:  # a server thread that outlived its join sees it closed (claims.closed) and leaves it
             self.claims.close()
         self.events.close()
         self.segment.close()
