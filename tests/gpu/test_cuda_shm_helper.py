@@ -21,6 +21,7 @@ from blockflow.clients.client import TaskClient
 from blockflow.core import endpoints
 from blockflow.triton.server import TritonServer
 
+from .answers import assert_same_answer
 from .small_plan import plan_text, served
 
 pytestmark = pytest.mark.gpu
@@ -70,8 +71,8 @@ def test_regions_give_the_host_inputs_answer_and_are_freed_on_close(server: Trit
         for batch in (1, 3, 2):  # the region grows once (1 -> 3) and is reused for 2
             x = _images(batch)
             want = host.infer("regions", x)
-            assert np.array_equal(dev.infer("regions", x), want)
-            assert np.array_equal(dev.infer("regions", torch.from_numpy(x).cuda()), want)  # device to device
+            assert_same_answer(dev.infer("regions", x), want)
+            assert_same_answer(dev.infer("regions", torch.from_numpy(x).cuda()), want)  # device to device
         assert dev._region is not None and dev._region.allocated_by == allocated_by
         regions = _regions(server)
         assert len(regions) == 1 and regions[0]["byte_size"] == 3 * 3 * 64 * 64 * 4
@@ -93,7 +94,7 @@ def test_images_still_being_made_on_another_stream_are_waited_for(server: Triton
             images = on_gpu * 1.0  # written only after the sleep, on this stream
             got = dev.infer("regions", images)
         assert dev._region is not None and dev._region.allocated_by == allocated_by
-        assert np.array_equal(got, want)
+        assert_same_answer(got, want)
 
 
 def test_numpy_images_through_the_helper_need_no_torch(server: TritonServer, tmp_path: Path) -> None:
@@ -111,5 +112,5 @@ def test_numpy_images_through_the_helper_need_no_torch(server: TritonServer, tmp
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     with TaskClient(server.http_url) as host:
-        assert np.array_equal(np.load(tmp_path / "y.npy"), host.infer("regions", _images(3)))
+        assert_same_answer(np.load(tmp_path / "y.npy"), host.infer("regions", _images(3)))
     assert _regions(server) == []

@@ -21,6 +21,8 @@ from blockflow.core.spec import hop_dtype
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan
 
+from .answers import assert_same_answer
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 1e-2}
@@ -233,8 +235,8 @@ def test_cuda_shared_memory_inputs_match_host_inputs(gpu_server: str, task: str)
         for batch in (1, 3, 8, 2):  # the region grows once (1 -> 3 -> 8) and is reused for 2
             x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
             want = host.infer(task, x)
-            assert np.array_equal(dev.infer(task, x), want)
-            assert np.array_equal(dev.infer(task, torch.from_numpy(x).cuda()), want)  # never via the host
+            assert_same_answer(dev.infer(task, x), want)
+            assert_same_answer(dev.infer(task, torch.from_numpy(x).cuda()), want)  # never via the host
         regions = _cuda_regions(gpu_server)
         assert len(regions) == 1 and regions[0]["byte_size"] == 8 * 3 * 224 * 224 * 4
     assert _cuda_regions(gpu_server) == []  # unregistered on close
