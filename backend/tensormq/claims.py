@@ -218,9 +218,10 @@ class ClaimTable:
         else why it is refused."""
         if not 0 <= slot < self.max_slots or not 0 <= sample < self.max_samples:
             return f"slot {slot} / sample {sample} is outside the producer's claim table"
-        now = time.monotonic() if now is None else now
         start = self._lock(slot)
         try:
+            # The clock is read under the lock: a retirement that got the lock first is then seen as expired, not replayed.
+            now = time.monotonic() if now is None else now
             where = start + 8 + 8 * (sample // SAMPLES_PER_WORD)
             word = _WORD.unpack_from(self._map, where)[0]
             ahead = (seq - (word >> 32)) & 0xFFFFFFFF

@@ -21,7 +21,7 @@ GAUGES = {
 }
 COUNTERS = {
     "blockflow_tmq_tickets_issued_total": "TensorMQ tickets this instance issued (one per sample)",
-    "blockflow_tmq_releases_total": "Samples released back to this instance's pool by consumers",
+    "blockflow_tmq_releases_total": "Samples consumers released back to this instance's pool, counted when their slot is freed",
     "blockflow_tmq_lease_expiries_total": "Pool slots reclaimed because their lease expired (cancelled or lost requests)",
     "blockflow_tmq_pool_full_failures_total": "Requests failed because the pool stayed full for the whole wait",
     "blockflow_tmq_handle_opens_total": "CUDA IPC / shared-memory handles this instance opened as a consumer",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +142,46 @@ def test_turns_already_measured_in_the_output_directory_are_named_and_not_run_ag
     for name in turns.turn_names(["0", "1"]):
         assert f"[turns] {name}: already measured in {tmp_path / name}, not run again" in run.stdout
     assert "| 2 | X=1 |" in (tmp_path / "turns.md").read_text()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent's death signal is Linux's")
+def test_a_turn_s_bench_ends_when_the_turns_process_is_killed(tmp_path: Path) -> None:
+    """Killing ``turns`` (an outer timeout, a machine's time running out) ends the turn it runs, and so its server."""
+    pidfile = tmp_path / "turn.pid"
+    turn = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    code = (
+        "import argparse, sys\n"
+        "from pathlib import Path\n"
+        "from blockflow.bench.lab import turns\n"
+        f"args = argparse.Namespace(option=None, env='X', values='0', also='', out=Path({str(tmp_path / 'out')!r}), turn_s=120.0)\n"
+        f"turns.run_turns(argparse.ArgumentParser(), args, 'a turn', lambda d: [sys.executable, '-c', {turn!r}],\n"
+        "                 lambda d: False, lambda s, v, a: '', 't.md')\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, "the turn never started"
+            time.sleep(0.05)
+        pid = int(pidfile.read_text())
+        assert _running(pid)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid), "the turn outlived the turns process"
+    finally:
+        parent.kill()
+        if pidfile.exists() and pidfile.read_text() and _running(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
 def test_a_turn_measured_at_concurrency_1_only_shows_its_c1_figures(tmp_path: Path) -> None:
