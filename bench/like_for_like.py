@@ -86,11 +86,11 @@ def row_plan(row: Row, plan: Path, out: Path, instances: int | None, rest: int |
 
 
 def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float, mps: bool,
-                  concurrency: str = "1,32") -> list[str]:
+                  concurrency: str = "1,32", client_threads: int = 0) -> list[str]:
     return [sys.executable, "-m", "blockflow", "bench", "--plan", str(plan), "--precision", row.precision,
             *(["--input", row.input] if row.input != "host" else []), "--sections", "concurrency", "--concurrency", concurrency,
             "--seconds", f"{seconds:g}", "--repeats", str(repeats), *(["--mps"] if mps else []),
-            "--out", str(out / row.name)]
+            *(["--client-threads", str(client_threads)] if client_threads else []), "--out", str(out / row.name)]
 
 
 def finished(out: Path, row: Row) -> dict[str, Any] | None:
@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
     ap.add_argument("--mps", action="store_true", help="each row's server under MPS (blockflow bench --mps)")
+    ap.add_argument("--client-threads", type=int, default=0, help="perf_analyzer's loop on N threads (blockflow bench --client-threads)")
     ap.add_argument("--summary", action="store_true", help="only write like_for_like.md from the rows already measured")
     args = ap.parse_args()
     by_name = {r.name: r for r in ROWS}
@@ -256,7 +257,7 @@ def main() -> None:
         if args.summary or finished(args.out, row) is not None:
             continue
         plan = row_plan(row, args.plan, args.out, args.instances, args.rest_instances)
-        cmd = bench_command(row, plan, args.out, args.repeats, args.seconds, args.mps, args.concurrency)
+        cmd = bench_command(row, plan, args.out, args.repeats, args.seconds, args.mps, args.concurrency, args.client_threads)
         print(f"[like-for-like] {row.name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True)
         (args.out / "like_for_like.md").write_text(summary(args.out, rows))  # after each row: a cut-short run keeps it

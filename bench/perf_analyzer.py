@@ -57,9 +57,23 @@ def side_input_data(dest: Path, image_shape: Sequence[int], uint8: bool, sides: 
     return dest
 
 
+def load_args(concurrency: int | None, rate: float | None, client_threads: int = 0) -> list[str]:
+    """perf_analyzer's load options: Poisson arrivals at ``rate``/s, else a closed loop of ``concurrency``
+    requests in flight. That loop runs in perf_analyzer's synchronous mode, a thread per request in flight,
+    unless ``client_threads`` > 0: then asynchronously on that many threads. A client on the server's host
+    takes its CPU from the server: at c256 and c512 the synchronous loop took 1.3-6.2 ms of CPU per
+    inference (two H200s, bench/results/h200x2/gpus_add_up-2026-11-30-dd47e97/)."""
+    if rate is not None:
+        # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
+        # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
+        return ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson", "--max-threads", "64"]
+    loop = ["--concurrency-range", str(concurrency or 1)]
+    return [*loop, "--async", "--max-threads", str(client_threads)] if client_threads > 0 else loop
+
+
 def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: float, concurrency: int | None = None,
                   rate: float | None = None, input_memory: str = "host", output_bytes: int = 0,
-                  shm_key_file: Path | None = None, input_data: Path | None = None) -> dict[str, Any]:
+                  shm_key_file: Path | None = None, input_data: Path | None = None, client_threads: int = 0) -> dict[str, Any]:
     """One perf_analyzer run (closed loop at ``concurrency`` or Poisson arrivals at ``rate``/s).
 
     ``input_memory="cuda-shm"`` (``"system-shm"``): inputs and outputs through CUDA (system) shared-memory
@@ -67,6 +81,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
     registered with the key in ``shm_key_file`` (the server's ``shm_key_file``). ``input_data``: the
     requests' data (perf_analyzer's ``--input-data`` JSON, :func:`encoded_input_data`), else random.
     ``shape``: the image's (``IMAGE:3,224,224``); None where ``input_data`` gives each entry's.
+    ``client_threads``: see :func:`load_args`.
     """
     pa = perf_analyzer_path()
     if pa is None:
@@ -83,12 +98,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             if shm_key_file is None:
                 raise ValueError("shared-memory inputs need the server's shm_key_file")
             cmd, env = perf_analyzer_shm_key(cmd, env, shm_key_file)
-        if rate is not None:
-            # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
-            # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
-            cmd += ["--request-rate-range", f"{rate:.3f}", "--request-distribution", "poisson", "--max-threads", "64"]
-        else:
-            cmd += ["--concurrency-range", str(concurrency or 1)]
+        cmd += load_args(concurrency, rate, client_threads)
         timed = ["--measurement-interval", str(int(seconds * 1000)), "--max-trials", "4", "--stability-percentage", "20"]
         res = subprocess.run(cmd + timed, capture_output=True, text=True, timeout=600, check=False, env=env)
         unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)

@@ -63,6 +63,7 @@ class BenchConfig:
     input: str = "host"  # how perf_analyzer sends inputs: "host" (in the request) or "cuda-shm"
     precision: str | None = None  # every block in this precision instead of the plan's
     gpu_alone: bool = True  # measure the task's whole network in a plain process first (blockflow.bench.gpu_alone)
+    client_threads: int = 0  # perf_analyzer's closed loop on this many threads, asynchronously; 0: a thread per request
 
     @classmethod
     def quick_config(cls, plan: Path, out: Path) -> BenchConfig:
@@ -134,7 +135,7 @@ class Bench:
     def _pa(self, server: TritonServer, model: str, batch: int, seconds: float, concurrency: int | None = None,
             rate: float | None = None) -> dict[str, Any]:
         return perf_analyzer(server.http_url, model, self.shape, batch, seconds, concurrency, rate,
-                             self.cfg.input, self.output_bytes, server.shm_key_file, self.input_data)
+                             self.cfg.input, self.output_bytes, server.shm_key_file, self.input_data, self.cfg.client_threads)
 
     def _line(self, section: str, label: str, point: str, r: dict[str, Any]) -> None:
         keys = ("p50_ms", "p99_ms", "throughput", "energy_mj_per_inference")
@@ -214,6 +215,7 @@ class Bench:
                 "precision": self.plan.precision_label(self.task),
                 "reference_precision": self.plan.precision_label(self.task),
                 "mps": self.cfg.mps, "warm_cores_ms": self.cfg.warm_cores_ms, "input": self.cfg.input, "repeats": self.cfg.repeats,
+                "client_threads": self.cfg.client_threads,
                 "cuda_graphs": sorted({self.plan.blocks[b].cuda_graphs for b in self.task.path}),
                 "complete": False}
 

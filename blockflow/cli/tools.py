@@ -30,10 +30,13 @@ from blockflow.core.shipped import shipped
                    "which takes the outputs through CUDA shared memory too).")
 @click.option("--precision", type=click.Choice(["fp32", "tf32", "fp16", "bf16"]), default=None,
               help="Every block, and the monolithic references, in this precision instead of the plan's.")
+@click.option("--client-threads", type=click.IntRange(0, 256), default=0, show_default=True, metavar="N",
+              help="perf_analyzer's concurrency loop on N threads (its --async); 0: a thread per request in flight.")
 @click.option("--no-gpu-alone", is_flag=True, help="Skip measuring the task's whole network in a plain process first "
                                                    "(results.json meta.gpu_alone, see bench/gpu_alone.py).")
 def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: str | None, concurrencies: str | None,
-          mps: bool, warm_cores_ms: float, repeats: int | None, input_memory: str, precision: str | None, no_gpu_alone: bool) -> None:
+          mps: bool, warm_cores_ms: float, repeats: int | None, input_memory: str, precision: str | None, client_threads: int,
+          no_gpu_alone: bool) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
     from blockflow.bench.suite import SECTIONS, BenchConfig, run_bench
 
@@ -43,6 +46,7 @@ def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: s
     cfg.input = input_memory
     cfg.precision = precision
     cfg.gpu_alone = not no_gpu_alone
+    cfg.client_threads = client_threads
     if repeats is not None:
         cfg.repeats = repeats
     if seconds is not None:

@@ -233,3 +233,18 @@ def test_each_models_best_is_checked_against_the_gpu_alone_where_it_was_measured
     res["concurrency"][lfl.MONO]["128"] = dict(res["concurrency"][lfl.MONO]["32"], throughput=6100.0)
     text = lfl.alone_checks(res)
     assert "; unsplit best / GPU alone 0.610 (meets ≥ 0.6)" in text and "; split best / GPU alone 0.2" in text and "misses ≥ 0.6" in text
+
+
+def test_a_closed_loop_on_a_few_threads_asks_perf_analyzer_for_its_asynchronous_mode(tmp_path: Path) -> None:
+    """``--client-threads N``: perf_analyzer's concurrency loop on N threads, not a thread per request in flight."""
+    from blockflow.bench.perf_analyzer import load_args
+
+    assert load_args(256, None) == ["--concurrency-range", "256"]  # synchronous: 256 threads
+    assert load_args(256, None, 8) == ["--concurrency-range", "256", "--async", "--max-threads", "8"]
+    assert load_args(None, 120.0, 8)[:2] == ["--request-rate-range", "120.000"]  # a rate keeps its own threads
+    cmd = lfl.bench_command(lfl.ROWS[0], Path("plan.yaml"), tmp_path, 2, 1.0, mps=False, concurrency="1,256", client_threads=8)
+    assert cmd[cmd.index("--client-threads") + 1] == "8"
+    assert "--client-threads" not in lfl.bench_command(lfl.ROWS[0], Path("plan.yaml"), tmp_path, 2, 1.0, mps=False)
+    run = subprocess.run([sys.executable, "-m", "blockflow", "bench", "--client-threads", "-1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "--client-threads" in run.stderr, run.stderr
