@@ -199,8 +199,14 @@ def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
         return "\n".join([*lines, "No row has finished yet.", ""])
     metas = [res["meta"] for _, res in done]
     commits = sorted({m.get("commit", "?") for m in metas})
+    # Named where a row ran perf_analyzer on a few threads (--client-threads), and where rows resumed from an earlier run differ.
+    clients = sorted({int(m.get("client_threads", 0)) for m in metas})
+    client = "" if clients == [0] else " and ".join(
+        "perf_analyzer a thread per request" if n == 0 else f"perf_analyzer on {n} threads" for n in clients) + \
+        (" (the rows differ); " if len(clients) > 1 else "; ")
     lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
               f"commit {', '.join(commits)}; rows started {started_span(metas)}; MPS {'on' if metas[0].get('mps') else 'off'}; "
+              f"{client}"
               f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "
               "range, batch 1: p50 at concurrency 1 (throughput at 32). Compare within a row: these machines drift by up to 40%.",
               ""]
@@ -242,7 +248,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="perf_analyzer's measurement window")
     ap.add_argument("--mps", action="store_true", help="each row's server under MPS (blockflow bench --mps)")
-    ap.add_argument("--client-threads", type=int, default=0, help="perf_analyzer's loop on N threads (blockflow bench --client-threads)")
+    ap.add_argument("--client-threads", type=int, default=0, choices=range(257), metavar="N",
+                    help="perf_analyzer's loop on N threads, 0-256 (blockflow bench --client-threads)")
     ap.add_argument("--summary", action="store_true", help="only write like_for_like.md from the rows already measured")
     args = ap.parse_args()
     by_name = {r.name: r for r in ROWS}

@@ -18,6 +18,7 @@ from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.spec import SideInput
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
+from blockflow.triton.process_group import die_with_parent
 
 INPUTS = ("host", "cuda-shm", "system-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
@@ -61,8 +62,8 @@ def load_args(concurrency: int | None, rate: float | None, client_threads: int =
     """perf_analyzer's load options: Poisson arrivals at ``rate``/s, else a closed loop of ``concurrency``
     requests in flight. That loop runs in perf_analyzer's synchronous mode, a thread per request in flight,
     unless ``client_threads`` > 0: then asynchronously on that many threads. A client on the server's host
-    takes its CPU from the server: at c256 and c512 the synchronous loop took 1.3-6.2 ms of CPU per
-    inference (two H200s, bench/results/h200x2/gpus_add_up-2026-11-30-dd47e97/)."""
+    takes its CPU from the server: at c256 and c512 the synchronous loop took up to 1.3-6.2 ms of CPU per
+    inference, its start counted (two H200s, bench/results/h200x2/gpus_add_up-2026-11-30-dd47e97/)."""
     if rate is not None:
         # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
         # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
@@ -100,7 +101,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             cmd, env = perf_analyzer_shm_key(cmd, env, shm_key_file)
         cmd += load_args(concurrency, rate, client_threads)
         timed = ["--measurement-interval", str(int(seconds * 1000)), "--max-trials", "4", "--stability-percentage", "20"]
-        res = subprocess.run(cmd + timed, capture_output=True, text=True, timeout=600, check=False, env=env)
+        res = subprocess.run(cmd + timed, capture_output=True, text=True, timeout=600, check=False, env=env, preexec_fn=die_with_parent)
         unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
         if unstable:
             # A busy or noisy machine: take the windows as they are, and say so in the results. Windows
@@ -108,7 +109,8 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             # requests could end with none answered, which no stability percentage accepts.
             count = ["--measurement-mode", "count_windows", "--measurement-request-count", "16", "--max-trials", "4",
                      "--stability-percentage", "1000"]
-            res = subprocess.run(cmd + count, capture_output=True, text=True, timeout=600, check=False, env=env)
+            res = subprocess.run(cmd + count, capture_output=True, text=True, timeout=600, check=False, env=env,
+                                 preexec_fn=die_with_parent)
         if res.returncode != 0:
             return {"error": 1.0, "message": ((res.stderr or res.stdout).strip().splitlines() or ["?"])[-1]}
         rows = list(csv.DictReader(open(f.name)))

@@ -230,11 +230,11 @@ class ClaimTable:
             bit = 1 << (sample % SAMPLES_PER_WORD)
             deadline = _DEADLINE.unpack_from(self._map, start)[0]
             if word & bit:  # claimed, or retired unclaimed once the window ended
-                return "expired ticket: it was not used within its claim window" if deadline != FAILED and now > deadline \
+                return "expired ticket: it was not used within its claim window" if deadline != FAILED and now >= deadline \
                     else "replayed ticket: it was already accepted once"
             if deadline == FAILED:
                 return FAILED_BATCH
-            if now > deadline:
+            if now >= deadline:  # the producer retires a window's unclaimed samples from its deadline on (SlotTable.unclaimed_due)
                 return "expired ticket: it was not used within its claim window"
             _WORD.pack_into(self._map, where, word | bit)
             return None

@@ -38,7 +38,13 @@ def bench(plan: Path, out: Path, quick: bool, seconds: float | None, sections: s
           mps: bool, warm_cores_ms: float, repeats: int | None, input_memory: str, precision: str | None, client_threads: int,
           no_gpu_alone: bool) -> None:
     """Measure every transport side by side in one server and write a report (see bench/suite.py)."""
+    import signal
+    import sys
+
     from blockflow.bench.suite import SECTIONS, BenchConfig, run_bench
+
+    # Stopped by SIGTERM (its turns process gone, a machine's time out): unwind, so that the server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     cfg = BenchConfig.quick_config(plan, out) if quick else BenchConfig(plan, out)
     cfg.mps = mps

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from blockflow.core.errors import TritonApiError
@@ -19,13 +19,22 @@ from blockflow.core.procfs import processes, stat_fields
 from blockflow.triton.api import TritonApi
 
 
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM tritonserver if whoever started it dies (even by SIGKILL)."""
-    PR_SET_PDEATHSIG = 1
+def _prctl() -> Callable[..., int] | None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: stop() and the signal handlers still clean up
+        return None  # not Linux: stop() and the signal handlers still clean up
+
+
+# Looked up here, in the parent: a child between fork and exec must not dlopen (another thread may have held the loader's lock).
+_PRCTL = _prctl()
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if whoever started it dies (even by SIGKILL)."""
+    PR_SET_PDEATHSIG = 1
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def kill_group(pgid: int) -> None:

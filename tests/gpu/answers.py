@@ -1,9 +1,10 @@
 """When two answers to the same images count as the same on the GPU machine.
 
-A block with ``placement: gpu`` runs an instance on every GPU, and each instance's process picks its own cuDNN
-algorithms (``cudnn.benchmark``), so the same images may come back from two instances a few fp16 roundings apart
-(5e-4 of the largest logit on two H200s). Images that went astray would be ~1 apart; bytes that arrived intact
-and ran in one instance are exactly equal, which one GPU still shows.
+With one GPU, a block of these tests has one instance, and bytes that arrived intact give exactly its answer again.
+With several (``placement: gpu``: an instance on each), the two calls may run in different processes, each with its
+own cuDNN algorithms (``cudnn.benchmark``): 5e-4 of the largest logit apart on two H200s. Another image's answer is
+2e-2 (the ResNet-50 of ``gpu_precisions.yaml``) to 0.3 (the ResNet-18 of ``small_plan``) away, so the tolerance
+there sits between the two; a slightly short copy passes it, which the one-GPU machine's exact check catches.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from blockflow.bench.agreement import relative_error
 
-# Of the largest value: ten times the rounding seen between two instances' algorithms, far below a wrong image's.
-SAME_ANSWER = 5e-3
+# Of the largest value: ten times two instances' rounding apart, a quarter of the nearest other image's answer.
+ACROSS_INSTANCES = 5e-3
 
 
 def assert_same_answer(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None:
-    """``got`` has ``want``'s shape and is within :data:`SAME_ANSWER` of it (exactly equal on one GPU's one instance)."""
+    """``got`` equals ``want`` (one GPU) or is within :data:`ACROSS_INSTANCES` of it (several)."""
     assert got.shape == want.shape, (got.shape, want.shape)
+    if torch.cuda.device_count() == 1:
+        assert np.array_equal(got, want), f"relative error {relative_error(got.astype(np.float64), want.astype(np.float64)):.2e}"
+        return
     err = relative_error(got.astype(np.float64), want.astype(np.float64))
-    assert err <= SAME_ANSWER, f"relative error {err:.2e} against the host input's answer"
+    assert err <= ACROSS_INSTANCES, f"relative error {err:.2e} against the host input's answer"

@@ -248,3 +248,15 @@ def test_a_closed_loop_on_a_few_threads_asks_perf_analyzer_for_its_asynchronous_
     run = subprocess.run([sys.executable, "-m", "blockflow", "bench", "--client-threads", "-1", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "--client-threads" in run.stderr, run.stderr
+
+
+def test_a_table_names_perf_analyzer_s_threads_where_a_row_used_few(tmp_path: Path) -> None:
+    rows = lfl.ROWS[:2]
+    for i, row in enumerate(rows):
+        res = json.loads((RESULTS / row.name / "results.json").read_text())
+        res["meta"]["client_threads"] = 8 * i
+        (tmp_path / row.name).mkdir()
+        (tmp_path / row.name / "results.json").write_text(json.dumps(res))
+    md = lfl.summary(tmp_path, rows)
+    assert "perf_analyzer a thread per request and perf_analyzer on 8 threads (the rows differ); each row" in md
+    assert "perf_analyzer" not in lfl.summary(tmp_path, rows[:1])  # the default, as every earlier table ran it
