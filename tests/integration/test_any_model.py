@@ -32,13 +32,23 @@ CROSS_DEVICE = 1e-5
 EXAMPLES = ("skipnet", "skipnet_stages")  # plans/examples: a program cut by BlockFlow; one cut into stage files
 
 
-def exported_example(name: str, directory: Path) -> Path:
-    """plans/examples/NAME.yaml in ``directory``, with the files it names, written by the documented command."""
+def exported_example(name: str, directory: Path, exported: Path) -> Path:
+    """plans/examples/NAME.yaml in ``directory``, with the files it names: copies of those the documented
+    command wrote in ``exported`` (see ``skipnet_files``)."""
     shutil.copy(ROOT / "plans" / "examples" / f"{name}.yaml", directory)
+    shutil.copytree(exported, directory, dirs_exist_ok=True)
+    return directory / f"{name}.yaml"
+
+
+@pytest.fixture(scope="module")
+def skipnet_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the documented command writes for both examples (the program, its tuned weights, the stage
+    files), written once: the same files for either plan."""
+    directory = tmp_path_factory.mktemp("skipnet_files")
     subprocess.run([sys.executable, str(ROOT / "scripts" / "export_example_model.py"), str(directory / "skipnet.pt2"),
                     "--tuned", str(directory / "skipnet_tuned.safetensors"), "--blocks", str(directory / "blocks")],
                    check=True, capture_output=True)
-    return directory / f"{name}.yaml"
+    return directory
 
 
 # The runtime directories of the servers that hand over directly, by URL, and whether as datagrams.
@@ -51,7 +61,8 @@ HAND_OVERS: dict[str, tuple[Path, bool]] = {}
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
     name = request.param.removesuffix("_zmq")
-    plan = load_plan(exported_example(name, where) if name in EXAMPLES else PLANS / f"{name}.yaml")
+    plan = load_plan(exported_example(name, where, request.getfixturevalue("skipnet_files")) if name in EXAMPLES
+                     else PLANS / f"{name}.yaml")
     zmq_only = {"BLOCKFLOW_TMQ_HANDOVER_DGRAM": "0"} if request.param.endswith("_zmq") else None
     with own_server(plan, where, env=zmq_only) as server:
         if name == "hand_over":

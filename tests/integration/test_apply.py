@@ -351,7 +351,7 @@ def _longest_quiet(answered: list[float], start: float, end: float) -> float:
     return max(b - a for a, b in zip(times, times[1:], strict=False))
 
 
-def test_six_alternating_plans_under_load(live: Live) -> None:
+def test_four_alternating_plans_under_load(live: Live) -> None:
     client = httpclient.InferenceServerClient(live.http)
     swap_a = _infer(client, "swap", _image())
     both = TASKS_A & TASKS_B
@@ -363,7 +363,9 @@ def test_six_alternating_plans_under_load(live: Live) -> None:
     # measures that case).
     with Load(live.http, TASKS_A | TASKS_B, per_task=4, pause_s=1.0) as load:
         time.sleep(5)
-        for i in range(6):
+        # A to B and back through the CLI, then again straight through the control service: each path
+        # takes the plan both ways (six changes repeated the control service's pair twice more).
+        for i in range(4):
             plan, tasks, gone = (PLAN_B, TASKS_B, TASKS_A - TASKS_B) if i % 2 == 0 else (PLAN_A, TASKS_A, TASKS_B - TASKS_A)
             t0 = time.monotonic()
             w0 = time.time()

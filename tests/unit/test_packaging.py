@@ -6,6 +6,7 @@ processes run from the wheel; its base install (the client) needs no torch."""
 from __future__ import annotations
 
 import fnmatch
+import importlib.metadata
 import os
 import re
 import shutil
@@ -133,9 +134,68 @@ def _run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[st
     return subprocess.run([str(bin_dir / args[0]), *args[1:]], capture_output=True, text=True, timeout=1200, cwd=cwd, env=env)
 
 
+def _server_closure(wheel: Path) -> list[importlib.metadata.Distribution]:
+    """The distributions ``wheel[server]`` requires, directly or not, as this checkout's environment has them
+    (scripts/setup.sh installed it from the same pyproject); blockflow itself and what only ``dev`` needs are not among them."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    todo = [(Requirement(line.split(":", 1)[1].strip()), "server") for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    found: dict[str, importlib.metadata.Distribution] = {}
+    wanted = {("blockflow", "server")}
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(req.name)
+        if name == "blockflow":  # blockflow[client] inside blockflow[runtime]: its extras' requirements
+            for e in req.extras - {x for n, x in wanted if n == name}:
+                wanted.add((name, e))
+                todo += [(Requirement(line.split(":", 1)[1].strip()), e) for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+            continue
+        dist = found.get(name) or importlib.metadata.distribution(req.name)
+        new_extras = [e for e in ["", *sorted(req.extras)] if (name, e) not in wanted]
+        found[name] = dist
+        for e in new_extras:
+            wanted.add((name, e))
+            todo += [(Requirement(r), e) for r in dist.requires or []]
+    return list(found.values())
+
+
+def _take_dependencies_from_this_environment(wheel: Path, bin_dir: Path, where: Path) -> None:
+    """Make ``wheel[server]``'s dependencies, and only those, visible to the fresh venv without downloading
+    them again (several GB with torch): links to their files in this environment's site-packages, in a
+    folder the venv's site-packages names in a .pth file, and their non-Python programs (perf_analyzer) in its
+    bin/. blockflow itself is not among them: the venv installs it from the wheel, and pip (with --no-index)
+    must find every requirement of blockflow[server] among these or fail."""
+    deps = where / "deps" / "site-packages"  # "site-packages" in its name: serve gives the block processes its roots
+    deps.mkdir(parents=True)
+    site_dir = Path(str(importlib.metadata.distribution("torch").locate_file("")))
+    for dist in _server_closure(wheel):
+        for f in dist.files or []:
+            if f.parts[0] == "..":
+                program = site_dir / f
+                if f.parts[:4] == ("..", "..", "..", "bin") and program.is_file() and not (bin_dir / program.name).exists() \
+                        and b"python" not in program.read_bytes()[:200].split(b"\n")[0]:
+                    # The wheel's own binary: scripts/setup.sh moved perf_analyzer to libexec/ and wraps it.
+                    shipped = Path(sys.prefix) / "libexec" / program.name
+                    (bin_dir / program.name).symlink_to(shipped if shipped.is_file() else program.resolve())
+            elif f.parts[0] != "__pycache__" and not (deps / f.parts[0]).exists():
+                (deps / f.parts[0]).symlink_to(site_dir / f.parts[0])
+    (site,) = (bin_dir.parent / "lib").glob("python*/site-packages")
+    (site / "_blockflow_test_dependencies.pth").write_text(f"{deps}\n")
+    # The venv's own setuptools (ensurepip's) is older than torch asks for and would hide the linked one:
+    # pip would replace it from the index; here pip removes it, and the linked one counts.
+    res = _run(bin_dir, "pip", "uninstall", "-q", "-y", "setuptools", cwd=where)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_installed_in_a_fresh_venv_it_validates_passes_doctor_and_serves(wheel: Path, fresh_venv: Path, tmp_path: Path) -> None:
     bin_dir = fresh_venv
-    res = _run(bin_dir, "pip", "install", "-q", f"{wheel}[server]", cwd=tmp_path)
+    _take_dependencies_from_this_environment(wheel, bin_dir, tmp_path)
+    res = _run(bin_dir, "pip", "install", "-q", "--no-index", f"{wheel}[server]", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     res = _run(bin_dir, "blockflow", "--version", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("blockflow, version "), res.stdout + res.stderr
