@@ -63,7 +63,7 @@ def load_args(concurrency: int | None, rate: float | None, client_threads: int =
     requests in flight. That loop runs in perf_analyzer's synchronous mode, a thread per request in flight,
     unless ``client_threads`` > 0: then asynchronously on that many threads. A client on the server's host
     takes its CPU from the server: at c256 and c512 the synchronous loop took up to 1.3-6.2 ms of CPU per
-    inference, its start counted (two H200s, bench/results/h200x2/gpus_add_up-2026-11-30-dd47e97/)."""
+    inference, its start counted (docs/benchmarking.md, "Like with like")."""
     if rate is not None:
         # perf_analyzer sends a rate's requests from a few threads by default, which caps what it can
         # offer at a few hundred requests/s (seen on an H100); give it enough to keep the schedule.
