@@ -22,6 +22,7 @@ from blockflow.triton.process_group import die_with_parent
 
 INPUTS = ("host", "cuda-shm", "system-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
+FAILURE_LINES = 30  # of a failed run's output kept in its results (a Python block's traceback fits)
 # Real photographs for tasks that take encoded images (README.md there names their sources; the wheel
 # ships them as package data).
 SAMPLE_IMAGES = Path(__file__).resolve().parent / "data" / "images"
@@ -112,7 +113,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             res = subprocess.run(cmd + count, capture_output=True, text=True, timeout=600, check=False, env=env,
                                  preexec_fn=die_with_parent)
         if res.returncode != 0:
-            return {"error": 1.0, "message": ((res.stderr or res.stdout).strip().splitlines() or ["?"])[-1]}
+            return failure(res.stderr or res.stdout)
         rows = list(csv.DictReader(open(f.name)))
     if not rows:
         return {"error": 1.0}
@@ -122,6 +123,15 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
     return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
             "p99_ms": float(row["p99 latency"]) / 1e3, "avg_ms": sum(float(row[p]) for p in parts if p in row) / 1e3,
             **({"unstable": 1.0} if unstable else {})}
+
+
+def failure(text: str) -> dict[str, Any]:
+    """A failed run: ``message``, the line that says what failed (perf_analyzer's first error line, else
+    its last line), and ``detail``, the output's last lines, which hold the server's traceback when a
+    block raised (the last line alone is a frame of it)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()] or ["?"]
+    said = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
+    return {"error": 1.0, "message": said[:500], "detail": "\n".join(lines[-FAILURE_LINES:])[-4000:]}
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:

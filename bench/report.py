@@ -126,6 +126,24 @@ def gpu_alone_section(res: dict[str, Any]) -> list[str]:
     return L
 
 
+def failures_section(res: dict[str, Any]) -> list[str]:
+    """Each failed point with what perf_analyzer said (its output's last lines and the server log's
+    error lines are in results.json: ``detail``, ``server_errors``)."""
+    points = {"pipeline": "", "batch": " b{}", "concurrency": " c{}", "rate": " {}× the peak"}  # how each section names a point
+    failed = []
+    for section, name in points.items():
+        for label, rows in res.get(section, {}).items():
+            if not isinstance(rows, dict):  # the rate section's peak_per_s
+                continue
+            for point, r in ({"": rows} if section == "pipeline" else rows).items():
+                if isinstance(r, dict) and "error" in r:
+                    failed.append(f"- {section} {label}{name.format(point)}: {r.get('message', 'no message')}")
+    if not failed:
+        return []
+    return ["## Failed points", "", *failed, "",
+            "`results.json` holds each one's `detail` (perf_analyzer's last lines) and `server_errors` (the server log's).", ""]
+
+
 def plots(res: dict[str, Any], out: Path) -> list[str]:
     """Draw every figure the results allow; returns the file names."""
     import matplotlib
@@ -363,6 +381,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
         L.append("")
     elif gpus:
         L += [f"Blocks over several GPUs (Fig 4.15–4.16): skipped ({gpus.get('skipped')}).", ""]
+    L += failures_section(res)
     try:
         names = plots(res, out)
     except ImportError:

@@ -125,6 +125,8 @@ class Bench:
         if cpu0 is not None and cpu1 is not None and inferences:
             own = frozenset([model["model"], *model["blocks"]])  # the measured model and its blocks; the rest idle meanwhile
             r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences, own)
+        if "error" in r:  # the server's side of it (a block's exception is logged there, not sent whole)
+            r["server_errors"] = server.errors_in_log()
         r["server_compute_ms"] = compute_ms(top)
         blocks = block_breakdown(d, model["blocks"], batch)
         if blocks:

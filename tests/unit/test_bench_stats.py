@@ -169,3 +169,23 @@ def test_the_stress_check_compares_every_output_a_task_answers() -> None:
     assert difference({**want, "LABELS": np.array([[2]], np.int64)}, want) == float("inf")
     assert difference({"BOXES": want["BOXES"]}, want) == float("inf")  # an output missing
     assert difference({**want, "BOXES": np.zeros((1, 2, 4), np.float32)}, want) == float("inf")  # another count
+
+
+def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path) -> None:
+    from blockflow.bench.perf_analyzer import failure
+    from blockflow.bench.report import failures_section
+
+    out = ("*** Measurement Settings ***\nThread [0] had error: in ensemble 'r50', Failed to process the request(s) for model "
+           "'r50_b3', message: RuntimeError: boom\n\nAt:\n  /work/main/blockflow/backend/runtime.py(99): run\n"
+           "  /work/main/blockflow/backend/model.py(126): execute\n")
+    r = failure(out)
+    assert r["error"] == 1.0 and r["message"].startswith("Thread [0] had error") and "RuntimeError: boom" in r["message"]
+    assert r["detail"].endswith("model.py(126): execute") and "runtime.py(99)" in r["detail"]
+    assert failure("")["message"] == "?" and failure("a\nlast words\n")["message"] == "last words"
+    res = {"concurrency": {"tensormq": {"1": {"p50_ms": 3.0}, "256": r}}, "rate": {"peak_per_s": 9.0, "tensormq": {"0.5": r}},
+           "pipeline": {"tensormq": r}}
+    lines = failures_section(res)
+    assert "- concurrency tensormq c256: Thread [0] had error" in "\n".join(lines)
+    assert any(line.startswith("- rate tensormq 0.5× the peak: ") for line in lines)
+    assert any(line.startswith("- pipeline tensormq: ") for line in lines)
+    assert failures_section({"concurrency": {"tensormq": {"1": {"p50_ms": 3.0}}}}) == []
