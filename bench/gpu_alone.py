@@ -193,14 +193,14 @@ def measure_in_child(plan_path: Path, task: str, precision: str,
     """:func:`measure` in a fresh process (its CUDA context and memory gone when it returns); None and
     why where NVML sees no GPU, without starting one."""
     from blockflow.core.nvml import gpu_count
-    from blockflow.triton.process_group import die_with_parent
+    from blockflow.triton.process_group import run_child
 
     if gpu_count() == 0:
         return None, "no GPU visible (NVML sees none)"
     cmd = [sys.executable, "-m", "blockflow.bench.gpu_alone", "--plan", str(plan_path), "--task", task,
            "--precision", precision, "--json"]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=die_with_parent)
+        run = run_child(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None, f"the measuring process did not finish within {timeout_s:g} s"
     return parse_child(run.returncode, run.stdout, run.stderr)

@@ -191,6 +191,15 @@ def started_span(metas: list[dict[str, Any]]) -> str:
     return f"{dates[0]} to {dates[-1]}"
 
 
+def client_phrase(threads: list[int]) -> str:
+    """How the rows ran perf_analyzer, for the summary's first paragraph: nothing for its default (a thread per
+    request), else each way (``--client-threads``), and that the rows differ where resumed rows did."""
+    if threads == [0]:
+        return ""
+    ways = " and ".join("perf_analyzer a thread per request" if n == 0 else f"perf_analyzer on {n} threads" for n in threads)
+    return ways + (" (the rows differ); " if len(threads) > 1 else "; ")
+
+
 def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
     """``like_for_like.md``: what was measured, the table and each row against the targets."""
     done = [(row, res) for row in rows if (res := finished(out, row)) is not None]
@@ -199,11 +208,7 @@ def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
         return "\n".join([*lines, "No row has finished yet.", ""])
     metas = [res["meta"] for _, res in done]
     commits = sorted({m.get("commit", "?") for m in metas})
-    # Named where a row ran perf_analyzer on a few threads (--client-threads), and where rows resumed from an earlier run differ.
-    clients = sorted({int(m.get("client_threads", 0)) for m in metas})
-    client = "" if clients == [0] else " and ".join(
-        "perf_analyzer a thread per request" if n == 0 else f"perf_analyzer on {n} threads" for n in clients) + \
-        (" (the rows differ); " if len(clients) > 1 else "; ")
+    client = client_phrase(sorted({int(m.get("client_threads", 0)) for m in metas}))
     lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
               f"commit {', '.join(commits)}; rows started {started_span(metas)}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"{client}"

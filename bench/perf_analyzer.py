@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import statistics
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.spec import SideInput
 from blockflow.triton.doctor import perf_analyzer_path
 from blockflow.triton.install import perf_analyzer_env, perf_analyzer_shm_key
-from blockflow.triton.process_group import die_with_parent
+from blockflow.triton.process_group import run_child
 
 INPUTS = ("host", "cuda-shm", "system-shm")
 FIGURES = ("p50_ms", "p99_ms", "avg_ms", "throughput")  # what is repeated and reported as median and spread
@@ -102,7 +101,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             cmd, env = perf_analyzer_shm_key(cmd, env, shm_key_file)
         cmd += load_args(concurrency, rate, client_threads)
         timed = ["--measurement-interval", str(int(seconds * 1000)), "--max-trials", "4", "--stability-percentage", "20"]
-        res = subprocess.run(cmd + timed, capture_output=True, text=True, timeout=600, check=False, env=env, preexec_fn=die_with_parent)
+        res = run_child(cmd + timed, capture_output=True, text=True, timeout=600, check=False, env=env)
         unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
         if unstable:
             # A busy or noisy machine: take the windows as they are, and say so in the results. Windows
@@ -110,8 +109,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             # requests could end with none answered, which no stability percentage accepts.
             count = ["--measurement-mode", "count_windows", "--measurement-request-count", "16", "--max-trials", "4",
                      "--stability-percentage", "1000"]
-            res = subprocess.run(cmd + count, capture_output=True, text=True, timeout=600, check=False, env=env,
-                                 preexec_fn=die_with_parent)
+            res = run_child(cmd + count, capture_output=True, text=True, timeout=600, check=False, env=env)
         if res.returncode != 0:
             return failure(res.stderr or res.stdout)
         rows = list(csv.DictReader(open(f.name)))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, started_span, table_row
-from blockflow.triton.process_group import die_with_parent
+from blockflow.triton.process_group import run_child
 
 
 def turn_names(values: list[str]) -> list[str]:
@@ -117,8 +117,7 @@ def run_turns(ap: argparse.ArgumentParser, args: argparse.Namespace, tool: str, 
         print(f"[{tag}] {name}: {setting}={value} {' '.join(cmd[1:])}", flush=True)
         try:
             # A turn ends with this process (killed, or out of its machine's time): its bench stops its server in turn.
-            subprocess.run(cmd, env=environ, timeout=args.turn_s, check=False, stdout=subprocess.DEVNULL if quiet else None,
-                           preexec_fn=die_with_parent)
+            run_child(cmd, env=environ, timeout=args.turn_s, check=False, stdout=subprocess.DEVNULL if quiet else None)
         except subprocess.TimeoutExpired:
             print(f"[{tag}] {name}: past its {args.turn_s:g} s limit", flush=True)
         (args.out / report).write_text(summary_md(setting, values, also))

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from blockflow.core.errors import TritonApiError
 from blockflow.core.procfs import processes, stat_fields
@@ -35,6 +36,12 @@ def die_with_parent() -> None:
     PR_SET_PDEATHSIG = 1
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_child(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run`` for a tool's child (a load generator, a measuring process, a bench): it ends
+    with this process, however this process ends, so nothing it started outlives it."""
+    return subprocess.run(cmd, preexec_fn=die_with_parent, **kwargs)
 
 
 def kill_group(pgid: int) -> None:

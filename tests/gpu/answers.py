@@ -20,11 +20,19 @@ from blockflow.bench.agreement import relative_error
 ACROSS_INSTANCES = 5e-3
 
 
+def rel_err(a: torch.Tensor | np.ndarray[Any, Any], b: torch.Tensor | np.ndarray[Any, Any]) -> float:
+    """``relative_error`` of tensors of any device and dtype (bf16 has no NumPy type: both in float64)."""
+    def f64(x: torch.Tensor | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return x.astype(np.float64) if isinstance(x, np.ndarray) else x.double().cpu().numpy()
+
+    return relative_error(f64(a), f64(b))
+
+
 def assert_same_answer(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None:
     """``got`` equals ``want`` (one GPU) or is within :data:`ACROSS_INSTANCES` of it (several)."""
     assert got.shape == want.shape, (got.shape, want.shape)
     if torch.cuda.device_count() == 1:
-        assert np.array_equal(got, want), f"relative error {relative_error(got.astype(np.float64), want.astype(np.float64)):.2e}"
-        return
-    err = relative_error(got.astype(np.float64), want.astype(np.float64))
-    assert err <= ACROSS_INSTANCES, f"relative error {err:.2e} against the host input's answer"
+        assert np.array_equal(got, want), f"relative error {rel_err(got, want):.2e}"
+    else:
+        err = rel_err(got, want)
+        assert err <= ACROSS_INSTANCES, f"relative error {err:.2e} against the host input's answer"

@@ -14,26 +14,17 @@ import pytest
 import torch
 
 from blockflow.backend.runtime import DTYPES, BlockRunner
-from blockflow.bench.agreement import relative_error
 from blockflow.core import endpoints
 from blockflow.core.env import SHM_KEY_FILE_VAR
 from blockflow.core.spec import hop_dtype
 from blockflow.ensemble_gen.generator import block_spec, reference_spec
 from blockflow.plan import load_plan
 
-from .answers import assert_same_answer
+from .answers import assert_same_answer, rel_err
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 1e-2}
-
-
-def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
-    """``relative_error`` of tensors of any device and dtype (bf16 has no NumPy type: both in float64)."""
-    def f64(x: torch.Tensor | np.ndarray) -> np.ndarray:
-        return x.astype(np.float64) if isinstance(x, np.ndarray) else x.double().cpu().numpy()
-
-    return relative_error(f64(a), f64(b))
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

@@ -142,7 +142,8 @@ def _server_closure(wheel: Path) -> list[importlib.metadata.Distribution]:
 
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    todo = [(Requirement(line.split(":", 1)[1].strip()), "server") for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    own = [Requirement(line.split(":", 1)[1].strip()) for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    todo = [(r, "server") for r in own]
     found: dict[str, importlib.metadata.Distribution] = {}
     wanted = {("blockflow", "server")}
     while todo:
@@ -153,7 +154,7 @@ def _server_closure(wheel: Path) -> list[importlib.metadata.Distribution]:
         if name == "blockflow":  # blockflow[client] inside blockflow[runtime]: its extras' requirements
             for e in req.extras - {x for n, x in wanted if n == name}:
                 wanted.add((name, e))
-                todo += [(Requirement(line.split(":", 1)[1].strip()), e) for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+                todo += [(r, e) for r in own]
             continue
         dist = found.get(name) or importlib.metadata.distribution(req.name)
         new_extras = [e for e in ["", *sorted(req.extras)] if (name, e) not in wanted]
