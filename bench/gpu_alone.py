@@ -200,7 +200,7 @@ def measure_in_child(plan_path: Path, task: str, precision: str,
     cmd = [sys.executable, "-m", "blockflow.bench.gpu_alone", "--plan", str(plan_path), "--task", task,
            "--precision", precision, "--json"]
     try:
-        run = run_child(cmd, capture_output=True, text=True, timeout=timeout_s)
+        run = run_child(cmd, capture_output=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None, f"the measuring process did not finish within {timeout_s:g} s"
     return parse_child(run.returncode, run.stdout, run.stderr)

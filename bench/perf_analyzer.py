@@ -101,7 +101,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             cmd, env = perf_analyzer_shm_key(cmd, env, shm_key_file)
         cmd += load_args(concurrency, rate, client_threads)
         timed = ["--measurement-interval", str(int(seconds * 1000)), "--max-trials", "4", "--stability-percentage", "20"]
-        res = run_child(cmd + timed, capture_output=True, text=True, timeout=600, check=False, env=env)
+        res = run_child(cmd + timed, capture_output=True, timeout=600, check=False, env=env)
         unstable = res.returncode != 0 and "stable" in (res.stdout + res.stderr)
         if unstable:
             # A busy or noisy machine: take the windows as they are, and say so in the results. Windows
@@ -109,7 +109,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             # requests could end with none answered, which no stability percentage accepts.
             count = ["--measurement-mode", "count_windows", "--measurement-request-count", "16", "--max-trials", "4",
                      "--stability-percentage", "1000"]
-            res = run_child(cmd + count, capture_output=True, text=True, timeout=600, check=False, env=env)
+            res = run_child(cmd + count, capture_output=True, timeout=600, check=False, env=env)
         if res.returncode != 0:
             return failure(res.stderr or res.stdout)
         rows = list(csv.DictReader(open(f.name)))

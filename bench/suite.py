@@ -31,7 +31,7 @@ from typing import Any
 from blockflow.bench import gpu_alone, host_cpu
 from blockflow.bench.harness import commit, rendered
 from blockflow.bench.nvml import GpuSampler
-from blockflow.bench.perf_analyzer import INPUTS, encoded_input_data, median_of, perf_analyzer, side_input_data
+from blockflow.bench.perf_analyzer import FAILURE_LINES, INPUTS, encoded_input_data, median_of, perf_analyzer, side_input_data
 from blockflow.bench.plans import answer_bytes, in_precision, spread, task_models
 from blockflow.bench.report import write_report
 from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats
@@ -42,6 +42,24 @@ from blockflow.plan import Plan, load_plan
 from blockflow.triton.server import ServerOptions, TritonServer
 
 SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
+
+
+def _log_size(server: TritonServer) -> int:
+    try:
+        return server.log_path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _log_since(server: TritonServer, offset: int, lines: int = FAILURE_LINES) -> list[str]:
+    """The last ``lines`` lines the server logged after ``offset`` (its log's size when a point began)."""
+    try:
+        with server.log_path.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
 @dataclass
@@ -112,6 +130,7 @@ class Bench:
     def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
                 rate: float | None = None) -> dict[str, Any]:
         before = model_stats(server.http_url)
+        log_at = _log_size(server)
         cpu0, e0, t0 = host_cpu.snapshot(server), self.gpus.energy_mj(), time.monotonic()
         r = median_of([self._pa(server, model["model"], batch, self.cfg.seconds, concurrency, rate)
                        for _ in range(max(1, self.cfg.repeats))])
@@ -126,7 +145,7 @@ class Bench:
             own = frozenset([model["model"], *model["blocks"]])  # the measured model and its blocks; the rest idle meanwhile
             r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences, own)
         if "error" in r:  # the server's side of it (a block's exception is logged there, not sent whole)
-            r["server_errors"] = server.errors_in_log()
+            r["server_errors"] = _log_since(server, log_at)
         r["server_compute_ms"] = compute_ms(top)
         blocks = block_breakdown(d, model["blocks"], batch)
         if blocks:

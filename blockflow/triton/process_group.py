@@ -11,9 +11,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 from blockflow.core.errors import TritonApiError
 from blockflow.core.procfs import processes, stat_fields
@@ -38,10 +37,13 @@ def die_with_parent() -> None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def run_child(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-    """``subprocess.run`` for a tool's child (a load generator, a measuring process, a bench): it ends
-    with this process, however this process ends, so nothing it started outlives it."""
-    return subprocess.run(cmd, preexec_fn=die_with_parent, **kwargs)
+def run_child(cmd: list[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None, check: bool = False,
+              capture_output: bool = False, stdout: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` (text mode) for a tool's child (a load generator, a measuring process, a bench):
+    the child gets SIGTERM when this process ends, however it ends. Its own children are its to end
+    (``blockflow bench`` stops its server on SIGTERM; a server's stubs die with it)."""
+    return subprocess.run(cmd, env=env, timeout=timeout, check=check, capture_output=capture_output, stdout=stdout,
+                          text=True, preexec_fn=die_with_parent)
 
 
 def kill_group(pgid: int) -> None:

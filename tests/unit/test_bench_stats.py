@@ -183,9 +183,29 @@ def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path)
     assert r["detail"].endswith("model.py(126): execute") and "runtime.py(99)" in r["detail"]
     assert failure("")["message"] == "?" and failure("a\nlast words\n")["message"] == "last words"
     res = {"concurrency": {"tensormq": {"1": {"p50_ms": 3.0}, "256": r}}, "rate": {"peak_per_s": 9.0, "tensormq": {"0.5": r}},
-           "pipeline": {"tensormq": r}}
+           "pipeline": {"tensormq": r}, "gpus": {"skipped": "no", "2": {"tensormq": {"1": {"p50_ms": 3.0}, "32": r}}}}
     lines = failures_section(res)
     assert "- concurrency tensormq c256: Thread [0] had error" in "\n".join(lines)
     assert any(line.startswith("- rate tensormq 0.5× the peak: ") for line in lines)
+    assert any(line.startswith("- 2 GPUs tensormq c32: ") for line in lines)
     assert any(line.startswith("- pipeline tensormq: ") for line in lines)
+    # The pipeline's point is the batch section's b1 where that ran: named once.
+    once = failures_section({"pipeline": {"tensormq": r}, "batch": {"tensormq": {"1": r}}})
+    assert [line for line in once if line.startswith("- ")] == [f"- batch tensormq b1: {r['message']}"]
     assert failures_section({"concurrency": {"tensormq": {"1": {"p50_ms": 3.0}}}}) == []
+
+
+def test_a_failed_point_keeps_only_the_server_log_written_during_it(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from blockflow.bench.suite import _log_since, _log_size
+
+    server = cast(Any, SimpleNamespace(log_path=tmp_path / "tritonserver.log"))
+    assert _log_size(server) == 0 and _log_since(server, 0) == []  # no log yet
+    server.log_path.write_text("E1130 an earlier point's error\n")
+    at = _log_size(server)
+    with server.log_path.open("a") as f:
+        f.write("E1130 model.py: RuntimeError: boom\n\n  /work/main/blockflow/backend/model.py(126): execute\n")
+    assert _log_since(server, at) == ["E1130 model.py: RuntimeError: boom", "  /work/main/blockflow/backend/model.py(126): execute"]
+    assert len(_log_since(server, 0, lines=1)) == 1
