@@ -44,24 +44,6 @@ from blockflow.triton.server import ServerOptions, TritonServer
 SECTIONS = ("batch", "concurrency", "rate", "clients", "gpus")
 
 
-def _log_size(server: TritonServer) -> int:
-    try:
-        return server.log_path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _log_since(server: TritonServer, offset: int, lines: int = FAILURE_LINES) -> list[str]:
-    """The last ``lines`` lines the server logged after ``offset`` (its log's size when a point began)."""
-    try:
-        with server.log_path.open("rb") as f:
-            f.seek(offset)
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    return [line for line in text.splitlines() if line.strip()][-lines:]
-
-
 @dataclass
 class BenchConfig:
     plan: Path
@@ -130,7 +112,7 @@ class Bench:
     def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
                 rate: float | None = None) -> dict[str, Any]:
         before = model_stats(server.http_url)
-        log_at = _log_size(server)
+        log_at = server.log_size()
         cpu0, e0, t0 = host_cpu.snapshot(server), self.gpus.energy_mj(), time.monotonic()
         r = median_of([self._pa(server, model["model"], batch, self.cfg.seconds, concurrency, rate)
                        for _ in range(max(1, self.cfg.repeats))])
@@ -145,7 +127,7 @@ class Bench:
             own = frozenset([model["model"], *model["blocks"]])  # the measured model and its blocks; the rest idle meanwhile
             r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences, own)
         if "error" in r:  # the server's side of it (a block's exception is logged there, not sent whole)
-            r["server_errors"] = _log_since(server, log_at)
+            r["server_errors"] = server.log_since(log_at, FAILURE_LINES)
         r["server_compute_ms"] = compute_ms(top)
         blocks = block_breakdown(d, model["blocks"], batch)
         if blocks:

@@ -222,6 +222,23 @@ class TritonServer:
             return "(no server log)"
         return "\n".join(text[-lines:])
 
+    def log_size(self) -> int:
+        """The server log's size now: pass it to :meth:`log_since` to read what is logged after."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int, lines: int) -> list[str]:
+        """The last ``lines`` non-blank lines the server logged after ``offset`` (a :meth:`log_size`)."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if line.strip()][-lines:]
+
     def errors_in_log(self) -> list[str]:
         try:
             text = self.log_path.read_text(errors="replace").splitlines()

@@ -172,8 +172,8 @@ def test_the_stress_check_compares_every_output_a_task_answers() -> None:
 
 
 def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path) -> None:
+    from blockflow.bench.failures import failures_section
     from blockflow.bench.perf_analyzer import failure
-    from blockflow.bench.report import failures_section
 
     out = ("*** Measurement Settings ***\nThread [0] had error: in ensemble 'r50', Failed to process the request(s) for model "
            "'r50_b3', message: RuntimeError: boom\n\nAt:\n  /work/main/blockflow/backend/runtime.py(99): run\n"
@@ -196,16 +196,13 @@ def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path)
 
 
 def test_a_failed_point_keeps_only_the_server_log_written_during_it(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-    from typing import Any, cast
+    from blockflow.triton.server import ServerOptions, TritonServer
 
-    from blockflow.bench.suite import _log_since, _log_size
-
-    server = cast(Any, SimpleNamespace(log_path=tmp_path / "tritonserver.log"))
-    assert _log_size(server) == 0 and _log_since(server, 0) == []  # no log yet
+    server = TritonServer(ServerOptions(repositories=[tmp_path]), runtime_dir=tmp_path, install=object())  # type: ignore[arg-type]
+    assert server.log_size() == 0 and server.log_since(0, 30) == []  # no log yet
     server.log_path.write_text("E1130 an earlier point's error\n")
-    at = _log_size(server)
+    at = server.log_size()
     with server.log_path.open("a") as f:
         f.write("E1130 model.py: RuntimeError: boom\n\n  /work/main/blockflow/backend/model.py(126): execute\n")
-    assert _log_since(server, at) == ["E1130 model.py: RuntimeError: boom", "  /work/main/blockflow/backend/model.py(126): execute"]
-    assert len(_log_since(server, 0, lines=1)) == 1
+    assert server.log_since(at, 30) == ["E1130 model.py: RuntimeError: boom", "  /work/main/blockflow/backend/model.py(126): execute"]
+    assert len(server.log_since(0, 1)) == 1
