@@ -93,7 +93,7 @@ class TritonPythonModel:
     def _build(self, spec: ModelSpec) -> None:
         """The block: a runner per output (a head pack, several tasks' heads in this one process, has
         one per task's head; every other model has one), its stream, and where its outputs go."""
-        cache = StageCache.of_runtime_dir()
+        cache = StageCache.configured()
         if spec.heads:
             self.runners = {out: BlockRunner(s, self.device, cache) for out, s in spec.head_specs()}
         else:

@@ -9,16 +9,24 @@ network calls a torchvision function (EfficientNet's stochastic depth), in which
 imports torchvision as building would.
 
 Entries are keyed by everything that defines the part (network or exported program's bytes,
-cuts, stages, the seed or the weights file's bytes, the torch and torchvision versions). The directory is the runtime
-directory's (0700, the server's user): what is unpickled here was written by this server's own
-block processes, which already run code from the model repository; a file that is not the
-user's own, or that others can write, is ignored. User-supplied weights are never unpickled
+cuts, stages, the seed or the weights file's bytes, the torch and torchvision versions, and torch's
+intra-op thread count: a network whose batch-norm statistics are drawn at build time rounds them by it,
+and a GPU block process builds on one thread where a CPU one builds on several).
+
+The directory is the runtime directory's ``stages/`` (one server's), or ``$BLOCKFLOW_STAGE_CACHE_DIR``,
+kept across servers (a restart, a test suite's many servers; nothing removes its entries, which are
+keyed by versions, so clearing it is its owner's to do). Either is checked private (0700, the user's own,
+not a link): what is unpickled here was written by this user's own block processes, which already run
+code from the model repository. Each entry is opened without following links and used only if it is a
+regular file of the user's that no one else can write. User-supplied weights are never unpickled
 (``weights_only`` loads, in ``blockflow.backend.runtime``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import stat
@@ -29,10 +37,16 @@ import torch
 from torch import nn
 
 from blockflow.core import env, programs
+from blockflow.core.runtime_dir import private_dir
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
 
-FORMAT = 1
+FORMAT = 2
+# BlockFlow's modules that build a part from its spec: their source is in the key, so a kept part is
+# never one that older code built (a directory kept across servers outlives a checkout's commit).
+BUILD_CODE = ("blockflow.backend.parts", "blockflow.core.arch", "blockflow.core.cuts", "blockflow.core.folding",
+              "blockflow.core.in_place", "blockflow.core.detection", "blockflow.core.programs",
+              "blockflow.core.stage_files", "blockflow.core.trained_weights")
 # Parts larger than this are not kept: the runtime directory may be in memory (tmpfs).
 MAX_BYTES = 512 << 20
 
@@ -42,6 +56,17 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "none"
+
+
+@functools.cache
+def build_code_digest() -> str:
+    """A digest of :data:`BUILD_CODE`'s source files (found without importing them)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in BUILD_CODE:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+        h.update(name.encode() + b"\0" + (Path(origin).read_bytes() if origin else b"missing") + b"\0")
+    return h.hexdigest()
 
 
 def _file_digest(path: str) -> str:
@@ -60,12 +85,19 @@ class StageCache:
         self.directory.mkdir(mode=0o700, exist_ok=True)
 
     @classmethod
-    def of_runtime_dir(cls) -> StageCache | None:
-        """The server's cache, or None outside a server or when ``BLOCKFLOW_STAGE_CACHE=0``."""
-        runtime = os.environ.get(env.RUNTIME_DIR)
-        if not runtime or not Path(runtime).is_dir() or os.environ.get(env.STAGE_CACHE) == "0":
+    def configured(cls) -> StageCache | None:
+        """``$BLOCKFLOW_STAGE_CACHE_DIR``'s cache, else the server's (its runtime directory's ``stages/``); None
+        outside a server or when ``BLOCKFLOW_STAGE_CACHE=0``. ``EnvironmentProblem`` if the directory is not private."""
+        if os.environ.get(env.STAGE_CACHE) == "0":
             return None
-        return cls(Path(runtime) / env.STAGE_CACHE_DIR)
+        kept = os.environ.get(env.STAGE_CACHE_DIR_VAR)
+        if kept:
+            return cls(private_dir(Path(kept), what="stage cache directory", setting=env.STAGE_CACHE_DIR_VAR))
+        runtime = os.environ.get(env.RUNTIME_DIR)
+        if not runtime or not Path(runtime).is_dir():
+            return None
+        private_dir(Path(runtime), create=False)
+        return cls(private_dir(Path(runtime) / env.STAGE_CACHE_DIR, what="stage cache directory", setting=env.STAGE_CACHE_DIR_VAR))
 
     def path(self, spec: ModelSpec, part: Part) -> Path:
         weights: dict[str, object] = {"seed": part.weights.seed}
@@ -81,23 +113,24 @@ class StageCache:
             network = {"stage_files": [_file_digest(f) for f in spec.stage_files[part.first:part.last + 1]]}
         key = {"format": FORMAT, "arch": network, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
                "input_shape": spec.input_shape, "first": part.first, "last": part.last, "weights": weights,
-               "torch": torch.__version__, "torchvision": _version("torchvision")}
+               "threads": torch.get_num_threads(), "code": build_code_digest(), "torch": torch.__version__, "torchvision": _version("torchvision")}
         digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
         return self.directory / f"{digest}.pt"
 
     def load(self, spec: ModelSpec, part: Part) -> nn.Module | None:
         """The part, if a usable entry exists (any problem with one counts as a miss)."""
-        path = self.path(spec, part)
         try:
-            st = path.stat()
+            fd = os.open(self.path(spec, part), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
-        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return None
-        try:
-            module = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception:  # a truncated or stale entry: build again
-            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return None
+            try:
+                module = torch.load(f, map_location="cpu", weights_only=False)
+            except Exception:  # a truncated or stale entry: build again
+                return None
         return module.eval() if isinstance(module, nn.Module) else None
 
     def store(self, spec: ModelSpec, part: Part, module: nn.Module) -> None:
@@ -108,8 +141,11 @@ class StageCache:
         path = self.path(spec, part)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            tmp.unlink(missing_ok=True)  # left by a process of this pid that died while saving
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
                 torch.save(module, f)
             os.replace(tmp, path)
-        except Exception:  # a full disk or an unpicklable module: the next process builds it again
+        except BaseException as exc:  # a full disk or an unpicklable module: the next process builds it again
             tmp.unlink(missing_ok=True)
+            if not isinstance(exc, Exception):
+                raise

@@ -40,6 +40,17 @@ def _private_endpoints_file(tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stage_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every server the tests start keeps built block parts in one directory, so a part built by one
+    test's server is loaded by the next one's instead of built again (most of a block process's start-up
+    on a CPU machine). A test may set its own; tests/unit/test_stage_cache.py checks each way."""
+    stages = tmp_path_factory.mktemp("stages")
+    stages.chmod(0o700)
+    os.environ.setdefault("BLOCKFLOW_STAGE_CACHE_DIR", str(stages))
+    yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _give_memory_back() -> Iterator[None]:
     """After each module, return to the OS what its references took: glibc keeps freed heap pages

@@ -19,7 +19,8 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
         tmq/                 one ZeroMQ socket and one claim table per producer generation:
             <producer id:016x>-<generation:08x>.sock
             <producer id:016x>-<generation:08x>.claims
-        stages/              built block parts kept for the next process that needs them (blockflow.backend.stage_cache)
+        stages/              built block parts kept for the next process that needs them, unless
+                             $BLOCKFLOW_STAGE_CACHE_DIR keeps them across servers (blockflow.backend.stage_cache)
         activity             the last execute's time, with --warm-cores-ms (blockflow.core.activity)
         triton-http.sock     Triton's HTTP, behind the front door (blockflow.triton.front_door)
         front-door/          nginx's configuration, logs and buffers
@@ -71,6 +72,8 @@ LOG_FORMAT = "BLOCKFLOW_LOG_FORMAT"  # the CLI's --log-format: text, json
 COMMIT = "BLOCKFLOW_COMMIT"  # the commit benchmark reports name, where the checkout is a copy without its history
 BUNDLE = "BLOCKFLOW_BUNDLE"  # the GPU machines' bundle directory (scripts/gpu_env.sh), where the tree's stamp lies (bench/stamp.py)
 STAGE_CACHE = "BLOCKFLOW_STAGE_CACHE"  # "0": every block process builds its parts (no stages/ cache)
+# A directory of this user's (0700) keeping built parts across servers, instead of each runtime directory's stages/.
+STAGE_CACHE_DIR_VAR = "BLOCKFLOW_STAGE_CACHE_DIR"
 
 ADMIN_KEY_FILE = "admin.key"
 SHM_KEY_FILE = "shm.key"

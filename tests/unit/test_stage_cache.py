@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockflow.backend import parts
+from blockflow.backend import parts, stage_cache
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.stage_cache import StageCache
-from blockflow.core import arch
+from blockflow.core import arch, env
+from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.spec import ModelSpec, Part, WeightsSource
 
 CPU = torch.device("cpu")
@@ -75,3 +76,62 @@ def test_loading_a_kept_resnet_part_does_not_import_torchvision(tmp_path: Path) 
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_key_holds_the_thread_count_and_the_build_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # mobilenet_v3_small's batch-norm statistics, drawn at build time, differ between one and two threads:
+    # a GPU block process builds on one, a CPU one on several, and neither may load the other's part.
+    cache = StageCache(tmp_path / "stages")
+    spec = _spec()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cache.path(spec, spec.parts[0])
+        torch.set_num_threads(2)
+        assert cache.path(spec, spec.parts[0]) != one
+    finally:
+        torch.set_num_threads(threads)
+    before = cache.path(spec, spec.parts[0])
+    monkeypatch.setattr(stage_cache, "build_code_digest", lambda: "other code")
+    assert cache.path(spec, spec.parts[0]) != before
+
+
+def test_the_cache_directory_is_the_settings_and_must_be_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(env.STAGE_CACHE, raising=False)
+    monkeypatch.delenv(env.STAGE_CACHE_DIR_VAR, raising=False)
+    monkeypatch.delenv(env.RUNTIME_DIR, raising=False)
+    assert StageCache.configured() is None  # outside a server
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv(env.RUNTIME_DIR, str(runtime))
+    cache = StageCache.configured()
+    assert cache is not None and cache.directory == runtime / "stages"
+    kept = tmp_path / "kept"
+    monkeypatch.setenv(env.STAGE_CACHE_DIR_VAR, str(kept))
+    cache = StageCache.configured()
+    assert cache is not None and cache.directory == kept and kept.stat().st_mode & 0o777 == 0o700
+    kept.chmod(0o755)
+    with pytest.raises(EnvironmentProblem, match="open to other users"):
+        StageCache.configured()
+    link = tmp_path / "link"
+    link.symlink_to(runtime)
+    monkeypatch.setenv(env.STAGE_CACHE_DIR_VAR, str(link))
+    with pytest.raises(EnvironmentProblem, match="not a directory"):
+        StageCache.configured()
+    monkeypatch.setenv(env.STAGE_CACHE, "0")
+    assert StageCache.configured() is None
+
+
+def test_an_entry_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    cache = StageCache(tmp_path / "stages")
+    spec = _spec()
+    part = spec.parts[0]
+    BlockRunner(spec, CPU, cache)
+    path = cache.path(spec, part)
+    elsewhere = tmp_path / "elsewhere.pt"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+    assert cache.load(spec, part) is None
+    path.unlink()
+    elsewhere.rename(path)
+    assert cache.load(spec, part) is not None
