@@ -32,13 +32,16 @@ ticket can reach its consumer while the entry still holds an earlier use of the 
 whose sequence number is *ahead* of the entry's is PENDING (the consumer waits for the commit),
 one that is behind it is stale.
 
-Every read-modify-write of an entry holds a POSIX record lock on that entry's bytes
-(``fcntl.lockf``), which excludes the other processes, and this process's lock of the file,
-which excludes its other threads. Record locks belong to the process, not the thread or the file
-descriptor: a block's execute thread (claims) and its release thread (releases) each holding
-"the" lock would both get in, and either one's unlock, or closing any descriptor of the file (a
-mapping holds one), would let another process in mid-write, losing a claim or release bit.
-So a table also closes under that lock.
+Every read-modify-write of an entry holds an open-file-description record lock on that entry's
+bytes (Linux's ``F_OFD_SETLKW``), which excludes the other processes, and this process's lock of
+the file, which excludes its other threads (they share the descriptor, so its record lock lets them
+all in). Not a classic POSIX lock (``lockf``): those belong to the process, and the kernel's deadlock
+check treats a process as one waiter, so under load it refused a claim with ``EDEADLK`` although
+nothing was stuck (two H200s, every block ×4: instance A's thread holding an entry of table X
+while another of A's threads waited for an entry of table Y that B held, and one of B's threads
+waited for A's entry of X). OFD locks have no such check, and closing another descriptor of the
+file does not drop them. A table still closes under its lock: the number of a closed descriptor
+may be reused.
 """
 
 from __future__ import annotations
@@ -61,12 +64,14 @@ HEADER = struct.Struct("<4sHHII")  # magic, version, reserved, max_slots, words 
 MAGIC = b"BFCL"
 VERSION = 2
 _DEADLINE = struct.Struct("<d")
+# struct flock (64-bit Linux): l_type, l_whence, l_start, l_len, l_pid (0 for an OFD lock), padding.
+_FLOCK = struct.Struct("@hhqqi4x")
 _WORD = struct.Struct("<Q")
 SAMPLES_PER_WORD = 32
 FAILED = -1.0  # a claim deadline no clock reaches: the use's tickets were issued, its data never written
 PENDING = "pending"  # claim(): the ticket's use is not committed yet; ask again
 # Per file (device, inode), this process's lock: held with a record lock on the file, and while a
-# descriptor of it closes (which drops every record lock the process holds on it).
+# descriptor of it closes.
 _FILE_LOCKS: dict[tuple[int, int], threading.Lock] = {}
 _FILE_LOCKS_GUARD = threading.Lock()
 
@@ -124,7 +129,7 @@ class ClaimTable:
         try:
             if self._fd < 0:  # closed: its old number may be another file's by now
                 raise ValueError(f"claim table {self.path} is closed")
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, self.stride, start)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, self.stride, 0))
         except BaseException:
             self._threads.release()
             raise
@@ -132,7 +137,7 @@ class ClaimTable:
 
     def _unlock(self, slot: int) -> None:
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, self.stride, HEADER.size + slot * self.stride)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, HEADER.size + slot * self.stride, self.stride, 0))
         finally:
             self._threads.release()
 
@@ -287,7 +292,7 @@ class ClaimTable:
         return None
 
     def close(self) -> None:
-        with self._threads:  # closing a descriptor (the mapping's too) drops this process's record locks on the file
+        with self._threads:  # a descriptor closes while no thread of this process uses the table
             self._release_words = None  # a view of the mapping keeps it from closing
             if self._fd < 0:
                 return

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -756,6 +757,61 @@ def test_a_claim_table_entry_excludes_this_process_s_other_threads_too(tmp_path:
         if not other.closed:
             other.close()
         mine.close()
+
+
+_HOLDS_B_WANTS_A = """
+import sys, threading, time
+from pathlib import Path
+from blockflow.backend.tensormq.claims import ClaimTable
+a, b = ClaimTable(Path(sys.argv[1])), ClaimTable(Path(sys.argv[2]))
+b._lock(0)
+print("held", flush=True)
+t = threading.Thread(target=lambda: (a._lock(0), a._unlock(0)))
+t.start()
+time.sleep(2.0)  # holding B's entry while t waits for A's, which the test holds
+b._unlock(0)
+t.join(10)
+print("done" if not t.is_alive() else "stuck", flush=True)
+"""
+
+
+def test_entries_locked_across_threads_of_two_processes_are_not_a_deadlock(tmp_path: Path) -> None:
+    """A holds X and waits for Y in another thread; B holds Y and waits for X in another thread: each
+    holder goes on, so nothing is stuck, but a process-wide record lock's deadlock check (``lockf``)
+    refused the last wait with EDEADLK (a claim failed under load on two H200s). OFD locks wait."""
+    import subprocess
+    import threading
+
+    from blockflow.backend.tensormq.claims import ClaimTable
+
+    x, y = (ClaimTable(tmp_path / f"{n}.claims", 1, 8, create=True) for n in "xy")
+    other = subprocess.Popen([sys.executable, "-c", _HOLDS_B_WANTS_A, str(x.path), str(y.path)], cwd=Path(__file__).parents[2],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        x._lock(0)
+        assert other.stdout is not None and other.stdout.readline().strip() == "held"
+        time.sleep(0.3)  # its thread now waits for x's entry
+        errors: list[BaseException] = []
+
+        def wait_for_y() -> None:
+            try:
+                y._lock(0)
+                y._unlock(0)
+            except OSError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=wait_for_y)
+        t.start()
+        time.sleep(0.3)
+        x._unlock(0)
+        t.join(10)
+        out, _ = other.communicate(timeout=10)
+        assert not errors and not t.is_alive()
+        assert other.returncode == 0 and out.strip() == "done"
+    finally:
+        other.kill()
+        x.close()
+        y.close()
 
 
 def test_consumers_of_either_release_kind_share_a_batch_and_the_stats_count_each_sample(runtime: Path,
