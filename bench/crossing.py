@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from blockflow.bench.failures import failure_cell
 from blockflow.bench.harness import commit, device_name, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.report import spread_text
@@ -97,8 +98,7 @@ def report(res: dict[str, Any]) -> str:
     for c, one in res["one_server"].items():
         cross = res["crossing"][c]
         if "error" in one or "error" in cross:
-            lines.append(f"| {c} | {one.get('message', 'error') if 'error' in one else ''} | "
-                         f"{cross.get('message', 'error') if 'error' in cross else ''} | | | | |")
+            lines.append(f"| {c} | {failure_cell(one) if 'error' in one else ''} | {failure_cell(cross) if 'error' in cross else ''} | | | | |")
             continue
         lines.append(f"| {c} | {one['p50_ms']:.2f} ms{spread_text(one, 'p50_ms')} | {cross['p50_ms']:.2f} ms"
                      f"{spread_text(cross, 'p50_ms')} | {cross['p50_ms'] - one['p50_ms']:+.2f} ms | {one['throughput']:.0f}"

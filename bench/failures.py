@@ -25,3 +25,10 @@ def failures_section(res: dict[str, Any]) -> list[str]:
         return []
     return ["## Failed points", "", *failed, "",
             "`results.json` holds each one's `detail` (perf_analyzer's last lines) and `server_errors` (the server log's).", ""]
+
+
+def failure_cell(r: dict[str, Any], width: int = 80) -> str:
+    """A failed point in a Markdown table's cell: ``failed:`` and the start of its message (``|`` escaped;
+    the whole message is in the report's "Failed points" and in results.json)."""
+    message = str(r.get("message", "")).replace("|", "\\|")
+    return f"failed: {message[:width]}{'…' if len(message) > width else ''}" if message else "failed"

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.bench.agreement import BEST, IOU, SCORE, detections_agree, relative_error
+from blockflow.bench.failures import failure_cell
 from blockflow.bench.harness import commit, device_name, served, task_images, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer, side_input_data
 from blockflow.bench.report import spread_text
@@ -109,7 +110,7 @@ def run(plan_path: Path, out: Path, concurrencies: list[int], repeats: int, seco
 
 
 def _cell(r: dict[str, Any], key: str, fmt: str, unit: str) -> str:
-    return r.get("message", "failed") if "error" in r else f"{r[key]:{fmt}}{unit}{spread_text(r, key)}"
+    return failure_cell(r) if "error" in r else f"{r[key]:{fmt}}{unit}{spread_text(r, key)}"
 
 
 def report(res: dict[str, Any]) -> str:

@@ -193,6 +193,12 @@ def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path)
     once = failures_section({"pipeline": {"tensormq": r}, "batch": {"tensormq": {"1": r}}})
     assert [line for line in once if line.startswith("- ")] == [f"- batch tensormq b1: {r['message']}"]
     assert failures_section({"concurrency": {"tensormq": {"1": {"p50_ms": 3.0}}}}) == []
+    # In a table's cell: short, and a "|" in the message does not split the row.
+    from blockflow.bench.failures import failure_cell
+
+    cell = failure_cell({"error": 1.0, "message": "a | b " + "x" * 200})
+    assert cell.startswith("failed: a \\| b ") and cell.endswith("…") and len(cell) < 100
+    assert failure_cell({"error": 1.0}) == "failed"
 
 
 def test_a_failed_point_keeps_only_the_server_log_written_during_it(tmp_path: Path) -> None:
