@@ -82,6 +82,12 @@ def test_a_model_that_failed_leaves_its_row_uncompared(tmp_path: Path) -> None:
     md = lfl.summary(tmp_path, lfl.ROWS[3:4])
     assert "| fp32, host memory | 3.65 ms ±1% (969/s ±4%) | failed | — | — |" in md
     assert "- fp32, host memory: not compared" in md
+    # Measured at neither c1 nor c32 (a run at c256 only): not measured here, not failed.
+    for model in ("tensormq", "monolithic-graph"):
+        if model in res["concurrency"]:
+            res["concurrency"][model] = {"256": {"p50_ms": 30.0, "throughput": 9000.0}}
+    assert lfl._c1_c32(res["concurrency"], "tensormq") == "—" and not lfl._failed(res["concurrency"], "tensormq")
+    assert lfl._failed({"tensormq": {}}, "tensormq")
 
 
 def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path: Path) -> None:
