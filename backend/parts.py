@@ -97,13 +97,15 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
 def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> nn.Module:
     """The stages of one part with its weights (CPU, fp32, eval mode), from ``cache`` if it has them."""
     spec = part_spec(spec, part)
-    if cache is not None:
-        kept = cache.load(spec, part)
-        if kept is not None:
-            return kept
+    if cache is None:
+        return _build_part(spec, part)
+    # Keyed once, before the build: a weights file replaced meanwhile must not file the old bytes' part under the new digest.
+    entry = cache.path(spec, part)
+    kept = cache.load(entry)
+    if kept is not None:
+        return kept
     stages = _build_part(spec, part)
-    if cache is not None:
-        cache.store(spec, part, stages)
+    cache.store(entry, stages)
     return stages
 
 

@@ -10,8 +10,9 @@ imports torchvision as building would.
 
 Entries are keyed by everything that defines the part (network or exported program's bytes,
 cuts, stages, the seed or the weights file's bytes, the torch and torchvision versions, and torch's
-intra-op thread count: a network whose batch-norm statistics are drawn at build time rounds them by it,
-and a GPU block process builds on one thread where a CPU one builds on several).
+intra-op thread count and CPU capability (AVX2, AVX-512...): a network whose batch-norm statistics are
+drawn at build time rounds them by both, and a GPU block process builds on one thread where a CPU one
+builds on several).
 
 The directory is the runtime directory's ``stages/`` (one server's), or ``$BLOCKFLOW_STAGE_CACHE_DIR``,
 kept across servers (a restart, a test suite's many servers; nothing removes its entries, which are
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from blockflow.core import env, programs
+from blockflow.core.errors import EnvironmentProblem
 from blockflow.core.runtime_dir import private_dir
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
@@ -86,18 +88,24 @@ class StageCache:
 
     @classmethod
     def configured(cls) -> StageCache | None:
-        """``$BLOCKFLOW_STAGE_CACHE_DIR``'s cache, else the server's (its runtime directory's ``stages/``); None
-        outside a server or when ``BLOCKFLOW_STAGE_CACHE=0``. ``EnvironmentProblem`` if the directory is not private."""
+        """``$BLOCKFLOW_STAGE_CACHE_DIR``'s cache (``EnvironmentProblem`` if it is relative, cannot be made or is not
+        private), else the server's (its runtime directory's ``stages/``, if that directory is private); None outside
+        a server started by ``blockflow serve`` or when ``BLOCKFLOW_STAGE_CACHE=0``."""
         if os.environ.get(env.STAGE_CACHE) == "0":
             return None
         kept = os.environ.get(env.STAGE_CACHE_DIR_VAR)
-        if kept:
+        if kept:  # asked for by name: a directory that cannot be used is an error, not a silent slow start
+            if not os.path.isabs(kept):
+                raise EnvironmentProblem(f"{env.STAGE_CACHE_DIR_VAR}={kept!r} must be an absolute path (each block "
+                                         f"process has its own working directory)")
             return cls(private_dir(Path(kept), what="stage cache directory", setting=env.STAGE_CACHE_DIR_VAR))
         runtime = os.environ.get(env.RUNTIME_DIR)
         if not runtime or not Path(runtime).is_dir():
             return None
-        private_dir(Path(runtime), create=False)
-        return cls(private_dir(Path(runtime) / env.STAGE_CACHE_DIR, what="stage cache directory", setting=env.STAGE_CACHE_DIR_VAR))
+        try:  # best effort: a runtime directory others can open keeps no parts (its TensorMQ refuses it anyway)
+            return cls(private_dir(private_dir(Path(runtime), create=False) / env.STAGE_CACHE_DIR))
+        except EnvironmentProblem:
+            return None
 
     def path(self, spec: ModelSpec, part: Part) -> Path:
         weights: dict[str, object] = {"seed": part.weights.seed}
@@ -113,14 +121,14 @@ class StageCache:
             network = {"stage_files": [_file_digest(f) for f in spec.stage_files[part.first:part.last + 1]]}
         key = {"format": FORMAT, "arch": network, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
                "input_shape": spec.input_shape, "first": part.first, "last": part.last, "weights": weights,
-               "threads": torch.get_num_threads(), "code": build_code_digest(), "torch": torch.__version__, "torchvision": _version("torchvision")}
+               "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability(), "code": build_code_digest(), "torch": torch.__version__, "torchvision": _version("torchvision")}
         digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
         return self.directory / f"{digest}.pt"
 
-    def load(self, spec: ModelSpec, part: Part) -> nn.Module | None:
-        """The part, if a usable entry exists (any problem with one counts as a miss)."""
+    def load(self, entry: Path) -> nn.Module | None:
+        """The part kept at ``entry`` (:meth:`path`), if it is usable (any problem with it counts as a miss)."""
         try:
-            fd = os.open(self.path(spec, part), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
         with os.fdopen(fd, "rb") as f:
@@ -133,12 +141,12 @@ class StageCache:
                 return None
         return module.eval() if isinstance(module, nn.Module) else None
 
-    def store(self, spec: ModelSpec, part: Part, module: nn.Module) -> None:
-        """Keep ``module`` for the next process (atomically; best effort)."""
+    def store(self, entry: Path, module: nn.Module) -> None:
+        """Keep ``module`` at ``entry`` (:meth:`path`, keyed before it was built) for the next process (atomically; best effort)."""
         size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         if size > MAX_BYTES:
             return
-        path = self.path(spec, part)
+        path = entry
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
             tmp.unlink(missing_ok=True)  # left by a process of this pid that died while saving

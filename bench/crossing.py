@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.failures import failure_cell
+from blockflow.bench.failures import failed_points, failure_cell
 from blockflow.bench.harness import commit, device_name, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer
 from blockflow.bench.report import spread_text
@@ -104,6 +104,7 @@ def report(res: dict[str, Any]) -> str:
                      f"{spread_text(cross, 'p50_ms')} | {cross['p50_ms'] - one['p50_ms']:+.2f} ms | {one['throughput']:.0f}"
                      f"{spread_text(one, 'throughput')} | {cross['throughput']:.0f}{spread_text(cross, 'throughput')} | "
                      f"{cross['throughput'] / one['throughput']:.2f}× |")
+    lines += ["", *failed_points([(f"{where} c{c}", res[where][c]) for c in res["one_server"] for where in ("one_server", "crossing")])]
     return "\n".join(lines) + "\n"
 
 

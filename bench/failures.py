@@ -20,15 +20,23 @@ def failures_section(res: dict[str, Any]) -> list[str]:
     for gpus, by_label in res.get("gpus", {}).items():
         if isinstance(by_label, dict):  # not its "skipped" reason
             points += [(f"{gpus} GPUs {label} c{c}", r) for label, rows in by_label.items() for c, r in rows.items()]
+    return failed_points(points)
+
+
+def failed_points(points: list[tuple[str, Any]]) -> list[str]:
+    """The "Failed points" section of a report: each ``(where, figures)`` that failed, with its whole message;
+    nothing when none did."""
     failed = [f"- {where}: {r.get('message', 'no message')}" for where, r in points if isinstance(r, dict) and "error" in r]
     if not failed:
         return []
     return ["## Failed points", "", *failed, "",
-            "`results.json` holds each one's `detail` (perf_analyzer's last lines) and `server_errors` (the server log's).", ""]
+            "`results.json` holds each one's `detail` (perf_analyzer's last lines) and, where the bench read the server's "
+            "log, `server_errors` (its lines of that point).", ""]
 
 
 def failure_cell(r: dict[str, Any], width: int = 80) -> str:
     """A failed point in a Markdown table's cell: ``failed:`` and the start of its message (``|`` escaped;
     the whole message is in the report's "Failed points" and in results.json)."""
-    message = str(r.get("message", "")).replace("|", "\\|")
-    return f"failed: {message[:width]}{'…' if len(message) > width else ''}" if message else "failed"
+    message = str(r.get("message", ""))
+    cut = message[:width].replace("|", "\\|")  # escaped after the cut: no half of an escape at its end
+    return f"failed: {cut}{'…' if len(message) > width else ''}" if message else "failed"

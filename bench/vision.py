@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockflow.bench.agreement import BEST, IOU, SCORE, detections_agree, relative_error
-from blockflow.bench.failures import failure_cell
+from blockflow.bench.failures import failed_points, failure_cell
 from blockflow.bench.harness import commit, device_name, served, task_images, write_results
 from blockflow.bench.perf_analyzer import median_of, perf_analyzer, side_input_data
 from blockflow.bench.report import spread_text
@@ -141,6 +141,8 @@ def report(res: dict[str, Any]) -> str:
             cells += [_cell(u[c], "throughput", ".0f", "/s"), _cell(s[c], "throughput", ".0f", "/s"),
                       f"{s[c]['throughput'] / u[c]['throughput']:.2f}×" if "error" not in u[c] and "error" not in s[c] else "-"]
         L.append(f"| {task} | " + " | ".join(cells) + " |")
+    L += ["", *failed_points([(f"{task} {model} c{c}", row[model][c]) for task, row in res["tasks"].items()
+                              for model in ("unsplit", "split") for c in cs])]
     return "\n".join(L) + "\n"
 
 

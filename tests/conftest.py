@@ -44,11 +44,16 @@ def _private_endpoints_file(tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def _stage_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every server the tests start keeps built block parts in one directory, so a part built by one
     test's server is loaded by the next one's instead of built again (most of a block process's start-up
-    on a CPU machine). A test may set its own; tests/unit/test_stage_cache.py checks each way."""
+    on a CPU machine). The default, each runtime directory's own stages/, is checked by tests/unit/test_stage_cache.py."""
     stages = tmp_path_factory.mktemp("stages")
     stages.chmod(0o700)
-    os.environ.setdefault("BLOCKFLOW_STAGE_CACHE_DIR", str(stages))
+    before = os.environ.get("BLOCKFLOW_STAGE_CACHE_DIR")
+    os.environ["BLOCKFLOW_STAGE_CACHE_DIR"] = str(stages)  # never a developer's own: the session starts empty
     yield
+    if before is None:
+        os.environ.pop("BLOCKFLOW_STAGE_CACHE_DIR", None)
+    else:
+        os.environ["BLOCKFLOW_STAGE_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,8 +19,8 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
         tmq/                 one ZeroMQ socket and one claim table per producer generation:
             <producer id:016x>-<generation:08x>.sock
             <producer id:016x>-<generation:08x>.claims
-        stages/              built block parts kept for the next process that needs them, unless
-                             $BLOCKFLOW_STAGE_CACHE_DIR keeps them across servers (blockflow.backend.stage_cache)
+        stages/              built block parts kept for the next process that needs them (blockflow serve's
+                             servers), unless $BLOCKFLOW_STAGE_CACHE_DIR keeps them across servers (blockflow.backend.stage_cache)
         activity             the last execute's time, with --warm-cores-ms (blockflow.core.activity)
         triton-http.sock     Triton's HTTP, behind the front door (blockflow.triton.front_door)
         front-door/          nginx's configuration, logs and buffers

@@ -199,6 +199,18 @@ def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path)
     cell = failure_cell({"error": 1.0, "message": "a | b " + "x" * 200})
     assert cell.startswith("failed: a \\| b ") and cell.endswith("…") and len(cell) < 100
     assert failure_cell({"error": 1.0}) == "failed"
+    assert failure_cell({"error": 1.0, "message": "a" * 79 + "|b"}).endswith("a\\|…")  # a whole escape, never half
+    # The vision and crossing reports list their failed points too, whole.
+    from blockflow.bench import crossing, vision
+
+    long = {"error": 1.0, "message": "error: Failed to retrieve results " + "y" * 300}
+    meta = {"task": "t", "plan": "p.yaml", "device": "d", "commit": "c", "repeats": 1, "seconds": 1.0}
+    md = crossing.report({"meta": meta, "one_server": {"1": {"p50_ms": 1.0, "throughput": 9.0}, "32": long},
+                          "crossing": {"1": {"p50_ms": 2.0, "throughput": 5.0}, "32": {"p50_ms": 3.0, "throughput": 9.0}}})
+    assert f"- one_server c32: {long['message']}" in md and "## Failed points" in md
+    md = vision.report({"meta": {**meta, "concurrency": [1], "check_batch": 2}, "equal": {},
+                        "tasks": {"cls": {"unsplit": {"1": {"p50_ms": 1.0, "throughput": 9.0}}, "split": {"1": long}}}})
+    assert f"- cls split c1: {long['message']}" in md
 
 
 def test_a_failed_point_keeps_only_the_server_log_written_during_it(tmp_path: Path) -> None:

@@ -50,15 +50,15 @@ def test_an_entry_that_is_damaged_or_writable_by_others_is_not_used(tmp_path: Pa
     want = BlockRunner(spec, CPU, cache).run(x)
     path = cache.path(spec, part)
     path.chmod(0o666)
-    assert cache.load(spec, part) is None
+    assert cache.load(cache.path(spec, part)) is None
     path.chmod(0o600)
     path.write_bytes(path.read_bytes()[:100])  # truncated
-    assert cache.load(spec, part) is None
+    assert cache.load(cache.path(spec, part)) is None
     calls = []
     real = parts._build_part
     monkeypatch.setattr(parts, "_build_part", lambda s, p: calls.append(1) or real(s, p))
     assert torch.equal(BlockRunner(spec, CPU, cache).run(x), want) and calls == [1]  # built again, and kept again
-    assert cache.load(spec, part) is not None
+    assert cache.load(cache.path(spec, part)) is not None
 
 
 def test_loading_a_kept_resnet_part_does_not_import_torchvision(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_loading_a_kept_resnet_part_does_not_import_torchvision(tmp_path: Path) 
         "from blockflow.core.spec import ModelSpec\n"
         f"cache = StageCache(pathlib.Path({str(tmp_path / 'stages')!r}))\n"
         f"spec = ModelSpec.model_validate_json({_spec().to_json()!r})\n"
-        "assert cache.load(spec, spec.parts[0]) is not None\n"
+        "assert cache.load(cache.path(spec, spec.parts[0])) is not None\n"
         "print('torchvision' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -94,6 +94,34 @@ def test_the_key_holds_the_thread_count_and_the_build_code(tmp_path: Path, monke
     before = cache.path(spec, spec.parts[0])
     monkeypatch.setattr(stage_cache, "build_code_digest", lambda: "other code")
     assert cache.path(spec, spec.parts[0]) != before
+    code = cache.path(spec, spec.parts[0])
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "OTHER")  # AVX2 and AVX-512 round differently
+    assert cache.path(spec, spec.parts[0]) != code
+
+
+def test_a_part_is_kept_under_the_key_of_the_bytes_it_was_built_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weights file replaced while its part builds: the part goes under the old bytes' key, never the new one's."""
+    old, new = tmp_path / "old.pt", tmp_path / "new.pt"
+    for seed, path in ((4, old), (5, new)):
+        torch.save(parts.build_part(_spec(seed=seed), _spec(seed=seed).parts[0]).state_dict(), path)
+    weights = tmp_path / "head.pt"
+    weights.write_bytes(old.read_bytes())
+    spec = _spec()
+    spec = spec.model_copy(update={"parts": (spec.parts[0].model_copy(update={"weights": WeightsSource(file=str(weights))}),)})
+    cache = StageCache(tmp_path / "stages")
+    real = parts._build_part
+
+    def build_then_replace(s: ModelSpec, p: Part) -> torch.nn.Module:
+        built = real(s, p)
+        weights.write_bytes(new.read_bytes())  # a checkpoint written over the file meanwhile
+        return built
+
+    monkeypatch.setattr(parts, "_build_part", build_then_replace)
+    x = torch.randn(1, 128, 4, 4)
+    BlockRunner(spec, CPU, cache).run(x)
+    monkeypatch.setattr(parts, "_build_part", real)
+    assert cache.load(cache.path(spec, spec.parts[0])) is None  # nothing under the new bytes' key
+    assert torch.equal(BlockRunner(spec, CPU, cache).run(x), BlockRunner(spec, CPU).run(x))
 
 
 def test_the_cache_directory_is_the_settings_and_must_be_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,7 +146,15 @@ def test_the_cache_directory_is_the_settings_and_must_be_private(tmp_path: Path,
     monkeypatch.setenv(env.STAGE_CACHE_DIR_VAR, str(link))
     with pytest.raises(EnvironmentProblem, match="not a directory"):
         StageCache.configured()
+    monkeypatch.setenv(env.STAGE_CACHE_DIR_VAR, "relative/stages")
+    with pytest.raises(EnvironmentProblem, match="absolute path"):
+        StageCache.configured()
     monkeypatch.setenv(env.STAGE_CACHE, "0")
+    assert StageCache.configured() is None
+    # The runtime directory's cache is best effort: one that others can open keeps nothing, and the block still builds.
+    monkeypatch.delenv(env.STAGE_CACHE)
+    monkeypatch.delenv(env.STAGE_CACHE_DIR_VAR)
+    runtime.chmod(0o755)
     assert StageCache.configured() is None
 
 
@@ -131,7 +167,7 @@ def test_an_entry_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere.pt"
     path.rename(elsewhere)
     path.symlink_to(elsewhere)
-    assert cache.load(spec, part) is None
+    assert cache.load(cache.path(spec, part)) is None
     path.unlink()
     elsewhere.rename(path)
-    assert cache.load(spec, part) is not None
+    assert cache.load(cache.path(spec, part)) is not None

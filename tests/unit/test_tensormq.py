@@ -766,12 +766,22 @@ from blockflow.backend.tensormq.claims import ClaimTable
 a, b = ClaimTable(Path(sys.argv[1])), ClaimTable(Path(sys.argv[2]))
 b._lock(0)
 print("held", flush=True)
-t = threading.Thread(target=lambda: (a._lock(0), a._unlock(0)))
+said = []
+
+def wait_for_a():
+    try:
+        a._lock(0)
+        a._unlock(0)
+        said.append("done")
+    except OSError as exc:  # EDEADLK, if this wait came last
+        said.append(repr(exc))
+
+t = threading.Thread(target=wait_for_a)
 t.start()
 time.sleep(2.0)  # holding B's entry while t waits for A's, which the test holds
 b._unlock(0)
 t.join(10)
-print("done" if not t.is_alive() else "stuck", flush=True)
+print(said[0] if said else "stuck", flush=True)
 """
 
 
@@ -787,8 +797,9 @@ def test_entries_locked_across_threads_of_two_processes_are_not_a_deadlock(tmp_p
     x, y = (ClaimTable(tmp_path / f"{n}.claims", 1, 8, create=True) for n in "xy")
     other = subprocess.Popen([sys.executable, "-c", _HOLDS_B_WANTS_A, str(x.path), str(y.path)], cwd=Path(__file__).parents[2],
                              stdout=subprocess.PIPE, text=True)
+    x._lock(0)
+    held = True
     try:
-        x._lock(0)
         assert other.stdout is not None and other.stdout.readline().strip() == "held"
         time.sleep(0.3)  # its thread now waits for x's entry
         errors: list[BaseException] = []
@@ -804,11 +815,14 @@ def test_entries_locked_across_threads_of_two_processes_are_not_a_deadlock(tmp_p
         t.start()
         time.sleep(0.3)
         x._unlock(0)
+        held = False
         t.join(10)
         out, _ = other.communicate(timeout=10)
         assert not errors and not t.is_alive()
-        assert other.returncode == 0 and out.strip() == "done"
+        assert other.returncode == 0 and out.strip() == "done"  # (whichever wait came last, neither was refused)
     finally:
+        if held:  # the child never got as far: let go, or closing x would wait for this thread's own lock
+            x._unlock(0)
         other.kill()
         x.close()
         y.close()
