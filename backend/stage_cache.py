@@ -146,13 +146,12 @@ class StageCache:
         size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         if size > MAX_BYTES:
             return
-        path = entry
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
         try:
             tmp.unlink(missing_ok=True)  # left by a process of this pid that died while saving
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
                 torch.save(module, f)
-            os.replace(tmp, path)
+            os.replace(tmp, entry)
         except BaseException as exc:  # a full disk or an unpicklable module: the next process builds it again
             tmp.unlink(missing_ok=True)
             if not isinstance(exc, Exception):
