@@ -45,15 +45,13 @@ def _stage_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> Ite
     """Every server the tests start keeps built block parts in one directory, so a part built by one
     test's server is loaded by the next one's instead of built again (most of a block process's start-up
     on a CPU machine). The default, each runtime directory's own stages/, is checked by tests/unit/test_stage_cache.py."""
+    from blockflow.core import env
+
     stages = tmp_path_factory.mktemp("stages")
     stages.chmod(0o700)
-    before = os.environ.get("BLOCKFLOW_STAGE_CACHE_DIR")
-    os.environ["BLOCKFLOW_STAGE_CACHE_DIR"] = str(stages)  # never a developer's own: the session starts empty
-    yield
-    if before is None:
-        os.environ.pop("BLOCKFLOW_STAGE_CACHE_DIR", None)
-    else:
-        os.environ["BLOCKFLOW_STAGE_CACHE_DIR"] = before
+    with pytest.MonkeyPatch.context() as mp:  # never a developer's own: the session starts empty
+        mp.setenv(env.STAGE_CACHE_DIR_VAR, str(stages))
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
