@@ -3,6 +3,8 @@ pre-cut stage files; and what a GPU runs instead (BatchNorms folded into their c
 
 from __future__ import annotations
 
+import copy
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from blockflow.backend.stage_cache import StageCache
+from blockflow.backend.stage_cache import NetworkKey, StageCache
 from blockflow.core import arch, detection, programs, stage_files
 from blockflow.core.errors import BlockError
 from blockflow.core.spec import ModelSpec, Part
@@ -94,18 +96,48 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None) -> nn.Module:
-    """The stages of one part with its weights (CPU, fp32, eval mode), from ``cache`` if it has them."""
+def build_parts(spec: ModelSpec, cache: StageCache | None = None) -> list[nn.Module]:
+    """:func:`build_part` for each of ``spec``'s parts; a network that several of them are cut from (a
+    reference's blocks of one seed) is built once."""
+    keys = [network_key(part_spec(spec, p), p) for p in spec.parts]
+    networks: dict[NetworkKey, arch.Traced] = {}
+    built = []
+    for i, (p, k) in enumerate(zip(spec.parts, keys, strict=True)):
+        shared = k is not None and keys.count(k) > 1
+        built.append(build_part(spec, p, cache, networks if shared else None))
+        if k is not None and shared and k not in keys[i + 1:]:
+            networks.pop(k, None)  # its last part is cut: the rest of the network can go
+    return built
+
+
+def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None,
+               networks: dict[NetworkKey, arch.Traced] | None = None) -> nn.Module:
+    """The stages of one part with its weights (CPU, fp32, eval mode), from ``cache`` if it has them.
+
+    The network it is cut from comes from ``networks`` (networks this process built for other parts; the
+    part then gets its own copy of its stages), else from ``cache``'s networks (kept by the first process
+    that built it, while the others that need it wait: building means importing torchvision), else is built.
+    """
     spec = part_spec(spec, part)
-    if cache is None:
-        return _build_part(spec, part)
     # Keyed once, before the build: a weights file replaced meanwhile must not file the old bytes' part under the new digest.
-    entry = cache.path(spec, part)
-    kept = cache.load(entry)
-    if kept is not None:
-        return kept
-    stages = _build_part(spec, part)
-    cache.store(entry, stages)
+    entry = cache.path(spec, part) if cache is not None else None
+    if cache is not None and entry is not None:
+        kept = cache.load(entry)
+        if kept is not None:
+            return kept
+    key = network_key(spec, part)
+    if key is not None and (networks is not None or (cache is not None and cache.keeps_networks)):
+        traced = networks.get(key) if networks is not None else None
+        if traced is None:
+            build = functools.partial(_network, spec, part)
+            traced = cache.network(key, build) if cache is not None and cache.keeps_networks else build()
+            if networks is not None:
+                networks[key] = traced
+        stages = _cut_part(spec, part, traced, own_copy=networks is not None)
+    else:
+        stages = _build_part(spec, part)
+    if cache is not None and entry is not None:
+        cache.store(entry, stages)
     return stages
 
 
@@ -116,18 +148,41 @@ def part_spec(spec: ModelSpec, part: Part) -> ModelSpec:
     return spec.model_copy(update=part.network.model_dump())
 
 
+def network_key(spec: ModelSpec, part: Part) -> NetworkKey | None:
+    """What defines the whole network ``part`` is cut from (``spec``: :func:`part_spec`'s): a torchvision network
+    built under its seed (a weights file or torchvision's weights are loaded into its stages after the cut).
+    None for pre-cut stage files and exported programs (they bring their own graphs and weights)."""
+    if spec.stage_files or programs.is_program(spec.arch):
+        return None
+    seed = part.weights.seed if part.weights.seed is not None else 0
+    return spec.arch, spec.num_classes, tuple(int(d) for d in spec.input_shape), seed
+
+
+def _network(spec: ModelSpec, part: Part) -> arch.Traced:
+    """The whole network ``part`` is cut from, built under its seed and traced."""
+    seed = part.weights.seed if part.weights.seed is not None else 0
+    try:
+        net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
+    except ValueError as exc:  # an exported program that no longer loads
+        raise BlockError(str(exc)) from None
+    return arch.trace(net)
+
+
 def _build_part(spec: ModelSpec, part: Part) -> nn.Module:
     if spec.stage_files:  # pre-cut: each file is one stage, with its weights
         try:
             return Chain([stage_files.load_stage_file(f) for f in spec.stage_files[part.first:part.last + 1]]).eval()
         except ValueError as exc:
             raise BlockError(str(exc)) from None
-    seed = part.weights.seed if part.weights.seed is not None else 0
-    try:
-        net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
-    except ValueError as exc:  # an exported program that no longer loads
-        raise BlockError(str(exc)) from None
-    stages = arch.slice_stages(net, spec.arch, spec.cut_points, part.first, part.last)
+    return _cut_part(spec, part, _network(spec, part))
+
+
+def _cut_part(spec: ModelSpec, part: Part, traced: arch.Traced, own_copy: bool = False) -> nn.Module:
+    """Stages ``part.first..part.last`` of ``traced`` with the part's weights. They share the network's
+    modules, or with ``own_copy`` (a network other parts are cut from too) are a copy of their own."""
+    stages: nn.Module = arch.stage_module(traced, spec.cut_points, part.first, part.last)
+    if own_copy:
+        stages = copy.deepcopy(stages)
     if part.weights.file is not None:
         _load_into(stages, part, _load_state_dict(part.weights.file), f"weights file {part.weights.file}", spec.arch)
     elif part.weights.torchvision is not None:

@@ -19,7 +19,7 @@ import torch
 from blockflow.backend.graphs import PLAIN_HOPS, Graph, PlainHop, batch_buckets, bucket_for, capture
 from blockflow.backend.host_pins import HostPins, join_to_device
 from blockflow.backend.image_input import ImageConversion, fed_shapes, feed_dtype
-from blockflow.backend.parts import Chain, EagerTail, build_part, fold_batchnorm, on_device, side_positions, split_eager_tail
+from blockflow.backend.parts import Chain, EagerTail, build_parts, fold_batchnorm, on_device, side_positions, split_eager_tail
 from blockflow.backend.side_inputs import check_sides, side_casts, side_dtypes, side_ins, side_zeros
 from blockflow.backend.stage_cache import StageCache
 from blockflow.core import cuda, detection, env
@@ -64,7 +64,7 @@ class BlockRunner:
             # Not for a detector's heads: they run on as many proposals as each image has, and each
             # new size would start an algorithm search.
             torch.backends.cudnn.benchmark = not spec.outputs
-        parts = [build_part(spec, p, cache) for p in spec.parts]
+        parts = build_parts(spec, cache)
         if self.is_cuda:
             parts = [fold_batchnorm(on_device(p, device)) for p in parts]
         graphs = self.is_cuda and spec.cuda_graphs and os.environ.get(env.DISABLE_CUDA_GRAPHS) != "1"

@@ -8,6 +8,15 @@ the next ones load it: a pickled ``GraphModule`` whose code refers to ``torch`` 
 network calls a torchvision function (EfficientNet's stochastic depth), in which case loading it
 imports torchvision as building would.
 
+The next process that needs another part of the same network (a block of the same seed, its
+reference) cuts it from the whole network, traced, which the first process to build that network keeps
+beside the parts (``networks/``): a pickled ``GraphModule``, kept only where it loads back as the same
+graph (its generated code compares equal), with each node's module path. Processes that need a network
+another one is building wait for it (a lock file per network, at most ``NETWORK_WAIT_S``) instead of
+building it too: a server's block processes start several at a time, and several of them are often cut
+from one network. A network that cannot be kept (too large, unpicklable, a full disk) leaves an empty
+file that says so, and the processes waiting for it build their own at once.
+
 Entries are keyed by everything that defines the part (network or exported program's bytes,
 cuts, stages, the seed or the weights file's bytes, the torch and torchvision versions, and torch's
 intra-op thread count and CPU capability (AVX2, AVX-512...): a network whose batch-norm statistics are
@@ -25,25 +34,31 @@ regular file of the user's that no one else can write. User-supplied weights are
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import json
 import os
-import stat
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from typing import IO, Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from blockflow.core import env, programs
+from blockflow.core.arch import Traced
 from blockflow.core.errors import EnvironmentProblem
-from blockflow.core.runtime_dir import private_dir
+from blockflow.core.runtime_dir import TEMP_SUFFIX, open_own, private_dir, temp_owner, write_private_file
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
 
-FORMAT = 2
+FORMAT = 3
 # BlockFlow's modules that build a part from its spec: their source is in the key, so a kept part is
 # never one that older code built (a directory kept across servers outlives a checkout's commit).
 BUILD_CODE = ("blockflow.backend.parts", "blockflow.core.arch", "blockflow.core.cuts", "blockflow.core.folding",
@@ -51,6 +66,11 @@ BUILD_CODE = ("blockflow.backend.parts", "blockflow.core.arch", "blockflow.core.
               "blockflow.core.stage_files", "blockflow.core.trained_weights")
 # Parts larger than this are not kept: the runtime directory may be in memory (tmpfs).
 MAX_BYTES = 512 << 20
+# How long a process waits for another one building the network it needs before building it too
+# (well under `blockflow serve`'s load timeout; a build takes seconds).
+NETWORK_WAIT_S = 60.0
+# A torchvision network: its name, classes, per-sample input shape and seed (``blockflow.backend.parts.network_key``).
+NetworkKey = tuple[str, int, tuple[int, ...], int]
 
 
 def _version(dist: str) -> str:
@@ -71,6 +91,65 @@ def build_code_digest() -> str:
     return h.hexdigest()
 
 
+def _open_own(path: Path) -> IO[bytes] | None:
+    """``path`` opened for reading if it is a regular file of this user's that no one else can write (never through
+    a link); None if not (any problem with a kept file counts as a miss)."""
+    try:
+        return open_own(path, "kept file")
+    except (OSError, EnvironmentProblem):
+        return None
+
+
+def has_room(directory: Path, size: int) -> bool:
+    """Whether ``directory``'s file system keeps ``size`` more bytes and still has a margin free (a fifth of it,
+    at least 256 MiB, at most 1 GiB): the runtime directory is often a small tmpfs that also holds TensorMQ's sockets."""
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return False
+    return usage.free - size >= max(256 << 20, min(usage.total // 5, 1 << 30))
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Temporary files (:func:`~blockflow.core.runtime_dir.temp_path`) of processes that died while saving into ``directory``."""
+    for tmp in directory.glob(f".*{TEMP_SUFFIX}"):
+        pid = temp_owner(tmp)
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # alive (another user's pid): not ours to judge
+
+
+@contextmanager
+def _locked(path: Path, wait_s: float = NETWORK_WAIT_S) -> Iterator[None]:
+    """Hold the lock file ``path`` (made if absent): waits for its holder, at most ``wait_s``, then goes on
+    without it (best effort: a lock that cannot be taken only means building what another process builds)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            except OSError:
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _file_digest(path: str) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
@@ -82,9 +161,47 @@ def _file_digest(path: str) -> str:
 class StageCache:
     """Built parts (CPU, fp32, eval mode) in ``directory``, one file per part."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, keeps_networks: bool = True) -> None:
         self.directory = directory
         self.directory.mkdir(mode=0o700, exist_ok=True)
+        self.networks: Path | None = None
+        if keeps_networks:
+            try:  # best effort: without it, each process builds the networks it needs
+                self.networks = private_dir(directory / env.NETWORK_CACHE_DIR, what="network cache directory")
+            except EnvironmentProblem:
+                pass
+        for kept in (self.directory, self.networks):
+            if kept is not None:
+                _remove_orphans(kept)
+
+    @property
+    def keeps_networks(self) -> bool:
+        return self.networks is not None
+
+    def network_path(self, key: NetworkKey) -> Path:
+        assert self.networks is not None
+        arch, num_classes, input_shape, seed = key
+        fields = {"format": FORMAT, "arch": arch, "num_classes": num_classes, "input_shape": list(input_shape), "seed": seed,
+                  "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability(), "code": build_code_digest(),
+                  "torch": torch.__version__, "torchvision": _version("torchvision")}
+        digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).hexdigest()
+        return self.networks / f"{digest}.pt"
+
+    def network(self, key: NetworkKey, build: Callable[[], Traced]) -> Traced:
+        """The network ``key`` names, traced: kept by another process, else ``build()`` (and kept).
+
+        While one process builds it, the others that need it wait for it (a lock file per network)."""
+        path = self.network_path(key)
+        if not _not_kept(path):
+            with _locked(path.with_suffix(".lock")):
+                kept = _load_network(path)
+                if kept is not None:
+                    return kept
+                if not _not_kept(path):  # (else another process found it cannot be kept while this one waited)
+                    traced = build()
+                    _store_network(path, traced)
+                    return traced
+        return build()  # without the lock: each process that needs it builds its own at once
 
     @classmethod
     def configured(cls) -> StageCache | None:
@@ -127,14 +244,10 @@ class StageCache:
 
     def load(self, entry: Path) -> nn.Module | None:
         """The part kept at ``entry`` (:meth:`path`), if it is usable (any problem with it counts as a miss)."""
-        try:
-            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        f = _open_own(entry)
+        if f is None:
             return None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                return None
+        with f:
             try:
                 module = torch.load(f, map_location="cpu", weights_only=False)
             except Exception:  # a truncated or stale entry: build again
@@ -144,15 +257,64 @@ class StageCache:
     def store(self, entry: Path, module: nn.Module) -> None:
         """Keep ``module`` at ``entry`` (:meth:`path`, keyed before it was built) for the next process (atomically; best effort)."""
         size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-        if size > MAX_BYTES:
+        if size > MAX_BYTES or not has_room(self.directory, size):
             return
-        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
         try:
-            tmp.unlink(missing_ok=True)  # left by a process of this pid that died while saving
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
-                torch.save(module, f)
-            os.replace(tmp, entry)
-        except BaseException as exc:  # a full disk or an unpicklable module: the next process builds it again
-            tmp.unlink(missing_ok=True)
-            if not isinstance(exc, Exception):
-                raise
+            write_private_file(entry, lambda f: torch.save(module, f))
+        except Exception:  # a full disk or an unpicklable module: the next process builds it again
+            pass
+
+
+def _not_kept(path: Path) -> bool:
+    """Whether ``path`` says its network is not kept (an empty file of this user's: too large, or it does not
+    load back as built, or saving it failed)."""
+    f = _open_own(path)
+    if f is None:
+        return False
+    with f:
+        return os.fstat(f.fileno()).st_size == 0
+
+
+def _load_network(path: Path) -> Traced | None:
+    """The network kept at ``path``, if it is usable: loads as the graph it was built as (any problem is a miss)."""
+    f = _open_own(path)
+    if f is None:
+        return None
+    with f:
+        try:
+            kept: Any = torch.load(f, map_location="cpu", weights_only=False)
+            module, code, paths = kept["module"], kept["code"], kept["paths"]
+            if not (isinstance(module, fx.GraphModule) and module.code == code):
+                return None
+            return Traced.of(module, [paths[n.name] for n in module.graph.nodes])
+        except Exception:  # a truncated or stale entry: build again
+            return None
+
+
+def _store_network(path: Path, traced: Traced) -> None:
+    """Keep ``traced`` for the next process: only where it loads back as the same graph. A network that never
+    can be (too large, unpicklable, not the same graph once loaded) leaves an empty file that says so, and the
+    processes waiting for it build their own at once; one that cannot be kept now (no room, a write that
+    failed) leaves nothing, and the next process tries again. Atomically; best effort."""
+    try:
+        # Its graph copied into one that names no tracer: torchvision's (which traced it) would be imported to load it.
+        graph = fx.Graph()
+        output = next(n for n in traced.nodes if n.op == "output")
+        graph.output(graph.graph_copy(traced.module.graph, {}), output.type)
+        module = fx.GraphModule(traced.module, graph, type(traced.module).__name__)
+        size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        if size <= MAX_BYTES:
+            if not has_room(path.parent, size):
+                return
+            paths = {n.name: p for n, p in zip(traced.nodes, traced.paths, strict=True)}
+            write_private_file(path, lambda f: torch.save({"module": module, "code": module.code, "paths": paths}, f))
+            if _load_network(path) is not None:
+                return
+    except OSError:  # a full disk, a write that failed: nothing kept, nothing said
+        return
+    except Exception:  # unpicklable: said below
+        pass
+    try:
+        write_private_file(path, lambda f: None)  # "not kept": the waiters build their own at once
+    except OSError:
+        pass

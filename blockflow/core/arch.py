@@ -155,6 +155,14 @@ class Traced:
     # Index of each side input's placeholder (an exported program's arguments after the image), in order.
     sides: tuple[int, ...] = ()
 
+    @classmethod
+    def of(cls, module: fx.GraphModule, paths: Sequence[str], sides: tuple[int, ...] = ()) -> Traced:
+        """``module``'s graph, ``paths`` giving each node's module path in the graph's order."""
+        nodes = tuple(module.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
+        return cls(module, nodes, tuple(paths), last_use, sides)
+
     def end_of(self, cut: str) -> int:
         """Index of the last node of module (or node) ``cut``; ``KeyError`` if the network has none."""
         hits = [i for i, p in enumerate(self.paths) if p == cut or p.startswith(cut + ".")]
@@ -180,11 +188,9 @@ def trace(net: nn.Module) -> Traced:
     pre-cut stage file); a torchvision network has none."""
     if isinstance(net, fx.GraphModule):  # an exported program: already a graph
         nodes = tuple(net.graph.nodes)
-        index = {n: i for i, n in enumerate(nodes)}
-        last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
         placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
         sides = tuple(placeholders[1:]) if getattr(net, SIDE_INPUTS_ATTR, False) else ()
-        return Traced(net, nodes, tuple(module_path(n) or n.name for n in nodes), last_use, sides)
+        return Traced.of(net, [module_path(n) or n.name for n in nodes], sides)
     from torchvision.models.feature_extraction import NodePathTracer
 
     tracer = NodePathTracer()
@@ -193,11 +199,8 @@ def trace(net: nn.Module) -> Traced:
     if input_shape is not None:
         fold_input_size(graph, tuple(input_shape))
     module = fx.GraphModule(tracer.root, graph, type(net).__name__)
-    nodes = tuple(module.graph.nodes)
     names: dict[fx.Node, str] = tracer.node_to_qualname
-    index = {n: i for i, n in enumerate(nodes)}
-    last_use = tuple(max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes))
-    return Traced(module, nodes, tuple(names.get(n, n.name) for n in nodes), last_use)
+    return Traced.of(module, [names.get(n, n.name) for n in module.graph.nodes])
 
 
 def stage_module(traced: Traced, cut_points: Sequence[str], first: int, last: int) -> fx.GraphModule:

@@ -21,6 +21,7 @@ made by ``blockflow serve``, or by the block processes of a hand-started server:
             <producer id:016x>-<generation:08x>.claims
         stages/              built block parts kept for the next process that needs them (blockflow serve's
                              servers), unless $BLOCKFLOW_STAGE_CACHE_DIR keeps them across servers (blockflow.backend.stage_cache)
+            networks/        seeded networks, traced whole, that parts are cut from (the same module)
         activity             the last execute's time, with --warm-cores-ms (blockflow.core.activity)
         triton-http.sock     Triton's HTTP, behind the front door (blockflow.triton.front_door)
         front-door/          nginx's configuration, logs and buffers
@@ -84,6 +85,7 @@ PLANS_DIR = "plans"
 TMQ_KEY_FILE = "tmq.key"
 TMQ_DIR = "tmq"
 STAGE_CACHE_DIR = "stages"
+NETWORK_CACHE_DIR = "networks"
 ACTIVITY_STAMP = "activity"
 
 

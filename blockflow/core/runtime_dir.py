@@ -15,11 +15,14 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from blockflow.core import env
 from blockflow.core.errors import EnvironmentProblem
 
+TEMP_SUFFIX = ".tmp"  # of the files write_private_file renames into place
 KEY_BYTES = 32
 # A TensorMQ socket is <runtime>/tmq/<16 hex>-<8 hex>.sock, and a Unix socket's path holds at most 107 bytes.
 MAX_CHARS = 107 - len("/tmq/0123456789abcdef-01234567.sock")
@@ -72,26 +75,60 @@ def private_dir(path: Path, create: bool = True, what: str = "runtime directory"
     return path
 
 
-def write_private(path: Path, text: str, group: int | None = None) -> None:
-    """Replace ``path`` whole with ``text`` (and a newline), readable by this user only (and, with ``group``,
-    read-only by that group's members: 0640).
+def temp_path(path: Path) -> Path:
+    """Where :func:`write_private_file` writes ``path`` before renaming it: ``.<name>.<pid>.tmp`` beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
 
-    The text goes to a new 0600 file beside it (``O_EXCL``, never through a link) that is renamed
-    over ``path``: a reader sees the old file or the new one, never a part, and never a mode wider
-    than asked (an existing file's mode would survive an in-place rewrite).
+
+def temp_owner(tmp: Path) -> int | None:
+    """The pid in a :func:`temp_path` name (None for any other name)."""
+    name = tmp.name
+    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+        return None
+    pid = name[:-len(TEMP_SUFFIX)].rsplit(".", 1)[-1]
+    return int(pid) if pid.isdigit() else None
+
+
+def write_private_file(path: Path, write: Callable[[IO[bytes]], object], group: int | None = None) -> None:
+    """Replace ``path`` whole with what ``write`` writes into the file it is given, readable by this user only
+    (and, with ``group``, read-only by that group's members: 0640).
+
+    The bytes go to a new 0600 file beside it (:func:`temp_path`, ``O_EXCL``, never through a link) that is
+    renamed over ``path``: a reader sees the old file or the new one, never a part, and never a mode wider
+    than asked (an existing file's mode would survive an in-place rewrite). The temporary file is removed
+    whatever happens.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    tmp = temp_path(path)
+    tmp.unlink(missing_ok=True)  # left by a process of this pid that died while writing
     try:
-        if group is not None:
-            os.fchown(fd, -1, group)
-            os.fchmod(fd, 0o640)
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+            if group is not None:
+                os.fchown(f.fileno(), -1, group)
+                os.fchmod(f.fileno(), 0o640)
+            write(f)
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
+
+
+def write_private(path: Path, text: str, group: int | None = None) -> None:
+    """Replace ``path`` whole with ``text`` (and a newline), as :func:`write_private_file` does."""
+    write_private_file(path, lambda f: f.write(text.encode() + b"\n"), group)
+
+
+def open_own(path: Path, what: str, closed: int = stat.S_IWGRP | stat.S_IWOTH) -> IO[bytes]:
+    """``path`` opened for reading, never through a link, if it is a regular file of this user's with none of the
+    mode bits ``closed`` (by default: no one else may write it).
+
+    Raises ``OSError`` if it cannot be opened, ``EnvironmentProblem`` (naming it as ``what``) if it is not such a file.
+    """
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & closed:
+        f.close()
+        raise EnvironmentProblem(f"{what} {path} must be a regular file of this user with mode {0o666 & ~closed:o} or "
+                                 f"narrower (it has mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}); remove it")
+    return f
 
 
 def ensure_tensormq(runtime_dir: Path) -> None:
@@ -123,15 +160,11 @@ def read_key(runtime_dir: Path) -> bytes:
     """The TensorMQ ticket key, refused unless it is this user's own regular 0600 file of full length."""
     path = runtime_dir / env.TMQ_KEY_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        f = open_own(path, "TensorMQ key", closed=0o077)
     except OSError as exc:
         raise EnvironmentProblem(f"TensorMQ key {path} cannot be opened ({exc.strerror}); it is made when the first "
                                  f"block starts (blockflow serve, or tritonserver on a generated repository)") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise EnvironmentProblem(f"TensorMQ key {path} must be a regular file of this user with mode 600 "
-                                     f"(it has mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}); remove it")
+    with f:
         key = f.read()
     if len(key) < 16:
         raise EnvironmentProblem(f"TensorMQ key {path} is too short ({len(key)} bytes); remove it")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import stat
 from pathlib import Path
 
@@ -10,7 +11,18 @@ import pytest
 
 from blockflow.core import env
 from blockflow.core.errors import EnvironmentProblem
-from blockflow.core.runtime_dir import MAX_CHARS, default_for, ensure_tensormq, locate, private_dir, read_key
+from blockflow.core.runtime_dir import (
+    MAX_CHARS,
+    default_for,
+    ensure_tensormq,
+    locate,
+    open_own,
+    private_dir,
+    read_key,
+    temp_owner,
+    temp_path,
+    write_private_file,
+)
 
 
 def test_the_default_is_one_directory_per_user_and_repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,3 +82,24 @@ def test_a_key_others_can_read_is_refused(tmp_path: Path) -> None:
     (runtime / env.TMQ_KEY_FILE).chmod(0o644)
     with pytest.raises(EnvironmentProblem, match="mode 600"):
         read_key(runtime)
+
+
+def test_a_private_file_is_written_whole_and_opened_only_as_ones_own(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    stale = temp_path(target)  # left by a process of this pid that died while writing
+    stale.write_bytes(b"old")
+    assert temp_owner(stale) == os.getpid() and temp_owner(tmp_path / ".f.tmp") is None
+    write_private_file(target, lambda f: f.write(b"new"))
+    assert target.read_bytes() == b"new" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+    with pytest.raises(RuntimeError):  # a write that fails leaves the old file and no temporary one
+        write_private_file(target, lambda f: (_ for _ in ()).throw(RuntimeError("no")))
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+    with open_own(target, "file") as f:
+        assert f.read() == b"new"
+    target.chmod(0o620)
+    with pytest.raises(EnvironmentProblem, match="mode 644 or narrower"):
+        open_own(target, "file")
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        open_own(tmp_path / "link", "file")

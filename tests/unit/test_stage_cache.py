@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,19 +34,19 @@ def test_a_kept_part_is_loaded_instead_of_built(tmp_path: Path, monkeypatch: pyt
     cache = StageCache(tmp_path / "stages")
     x = torch.randn(2, 128, 4, 4)
     built = BlockRunner(_spec(), CPU, cache).run(x)
-    (entry,) = (tmp_path / "stages").iterdir()
+    (entry,) = (tmp_path / "stages").glob("*.pt")
     assert entry.stat().st_mode & 0o777 == 0o600
     with monkeypatch.context() as m:
         m.setattr(arch, "build_network", lambda *a, **k: pytest.fail("built although kept"))
         assert torch.equal(BlockRunner(_spec(), CPU, cache).run(x), built)
     # Other weights are another entry; without a cache nothing is kept.
     assert not torch.equal(BlockRunner(_spec(seed=5), CPU, cache).run(x), built)
-    assert len(list((tmp_path / "stages").iterdir())) == 2
+    assert len(list((tmp_path / "stages").glob("*.pt"))) == 2
     assert torch.equal(BlockRunner(_spec(), CPU).run(x), built)
 
 
 def test_an_entry_that_is_damaged_or_writable_by_others_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = StageCache(tmp_path / "stages")
+    cache = StageCache(tmp_path / "stages", keeps_networks=False)
     spec = _spec()
     part = spec.parts[0]
     x = torch.randn(1, 128, 4, 4)
@@ -108,7 +111,7 @@ def test_a_part_is_kept_under_the_key_of_the_bytes_it_was_built_from(tmp_path: P
     weights.write_bytes(old.read_bytes())
     spec = _spec()
     spec = spec.model_copy(update={"parts": (spec.parts[0].model_copy(update={"weights": WeightsSource(file=str(weights))}),)})
-    cache = StageCache(tmp_path / "stages")
+    cache = StageCache(tmp_path / "stages", keeps_networks=False)
     real = parts._build_part
 
     def build_then_replace(s: ModelSpec, p: Part) -> torch.nn.Module:
@@ -171,3 +174,136 @@ def test_an_entry_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
     path.unlink()
     elsewhere.rename(path)
     assert cache.load(cache.path(spec, part)) is not None
+
+
+def _reference(seed: int = 4) -> ModelSpec:
+    """resnet18 whole, as three parts of one seed (a reference's blocks)."""
+    return ModelSpec(kind="block", name="ref", arch="resnet18", cut_points=("layer1", "layer3"), num_classes=10,
+                     input_shape=(3, 32, 32), parts=tuple(Part(block=f"b{i}", first=i, last=i, weights=WeightsSource(seed=seed))
+                                                          for i in range(3)),
+                     precision="fp32", cuda_graphs=False, max_batch_size=4, transport="triton-cpu",
+                     in_shape=(3, 32, 32), out_shape=(10,))
+
+
+def test_a_network_cut_into_several_parts_is_built_once_and_gives_the_parts_a_fresh_build_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _reference()
+    fresh = [parts._build_part(parts.part_spec(spec, p), p) for p in spec.parts]
+    calls: list[str] = []
+    real = arch.build_network
+    monkeypatch.setattr(arch, "build_network", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    x = torch.randn(2, 3, 32, 32)
+    # In one process without a cache (a reference's blocks): once.
+    got = parts.build_parts(spec)
+    assert calls == ["resnet18"]
+    for a, b in zip(got, fresh, strict=True):
+        x_a, x = a(x), b(x)
+        assert torch.equal(x_a, x)
+    # Across processes, through the cache: the first keeps the network, the next cuts other parts from it.
+    cache = StageCache(tmp_path / "stages")
+    parts.build_part(spec, spec.parts[0], cache)
+    (kept,) = (tmp_path / "stages" / "networks").glob("*.pt")
+    assert kept.stat().st_size > 0 and kept.stat().st_mode & 0o777 == 0o600
+    calls.clear()
+    last = parts.build_part(spec, spec.parts[2], cache)
+    assert calls == []
+    y = torch.randn(2, 256, 2, 2)
+    assert torch.equal(last(y), fresh[2](y))
+
+
+def test_processes_needing_one_network_wait_for_the_first_to_build_it(tmp_path: Path) -> None:
+    import threading
+
+    from blockflow.core.arch import trace
+
+    cache = StageCache(tmp_path / "stages")
+    built: list[int] = []
+
+    def build() -> arch.Traced:
+        built.append(1)
+        time.sleep(0.5)
+        return trace(arch.build_network("resnet18", 10, 4, (3, 32, 32)))
+
+    key = ("resnet18", 10, (3, 32, 32), 4)
+    got: list[arch.Traced] = []
+    threads = [threading.Thread(target=lambda: got.append(cache.network(key, build))) for _ in range(3)]
+    for t in threads:  # each its own lock file descriptor, as separate processes would have
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 3 and built == [1]
+
+
+def test_a_network_that_cannot_be_kept_says_so_and_nobody_waits_for_it_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from blockflow.core.arch import trace
+
+    cache = StageCache(tmp_path / "stages")
+    key = ("resnet18", 10, (3, 32, 32), 4)
+    built: list[int] = []
+
+    def build() -> arch.Traced:
+        built.append(1)
+        return trace(arch.build_network("resnet18", 10, 4, (3, 32, 32)))
+
+    monkeypatch.setattr(stage_cache, "MAX_BYTES", 1000)  # too large to keep
+    cache.network(key, build)
+    path = cache.network_path(key)
+    assert path.stat().st_size == 0  # "not kept"
+    lock = path.with_suffix(".lock")
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process holds the lock: this one must not wait for it
+    try:
+        t0 = time.monotonic()
+        cache.network(key, build)
+        assert time.monotonic() - t0 < 5 and built == [1, 1]
+    finally:
+        os.close(fd)
+    # A damaged entry is a miss: built again and kept again.
+    monkeypatch.setattr(stage_cache, "MAX_BYTES", 512 << 20)
+    path.write_bytes(b"not a pickle")
+    cache.network(key, build)
+    assert built == [1, 1, 1] and path.stat().st_size > 100
+    cache.network(key, build)
+    assert built == [1, 1, 1]
+
+
+def test_keeping_networks_is_best_effort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from blockflow.core.arch import trace
+
+    key = ("resnet18", 10, (3, 32, 32), 4)
+    built: list[int] = []
+
+    def build() -> arch.Traced:
+        built.append(1)
+        return trace(arch.build_network("resnet18", 10, 4, (3, 32, 32)))
+
+    # A networks/ that is not a private directory: parts are still kept, networks are not.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "networks").write_text("")
+    assert not StageCache(tmp_path / "a").keeps_networks
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "networks").symlink_to(tmp_path)
+    assert not StageCache(tmp_path / "b").keeps_networks
+    # A write that fails now says nothing: the next process keeps it.
+    cache = StageCache(tmp_path / "stages")
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    cache.network(key, build)
+    assert not cache.network_path(key).exists()
+    monkeypatch.setattr(torch, "save", real_save)
+    cache.network(key, build)
+    cache.network(key, build)
+    assert built == [1, 1] and cache.network_path(key).stat().st_size > 100
+    # No room on the file system: nothing kept, nothing said.
+    assert stage_cache.has_room(tmp_path, 0) and not stage_cache.has_room(tmp_path, 1 << 60)
+    other = ("resnet18", 10, (3, 32, 32), 5)
+    monkeypatch.setattr(stage_cache, "has_room", lambda d, n: False)
+    cache.network(other, build)
+    assert not cache.network_path(other).exists()
+    # A temporary file of a process that died while saving goes; a live one's stays.
+    dead = cache.directory / ".abc.pt.999999999.tmp"
+    live = cache.directory / f".abc.pt.{os.getpid()}.tmp"
+    dead.write_bytes(b"x")
+    live.write_bytes(b"x")
+    StageCache(cache.directory)
+    assert not dead.exists() and live.exists()
