@@ -14,8 +14,10 @@ beside the parts (``networks/``): a pickled ``GraphModule``, kept only where it 
 graph (its generated code compares equal), with each node's module path. Processes that need a network
 another one is building wait for it (a lock file per network, at most ``NETWORK_WAIT_S``) instead of
 building it too: a server's block processes start several at a time, and several of them are often cut
-from one network. A network that cannot be kept (too large, unpicklable, a full disk) leaves an empty
-file that says so, and the processes waiting for it build their own at once.
+from one network; a kept network loads without the lock. A network that never can be kept (too large, not
+the same graph once loaded) leaves an empty file that says so, and the processes waiting for it build their
+own at once; one that cannot be kept now (no room, a failed write) is noted in its lock file, and for
+``NOT_KEPT_LATELY_S`` the processes that need it build their own at once.
 
 Entries are keyed by everything that defines the part (network or exported program's bytes,
 cuts, stages, the seed or the weights file's bytes, the torch and torchvision versions, and torch's
@@ -40,6 +42,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -54,7 +57,7 @@ from torch import fx, nn
 from blockflow.core import env, programs
 from blockflow.core.arch import Traced
 from blockflow.core.errors import EnvironmentProblem
-from blockflow.core.runtime_dir import TEMP_SUFFIX, open_own, private_dir, temp_owner, write_private_file
+from blockflow.core.runtime_dir import open_own, private_dir, temp_owner, write_private_file
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
 
@@ -69,6 +72,12 @@ MAX_BYTES = 512 << 20
 # How long a process waits for another one building the network it needs before building it too
 # (well under `blockflow serve`'s load timeout; a build takes seconds).
 NETWORK_WAIT_S = 60.0
+# After a process could not keep a network for a passing reason (no room, a write that failed), the next
+# ones build theirs at once, without waiting for each other, for this long; then one tries to keep it again.
+NOT_KEPT_LATELY_S = 600.0
+# The names this cache gives its entries, and its earlier versions' temporary files (``_remove_orphans``).
+_ENTRY = re.compile(r"[0-9a-f]{32}\.pt")
+_LEGACY_TEMP = re.compile(r"\.[0-9a-f]{32}\.pt\.([1-9][0-9]{0,6})")
 # A torchvision network: its name, classes, per-sample input shape and seed (``blockflow.backend.parts.network_key``).
 NetworkKey = tuple[str, int, tuple[int, ...], int]
 
@@ -111,9 +120,13 @@ def has_room(directory: Path, size: int) -> bool:
 
 
 def _remove_orphans(directory: Path) -> None:
-    """Temporary files (:func:`~blockflow.core.runtime_dir.temp_path`) of processes that died while saving into ``directory``."""
-    for tmp in directory.glob(f".*{TEMP_SUFFIX}"):
-        pid = temp_owner(tmp)
+    """Temporary files of processes that died while saving an entry into ``directory``: only names this
+    cache writes (:func:`~blockflow.core.runtime_dir.temp_path`'s of ``<digest>.pt``, and ``.<digest>.pt.<pid>``
+    of earlier versions). In another pid namespace a live writer can look dead here; its rename then fails
+    and it keeps nothing, as with a full disk."""
+    for tmp in directory.glob(".*.pt.*"):
+        legacy = _LEGACY_TEMP.fullmatch(tmp.name)
+        pid = int(legacy.group(1)) if legacy else temp_owner(tmp) if _ENTRY.fullmatch(tmp.name.split(".")[1] + ".pt") else None
         if pid is None:
             continue
         try:
@@ -125,19 +138,22 @@ def _remove_orphans(directory: Path) -> None:
 
 
 @contextmanager
-def _locked(path: Path, wait_s: float = NETWORK_WAIT_S) -> Iterator[None]:
-    """Hold the lock file ``path`` (made if absent): waits for its holder, at most ``wait_s``, then goes on
-    without it (best effort: a lock that cannot be taken only means building what another process builds)."""
+def _locked(path: Path, wait_s: float = NETWORK_WAIT_S) -> Iterator[int | None]:
+    """Hold the lock file ``path`` (made if absent), giving its descriptor: waits for its holder, at most
+    ``wait_s``, then goes on without it, giving None (best effort: a lock that cannot be taken only means
+    building what another process builds)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError:
-        yield
+        yield None
         return
     try:
         deadline = time.monotonic() + wait_s
+        held = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
@@ -145,9 +161,25 @@ def _locked(path: Path, wait_s: float = NETWORK_WAIT_S) -> Iterator[None]:
                 time.sleep(0.05)
             except OSError:
                 break
-        yield
+        yield fd if held else None
     finally:
         os.close(fd)  # releases the lock
+
+
+def _not_kept_lately(lock: int) -> bool:
+    """Whether the lock file (held) says a process could not keep its network within ``NOT_KEPT_LATELY_S``."""
+    try:
+        return time.time() - float(os.pread(lock, 32, 0).decode()) < NOT_KEPT_LATELY_S
+    except (OSError, ValueError):
+        return False  # empty (kept, or never tried) or unreadable
+
+
+def _say_not_kept_now(lock: int) -> None:
+    try:
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, repr(time.time()).encode(), 0)
+    except OSError:
+        pass
 
 
 def _file_digest(path: str) -> str:
@@ -190,16 +222,22 @@ class StageCache:
     def network(self, key: NetworkKey, build: Callable[[], Traced]) -> Traced:
         """The network ``key`` names, traced: kept by another process, else ``build()`` (and kept).
 
-        While one process builds it, the others that need it wait for it (a lock file per network)."""
+        While one process builds it, the others that need it wait for it (a lock file per network); a kept
+        one loads without the lock."""
         path = self.network_path(key)
+        kept = _load_network(path)
+        if kept is not None:
+            return kept
         if not _not_kept(path):
-            with _locked(path.with_suffix(".lock")):
+            with _locked(path.with_suffix(".lock")) as lock:
                 kept = _load_network(path)
                 if kept is not None:
                     return kept
-                if not _not_kept(path):  # (else another process found it cannot be kept while this one waited)
+                # (else another process found it cannot be kept, for good or for now, while this one waited)
+                if not _not_kept(path) and not (lock is not None and _not_kept_lately(lock)):
                     traced = build()
-                    _store_network(path, traced)
+                    if not _store_network(path, traced) and lock is not None:
+                        _say_not_kept_now(lock)
                     return traced
         return build()  # without the lock: each process that needs it builds its own at once
 
@@ -291,11 +329,13 @@ def _load_network(path: Path) -> Traced | None:
             return None
 
 
-def _store_network(path: Path, traced: Traced) -> None:
-    """Keep ``traced`` for the next process: only where it loads back as the same graph. A network that never
-    can be (too large, unpicklable, not the same graph once loaded) leaves an empty file that says so, and the
-    processes waiting for it build their own at once; one that cannot be kept now (no room, a write that
-    failed) leaves nothing, and the next process tries again. Atomically; best effort."""
+def _store_network(path: Path, traced: Traced) -> bool:
+    """Keep ``traced`` for the next process, only where it loads back as the same graph; whether that is
+    settled. A network that never can be (too large, a graph that cannot be copied, not the same graph once
+    loaded) leaves an empty file that says so, and the processes waiting for it build their own at once
+    (True). One that cannot be kept now (no room; a write that failed: a full disk, which ``torch.save``
+    reports as a ``RuntimeError``, or something unpicklable) leaves nothing (False), and the caller says so
+    in the lock file for a while. Atomically; best effort."""
     try:
         # Its graph copied into one that names no tracer: torchvision's (which traced it) would be imported to load it.
         graph = fx.Graph()
@@ -303,18 +343,20 @@ def _store_network(path: Path, traced: Traced) -> None:
         graph.output(graph.graph_copy(traced.module.graph, {}), output.type)
         module = fx.GraphModule(traced.module, graph, type(traced.module).__name__)
         size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-        if size <= MAX_BYTES:
-            if not has_room(path.parent, size):
-                return
-            paths = {n.name: p for n, p in zip(traced.nodes, traced.paths, strict=True)}
+        paths = {n.name: p for n, p in zip(traced.nodes, traced.paths, strict=True)}
+    except Exception:  # said below
+        size = MAX_BYTES + 1
+    if size <= MAX_BYTES:
+        if not has_room(path.parent, size):
+            return False
+        try:
             write_private_file(path, lambda f: torch.save({"module": module, "code": module.code, "paths": paths}, f))
-            if _load_network(path) is not None:
-                return
-    except OSError:  # a full disk, a write that failed: nothing kept, nothing said
-        return
-    except Exception:  # unpicklable: said below
-        pass
+        except Exception:
+            return False
+        if _load_network(path) is not None:
+            return True
     try:
         write_private_file(path, lambda f: None)  # "not kept": the waiters build their own at once
     except OSError:
         pass
+    return True

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import secrets
 import stat
 import tempfile
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from blockflow.core import env
 from blockflow.core.errors import EnvironmentProblem
 
 TEMP_SUFFIX = ".tmp"  # of the files write_private_file renames into place
+_TEMP_NAME = re.compile(r"\..+\.([1-9][0-9]{0,6})\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX))  # temp_path's names
 KEY_BYTES = 32
 # A TensorMQ socket is <runtime>/tmq/<16 hex>-<8 hex>.sock, and a Unix socket's path holds at most 107 bytes.
 MAX_CHARS = 107 - len("/tmq/0123456789abcdef-01234567.sock")
@@ -76,36 +79,35 @@ def private_dir(path: Path, create: bool = True, what: str = "runtime directory"
 
 
 def temp_path(path: Path) -> Path:
-    """Where :func:`write_private_file` writes ``path`` before renaming it: ``.<name>.<pid>.tmp`` beside it."""
-    return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    """A new name for :func:`write_private_file` to write ``path`` under before renaming it:
+    ``.<name>.<pid>.<8 hex>.tmp`` beside it (unique to the writer, also between threads of one process)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
 def temp_owner(tmp: Path) -> int | None:
     """The pid in a :func:`temp_path` name (None for any other name)."""
-    name = tmp.name
-    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
-        return None
-    pid = name[:-len(TEMP_SUFFIX)].rsplit(".", 1)[-1]
-    return int(pid) if pid.isdigit() else None
+    m = _TEMP_NAME.fullmatch(tmp.name)
+    return int(m.group(1)) if m else None
 
 
 def write_private_file(path: Path, write: Callable[[IO[bytes]], object], group: int | None = None) -> None:
     """Replace ``path`` whole with what ``write`` writes into the file it is given, readable by this user only
     (and, with ``group``, read-only by that group's members: 0640).
 
-    The bytes go to a new 0600 file beside it (:func:`temp_path`, ``O_EXCL``, never through a link) that is
-    renamed over ``path``: a reader sees the old file or the new one, never a part, and never a mode wider
-    than asked (an existing file's mode would survive an in-place rewrite). The temporary file is removed
-    whatever happens.
+    The bytes go to a new 0600 file beside it (:func:`temp_path`, ``O_EXCL``, never through a link), flushed
+    to the disk and renamed over ``path``: a reader sees the old file or the new one, never a part (also after
+    a power loss), and never a mode wider than asked (an existing file's mode would survive an in-place
+    rewrite). The temporary file is removed whatever happens.
     """
     tmp = temp_path(path)
-    tmp.unlink(missing_ok=True)  # left by a process of this pid that died while writing
     try:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
             if group is not None:
                 os.fchown(f.fileno(), -1, group)
                 os.fchmod(f.fileno(), 0o640)
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,10 @@ def test_a_key_others_can_read_is_refused(tmp_path: Path) -> None:
 
 def test_a_private_file_is_written_whole_and_opened_only_as_ones_own(tmp_path: Path) -> None:
     target = tmp_path / "f"
-    stale = temp_path(target)  # left by a process of this pid that died while writing
-    stale.write_bytes(b"old")
-    assert temp_owner(stale) == os.getpid() and temp_owner(tmp_path / ".f.tmp") is None
+    a, b = temp_path(target), temp_path(target)
+    assert a != b and temp_owner(a) == temp_owner(b) == os.getpid()  # one per writer, also two threads of a process
+    assert temp_owner(tmp_path / ".f.tmp") is None and temp_owner(tmp_path / ".f.²³.0123abcd.tmp") is None
+    assert temp_owner(tmp_path / ".f.99999999999999999999.0123abcd.tmp") is None
     write_private_file(target, lambda f: f.write(b"new"))
     assert target.read_bytes() == b"new" and stat.S_IMODE(target.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
@@ -103,3 +105,11 @@ def test_a_private_file_is_written_whole_and_opened_only_as_ones_own(tmp_path: P
     (tmp_path / "link").symlink_to(target)
     with pytest.raises(OSError):
         open_own(tmp_path / "link", "file")
+
+
+def test_two_threads_writing_one_file_each_leave_a_whole_one(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    bodies = [bytes([65 + i]) * 200_000 for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda body: write_private_file(target, lambda f: [f.write(body[k:k + 1000]) for k in range(0, len(body), 1000)]), bodies))
+    assert target.read_bytes() in bodies and sorted(p.name for p in tmp_path.iterdir()) == ["f"]

@@ -284,26 +284,45 @@ def test_keeping_networks_is_best_effort(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "networks").symlink_to(tmp_path)
     assert not StageCache(tmp_path / "b").keeps_networks
-    # A write that fails now says nothing: the next process keeps it.
+    # A write that fails now (a full disk: torch.save raises a RuntimeError for it) says so in the lock file only:
+    # the next processes build theirs at once, without waiting for each other, until NOT_KEPT_LATELY_S passed.
     cache = StageCache(tmp_path / "stages")
     real_save = torch.save
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("[enforce fail at inline_container.cc]")))
     cache.network(key, build)
-    assert not cache.network_path(key).exists()
+    path = cache.network_path(key)
+    assert not path.exists() and float(path.with_suffix(".lock").read_text()) <= time.time()
     monkeypatch.setattr(torch, "save", real_save)
     cache.network(key, build)
+    assert built == [1, 1] and not path.exists()  # built at once, not kept: the failure was lately
+    monkeypatch.setattr(stage_cache, "NOT_KEPT_LATELY_S", 0.0)
     cache.network(key, build)
-    assert built == [1, 1] and cache.network_path(key).stat().st_size > 100
-    # No room on the file system: nothing kept, nothing said.
+    cache.network(key, build)
+    assert built == [1, 1, 1] and path.stat().st_size > 100
+    # A kept network loads without the lock (another process holding it to build something else waits nobody).
+    fd = os.open(path.with_suffix(".lock"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        t0 = time.monotonic()
+        cache.network(key, build)
+        assert time.monotonic() - t0 < 5 and built == [1, 1, 1]
+    finally:
+        os.close(fd)
+    # No room on the file system: nothing kept, no empty file.
     assert stage_cache.has_room(tmp_path, 0) and not stage_cache.has_room(tmp_path, 1 << 60)
     other = ("resnet18", 10, (3, 32, 32), 5)
     monkeypatch.setattr(stage_cache, "has_room", lambda d, n: False)
     cache.network(other, build)
     assert not cache.network_path(other).exists()
-    # A temporary file of a process that died while saving goes; a live one's stays.
-    dead = cache.directory / ".abc.pt.999999999.tmp"
-    live = cache.directory / f".abc.pt.{os.getpid()}.tmp"
-    dead.write_bytes(b"x")
-    live.write_bytes(b"x")
+    # A temporary file of a process that died while saving goes (also in an earlier version's naming); a live
+    # one's stays, and so do names this cache does not write.
+    digest = "0123456789abcdef" * 2
+    dead = cache.directory / f".{digest}.pt.4194303.0123abcd.tmp"
+    legacy = cache.directory / f".{digest}.pt.4194303"
+    live = cache.directory / f".{digest}.pt.{os.getpid()}.0123abcd.tmp"
+    others = [cache.directory / n for n in (".backup.4194303.0123abcd.tmp", f".{digest}.pt.²³.0123abcd.tmp",
+                                            f".{digest}.pt.20241130120000.0123abcd.tmp")]
+    for f in (dead, legacy, live, *others):
+        f.write_bytes(b"x")
     StageCache(cache.directory)
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and not legacy.exists() and live.exists() and all(f.exists() for f in others)
