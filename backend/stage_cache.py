@@ -14,7 +14,7 @@ beside the parts (``networks/``): a pickled ``GraphModule``, kept only where it 
 graph (its generated code compares equal), with each node's module path. Processes that need a network
 another one is building wait for it (a lock file per network, at most ``NETWORK_WAIT_S``) instead of
 building it too: a server's block processes start several at a time, and several of them are often cut
-from one network; a kept network loads without the lock. A network that never can be kept (too large, not
+from one network; a kept network loads without the lock. A network that never can be kept (too large, unpicklable, not
 the same graph once loaded) leaves an empty file that says so, and the processes waiting for it build their
 own at once; one that cannot be kept now (no room, a failed write) is noted in its lock file, and for
 ``NOT_KEPT_LATELY_S`` the processes that need it build their own at once.
@@ -57,7 +57,7 @@ from torch import fx, nn
 from blockflow.core import env, programs
 from blockflow.core.arch import Traced
 from blockflow.core.errors import EnvironmentProblem
-from blockflow.core.runtime_dir import open_own, private_dir, temp_owner, write_private_file
+from blockflow.core.runtime_dir import open_own, private_dir, write_private_file
 from blockflow.core.spec import ModelSpec, Part
 from blockflow.core.trained_weights import trained_weights
 
@@ -76,8 +76,8 @@ NETWORK_WAIT_S = 60.0
 # ones build theirs at once, without waiting for each other, for this long; then one tries to keep it again.
 NOT_KEPT_LATELY_S = 600.0
 # The names this cache gives its entries, and its earlier versions' temporary files (``_remove_orphans``).
-_ENTRY = re.compile(r"[0-9a-f]{32}\.pt")
-_LEGACY_TEMP = re.compile(r"\.[0-9a-f]{32}\.pt\.([1-9][0-9]{0,6})")
+# temp_path's names for an entry, and two earlier versions' (``.<digest>.pt.<pid>``, ``.<digest>.pt.<pid>.tmp``).
+_ENTRY_TEMP = re.compile(r"\.[0-9a-f]{32}\.pt\.([1-9][0-9]{0,6})(?:\.[0-9a-f]{8}\.tmp|\.tmp)?")
 # A torchvision network: its name, classes, per-sample input shape and seed (``blockflow.backend.parts.network_key``).
 NetworkKey = tuple[str, int, tuple[int, ...], int]
 
@@ -121,18 +121,20 @@ def has_room(directory: Path, size: int) -> bool:
 
 def _remove_orphans(directory: Path) -> None:
     """Temporary files of processes that died while saving an entry into ``directory``: only names this
-    cache writes (:func:`~blockflow.core.runtime_dir.temp_path`'s of ``<digest>.pt``, and ``.<digest>.pt.<pid>``
-    of earlier versions). In another pid namespace a live writer can look dead here; its rename then fails
-    and it keeps nothing, as with a full disk."""
+    cache writes (:func:`~blockflow.core.runtime_dir.temp_path`'s of ``<digest>.pt``, and earlier versions').
+    In another pid namespace a live writer can look dead here; its rename then fails and it keeps nothing,
+    as with a full disk."""
     for tmp in directory.glob(".*.pt.*"):
-        legacy = _LEGACY_TEMP.fullmatch(tmp.name)
-        pid = int(legacy.group(1)) if legacy else temp_owner(tmp) if _ENTRY.fullmatch(tmp.name.split(".")[1] + ".pt") else None
-        if pid is None:
+        m = _ENTRY_TEMP.fullmatch(tmp.name)
+        if m is None:
             continue
         try:
-            os.kill(pid, 0)
+            os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # not a file of ours after all (a directory): left
         except OSError:
             pass  # alive (another user's pid): not ours to judge
 
@@ -169,7 +171,7 @@ def _locked(path: Path, wait_s: float = NETWORK_WAIT_S) -> Iterator[int | None]:
 def _not_kept_lately(lock: int) -> bool:
     """Whether the lock file (held) says a process could not keep its network within ``NOT_KEPT_LATELY_S``."""
     try:
-        return time.time() - float(os.pread(lock, 32, 0).decode()) < NOT_KEPT_LATELY_S
+        return 0 <= time.time() - float(os.pread(lock, 32, 0).decode()) < NOT_KEPT_LATELY_S  # (a clock set back: not lately)
     except (OSError, ValueError):
         return False  # empty (kept, or never tried) or unreadable
 
@@ -304,8 +306,8 @@ class StageCache:
 
 
 def _not_kept(path: Path) -> bool:
-    """Whether ``path`` says its network is not kept (an empty file of this user's: too large, or it does not
-    load back as built, or saving it failed)."""
+    """Whether ``path`` says its network is never kept (an empty file of this user's: too large, unpicklable,
+    or it does not load back as built)."""
     f = _open_own(path)
     if f is None:
         return False
@@ -331,11 +333,11 @@ def _load_network(path: Path) -> Traced | None:
 
 def _store_network(path: Path, traced: Traced) -> bool:
     """Keep ``traced`` for the next process, only where it loads back as the same graph; whether that is
-    settled. A network that never can be (too large, a graph that cannot be copied, not the same graph once
+    settled. A network that never can be (too large, a graph that cannot be copied, unpicklable, not the same graph once
     loaded) leaves an empty file that says so, and the processes waiting for it build their own at once
     (True). One that cannot be kept now (no room; a write that failed: a full disk, which ``torch.save``
-    reports as a ``RuntimeError``, or something unpicklable) leaves nothing (False), and the caller says so
-    in the lock file for a while. Atomically; best effort."""
+    reports as a ``RuntimeError``) leaves nothing (False), and the caller says so in the lock file for a
+    while. Atomically; best effort."""
     try:
         # Its graph copied into one that names no tracer: torchvision's (which traced it) would be imported to load it.
         graph = fx.Graph()
@@ -351,12 +353,14 @@ def _store_network(path: Path, traced: Traced) -> bool:
             return False
         try:
             write_private_file(path, lambda f: torch.save({"module": module, "code": module.code, "paths": paths}, f))
-        except Exception:
+        except (OSError, RuntimeError):  # a full disk (torch.save's own writer raises RuntimeError): for now
             return False
+        except Exception:  # unpicklable: for good, said below
+            pass
         if _load_network(path) is not None:
             return True
     try:
         write_private_file(path, lambda f: None)  # "not kept": the waiters build their own at once
     except OSError:
-        pass
+        return False  # said in the lock file instead, for a while
     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -308,21 +309,34 @@ def test_keeping_networks_is_best_effort(tmp_path: Path, monkeypatch: pytest.Mon
         assert time.monotonic() - t0 < 5 and built == [1, 1, 1]
     finally:
         os.close(fd)
+    # An unpicklable network is never kept (the empty file says so); a marker that cannot be written is not settled.
+    third = ("resnet18", 10, (3, 32, 32), 6)
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(pickle.PicklingError("a local function")))
+    assert stage_cache._store_network(cache.network_path(third), build()) is True
+    assert cache.network_path(third).stat().st_size == 0
+    real_write = stage_cache.write_private_file
+    monkeypatch.setattr(stage_cache, "write_private_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    assert stage_cache._store_network(cache.network_path(("resnet18", 10, (3, 32, 32), 7)), build()) is False
+    monkeypatch.setattr(stage_cache, "write_private_file", real_write)
+    monkeypatch.setattr(torch, "save", real_save)
     # No room on the file system: nothing kept, no empty file.
     assert stage_cache.has_room(tmp_path, 0) and not stage_cache.has_room(tmp_path, 1 << 60)
     other = ("resnet18", 10, (3, 32, 32), 5)
     monkeypatch.setattr(stage_cache, "has_room", lambda d, n: False)
     cache.network(other, build)
     assert not cache.network_path(other).exists()
-    # A temporary file of a process that died while saving goes (also in an earlier version's naming); a live
+    # A temporary file of a process that died while saving goes (also in earlier versions' naming); a live
     # one's stays, and so do names this cache does not write.
     digest = "0123456789abcdef" * 2
-    dead = cache.directory / f".{digest}.pt.4194303.0123abcd.tmp"
-    legacy = cache.directory / f".{digest}.pt.4194303"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    pid = gone.pid  # of a process that ended
+    dead = [cache.directory / f".{digest}.pt.{n}" for n in (f"{pid}.0123abcd.tmp", f"{pid}.tmp", f"{pid}")]
     live = cache.directory / f".{digest}.pt.{os.getpid()}.0123abcd.tmp"
-    others = [cache.directory / n for n in (".backup.4194303.0123abcd.tmp", f".{digest}.pt.²³.0123abcd.tmp",
+    others = [cache.directory / n for n in (f".backup.{pid}.0123abcd.tmp", f".notes.pt.{pid}.0123abcd.tmp",
+                                            f".{digest}.lock.pt.{pid}.0123abcd.tmp", f".{digest}.pt.²³.0123abcd.tmp",
                                             f".{digest}.pt.20241130120000.0123abcd.tmp")]
-    for f in (dead, legacy, live, *others):
+    for f in (*dead, live, *others):
         f.write_bytes(b"x")
     StageCache(cache.directory)
-    assert not dead.exists() and not legacy.exists() and live.exists() and all(f.exists() for f in others)
+    assert not any(f.exists() for f in dead) and live.exists() and all(f.exists() for f in others)
