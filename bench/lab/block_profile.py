@@ -1,7 +1,7 @@
 """Where a server's block processes spend the host's CPU: py-spy samples of every block process, by block.
 
     python -m blockflow.bench.lab.block_profile record --out DIR [--every 12] [--seconds 3] [--rate 250] &
-    python -m blockflow.bench.lab.block_profile summary DIR --windows T1,T2,T3 [--top 10]
+    python -m blockflow.bench.lab.block_profile summary DIR --windows T1,T2,T3|all [--top 10]
 
 ``record`` runs beside a benchmark until stopped (a signal): every ``--every`` seconds it samples
 every Triton Python stub process on the machine at once for ``--seconds`` with py-spy
@@ -62,6 +62,11 @@ def record(out: Path, py_spy: str, every: float, seconds: float, rate: int) -> N
         time.sleep(max(0.0, every - (time.time() - t)))
 
 
+def recorded_windows(out: Path) -> set[str]:
+    """Every window ``record`` wrote into ``out`` (start-up and idle ones too)."""
+    return {line.split()[0] for line in (out / "pids.txt").read_text().splitlines() if line.strip()}
+
+
 def summary(out: Path, windows: set[str], top: int) -> str:
     """Per model, over ``windows``: its busy samples by thread kind, and its busiest frames."""
     models = {}
@@ -103,7 +108,8 @@ def main() -> None:
     rec.add_argument("--rate", type=int, default=250, help="samples a second")
     summ = sub.add_parser("summary", help="the shares of the windows given")
     summ.add_argument("out", type=Path)
-    summ.add_argument("--windows", required=True, help="window starts (file name prefixes), comma-separated")
+    summ.add_argument("--windows", required=True,
+                      help="window starts (file name prefixes), comma-separated; 'all' for every window recorded")
     summ.add_argument("--top", type=int, default=10)
     args = ap.parse_args()
     if args.command == "record":
@@ -112,7 +118,7 @@ def main() -> None:
             sys.exit(f"no py-spy at {args.py_spy!r}: pip install py-spy, or give --py-spy PATH")
         record(args.out, exe, args.every, args.seconds, args.rate)
     else:
-        print(summary(args.out, set(args.windows.split(",")), args.top))
+        print(summary(args.out, recorded_windows(args.out) if args.windows == "all" else set(args.windows.split(",")), args.top))
 
 
 if __name__ == "__main__":

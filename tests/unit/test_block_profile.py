@@ -25,6 +25,8 @@ def test_samples_split_into_the_stubs_threads_execute_and_other_python_threads(t
     assert "## b1: 100 samples\n\nexecute 50%, stub's own threads 30%, other Python threads 20%\n" in text
     assert "- 50.0% RequestInputs.read (request_inputs.py:112)\n- 30.0% (no Python frame)\n" in text
     assert "## b2: 5 samples\n\nstub's own threads 100%\n" in text
+    assert block_profile.recorded_windows(tmp_path) == {"100", "200"}
+    assert "## b1: 1099 samples" in block_profile.summary(tmp_path, block_profile.recorded_windows(tmp_path), top=2)
 
 
 def test_a_stub_process_is_found_with_its_model(tmp_path: Path) -> None:
