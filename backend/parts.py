@@ -125,12 +125,13 @@ def build_part(spec: ModelSpec, part: Part, cache: StageCache | None = None,
         kept = cache.load(entry)
         if kept is not None:
             return kept
+    kept_networks = cache if cache is not None and cache.keeps_networks else None
     key = network_key(spec, part)
-    if key is not None and (networks is not None or (cache is not None and cache.keeps_networks)):
+    if key is not None and (networks is not None or kept_networks is not None):
         traced = networks.get(key) if networks is not None else None
         if traced is None:
             build = functools.partial(_network, spec, part)
-            traced = cache.network(key, build) if cache is not None and cache.keeps_networks else build()
+            traced = kept_networks.network(key, build) if kept_networks is not None else build()
             if networks is not None:
                 networks[key] = traced
         stages = _cut_part(spec, part, traced, own_copy=networks is not None)
@@ -154,15 +155,17 @@ def network_key(spec: ModelSpec, part: Part) -> NetworkKey | None:
     None for pre-cut stage files and exported programs (they bring their own graphs and weights)."""
     if spec.stage_files or programs.is_program(spec.arch):
         return None
-    seed = part.weights.seed if part.weights.seed is not None else 0
-    return spec.arch, spec.num_classes, tuple(int(d) for d in spec.input_shape), seed
+    return spec.arch, spec.num_classes, tuple(int(d) for d in spec.input_shape), _seed(part)
+
+
+def _seed(part: Part) -> int:
+    return part.weights.seed if part.weights.seed is not None else 0
 
 
 def _network(spec: ModelSpec, part: Part) -> arch.Traced:
     """The whole network ``part`` is cut from, built under its seed and traced."""
-    seed = part.weights.seed if part.weights.seed is not None else 0
     try:
-        net = arch.build_network(spec.arch, spec.num_classes, seed, spec.input_shape)
+        net = arch.build_network(spec.arch, spec.num_classes, _seed(part), spec.input_shape)
     except ValueError as exc:  # an exported program that no longer loads
         raise BlockError(str(exc)) from None
     return arch.trace(net)

@@ -75,7 +75,6 @@ NETWORK_WAIT_S = 60.0
 # After a process could not keep a network for a passing reason (no room, a write that failed), the next
 # ones build theirs at once, without waiting for each other, for this long; then one tries to keep it again.
 NOT_KEPT_LATELY_S = 600.0
-# The names this cache gives its entries, and its earlier versions' temporary files (``_remove_orphans``).
 # temp_path's names for an entry, and two earlier versions' (``.<digest>.pt.<pid>``, ``.<digest>.pt.<pid>.tmp``).
 _ENTRY_TEMP = re.compile(r"\.[0-9a-f]{32}\.pt\.([1-9][0-9]{0,6})(?:\.[0-9a-f]{8}\.tmp|\.tmp)?")
 # A torchvision network: its name, classes, per-sample input shape and seed (``blockflow.backend.parts.network_key``).
@@ -184,6 +183,14 @@ def _say_not_kept_now(lock: int) -> None:
         pass
 
 
+def _entry_name(fields: dict[str, object]) -> str:
+    """The file name of the entry ``fields`` define, with what else builds it: the entry format, torch's thread
+    count and CPU capability, BlockFlow's build code, torch's and torchvision's versions."""
+    key = {**fields, "format": FORMAT, "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability(),
+           "code": build_code_digest(), "torch": torch.__version__, "torchvision": _version("torchvision")}
+    return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest() + ".pt"
+
+
 def _file_digest(path: str) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
@@ -215,11 +222,7 @@ class StageCache:
     def network_path(self, key: NetworkKey) -> Path:
         assert self.networks is not None
         arch, num_classes, input_shape, seed = key
-        fields = {"format": FORMAT, "arch": arch, "num_classes": num_classes, "input_shape": list(input_shape), "seed": seed,
-                  "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability(), "code": build_code_digest(),
-                  "torch": torch.__version__, "torchvision": _version("torchvision")}
-        digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).hexdigest()
-        return self.networks / f"{digest}.pt"
+        return self.networks / _entry_name({"arch": arch, "num_classes": num_classes, "input_shape": list(input_shape), "seed": seed})
 
     def network(self, key: NetworkKey, build: Callable[[], Traced]) -> Traced:
         """The network ``key`` names, traced: kept by another process, else ``build()`` (and kept).
@@ -276,11 +279,9 @@ class StageCache:
             network = {"program": _file_digest(spec.arch)}
         elif spec.stage_files:
             network = {"stage_files": [_file_digest(f) for f in spec.stage_files[part.first:part.last + 1]]}
-        key = {"format": FORMAT, "arch": network, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
-               "input_shape": spec.input_shape, "first": part.first, "last": part.last, "weights": weights,
-               "threads": torch.get_num_threads(), "cpu": torch.backends.cpu.get_cpu_capability(), "code": build_code_digest(), "torch": torch.__version__, "torchvision": _version("torchvision")}
-        digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
-        return self.directory / f"{digest}.pt"
+        return self.directory / _entry_name({"arch": network, "cut_points": spec.cut_points, "num_classes": spec.num_classes,
+                                             "input_shape": spec.input_shape, "first": part.first, "last": part.last,
+                                             "weights": weights})
 
     def load(self, entry: Path) -> nn.Module | None:
         """The part kept at ``entry`` (:meth:`path`), if it is usable (any problem with it counts as a miss)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
 import stat
 import tempfile
@@ -25,7 +24,6 @@ from blockflow.core import env
 from blockflow.core.errors import EnvironmentProblem
 
 TEMP_SUFFIX = ".tmp"  # of the files write_private_file renames into place
-_TEMP_NAME = re.compile(r"\..+\.([1-9][0-9]{0,6})\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX))  # temp_path's names
 KEY_BYTES = 32
 # A TensorMQ socket is <runtime>/tmq/<16 hex>-<8 hex>.sock, and a Unix socket's path holds at most 107 bytes.
 MAX_CHARS = 107 - len("/tmq/0123456789abcdef-01234567.sock")
@@ -82,12 +80,6 @@ def temp_path(path: Path) -> Path:
     """A new name for :func:`write_private_file` to write ``path`` under before renaming it:
     ``.<name>.<pid>.<8 hex>.tmp`` beside it (unique to the writer, also between threads of one process)."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-
-
-def temp_owner(tmp: Path) -> int | None:
-    """The pid in a :func:`temp_path` name (None for any other name)."""
-    m = _TEMP_NAME.fullmatch(tmp.name)
-    return int(m.group(1)) if m else None
 
 
 def write_private_file(path: Path, write: Callable[[IO[bytes]], object], group: int | None = None) -> None:
