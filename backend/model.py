@@ -28,6 +28,7 @@ from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exp
 
 from blockflow.backend import instance_args
 from blockflow.backend.health import Health, Metrics
+from blockflow.backend.link_loop import LinkLoop
 from blockflow.backend.replies import EarlyReply, failed_response, split, trimmed
 from blockflow.backend.request_inputs import RequestInputs
 from blockflow.backend.runtime import BlockRunner
@@ -36,7 +37,7 @@ from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import tracer_for
 from blockflow.core import env
-from blockflow.core.errors import BlockError
+from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ModelSpec
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
@@ -78,6 +79,10 @@ class TritonPythonModel:
         self.tracer.memory("warmup")
         self.ends = TensorMQEnds.open(args, spec, self.device, self.out_name, self.stream, self.health, self.tracer)
         self.inputs = RequestInputs(spec, self.in_names, self.device, self.ends, self.stream, self.tracer)
+        # A chain's link (plan option hand_over: chain) runs what it is handed on a thread of its own.
+        self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, spec.max_batch_size,
+                                     self.health.touch, self.logger.log_error)
+                           if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer)
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
@@ -122,6 +127,10 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         self.health.touch(len(requests))
+        if self.link_loop is not None:
+            why = RequestError(f"block {self.spec.name!r} is a link of a chain (hand_over: chain): it takes its input "
+                               "from the block before it directly; send requests to the task's model")
+            return [failed_response(why, self.spec.name) for _ in requests]
         self.tracer.begin()
         responses = self._execute(requests)
         self.tracer.end(len(requests))
@@ -253,6 +262,8 @@ class TritonPythonModel:
         return [out.to("cpu", non_blocking=not self.ragged) for out in outs] if self.to_host else outs
 
     def finalize(self) -> None:
+        if self.link_loop is not None:
+            self.link_loop.close()
         self.health.close()
         self.tracer.close()
         self.metrics.close()

@@ -41,7 +41,10 @@ class TensorMQEnds:
         """The ends ``spec`` gives the instance Triton describes in ``args``; their files go when the server does."""
         # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
         # A sender of direct hand-overs answers after its commit (backend/tensormq/handover.py).
-        answers_early = not spec.heads and os.environ.get(env.TMQ_EARLY) != "0" and not (spec.hand_over and spec.hand_over.to)
+        # A chain's head keys its hand-overs by its own tickets and may answer early; a link answers nobody.
+        role = spec.hand_over
+        answers_early = (not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
+                         and not (role is not None and (role.link or (role.to and not role.own_keys))))
         if spec.transport != "tensormq" or spec.tensormq is None:
             return cls(None, None, None, answers_early, spec, stream, tracer)
         model = args["model_name"]

@@ -235,12 +235,17 @@ def render(plan: Plan) -> dict[str, bytes]:
     # Direct hand-overs: the plan's pairs, wired into the TensorMQ ensembles of the tasks that ask for them.
     relay = {naming.block_model(a, "tensormq", plan.transport): naming.block_model(b, "tensormq", plan.transport)
              for a, b in plan.hand_overs.items()}
+    mode = plan.hand_over_mode
     paths = {e: [st.model for st in steps] for e, steps, t, _, _, _ in ensembles
-             if relay and t.hand_over == "direct" and t.transport == "tensormq" and steps[0].spec.transport == "tensormq"}
-    roles = direct_pairs.roles(paths, relay)
+             if relay and t.hand_over == mode and t.transport == "tensormq" and steps[0].spec.transport == "tensormq"}
+    # Chains: their links are no steps; every other step takes the step before's output (its join a key).
+    roles = direct_pairs.chain_roles(paths, relay) if mode == "chain" else direct_pairs.roles(paths, relay)
     for ename, steps, task, tname, index, onward in ensembles:
         last = plan.blocks[task.path[-1]]
-        wiring = direct_pairs.wiring(paths[ename], relay) if ename in paths else None
+        wiring = direct_pairs.wiring(paths[ename], relay) if ename in paths and mode == "direct" else None
+        if ename in paths and mode == "chain":
+            kept = set(direct_pairs.chain_steps(paths[ename], relay))
+            steps = [st for st in steps if st.model in kept]
         cfg = ensemble_config(ename, steps, steps[0].spec.in_shape, plan.block_out_shape(last), wiring,
                               crossing_models.entry(steps[0].spec) if index else None,
                               () if index else plan.task_side_inputs(task))

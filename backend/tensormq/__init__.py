@@ -159,6 +159,27 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handove
   ``HANDED_AFTER_<k>`` and never reads them: Triton runs only the steps whose outputs some step
   takes (``docs/triton-notes.md``).
 
+Chains (plan option ``hand_over: chain``; ``backend/link_loop.py``, ``direct_pairs.chain_roles``):
+
+- The receivers of the qualifying pairs are *links*: no ensemble steps. A run ``h -> r1 ... rk -> j``
+  has its *head* ``h`` (a step) hand over each sample keyed by the ticket it hands over (its MAC), and
+  the ensemble gives that ticket to the *join* ``j`` (the step after ``h``) as its key.
+- A sender whose receiver is a link sends each call's hand-overs to one instance of it, the next
+  call's to the next (one datagram that does not go is tried on the next instance; otherwise the rest
+  goes to the same instance over ZeroMQ): two instances must never take one sample, or the second's
+  refused claim would be handed on as its failure.
+- A link instance takes what it hears on a thread of its own (``HandIn.take_any``; each key once,
+  at most ``max_batch_size`` samples a batch), claims the tickets as any consumer (the samples of one
+  slot use together, so one bad use fails only its samples), runs them into its own slot and hands
+  its tickets on under the same keys before queuing the GPU work. A failure it was handed, or one of
+  its own, is handed on as the sample's failure, so the join's request fails with it (UNAVAILABLE).
+  A link answers no request (a direct call fails with a clear error); Triton's statistics do not
+  count its work.
+- The join resolves its key as any receiver (every rule above). A key whose request was cancelled
+  leaves its samples to the claim windows, as a ticket that left the ensemble.
+- A block's part in a chain cannot change on a running server (``blockflow apply`` refuses it and
+  changes nothing).
+
 Messages: everything on these sockets (consumer to producer: HELLO, STATS, and RELEASE where messages release; sender to
 receiver: the hand-overs), frame by frame, is in ``backend/tensormq/wire.py``.
 

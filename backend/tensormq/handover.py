@@ -71,10 +71,17 @@ def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
 class HandOut:
     """A sender's side: the keys of the current call, then for each its ticket or its failure."""
 
-    def __init__(self, runtime_dir: Path, to_model: str) -> None:
+    def __init__(self, runtime_dir: Path, to_model: str, own_keys: bool = False, one: bool = False) -> None:
         self.dir = runtime_dir / env.TMQ_DIR
         self.prefix = hand_over_prefix(to_model)
         self.to = to_model
+        # A chain's head keys each hand-over by the ticket it hands over (the ensemble gives the chain's
+        # join that ticket); other senders by the ticket they were given.
+        self.own_keys = own_keys
+        # A chain's link takes every hand-over it hears (no request picks its instance): each call's go to one
+        # instance, the next call's to the next (an instance that does not take them: the one after).
+        self.one = one
+        self._turn = 0
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._dgram = DatagramOut() if datagrams_on() else None
@@ -117,13 +124,16 @@ class HandOut:
         self._keys.extend(keys)
 
     def send(self, tickets: Sequence[bytes]) -> None:
-        """This call's tickets, one per sample of its batch, in the order of its keys."""
+        """This call's tickets, one per sample of its batch, in the order of its keys (a chain's head: keyed by themselves)."""
         keys, self._keys = self._keys, []
+        if self.own_keys:
+            keys = [t[MAC] for t in tickets]
         self._push([handed(k, t) for k, t in zip(keys, tickets, strict=True)])
 
-    def fail(self, keys: Sequence[bytes], reason: str) -> None:
-        """The receiver fails these samples' requests at once, with ``reason``, instead of waiting."""
-        self._push([failed(k, f"{reason} (in block {self.to}'s sender)") for k in keys])
+    def fail(self, keys: Sequence[bytes], reason: str, forwarded: bool = False) -> None:
+        """The receiver fails these samples' requests at once, with ``reason``, instead of waiting
+        (``forwarded``: a chain's link hands on the failure it was handed, as it was)."""
+        self._push([failed(k, reason if forwarded else f"{reason} (in block {self.to}'s sender)") for k in keys])
 
     def finish(self, reason: str) -> None:
         """End of the call: keys read but never sent (the batch failed before its tickets) fail."""
@@ -132,14 +142,27 @@ class HandOut:
             self.fail(keys, reason)
 
     def _push(self, messages: list[list[bytes]]) -> None:
+        if not messages:
+            return
         socks = self._receivers()
         datagrams = self._dgram.pack(messages) if self._dgram is not None else []
-        for name, sock in socks.items():
+        names = list(socks)
+        if self.one and names:
+            # A link: one instance takes the call, the next call's the next one. A call in one datagram
+            # that does not go (all or nothing) is tried on the next instance; otherwise the rest goes to
+            # the same instance over ZeroMQ (it keeps the first copy of each key): a sample two instances
+            # took would run twice, and the second's failed claim would be handed on as its failure.
+            self._turn = (self._turn + 1) % len(names)
+            names = names[self._turn:] + names[:self._turn]
+            if len(datagrams) == 1 and self._dgram is not None and any(self._dgram.send(datagrams, n) for n in names):
+                return
+            names = names[:1]
+        for name in names:
             if datagrams and self._dgram is not None and self._dgram.send(datagrams, name):
                 continue
             for message in messages:
                 try:
-                    sock.send_multipart(message, flags=zmq.NOBLOCK, copy=False)
+                    socks[name].send_multipart(message, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self.dropped += 1
 
@@ -227,6 +250,22 @@ class HandIn:
             out[i] = np.frombuffer(ticket, dtype=np.uint8)
         self._expire()
         return out
+
+    def take_any(self, timeout_s: float, most: int) -> list[tuple[bytes, bytes, bytes]]:
+        """A chain link's next hand-overs, ``(key, status, ticket)`` in the order they came, at most ``most``;
+        waits up to ``timeout_s`` for the first. Each key is served once (a copy that comes later is dropped)."""
+        with self._lock:
+            self._drain()
+            if not self.pending and self.poller.poll(max(1, int(timeout_s * 1000))):
+                self._drain()
+            out: list[tuple[bytes, bytes, bytes]] = []
+            now = time.monotonic()
+            while self.pending and len(out) < most:
+                key, (_, status, ticket) = self.pending.popitem(last=False)
+                self.served[key] = now
+                out.append((key, status, ticket))
+            self._expire()
+            return out
 
     def _take(self, key: bytes, t: tk.Ticket, deadline: float) -> tuple[bytes, bytes]:
         start = time.monotonic()
@@ -345,17 +384,17 @@ class Relay:
     def open(cls, runtime_dir: Path, model: str, role: HandOver | None, consumer: Consumer | None, produces: bool,
              keep_s: float) -> Relay | None:
         """The part ``role`` gives a block with ``consumer`` (and a producer where ``produces``); None for none."""
-        if role is None or consumer is None:
+        if role is None:
             return None
-        out = HandOut(runtime_dir, role.to) if role.to and produces else None
+        out = HandOut(runtime_dir, role.to, own_keys=role.own_keys, one=role.to_link) if role.to and produces else None
         into = (HandIn(runtime_dir, model, role, consumer.key, consumer.commit_wait_s, keep_s, also=consumer.also)
-                if role.takes_from else None)
+                if role.takes_from and consumer is not None else None)
         return cls(out, into) if out or into else None
 
     def read(self, tickets: Any, gather: Callable[[Any], T]) -> T:
         """``gather`` of a request's tickets, its keys resolved (a receiver) and noted (a sender);
         a sender hands over the failure of a request it cannot read."""
-        keys = keys_of(tickets) if self.out is not None and isinstance(tickets, np.ndarray) else []
+        keys = keys_of(tickets) if self.out is not None and not self.out.own_keys and isinstance(tickets, np.ndarray) else []
         try:
             if self.into is not None and isinstance(tickets, np.ndarray):
                 if self._until is None:

@@ -66,6 +66,7 @@ from blockflow.control.order import (
     HandOverOrder,
     Widening,
     bridge,
+    chain_parts_changed,
     hand_over_order,
     hand_overs_changed,
     stand_ins,
@@ -277,6 +278,10 @@ class Applier(Undo):
         blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
         ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
         done: list[Change] = []
+        chained = chain_parts_changed(blocks, backup, wanted)
+        if chained:
+            raise ApplyError(f"{', '.join(chained)}: their part in a chain (hand_over: chain) changes, which a running "
+                             "server cannot switch; nothing was changed (stop the server and serve the new plan)")
         order = hand_over_order(ensembles, backup, wanted, served)
         wider = widening(blocks, backup, wanted)
         try:

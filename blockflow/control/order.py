@@ -63,6 +63,21 @@ def hand_overs_changed(ensembles: Iterable[Change], old: Mapping[str, RenderedMo
                      and (now := new.get(c.model)) is not None and handed_pairs(before.config) != handed_pairs(now.config))
 
 
+def chain_parts_changed(blocks: Iterable[Change], old: Mapping[str, RenderedModel | None],
+                        new: Mapping[str, RenderedModel]) -> tuple[str, ...]:
+    """The changed ``blocks`` whose part in a chain (plan option ``hand_over: chain``) changes: a link
+    takes no requests and a chain's head hands over what the ensemble never asks for, so neither can
+    switch while old ensembles run (:meth:`~blockflow.control.apply.Applier._change` refuses them)."""
+    def part(model: RenderedModel | None) -> tuple[object, ...]:
+        role = model.spec.hand_over if model is not None and model.spec is not None else None
+        if role is None or not (role.link or role.own_keys or role.to_link):
+            return ()
+        return role.link, role.own_keys, role.to_link, role.to, role.takes_from, role.keys_from
+
+    return tuple(sorted(c.model for c in blocks if c.action == "change" and c.model in new
+                        and part(old.get(c.model)) != part(new[c.model])))
+
+
 def bridge(ensemble: RenderedModel) -> RenderedModel:
     """An ensemble with its steps as a plain chain, stamped so that no plan's digest matches it: a
     server left running it (an apply cut short) is brought in step by the next apply."""

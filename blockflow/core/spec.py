@@ -213,6 +213,13 @@ class HandOver(_Strict):
     keys_from: tuple[str, ...] = ()
     # How many optional HANDED_AFTER inputs this block (a join) takes.
     after: int = 0
+    # Chains (plan option ``hand_over: chain``): a *link* is no ensemble step; it runs every hand-over
+    # it is sent and hands its own tickets on under the same key. A chain's head keys its hand-overs by
+    # its own tickets (``own_keys``), and a block whose ``to`` is a link sends each call to one of its
+    # instances (``to_link``).
+    link: bool = False
+    own_keys: bool = False
+    to_link: bool = False
 
 
 class ModelSpec(_Strict):
@@ -332,4 +339,6 @@ class ModelSpec(_Strict):
                 del part["precision"]
             if not part["side_inputs"]:
                 del part["side_inputs"]
+        if "hand_over" in data:  # a chain's fields, where false (direct hand-overs keep their bytes)
+            data["hand_over"] = {k: v for k, v in data["hand_over"].items() if v is not False}
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -137,6 +137,13 @@ def graph_issues(plan: Plan) -> Iterable[PlanIssue]:
         if not path_issues and task.path and set(task.path) <= good_blocks:
             yield from _side_input_issues(plan, tname)
     yield from crossing.issues(plan)
+    modes = sorted({t.hand_over for t in plan.tasks.values()} - {"ensemble"})
+    if len(modes) > 1:
+        yield PlanIssue("hand_over", f"tasks hand over {' and '.join(map(repr, modes))}: a plan's blocks hand over one way "
+                                     "beyond the ensemble; give its tasks one of them (or 'ensemble')")
+    if "chain" in modes and plan.raw.servers:
+        yield PlanIssue("hand_over", "a chain's links hand over within one server; a plan that spans servers hands over "
+                                     "'ensemble' or 'direct'")
     for name in good_blocks:
         feeders = plan.block_feeders(plan.blocks[name])
         if len(set(feeders.values())) > 1:

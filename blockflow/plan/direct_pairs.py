@@ -35,10 +35,11 @@ class Wiring:
 
 
 def pairs(paths: Mapping[str, Sequence[str]], packs: Set[str] = frozenset(),
-          kept: Sequence[Sequence[str]] = (), readers: Set[str] = frozenset()) -> dict[str, str]:
+          kept: Sequence[Sequence[str]] = (), readers: Set[str] = frozenset(), chain: bool = False) -> dict[str, str]:
     """Sender -> receiver of every pair that hands over directly, given each task's models in order
     (``kept``: the paths of tasks whose ensembles keep every step; their blocks hand over nothing;
-    ``readers``: the models that read side inputs, which never receive)."""
+    ``readers``: the models that read side inputs, which never receive; ``chain``: the receivers are
+    links, :func:`chain_roles`)."""
     after: dict[str, set[str]] = {}
     before: dict[str, set[str]] = {}
     steady = {m for path in kept for m in path} | set(packs)
@@ -52,9 +53,45 @@ def pairs(paths: Mapping[str, Sequence[str]], packs: Set[str] = frozenset(),
         if len(nexts) != 1 or before[b] != {a} or a in steady or b in steady or b in readers:
             continue
         places = [(p.index(b), len(p)) for p in paths.values() if b in p]
-        if all(2 <= i <= n - 2 for i, n in places):
+        if chain:  # a link is neither end of a path and hands on to one block, which takes from it only
+            nexts_b = after.get(b, set())
+            if len(nexts_b) == 1 and before[next(iter(nexts_b))] == {b} and all(1 <= i <= n - 2 for i, n in places):
+                out[a] = b
+        elif all(2 <= i <= n - 2 for i, n in places):
             out[a] = b
     return out
+
+
+def chain_steps(path: Sequence[str], relay: Mapping[str, str]) -> list[str]:
+    """``path``'s ensemble steps when the receivers of ``relay`` are links (``hand_over: chain``):
+    every block but those, each step taking the step before's output."""
+    links = set(relay.values())
+    return [m for m in path if m not in links]
+
+
+def chain_roles(paths: Mapping[str, Sequence[str]], relay: Mapping[str, str]) -> dict[str, HandOver]:
+    """Each model's part in the chains of ``paths`` (models that play none are left out): a run
+    ``h -> r1 -> ... -> rk -> j`` has its head ``h`` keying each hand-over by its own ticket, the links
+    ``r*`` (no steps) handing on under that key, and its join ``j`` (the step after ``h``) given ``h``'s
+    ticket as its key by the ensemble and ``rk``'s ticket for it by ``rk``."""
+    links = set(relay.values())
+    takes_from = {b: a for a, b in relay.items()}
+    out: dict[str, dict[str, object]] = {}
+    for path in paths.values():
+        for model in path:
+            if model in links or model not in relay:
+                continue
+            head, run = model, [model]  # a run's head: a sender that is no link
+            while run[-1] in relay:
+                run.append(relay[run[-1]])
+            join = path[path.index(run[-1]) + 1]
+            out.setdefault(head, {}).update(to=relay[head], own_keys=True, to_link=True)
+            for r in run[1:]:
+                to = relay.get(r, join)
+                out.setdefault(r, {}).update(to=to, takes_from=takes_from[r], keys_from=(head,), link=True,
+                                             to_link=to in links)
+            out.setdefault(join, {}).update(takes_from=run[-1], keys_from=(head,))
+    return {m: HandOver.model_validate(fields) for m, fields in sorted(out.items())}
 
 
 def wiring(path: Sequence[str], relay: Mapping[str, str]) -> Wiring:

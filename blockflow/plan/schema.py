@@ -28,6 +28,8 @@ NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 NAME_RULE = "start with a letter; letters, digits, '_' and '-' only; at most 64 characters; no '__' (reserved for generated variants)"
 
 Placement = Literal["auto", "cpu", "gpu"] | list[int]
+# How a task's blocks hand over (docs/plan.md, "hand_over").
+HandOverMode = Literal["ensemble", "direct", "chain"]
 
 
 class _Strict(BaseModel):
@@ -233,7 +235,7 @@ class TaskDef(_Strict):
     path: list[str] = Field(min_length=1)
     transport: TransportName | None = None
     # The plan's ``hand_over`` for this task alone (a block both kinds of tasks run keeps its steps).
-    hand_over: Literal["ensemble", "direct"] | None = None
+    hand_over: HandOverMode | None = None
 
 
 class PlanModel(_Strict):
@@ -263,8 +265,9 @@ class PlanModel(_Strict):
     pack_size: int = Field(default=8, ge=2, le=64)
     # direct: on TensorMQ paths, a block whose only next block is one whose only block before it
     # is this one hands its tickets to that block directly, and the ensemble runs both at once:
-    # one ensemble step fewer per such pair (docs/plan.md, "hand_over").
-    hand_over: Literal["ensemble", "direct"] = "ensemble"
+    # one ensemble step fewer per such pair (docs/plan.md, "hand_over"). chain: such blocks are no
+    # steps at all: each runs what the block before it hands it and hands on (docs/plan.md, "Chains").
+    hand_over: HandOverMode = "ensemble"
     tensormq: TensorMQSettings = TensorMQSettings()
     # The servers a plan spans (blockflow.plan.crossing): each serves its blocks, and a task whose
     # path goes on to another server's blocks crosses to it over Triton's gRPC. Empty: one server.

@@ -57,7 +57,8 @@ HAND_OVERS: dict[str, tuple[Path, bool]] = {}
 
 # hand_over_zmq: the hand-over plan with hand-overs over ZeroMQ only (BLOCKFLOW_TMQ_HANDOVER_DGRAM=0);
 # hand_over sends them as datagrams, the default.
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "hand_over_zmq", *EXAMPLES])
+# chain: the same blocks with mid_a and mid_b as links (hand_over: chain).
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "hand_over_zmq", "chain", *EXAMPLES])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
     name = request.param.removesuffix("_zmq")
@@ -188,3 +189,35 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
         client.close()
     with TaskClient(url) as c:  # and the tasks serve on
         assert float(np.abs(c.infer("task_a", xs[1]) - want[("task_a", 1)]).max()) <= 1e-4
+
+
+def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_own(served: tuple[Plan, str]) -> None:
+    plan, url = served
+    if plan.raw.name != "chain":
+        pytest.skip("for the chain plan only")
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tritonclient.http as http
+
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal((1 + i % 4, 3, 32, 32), dtype=np.float32) for i in range(32)]
+    with TaskClient(url) as client:
+        want = {(t, i): client.infer(naming.reference_model(t, graph=False), x) for t in ("task_a", "task_b") for i, x in enumerate(xs)}
+
+    def one(job: tuple[str, int]) -> float:
+        with TaskClient(url) as c:
+            got = c.infer(job[0], xs[job[1]])
+        return float(np.abs(got - want[job]).max())
+
+    with ThreadPoolExecutor(8) as pool:  # both tasks' requests run through the links together
+        assert max(pool.map(one, list(want))) <= 1e-4
+    client = http.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        ticket = http.InferInput("ACTIVATION_IN", [1, 256], "UINT8")
+        ticket.set_data_from_numpy(np.zeros((1, 256), dtype=np.uint8))
+        with pytest.raises(Exception, match="is a link of a chain"):
+            client.infer("mid_a", [ticket])
+    finally:
+        client.close()
+    with TaskClient(url) as c:  # and the tasks serve on
+        assert float(np.abs(c.infer("task_b", xs[1]) - want[("task_b", 1)]).max()) <= 1e-4

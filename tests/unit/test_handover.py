@@ -24,7 +24,7 @@ from blockflow.core import also_accepts, env
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver
 from blockflow.ensemble_gen import generator
-from blockflow.plan import direct_pairs, load_plan, parse_plan
+from blockflow.plan import direct_pairs, load_plan, parse_plan, parse_plan_text
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAIN = {"t": ["b0", "b1", "b2", "b3", "b4"]}
@@ -371,3 +371,91 @@ def test_a_receivers_full_datagram_queue_sends_the_rest_over_zeromq_and_loses_no
         out.close()
         into.close()
     assert not into.dgram_path.exists() and not into.path.exists()
+
+
+# ---------------------------------------------------------------------------- chains (hand_over: chain)
+
+
+def test_a_chains_links_are_its_middle_blocks_its_head_keys_by_its_own_tickets_and_its_join_is_the_next_step() -> None:
+    relay = direct_pairs.pairs(CHAIN, chain=True)
+    assert relay == {"b0": "b1", "b1": "b2", "b2": "b3"}  # b1 may be the second block; b4, the last, is a step
+    assert direct_pairs.chain_steps(CHAIN["t"], relay) == ["b0", "b4"]
+    roles = direct_pairs.chain_roles(CHAIN, relay)
+    assert roles["b0"] == HandOver(to="b1", own_keys=True, to_link=True)
+    assert roles["b1"] == HandOver(to="b2", takes_from="b0", keys_from=("b0",), link=True, to_link=True)
+    assert roles["b3"] == HandOver(to="b4", takes_from="b2", keys_from=("b0",), link=True)
+    assert roles["b4"] == HandOver(takes_from="b3", keys_from=("b0",))
+
+
+@pytest.mark.parametrize("paths", [
+    {"t": ["b0", "b1", "b2", "b3"], "u": ["b0", "b1", "c2", "c3"]},  # b1 has two blocks after it
+    {"t": ["b0", "b1", "b2", "b3"], "u": ["c0", "c1", "b2", "b3"]},  # b2 has two blocks before it
+    {"t": ["b0", "b1", "b2"], "u": ["c0", "c1", "b2"]},  # b2 would join two chains
+    {"t": ["b0", "b1"]},  # no middle block
+])
+def test_a_block_whose_neighbours_differ_between_tasks_is_no_link(paths: dict[str, list[str]]) -> None:
+    assert direct_pairs.pairs(paths, chain=True) == {}
+
+
+def test_shared_blocks_stay_steps_and_a_tasks_own_tail_chains_from_its_first_own_block() -> None:
+    paths = {"t": ["s", "t1", "t2", "t3"], "u": ["s", "u1", "u2", "u3"]}
+    relay = direct_pairs.pairs(paths, chain=True)
+    assert relay == {"t1": "t2", "u1": "u2"}
+    roles = direct_pairs.chain_roles(paths, relay)
+    assert roles["t1"] == HandOver(to="t2", own_keys=True, to_link=True)
+    assert roles["t3"] == HandOver(takes_from="t2", keys_from=("t1",)) and "s" not in roles
+    assert direct_pairs.chain_steps(paths["u"], relay) == ["s", "u1", "u3"]
+
+
+def test_the_generator_leaves_a_chains_links_out_of_its_ensemble() -> None:
+    files = generator.render(load_plan(ROOT / "tests" / "plans" / "chain.yaml"))
+    task = files["task_a/config.pbtxt"].decode()
+    inputs = re.findall(r'model_name: "(\w+)".*?((?:input_map \{.*?\}\s*)+)', task, re.S)
+    assert [(m, re.findall(r'value: "(\w+)"', maps)) for m, maps in inputs] == [
+        ("stem", ["IMAGE"]), ("mid_c", ["hop0_stem"]), ("head_a", ["hop1_mid_c"])]
+    assert _spec(files["mid_a/config.pbtxt"])["hand_over"] == {
+        "to": "mid_b", "takes_from": "stem", "keys_from": ["stem"], "after": 0, "link": True, "to_link": True}
+    assert _spec(files["mid_c/config.pbtxt"])["hand_over"]["takes_from"] == "mid_b"
+    assert "hand_over" not in _spec(files["head_a/config.pbtxt"])
+
+
+def test_a_plan_hands_over_one_way_beyond_the_ensemble() -> None:
+    text = (ROOT / "tests" / "plans" / "chain.yaml").read_text()
+    text = text.replace("  task_b: {path: [stem, mid_a, mid_b, mid_c, head_b]}",
+                        "  task_b: {path: [stem, mid_a, mid_b, mid_c, head_b], hand_over: direct}")
+    with pytest.raises(Exception, match="hand over one way"):
+        parse_plan_text(text)
+
+
+def test_a_links_instances_take_a_senders_calls_in_turn_and_each_key_once(runtime: Path) -> None:
+    key = read_key(runtime)
+    role = HandOver(to="b2", takes_from="b0", keys_from=("b0",), link=True)
+    first = HandIn(runtime, "b1", role, key, wait_s=1.0, keep_s=10.0, pid=1)
+    second = HandIn(runtime, "b1", role, key, wait_s=1.0, keep_s=10.0, pid=2)
+    out = HandOut(runtime, "b1", own_keys=True, one=True)
+    try:
+        calls = [[bytes([c * 8 + i]) * tk.TICKET_BYTES for i in range(3)] for c in range(4)]
+        for tickets in calls:
+            out.begin()
+            out.send(tickets)  # keyed by the tickets themselves
+        out.fail([b"k" * 16], "gone", forwarded=True)
+        got: list[list[tuple[bytes, bytes, bytes]]] = [[], []]
+        deadline = time.monotonic() + 3
+        while sum(map(len, got)) < 13 and time.monotonic() < deadline:
+            for g, into in zip(got, (first, second), strict=True):
+                g.extend(into.take_any(0.01, 32))
+        assert sorted(len(g) for g in got) == [6, 7]  # whole calls, alternately; the failure to one
+        heard = [m for g in got for m in g]
+        assert sorted(t for k, s, t in heard if s == b"") == sorted(t for c in calls for t in c)
+        assert all(k == t[tk.LAYOUT["mac"]] for k, s, t in heard if s == b"")
+        assert [s for k, s, _ in heard if k == b"k" * 16] == [b"gone"]  # handed on as it was
+        assert not first.take_any(0.01, 32) and not second.take_any(0.01, 32)  # nothing twice
+    finally:
+        for x in (out, first, second):
+            x.close()
+
+
+def test_a_plan_that_spans_servers_has_no_chains() -> None:
+    text = (ROOT / "tests" / "plans" / "chain.yaml").read_text() + "servers:\n  one: {grpc: 'localhost:8001'}\n  two: {grpc: 'localhost:9001'}\n"
+    with pytest.raises(Exception, match="within one server"):
+        parse_plan_text(text)

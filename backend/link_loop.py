@@ -1,0 +1,109 @@
+"""A link's own thread (plan option ``hand_over: chain``): the block runs what it is handed, not requests.
+
+A link is no ensemble step. Its instances take the hand-overs the block before it sends them
+(``backend/tensormq/handover.py``: each call's to one instance), claim the tickets, run the batch
+into their own pool slot and hand their tickets on under the same keys, the first block's
+(``HandOver.own_keys``), to the next block: another link, or the chain's *join*, the step the
+ensemble gives that key. A sample that fails here is handed on as its failure, so the join's request
+fails with it (UNAVAILABLE). The protocol's rules are in the package note (``backend/tensormq/__init__.py``,
+"Chains").
+
+Inside a stub only (through ``TensorMQEnds``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from blockflow.backend.runtime import BlockRunner
+from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.consumer import Release
+from blockflow.backend.tensormq.handover import HandIn, HandOut
+from blockflow.backend.tensormq.wire import HANDED
+from blockflow.backend.tensormq_ends import TensorMQEnds
+from blockflow.core.errors import RequestError
+
+# The ticket's bytes that name the use of a slot (producer, generation, slot, sequence): the samples of
+# one use are claimed together, so one bad use fails only its own samples.
+_USE = slice(tk.LAYOUT["producer"].start, tk.LAYOUT["seq"].stop)
+# How long the thread waits for hand-overs before it looks whether it should stop.
+_POLL_S = 0.1
+
+
+class LinkLoop:
+    """Runs a link instance's hand-overs on a thread of its own, at most ``max_batch`` samples a batch."""
+
+    def __init__(self, ends: TensorMQEnds, runner: BlockRunner, shapes: tuple[tuple[int, ...], ...], device: torch.device,
+                 max_batch: int, touch: Callable[[int], None], log_error: Callable[[str], None]) -> None:
+        relay, consumer = ends.relay, ends.consumer
+        assert relay is not None and relay.into is not None and relay.out is not None and consumer is not None
+        self.ends, self.runner, self.shapes, self.device = ends, runner, shapes, device
+        self.into: HandIn = relay.into
+        self.out: HandOut = relay.out
+        self.consumer = consumer
+        self.max_batch, self.touch, self.log_error = max_batch, touch, log_error
+        self.batches = self.samples = self.failed = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="blockflow-link", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the CUDA context is per thread
+        while not self._closed.is_set():
+            try:
+                got = self.into.take_any(_POLL_S, self.max_batch)
+                if got:
+                    self.touch(len(got))
+                    self._run(got)
+            except Exception as exc:  # a batch's failure is handed on; this thread must outlive it
+                self.log_error(f"blockflow: link batch failed: {exc!r}")
+
+    def _run(self, got: list[tuple[bytes, bytes, bytes]]) -> None:
+        ends, out = self.ends, self.out
+        ends.begin()
+        uses: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        for key, status, ticket in got:
+            if status != HANDED:  # failed before: the join's request fails with the sender's reason
+                out.fail([key], status.decode(errors="replace"), forwarded=True)
+            else:
+                uses.setdefault(ticket[_USE], []).append((key, ticket))
+        keys: list[bytes] = []
+        views: list[list[torch.Tensor]] = []
+        releases: list[Release] = []
+        for samples in uses.values():
+            rows = np.frombuffer(b"".join(t for _, t in samples), dtype=np.uint8).reshape(len(samples), tk.TICKET_BYTES)
+            try:
+                v, rel = self.consumer.gather_tensors(rows, self.shapes, ends.stream)
+            except RequestError as exc:
+                out.fail([k for k, _ in samples], str(exc))
+                self.failed += len(samples)
+                continue
+            keys.extend(k for k, _ in samples)
+            views.append(v)
+            releases.extend(rel)
+        if not views:
+            return
+        failed = False
+        try:
+            xs = views[0] if len(views) == 1 else self.runner.join([[v[j] for v in views] for j in range(len(views[0]))])
+            out.take(keys)
+            ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
+            self.batches += 1
+            self.samples += len(keys)
+        except Exception as exc:
+            failed = True
+            self.failed += len(keys)
+            self.log_error(f"blockflow: link batch of {len(keys)} failed: {exc!r}")
+        finally:
+            ends.end_sends()  # keys taken but not handed on fail at the next block
+            ends.end(releases, False, failed)
+
+    def close(self) -> None:
+        """Stop taking hand-overs (before the ends close)."""
+        self._closed.set()
+        self._thread.join(2 * _POLL_S + 5)
