@@ -80,7 +80,7 @@ class TritonPythonModel:
         self.ends = TensorMQEnds.open(args, spec, self.device, self.out_name, self.stream, self.health, self.tracer)
         self.inputs = RequestInputs(spec, self.in_names, self.device, self.ends, self.stream, self.tracer)
         # A chain's link (plan option hand_over: chain) runs what it is handed on a thread of its own.
-        self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, spec.max_batch_size,
+        self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, max(1, spec.max_batch_size),
                                      self.health.touch, self.logger.log_error)
                            if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer)
