@@ -525,3 +525,27 @@ def test_a_restarted_serve_resumes_the_plan_applied_live_unless_the_plan_file_ch
     again = Controller(SimpleNamespace(), state, base_dir=tmp_path)  # type: ignore[arg-type]
     again.adopt(b_text, b, started_from=a_text)  # serve resumed: no second entry, still started from A
     assert [e.name for e in again.history()] == ["live-a", "live-b"] and resumable(state, a_text) == resumed
+
+
+def test_an_apply_that_changes_a_blocks_part_in_a_chain_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """A link takes no requests and a chain's head hands over what no old ensemble asks for, so a
+    running server cannot switch a task into or out of a chain."""
+    import yaml
+
+    from blockflow.control.order import chain_parts_changed
+    from blockflow.plan import parse_plan
+
+    raw = yaml.safe_load((ROOT / "tests" / "plans" / "hand_over.yaml").read_text())
+    plans = {mode: parse_plan({**raw, "hand_over": mode, "compare": [], "references": []}, source=mode, base_dir=ROOT)
+             for mode in ("ensemble", "chain")}
+    old, new = (rendered.render(plans[k]) for k in ("ensemble", "chain"))
+    d = compute_diff(new, _served(old))
+    blocks = [c for c in d.changes if not c.ensemble]
+    assert chain_parts_changed(blocks, old.models, new.models) == ("mid_a", "mid_b", "stem")  # a join takes either
+    assert chain_parts_changed(blocks, new.models, new.models) == ()
+    repo = tmp_path / "repo"
+    generator.write(old.files, repo)
+    rec = _Applying(repo, _served(old))
+    with pytest.raises(ApplyError, match="part in a chain"):
+        rec.apply(plans["chain"])
+    assert rec.waves == [] and generator.diff(old.files, repo) == []  # nothing loaded, nothing written
