@@ -183,3 +183,25 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         server.stop()
         left = list(group_members(pgid))
         assert left == [], f"processes left behind by tritonserver: {left}"
+
+
+def worst_concurrent_error(url: str, tasks: tuple[str, ...], xs: list[Any], threads: int) -> float:
+    """Each task's answer to each of ``xs`` from ``threads`` clients at once, against its eager reference's
+    (asked first, one at a time): the largest absolute difference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from blockflow.clients.client import TaskClient
+    from blockflow.plan import naming
+
+    with TaskClient(url) as client:
+        want = {(t, i): client.infer(naming.reference_model(t, graph=False), x) for t in tasks for i, x in enumerate(xs)}
+
+    def one(job: tuple[str, int]) -> float:
+        with TaskClient(url) as c:
+            got = c.infer(job[0], xs[job[1]])
+        return float(np.abs(got - want[job]).max())
+
+    with ThreadPoolExecutor(threads) as pool:
+        return max(pool.map(one, list(want)))

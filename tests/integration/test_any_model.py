@@ -18,7 +18,7 @@ import torch
 from blockflow.clients.client import TaskClient
 from blockflow.plan import Plan, load_plan, naming
 
-from ..conftest import own_server
+from ..conftest import own_server, worst_concurrent_error
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,22 +143,12 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
     plan, url = served
     if plan.raw.name != "hand-over":
         pytest.skip("for the hand-over plan only")
-    from concurrent.futures import ThreadPoolExecutor
-
     import tritonclient.http as http
 
     rng = np.random.default_rng(11)
     xs = [rng.standard_normal((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(24)]
-    with TaskClient(url) as client:
-        want = {(t, i): client.infer(naming.reference_model(t, graph=False), x) for t in ("task_a", "task_b") for i, x in enumerate(xs)}
-
-    def one(job: tuple[str, int]) -> float:
-        with TaskClient(url) as c:
-            got = c.infer(job[0], xs[job[1]])
-        return float(np.abs(got - want[job]).max())
-
-    with ThreadPoolExecutor(8) as pool:  # requests of both tasks batched together in every block
-        assert max(pool.map(one, list(want))) <= 1e-4
+    # Requests of both tasks batched together in every block.
+    assert worst_concurrent_error(url, ("task_a", "task_b"), xs, threads=8) <= 1e-4
     if url in HAND_OVERS:  # each receiver instance listens for datagrams too, unless turned off
         tmq, datagrams = HAND_OVERS[url][0] / "tmq", HAND_OVERS[url][1]
         receivers = len(list(tmq.glob("ho*.sock")))
@@ -187,30 +177,19 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
             call("mid_c", "ACTIVATION_IN", call("stem", "IMAGE", xs[0][:1]))
     finally:
         client.close()
-    with TaskClient(url) as c:  # and the tasks serve on
-        assert float(np.abs(c.infer("task_a", xs[1]) - want[("task_a", 1)]).max()) <= 1e-4
+    assert worst_concurrent_error(url, ("task_a",), xs[:2], threads=1) <= 1e-4  # and the tasks serve on
 
 
 def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_own(served: tuple[Plan, str]) -> None:
     plan, url = served
     if plan.raw.name != "chain":
         pytest.skip("for the chain plan only")
-    from concurrent.futures import ThreadPoolExecutor
-
     import tritonclient.http as http
 
     rng = np.random.default_rng(12)
     xs = [rng.standard_normal((1 + i % 4, 3, 32, 32), dtype=np.float32) for i in range(32)]
-    with TaskClient(url) as client:
-        want = {(t, i): client.infer(naming.reference_model(t, graph=False), x) for t in ("task_a", "task_b") for i, x in enumerate(xs)}
-
-    def one(job: tuple[str, int]) -> float:
-        with TaskClient(url) as c:
-            got = c.infer(job[0], xs[job[1]])
-        return float(np.abs(got - want[job]).max())
-
-    with ThreadPoolExecutor(8) as pool:  # both tasks' requests run through the links together
-        assert max(pool.map(one, list(want))) <= 1e-4
+    # Both tasks' requests run through the links together, batched across calls.
+    assert worst_concurrent_error(url, ("task_a", "task_b"), xs, threads=8) <= 1e-4
     client = http.InferenceServerClient(url.removeprefix("http://"))
     try:
         ticket = http.InferInput("ACTIVATION_IN", [1, 256], "UINT8")
@@ -219,5 +198,4 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
             client.infer("mid_a", [ticket])
     finally:
         client.close()
-    with TaskClient(url) as c:  # and the tasks serve on
-        assert float(np.abs(c.infer("task_b", xs[1]) - want[("task_b", 1)]).max()) <= 1e-4
+    assert worst_concurrent_error(url, ("task_b",), xs[:2], threads=1) <= 1e-4  # and the tasks serve on
