@@ -25,7 +25,6 @@ from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq.handover import HandIn, HandOut
 from blockflow.backend.tensormq.wire import HANDED
 from blockflow.backend.tensormq_ends import TensorMQEnds
-from blockflow.core.errors import RequestError
 
 # The ticket's bytes that name the use of a slot (producer, generation, slot, sequence): the samples of
 # one use are claimed together, so one bad use fails only its own samples.
@@ -47,24 +46,29 @@ class LinkLoop:
         self.consumer = consumer
         self.max_batch, self.touch, self.log_error = max_batch, touch, log_error
         self.batches = self.samples = self.failed = 0
-        self._closed = threading.Event()
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="blockflow-link", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the CUDA context is per thread
-        while not self._closed.is_set():
+        quiet = 0  # polls in a row that heard nothing, once stopping
+        while quiet < 2:
             try:
-                got = self.into.take_any(_POLL_S, self.max_batch)
+                # A hand-over that waited longer than the join waits for it is handed on as failed, not run.
+                got = self.into.take_any(_POLL_S, self.max_batch, stale_s=self.into.wait_s)
                 if got:
                     self.touch(len(got))
                     self._run(got)
             except Exception as exc:  # a batch's failure is handed on; this thread must outlive it
                 self.log_error(f"blockflow: link batch failed: {exc!r}")
+                got = []
+            quiet = quiet + 1 if self._stopping.is_set() and not got else 0
 
     def _run(self, got: list[tuple[bytes, bytes, bytes]]) -> None:
-        ends, out = self.ends, self.out
+        ends, out, tracer = self.ends, self.out, self.ends.tracer
+        tracer.begin()
         ends.begin()
         uses: dict[bytes, list[tuple[bytes, bytes]]] = {}
         for key, status, ticket in got:
@@ -75,23 +79,23 @@ class LinkLoop:
         keys: list[bytes] = []
         views: list[list[torch.Tensor]] = []
         releases: list[Release] = []
-        for samples in uses.values():
-            rows = np.frombuffer(b"".join(t for _, t in samples), dtype=np.uint8).reshape(len(samples), tk.TICKET_BYTES)
-            try:
-                v, rel = self.consumer.gather_tensors(rows, self.shapes, ends.stream)
-            except RequestError as exc:
-                out.fail([k for k, _ in samples], str(exc))
-                self.failed += len(samples)
-                continue
-            keys.extend(k for k, _ in samples)
-            views.append(v)
-            releases.extend(rel)
-        if not views:
-            return
         failed = False
         try:
+            for samples in uses.values():
+                rows = np.frombuffer(b"".join(t for _, t in samples), dtype=np.uint8).reshape(len(samples), tk.TICKET_BYTES)
+                try:
+                    v, rel = self.consumer.gather_tensors(rows, self.shapes, ends.stream)
+                except Exception as exc:  # this use's samples fail; the others run
+                    out.fail([k for k, _ in samples], str(exc))
+                    self.failed += len(samples)
+                    continue
+                keys.extend(k for k, _ in samples)
+                views.append(v)
+                releases.extend(rel)
+            if not views:
+                return
+            out.take(keys)  # from here on, a key not handed on fails at the next block (end_sends)
             xs = views[0] if len(views) == 1 else self.runner.join([[v[j] for v in views] for j in range(len(views[0]))])
-            out.take(keys)
             ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
             self.batches += 1
             self.samples += len(keys)
@@ -100,10 +104,13 @@ class LinkLoop:
             self.failed += len(keys)
             self.log_error(f"blockflow: link batch of {len(keys)} failed: {exc!r}")
         finally:
-            ends.end_sends()  # keys taken but not handed on fail at the next block
+            ends.end_sends()
             ends.end(releases, False, failed)
+            tracer.end(len(got))
 
     def close(self) -> None:
-        """Stop taking hand-overs (before the ends close)."""
-        self._closed.set()
-        self._thread.join(2 * _POLL_S + 5)
+        """Stop before the ends close: senders stop finding this instance once its sockets' files are gone;
+        what reached it by then is still run (until it has heard nothing for two polls), and it waits for that."""
+        self.into.remove_file()
+        self._stopping.set()
+        self._thread.join()

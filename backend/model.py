@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -42,6 +43,12 @@ from blockflow.core.spec import ModelSpec
 
 # How long an unloading producer waits for its outstanding tickets to be released (never past the lease).
 DRAIN_S = 10.0
+
+
+def _to_stderr(message: str) -> None:
+    """A thread of the block's own logs here: Triton's logger can block, holding the GIL, once the server
+    is gone (docs/triton-notes.md), and such a thread outlives the server's calls."""
+    print(message, file=sys.stderr, flush=True)
 
 
 class TritonPythonModel:
@@ -81,7 +88,7 @@ class TritonPythonModel:
         self.inputs = RequestInputs(spec, self.in_names, self.device, self.ends, self.stream, self.tracer)
         # A chain's link (plan option hand_over: chain) runs what it is handed on a thread of its own.
         self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, max(1, spec.max_batch_size),
-                                     self.health.touch, self.logger.log_error)
+                                     self.health.touch, _to_stderr)
                            if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer)
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one

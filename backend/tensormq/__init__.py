@@ -166,17 +166,24 @@ Chains (plan option ``hand_over: chain``; ``backend/link_loop.py``, ``direct_pai
   the ensemble gives that ticket to the *join* ``j`` (the step after ``h``) as its key.
 - A sender whose receiver is a link sends each call's hand-overs to one instance of it, the next
   call's to the next (one datagram that does not go is tried on the next instance; otherwise the rest
-  goes to the same instance over ZeroMQ): two instances must never take one sample, or the second's
-  refused claim would be handed on as its failure.
+  goes over ZeroMQ to the first instance still listening): two instances must never take one sample,
+  or the second's refused claim would be handed on as its failure.
 - A link instance takes what it hears on a thread of its own (``HandIn.take_any``; each key once,
   at most ``max_batch_size`` samples a batch), claims the tickets as any consumer (the samples of one
-  slot use together, so one bad use fails only its samples), runs them into its own slot and hands
-  its tickets on under the same keys before queuing the GPU work. A failure it was handed, or one of
-  its own, is handed on as the sample's failure, so the join's request fails with it (UNAVAILABLE).
-  A link answers no request (a direct call fails with a clear error); Triton's statistics do not
-  count its work.
-- The join resolves its key as any receiver (every rule above). A key whose request was cancelled
-  leaves its samples to the claim windows, as a ticket that left the ensemble.
+  slot use together, so one bad use fails only its samples; a batch of several uses is joined into
+  one tensor, a copy), runs them into its own slot and hands its tickets on under the same keys before
+  queuing the GPU work. A failure it was handed, one of its own, and a hand-over that waited longer
+  than the join waits (``COMMIT_WAIT_S``) are handed on as the sample's failure, so the join's request
+  fails with it (UNAVAILABLE). A link answers no request (a direct call fails with a clear error);
+  Triton's statistics do not count its work.
+- A link that stops (an unload, a reload) first removes its sockets' files, so senders stop finding it,
+  then runs what reached it until it hears nothing for two polls.
+- The join resolves its key as a receiver of direct hand-overs, but never asks the key's claim table:
+  the head's ticket was claimed hops before the last link hands over, so its window and its producer's
+  life say nothing of that hand-over; a key that gets none fails after the wait. A key whose request
+  was cancelled leaves its samples to the claim windows, as a ticket that left the ensemble. Calling
+  the head directly runs every link of its chain (its last link's slot is then held until its claim
+  window ends), as calling each block in turn would.
 - A block's part in a chain cannot change on a running server (``blockflow apply`` refuses it and
   changes nothing).
 

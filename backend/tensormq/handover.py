@@ -156,7 +156,8 @@ class HandOut:
             names = names[self._turn:] + names[:self._turn]
             if len(datagrams) == 1 and self._dgram is not None and any(self._dgram.send(datagrams, n) for n in names):
                 return
-            names = names[:1]
+            # A killed instance leaves its files (and ZeroMQ queues for it without a word): the first one listening.
+            names = next(([n] for n in names if listening(self.dir / n)), [])
         for name in names:
             if datagrams and self._dgram is not None and self._dgram.send(datagrams, name):
                 continue
@@ -180,6 +181,7 @@ class HandIn:
     def __init__(self, runtime_dir: Path, model: str, role: HandOver, mac_key: bytes, wait_s: float, keep_s: float,
                  pid: int | None = None, also: also_accepts.Reader | None = None) -> None:
         self.runtime_dir = runtime_dir
+        self.model = model
         self.path = hand_over_path(runtime_dir, model, os.getpid() if pid is None else pid)
         self.path.unlink(missing_ok=True)  # left by a killed process that had this pid
         # The datagram socket first: senders find an instance by its ZeroMQ socket's file and look for
@@ -202,6 +204,9 @@ class HandIn:
         if self.dgram is not None:
             self.poller.register(self.dgram.fileno(), zmq.POLLIN)
         self.sender = role.takes_from
+        # A join fed by a chain's link: the key is the head's ticket, claimed hops before the sender's
+        # hand-over comes, so its claim window and its producer's life say nothing of that hand-over.
+        self.looks = not role.from_link
         self.key_models = {tk.model_id(m).to_bytes(8, "little") for m in role.keys_from}
         self.sender_model = tk.model_id(role.takes_from).to_bytes(8, "little")
         self.also = also  # other blocks whose tickets are keys too, during a live plan change
@@ -251,9 +256,10 @@ class HandIn:
         self._expire()
         return out
 
-    def take_any(self, timeout_s: float, most: int) -> list[tuple[bytes, bytes, bytes]]:
+    def take_any(self, timeout_s: float, most: int, stale_s: float) -> list[tuple[bytes, bytes, bytes]]:
         """A chain link's next hand-overs, ``(key, status, ticket)`` in the order they came, at most ``most``;
-        waits up to ``timeout_s`` for the first. Each key is served once (a copy that comes later is dropped)."""
+        waits up to ``timeout_s`` for the first. Each key is served once (a copy that comes later is dropped).
+        One that arrived over ``stale_s`` ago comes as failed (its request gave up by then)."""
         with self._lock:
             self._drain()
             if not self.pending and self.poller.poll(max(1, int(timeout_s * 1000))):
@@ -261,8 +267,10 @@ class HandIn:
             out: list[tuple[bytes, bytes, bytes]] = []
             now = time.monotonic()
             while self.pending and len(out) < most:
-                key, (_, status, ticket) = self.pending.popitem(last=False)
+                key, (arrived, status, ticket) = self.pending.popitem(last=False)
                 self.served[key] = now
+                if status == HANDED and now - arrived > stale_s:
+                    status = f"not run: it waited over {stale_s:g} s in block {self.model}'s queue".encode()
                 out.append((key, status, ticket))
             self._expire()
             return out
@@ -275,7 +283,7 @@ class HandIn:
             if key in self.pending:
                 break
             now = time.monotonic()
-            if now >= look:
+            if now >= look and self.looks:
                 look = now + LOOK_EVERY_S
                 why = self._over(t, now)
                 if why is not None:
@@ -283,7 +291,7 @@ class HandIn:
                     if key in self.pending:
                         break
                     raise why
-            left = min(deadline, look) - now
+            left = (min(deadline, look) if self.looks else deadline) - now
             if deadline - now <= 0 or (not self.poller.poll(max(1, int(left * 1000))) and time.monotonic() >= deadline):
                 raise ProducerGoneError(f"block {self.sender} did not hand over this request's input within "
                                         f"{self.wait_s:g} s (it stopped, or the request did not come through its task)")

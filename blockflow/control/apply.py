@@ -246,6 +246,10 @@ class Applier(Undo):
             d = self._with_fields(changes, wanted, old)
             ensembles = {s.name: rendered.read_model(self.repository, s.name, lenient=True) for s in served if s.ensemble}
             first = stand_ins(d.changes, ensembles, old, wanted.models)
+            chained = chain_parts_changed([c for c in d.changes if not c.ensemble], old, wanted.models)
+            if chained:
+                raise ApplyError(f"{', '.join(chained)}: their part in a chain (hand_over: chain) changes, which a running "
+                                 "server cannot switch; nothing was changed (stop the server and serve the new plan)")
             report = Report(d, stand_ins=first)
             if dry_run or d.empty:
                 report.seconds = time.monotonic() - t0
@@ -278,10 +282,6 @@ class Applier(Undo):
         blocks = [c for c in d.changes if not c.ensemble and c.action != "remove"]
         ensembles = [c for c in d.changes if c.ensemble and c.action != "remove"]
         done: list[Change] = []
-        chained = chain_parts_changed(blocks, backup, wanted)
-        if chained:
-            raise ApplyError(f"{', '.join(chained)}: their part in a chain (hand_over: chain) changes, which a running "
-                             "server cannot switch; nothing was changed (stop the server and serve the new plan)")
         order = hand_over_order(ensembles, backup, wanted, served)
         wider = widening(blocks, backup, wanted)
         try:

@@ -220,6 +220,8 @@ class HandOver(_Strict):
     link: bool = False
     own_keys: bool = False
     to_link: bool = False
+    # A chain's join: its hand-overs come from a link, hops after its key (the head's ticket) was claimed.
+    from_link: bool = False
 
 
 class ModelSpec(_Strict):

@@ -348,7 +348,8 @@ class Plan(SideInputs):
             elif not self.task_hand_overs(t):
                 out.append(f"tasks.{t.name}: hand_over 'chain' finds no link on its path: a link is the only block after "
                            "the one before it and before the one after it in every task, no task's first or last block, "
-                           "and reads no task input besides the image (docs/plan.md)")
+                           "in no task that keeps its steps (hand_over 'ensemble', another transport) and reads no task "
+                           "input besides the image (docs/plan.md)")
         return out
 
 

@@ -90,7 +90,7 @@ def chain_roles(paths: Mapping[str, Sequence[str]], relay: Mapping[str, str]) ->
                 to = relay.get(r, join)
                 out.setdefault(r, {}).update(to=to, takes_from=takes_from[r], keys_from=(head,), link=True,
                                              to_link=to in links)
-            out.setdefault(join, {}).update(takes_from=run[-1], keys_from=(head,))
+            out.setdefault(join, {}).update(takes_from=run[-1], keys_from=(head,), from_link=True)
     return {m: HandOver.model_validate(fields) for m, fields in sorted(out.items())}
 
 

@@ -546,6 +546,7 @@ def test_an_apply_that_changes_a_blocks_part_in_a_chain_is_refused_and_changes_n
     repo = tmp_path / "repo"
     generator.write(old.files, repo)
     rec = _Applying(repo, _served(old))
-    with pytest.raises(ApplyError, match="part in a chain"):
-        rec.apply(plans["chain"])
+    for dry_run in (True, False):  # a dry run says so too
+        with pytest.raises(ApplyError, match="part in a chain"):
+            rec.apply(plans["chain"], dry_run=dry_run)
     assert rec.waves == [] and generator.diff(old.files, repo) == []  # nothing loaded, nothing written

@@ -384,7 +384,7 @@ def test_a_chains_links_are_its_middle_blocks_its_head_keys_by_its_own_tickets_a
     assert roles["b0"] == HandOver(to="b1", own_keys=True, to_link=True)
     assert roles["b1"] == HandOver(to="b2", takes_from="b0", keys_from=("b0",), link=True, to_link=True)
     assert roles["b3"] == HandOver(to="b4", takes_from="b2", keys_from=("b0",), link=True)
-    assert roles["b4"] == HandOver(takes_from="b3", keys_from=("b0",))
+    assert roles["b4"] == HandOver(takes_from="b3", keys_from=("b0",), from_link=True)
 
 
 @pytest.mark.parametrize("paths", [
@@ -403,7 +403,7 @@ def test_shared_blocks_stay_steps_and_a_tasks_own_tail_chains_from_its_first_own
     assert relay == {"t1": "t2", "u1": "u2"}
     roles = direct_pairs.chain_roles(paths, relay)
     assert roles["t1"] == HandOver(to="t2", own_keys=True, to_link=True)
-    assert roles["t3"] == HandOver(takes_from="t2", keys_from=("t1",)) and "s" not in roles
+    assert roles["t3"] == HandOver(takes_from="t2", keys_from=("t1",), from_link=True) and "s" not in roles
     assert direct_pairs.chain_steps(paths["u"], relay) == ["s", "u1", "u3"]
 
 
@@ -415,7 +415,7 @@ def test_the_generator_leaves_a_chains_links_out_of_its_ensemble() -> None:
         ("stem", ["IMAGE"]), ("mid_c", ["hop0_stem"]), ("head_a", ["hop1_mid_c"])]
     assert _spec(files["mid_a/config.pbtxt"])["hand_over"] == {
         "to": "mid_b", "takes_from": "stem", "keys_from": ["stem"], "after": 0, "link": True, "to_link": True}
-    assert _spec(files["mid_c/config.pbtxt"])["hand_over"]["takes_from"] == "mid_b"
+    assert _spec(files["mid_c/config.pbtxt"])["hand_over"] == {"takes_from": "mid_b", "keys_from": ["stem"], "to": "", "after": 0, "from_link": True}
     assert "hand_over" not in _spec(files["head_a/config.pbtxt"])
 
 
@@ -443,13 +443,13 @@ def test_a_links_instances_take_a_senders_calls_in_turn_and_each_key_once(runtim
         deadline = time.monotonic() + 3
         while sum(map(len, got)) < 13 and time.monotonic() < deadline:
             for g, into in zip(got, (first, second), strict=True):
-                g.extend(into.take_any(0.01, 32))
+                g.extend(into.take_any(0.01, 32, stale_s=5.0))
         assert sorted(len(g) for g in got) == [6, 7]  # whole calls, alternately; the failure to one
         heard = [m for g in got for m in g]
         assert sorted(t for k, s, t in heard if s == b"") == sorted(t for c in calls for t in c)
         assert all(k == t[tk.LAYOUT["mac"]] for k, s, t in heard if s == b"")
         assert [s for k, s, _ in heard if k == b"k" * 16] == [b"gone"]  # handed on as it was
-        assert not first.take_any(0.01, 32) and not second.take_any(0.01, 32)  # nothing twice
+        assert not first.take_any(0.01, 32, stale_s=5.0) and not second.take_any(0.01, 32, stale_s=5.0)  # nothing twice
     finally:
         for x in (out, first, second):
             x.close()
@@ -459,3 +459,44 @@ def test_a_plan_that_spans_servers_has_no_chains() -> None:
     text = (ROOT / "tests" / "plans" / "chain.yaml").read_text() + "servers:\n  one: {grpc: 'localhost:8001'}\n  two: {grpc: 'localhost:9001'}\n"
     with pytest.raises(Exception, match="within one server"):
         parse_plan_text(text)
+
+
+def test_a_links_sender_skips_a_killed_instance_and_a_stale_hand_over_comes_as_failed(runtime: Path) -> None:
+    key = read_key(runtime)
+    role = HandOver(to="b2", takes_from="b0", keys_from=("b0",), link=True)
+    live = HandIn(runtime, "b1", role, key, wait_s=1.0, keep_s=10.0, pid=1)
+    dead = HandIn(runtime, "b1", role, key, wait_s=1.0, keep_s=10.0, pid=2)
+    out = HandOut(runtime, "b1", own_keys=True, one=True)
+    try:
+        out.begin()
+        out.send([])  # nothing to send: the sender has not listed them yet
+        assert len(out._receivers()) == 2
+        dead._closed.set()  # killed: nobody listens, and its files stay
+        dead._idle.join()
+        dead.sock.close(0)
+        if dead.dgram is not None:
+            dead.dgram.close()
+        for path in (dead.path, dead.dgram_path):
+            path.unlink(missing_ok=True)
+            path.write_bytes(b"")
+        calls = [[bytes([c * 4 + i]) * tk.TICKET_BYTES for i in range(2)] for c in range(6)]
+        for tickets in calls:
+            out.begin()
+            out.send(tickets)
+        got: list[tuple[bytes, bytes, bytes]] = []
+        deadline = time.monotonic() + 3
+        while len(got) < 12 and time.monotonic() < deadline:
+            got.extend(live.take_any(0.01, 32, stale_s=5.0))
+        assert sorted(t for _, _, t in got) == sorted(t for c in calls for t in c)  # every call, none to the dead one
+        out.begin()
+        out.send([b"\xee" * tk.TICKET_BYTES])
+        time.sleep(0.05)
+        with live._lock:
+            live._drain()  # heard now (the idle thread would, if nothing took it)
+        time.sleep(0.1)
+        (stale,) = live.take_any(0.01, 32, stale_s=0.05)
+        assert stale[1].startswith(b"not run: it waited over 0.05 s in block b1's queue")
+    finally:
+        out.close()
+        live.close()
+        dead.remove_file()
