@@ -45,7 +45,6 @@ class LinkLoop:
         self.out: HandOut = relay.out
         self.consumer = consumer
         self.max_batch, self.touch, self.log_error = max_batch, touch, log_error
-        self.batches = self.samples = self.failed = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="blockflow-link", daemon=True)
         self._thread.start()
@@ -87,7 +86,6 @@ class LinkLoop:
                     v, rel = self.consumer.gather_tensors(rows, self.shapes, ends.stream)
                 except Exception as exc:  # this use's samples fail; the others run
                     out.fail([k for k, _ in samples], str(exc))
-                    self.failed += len(samples)
                     continue
                 keys.extend(k for k, _ in samples)
                 views.append(v)
@@ -97,11 +95,8 @@ class LinkLoop:
             out.take(keys)  # from here on, a key not handed on fails at the next block (end_sends)
             xs = views[0] if len(views) == 1 else self.runner.join([[v[j] for v in views] for j in range(len(views[0]))])
             ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
-            self.batches += 1
-            self.samples += len(keys)
         except Exception as exc:
             failed = True
-            self.failed += len(keys)
             self.log_error(f"blockflow: link batch of {len(keys)} failed: {exc!r}")
         finally:
             ends.end_sends()
