@@ -51,14 +51,21 @@ def skipnet_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-# The runtime directories of the servers that hand over directly, by URL, and whether as datagrams.
+# The runtime directories of the servers that hand over beyond the ensemble, by URL, and whether as datagrams.
 HAND_OVERS: dict[str, tuple[Path, bool]] = {}
 
 
-# hand_over_zmq: the hand-over plan with hand-overs over ZeroMQ only (BLOCKFLOW_TMQ_HANDOVER_DGRAM=0);
-# hand_over sends them as datagrams, the default.
-# chain: the same blocks with mid_a and mid_b as links (hand_over: chain).
-@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "hand_over_zmq", "chain", *EXAMPLES])
+def _receivers_listen(url: str) -> None:
+    """Each receiver instance listens on ZeroMQ, and for datagrams too unless they are turned off."""
+    tmq, datagrams = HAND_OVERS[url][0] / "tmq", HAND_OVERS[url][1]
+    receivers = len(list(tmq.glob("ho*.sock")))
+    assert receivers > 0 and len(list(tmq.glob("ho*.dg"))) == (receivers if datagrams else 0)
+
+
+# hand_over sends its hand-overs as datagrams, the default. chain_zmq: the same blocks with mid_a and
+# mid_b as links (hand_over: chain), its hand-overs over ZeroMQ only (BLOCKFLOW_TMQ_HANDOVER_DGRAM=0):
+# between them the two servers run both channels (the unit tests run both for either kind).
+@pytest.fixture(scope="module", params=["mobilenet_shared", "skip_cut", "bf16_hops", "hand_over", "chain_zmq", *EXAMPLES])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plan, str]]:
     where = tmp_path_factory.mktemp(request.param)
     name = request.param.removesuffix("_zmq")
@@ -66,7 +73,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                      else PLANS / f"{name}.yaml")
     zmq_only = {"BLOCKFLOW_TMQ_HANDOVER_DGRAM": "0"} if request.param.endswith("_zmq") else None
     with own_server(plan, where, env=zmq_only) as server:
-        if name == "hand_over":
+        if name in ("hand_over", "chain"):
             HAND_OVERS[server.http_url] = (server.runtime_dir, zmq_only is None)
         yield plan, server.http_url
 
@@ -149,10 +156,7 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
     xs = [rng.standard_normal((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(24)]
     # Requests of both tasks batched together in every block.
     assert worst_concurrent_error(url, ("task_a", "task_b"), xs, threads=8) <= 1e-4
-    if url in HAND_OVERS:  # each receiver instance listens for datagrams too, unless turned off
-        tmq, datagrams = HAND_OVERS[url][0] / "tmq", HAND_OVERS[url][1]
-        receivers = len(list(tmq.glob("ho*.sock")))
-        assert receivers > 0 and len(list(tmq.glob("ho*.dg"))) == (receivers if datagrams else 0)
+    _receivers_listen(url)
 
     client = http.InferenceServerClient(url.removeprefix("http://"))
 
@@ -190,6 +194,7 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
     xs = [rng.standard_normal((1 + i % 4, 3, 32, 32), dtype=np.float32) for i in range(32)]
     # Both tasks' requests run through the links together, batched across calls.
     assert worst_concurrent_error(url, ("task_a", "task_b"), xs, threads=8) <= 1e-4
+    _receivers_listen(url)
     client = http.InferenceServerClient(url.removeprefix("http://"))
     try:
         ticket = http.InferInput("ACTIVATION_IN", [1, 256], "UINT8")
