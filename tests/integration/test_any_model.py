@@ -201,6 +201,24 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
         ticket.set_data_from_numpy(np.zeros((1, 256), dtype=np.uint8))
         with pytest.raises(Exception, match="is a link of a chain"):
             client.infer("mid_a", [ticket])
+
+        def call(model: str, name: str, data: np.ndarray) -> np.ndarray:
+            inp = http.InferInput(name, list(data.shape), "FP32" if data.dtype == np.float32 else "UINT8")
+            inp.set_data_from_numpy(data)
+            out = client.infer(model, [inp]).as_numpy("ACTIVATION_OUT")
+            assert out is not None
+            return out
+
+        # The join (it holds requests off its Triton instances: backend/join_loop.py) takes a key once
+        # and refuses a forged one at the door.
+        key = call("stem", "IMAGE", xs[0][:1])  # the head hands its ticket on to the links: the join's key
+        assert call("mid_c", "ACTIVATION_IN", key).shape == (1, 256)
+        with pytest.raises(Exception, match="replayed"):
+            call("mid_c", "ACTIVATION_IN", key)
+        forged = key.copy()
+        forged[0, 30] ^= 1
+        with pytest.raises(Exception, match="signature does not verify"):
+            call("mid_c", "ACTIVATION_IN", forged)
     finally:
         client.close()
     assert worst_concurrent_error(url, ("task_b",), xs[:2], threads=1) <= 1e-4  # and the tasks serve on
