@@ -114,25 +114,28 @@ class JoinLoop:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the CUDA context is per thread
         more = False  # ready requests were left for the next call
+        timeout = 0.0
         while True:
-            with self._lock:
-                held = list(self._held)
-            if not held and self._stopping.is_set():
-                return
             try:
-                now = time.monotonic()
-                timeout = 0.0 if more else min([_POLL_S, *(h.deadline - now for h in held)])
-                self.into.wait(max(0.0, timeout))
+                self.into.wait(timeout)
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+                # After the wake-ups are read: a request held later writes another, so the next wait
+                # returns at once (its hand-over may have come already, and nothing else would wake it).
+                with self._lock:
+                    held = list(self._held)
+                if not held and self._stopping.is_set():
+                    return
                 ready, more = self._ready(held)
                 if ready:
                     self._answer(ready)
+                now = time.monotonic()
+                timeout = 0.0 if more else max(0.0, min([_POLL_S, *(h.deadline - now for h in held if h not in ready)]))
             except Exception as exc:  # this thread must outlive any one call
                 self.log_error(f"blockflow: {self.block}: join loop: {exc!r}")
-                more = False
+                more, timeout = False, _POLL_S
 
     def _ready(self, held: list[HeldRequest]) -> tuple[list[HeldRequest], bool]:
         """The held requests to run now (every hand-over came, or the wait is over), in the order they

@@ -253,6 +253,7 @@ class HandIn:
         """For each list of keys, whether :meth:`resolve` can answer for all of them at once: each
         key's hand-over came, or the key was taken already (a replay, refused at once)."""
         with self._lock:
+            self._drain()
             return [all(k in self.pending or k in self.served for k in ks) for ks in keys]
 
     def wake_on(self, fd: int) -> None:
@@ -264,10 +265,9 @@ class HandIn:
         self._wake_poller.register(fd, zmq.POLLIN)
 
     def wait(self, timeout_s: float) -> None:
-        """Keeps what has come, waiting up to ``timeout_s`` for a hand-over (or :meth:`wake_on`'s fd)."""
+        """Keeps what has come; if nothing had, waits up to ``timeout_s`` for a hand-over (or :meth:`wake_on`'s fd)."""
         with self._lock:
-            self._drain()
-            if self._wake_poller.poll(max(0, int(timeout_s * 1000))):
+            if self._drain() == 0 and self._wake_poller.poll(max(0, int(timeout_s * 1000))):
                 self._drain()
 
     def _resolve(self, rows: np.ndarray[Any, Any], at: list[int], deadline: float) -> np.ndarray[Any, Any]:
@@ -357,19 +357,23 @@ class HandIn:
                     self._drain()
                     self._expire()
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Keeps what has come; how many messages that was."""
         self._read_at = now = time.monotonic()
+        n = 0
         if self.dgram is not None:
             for message in self.dgram.read():
                 self._keep(message, now)
+                n += 1
         while True:
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return n
             heard = hand_over_of(frames)
             if heard is not None:  # only senders of this server reach the socket; nothing else is read
                 self._keep(heard, now)
+                n += 1
 
     def _keep(self, message: tuple[bytes, bytes, bytes], now: float) -> None:
         """A hand-over heard: kept until asked for, unless its key was served or heard already (a
