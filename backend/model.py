@@ -29,7 +29,6 @@ from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exp
 
 from blockflow.backend import instance_args
 from blockflow.backend.health import Health, Metrics
-from blockflow.backend.join_loop import JoinLoop
 from blockflow.backend.link_loop import LinkLoop
 from blockflow.backend.replies import EarlyReply, failed_response, split, trimmed
 from blockflow.backend.request_inputs import RequestInputs
@@ -91,13 +90,6 @@ class TritonPythonModel:
         self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, max(1, spec.max_batch_size),
                                      self.health.touch, _to_stderr)
                            if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
-        # A chain's join answers its requests once their hand-overs came, never waiting inside execute.
-        into = self.ends.relay.into if self.ends.relay is not None else None
-        self.join_loop = (JoinLoop(into, self.ends.consumer.key, spec.name, self.in_names[0], self._execute_held,
-                                   max(1, spec.max_batch_size), self.device, _to_stderr)
-                          if (spec.hand_over is not None and spec.hand_over.from_link and into is not None
-                              and self.ends.consumer is not None and not spec.side_inputs
-                              and os.environ.get(env.TMQ_JOIN_HOLDS) != "0") else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer)
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
@@ -146,12 +138,6 @@ class TritonPythonModel:
             why = RequestError(f"block {self.spec.name!r} is a link of a chain (hand_over: chain): it takes its input "
                                "from the block before it directly; send requests to the task's model")
             return [failed_response(why, self.spec.name) for _ in requests]
-        if self.join_loop is not None:
-            return self.join_loop.hold(requests)
-        return self._execute_held(requests)
-
-    def _execute_held(self, requests: list[Any]) -> list[Any]:
-        """One call, traced: ``execute``'s, or the join loop's of requests it held."""
         self.tracer.begin()
         responses = self._execute(requests)
         self.tracer.end(len(requests))
@@ -285,8 +271,6 @@ class TritonPythonModel:
     def finalize(self) -> None:
         if self.link_loop is not None:
             self.link_loop.close()
-        if self.join_loop is not None:
-            self.join_loop.close()
         self.health.close()
         self.tracer.close()
         self.metrics.close()

@@ -15,7 +15,6 @@ from torch.utils.dlpack import from_dlpack
 
 from blockflow.backend.device_inputs import DeviceInputs
 from blockflow.backend.image_input import feed_dtype, takes_encoded
-from blockflow.backend.join_loop import HeldRequest
 from blockflow.backend.replies import error, failure_code
 from blockflow.backend.runtime import DTYPES
 from blockflow.backend.side_inputs import check_sides, side_dtypes
@@ -104,25 +103,19 @@ class RequestInputs:
 
     def read(self, request: Any, releases: list[Release]) -> list[torch.Tensor]:
         """A request's input tensors (the tensors its tickets name, for TensorMQ)."""
-        tickets: np.ndarray[Any, Any] | torch.Tensor
-        if isinstance(request, HeldRequest):  # a chain's join: its tickets kept when execute returned (no side inputs)
-            tensors, tickets = [], request.tickets
-        else:
-            tensors = _named(request, self.names)
+        tensors = _named(request, self.names)
         if self.consumer is not None:
-            if tensors:
-                # Tickets are 256 host bytes: NumPy takes them through the tensor's own DLPack export in
-                # ~5 us, where torch.utils.dlpack.from_dlpack took ~30 us inside a stub (2-core host).
-                # Not as_numpy(): that is a copy the stub made when it loaded the request, and with the
-                # H100 machine's NumPy it held the same wrong bytes on every request.
-                tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
+            # Tickets are 256 host bytes: NumPy takes them through the tensor's own DLPack export in
+            # ~5 us, where torch.utils.dlpack.from_dlpack took ~30 us inside a stub (2-core host).
+            # Not as_numpy(): that is a copy the stub made when it loaded the request, and with the
+            # H100 machine's NumPy it held the same wrong bytes on every request.
+            tickets = np.from_dlpack(tensors[0]) if tensors[0].is_cpu() else from_dlpack(tensors[0].to_dlpack())
             # Side inputs are checked before the tickets claim their slots: a request they fail holds none.
             sides = self._sides(tensors[self.hops:], int(tickets.shape[0])) if self.sides else []
             self.tracer.lap("read:input")
             gather, shapes, stream, lap = self.consumer.gather_tensors, self.shapes, self.stream, self.tracer.part_lap
-            deadline = request.deadline if isinstance(request, HeldRequest) else None  # its own wait, from when it came
             views, rel = (gather(tickets, shapes, stream, lap) if self.relay is None else
-                          self.relay.read(tickets, lambda t: gather(t, shapes, stream, lap), deadline))
+                          self.relay.read(tickets, lambda t: gather(t, shapes, stream, lap)))
             self.tracer.lap("read:gather")
             releases.extend(rel)
             return [*views, *sides] if sides else views  # side inputs: not through the pool, plain tensors of the request

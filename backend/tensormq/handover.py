@@ -219,7 +219,6 @@ class HandIn:
         # The execute thread reads the socket as it needs; an instance Triton gives no requests for a
         # while is read by this thread, so that its queue never fills and drops what comes next.
         self._lock = threading.Lock()
-        self._wake_poller = self.poller  # wait()'s, until wake_on() adds an fd
         self._read_at = time.monotonic()
         self._closed = threading.Event()
         self._idle = threading.Thread(target=self._idle_loop, name="tmq-handover", daemon=True)
@@ -229,46 +228,17 @@ class HandIn:
         """``rows`` with each key replaced by the ticket handed over for it. :class:`TicketError`
         for a forged or replayed key; :class:`ProducerGoneError` when the sender failed the sample
         or its hand-over did not come by ``deadline`` (monotonic; default: the wait from now)."""
-        at = self._keyed(rows)
-        if not at:
-            return rows  # the sender's own tickets, given by the ensemble
-        with self._lock:
-            return self._resolve(rows, at, time.monotonic() + self.wait_s if deadline is None else deadline)
-
-    def _keyed(self, rows: np.ndarray[Any, Any]) -> list[int]:
-        """The rows of ``rows`` that are keys (tickets of the blocks whose tickets key this one's hand-overs)."""
         if not keys_of(rows):
-            return []
+            return rows
         models = [bytes(rows[i, MODEL]) for i in range(rows.shape[0])]
         keys = self.key_models
         if self.also is not None and any(m not in keys and m != self.sender_model for m in models):
             keys = keys | {tk.model_id(m).to_bytes(8, "little") for m in self.also.current().keys}
-        return [i for i, m in enumerate(models) if m in keys]
-
-    def awaited(self, rows: np.ndarray[Any, Any]) -> list[bytes]:
-        """The keys among ``rows`` whose hand-overs :meth:`resolve` would wait for."""
-        return [bytes(rows[i, MAC]) for i in self._keyed(rows)]
-
-    def arrived(self, keys: Sequence[Sequence[bytes]]) -> list[bool]:
-        """For each list of keys, whether :meth:`resolve` can answer for all of them at once: each
-        key's hand-over came, or the key was taken already (a replay, refused at once)."""
+        at = [i for i, m in enumerate(models) if m in keys]
+        if not at:
+            return rows  # the sender's own tickets, given by the ensemble
         with self._lock:
-            self._drain()
-            return [all(k in self.pending or k in self.served for k in ks) for ks in keys]
-
-    def wake_on(self, fd: int) -> None:
-        """:meth:`wait` returns when ``fd`` is readable too (a chain's join: a request came)."""
-        self._wake_poller = zmq.Poller()
-        self._wake_poller.register(self.sock, zmq.POLLIN)
-        if self.dgram is not None:
-            self._wake_poller.register(self.dgram.fileno(), zmq.POLLIN)
-        self._wake_poller.register(fd, zmq.POLLIN)
-
-    def wait(self, timeout_s: float) -> None:
-        """Keeps what has come; if nothing had, waits up to ``timeout_s`` for a hand-over (or :meth:`wake_on`'s fd)."""
-        with self._lock:
-            if self._drain() == 0 and self._wake_poller.poll(max(0, int(timeout_s * 1000))):
-                self._drain()
+            return self._resolve(rows, at, time.monotonic() + self.wait_s if deadline is None else deadline)
 
     def _resolve(self, rows: np.ndarray[Any, Any], at: list[int], deadline: float) -> np.ndarray[Any, Any]:
         out = np.array(rows, copy=True)
@@ -357,23 +327,19 @@ class HandIn:
                     self._drain()
                     self._expire()
 
-    def _drain(self) -> int:
-        """Keeps what has come; how many messages that was."""
+    def _drain(self) -> None:
         self._read_at = now = time.monotonic()
-        n = 0
         if self.dgram is not None:
             for message in self.dgram.read():
                 self._keep(message, now)
-                n += 1
         while True:
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return n
+                return
             heard = hand_over_of(frames)
             if heard is not None:  # only senders of this server reach the socket; nothing else is read
                 self._keep(heard, now)
-                n += 1
 
     def _keep(self, message: tuple[bytes, bytes, bytes], now: float) -> None:
         """A hand-over heard: kept until asked for, unless its key was served or heard already (a
@@ -433,15 +399,15 @@ class Relay:
                 if role.takes_from and consumer is not None else None)
         return cls(out, into) if out or into else None
 
-    def read(self, tickets: Any, gather: Callable[[Any], T], deadline: float | None = None) -> T:
-        """``gather`` of a request's tickets, its keys resolved (a receiver: by ``deadline``, monotonic,
-        or the call's wait) and noted (a sender); a sender hands over the failure of a request it cannot read."""
+    def read(self, tickets: Any, gather: Callable[[Any], T]) -> T:
+        """``gather`` of a request's tickets, its keys resolved (a receiver) and noted (a sender);
+        a sender hands over the failure of a request it cannot read."""
         keys = keys_of(tickets) if self.out is not None and not self.out.own_keys and isinstance(tickets, np.ndarray) else []
         try:
             if self.into is not None and isinstance(tickets, np.ndarray):
                 if self._until is None:
                     self._until = time.monotonic() + self.into.wait_s
-                tickets = self.into.resolve(tickets, self._until if deadline is None else deadline)
+                tickets = self.into.resolve(tickets, self._until)
             got = gather(tickets)
         except RequestError as exc:
             if self.out is not None:

@@ -54,7 +54,6 @@ KEEP_ALLOCATOR_CACHE = "BLOCKFLOW_KEEP_ALLOCATOR_CACHE"  # "1": keep torch's cac
 TMQ_PREPARE = "BLOCKFLOW_TMQ_PREPARE"  # "0": TensorMQ producers reserve and sign every batch on the request's path
 TMQ_EARLY = "BLOCKFLOW_TMQ_EARLY"  # "0": a TensorMQ block answers only after queuing its GPU work (backend/replies.py)
 TMQ_RELEASE = "BLOCKFLOW_TMQ_RELEASE"  # "message": consumers release samples with ZeroMQ RELEASE messages; else as bits in the claim table (backend/tensormq/claims.py)
-TMQ_JOIN_HOLDS = "BLOCKFLOW_TMQ_JOIN_HOLDS"  # "0": a chain's join waits for its hand-overs inside execute (backend/join_loop.py)
 TMQ_HANDOVER_DGRAM = "BLOCKFLOW_TMQ_HANDOVER_DGRAM"  # "0": direct hand-overs over ZeroMQ only; else as AF_UNIX datagrams first, ZeroMQ the fallback (backend/tensormq/wire.py)
 PIN_HOST_INPUTS = "BLOCKFLOW_PIN_HOST_INPUTS"  # "0": a first block's host images go to the GPU through the driver's staging (backend/host_pins.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)

@@ -29,12 +29,11 @@ references: [graph]
 
 
 @contextmanager
-def served(where: Path, plan: str, env: dict[str, str] | None = None) -> Iterator[TritonServer]:
-    """``plan`` generated under ``where`` and served by a real tritonserver on free ports (with ``env``
-    in its environment) until the block ends."""
+def served(where: Path, plan: str) -> Iterator[TritonServer]:
+    """``plan`` generated under ``where`` and served by a real tritonserver on free ports until the block ends."""
     (where / "plan.yaml").write_text(plan)
     generator.write(generator.render(load_plan(where / "plan.yaml")), where / "repo")
-    s = TritonServer(ServerOptions.on_free_ports([where / "repo"], env=env or {}))
+    s = TritonServer(ServerOptions.on_free_ports([where / "repo"]))
     s.start(600)
     try:
         yield s

@@ -18,15 +18,12 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# held: the join answers through response senders once the hand-overs came (the default);
-# waits: it waits for them inside execute (BLOCKFLOW_TMQ_JOIN_HOLDS=0).
-@pytest.fixture(scope="module", params=["held", "waits"])
-def chain_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def chain_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     raw: dict[str, Any] = yaml.safe_load((ROOT / "tests" / "plans" / "chain.yaml").read_text())
     raw["defaults"] = {"placement": "gpu", "max_batch_size": 8, "precision": "fp16", "instances": 2}
     raw["compare"] = []
-    env = {"BLOCKFLOW_TMQ_JOIN_HOLDS": "0"} if request.param == "waits" else None
-    with served(tmp_path_factory.mktemp("chain"), yaml.safe_dump(raw), env) as server:
+    with served(tmp_path_factory.mktemp("chain"), yaml.safe_dump(raw)) as server:
         yield server.http_url
 
 
