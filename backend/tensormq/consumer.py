@@ -245,13 +245,15 @@ class Consumer:
                 run_start = (r, t, 1)
             if run_start is not None:
                 parts.append(self._view(*run_start))
-        except TicketError:
-            self.stats.bad_tickets += 1
-            # What this request claimed is still released, so a bad request leaks no slots.
+            batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
+        except Exception as exc:
+            if isinstance(exc, TicketError):
+                self.stats.bad_tickets += 1
+            # What this request claimed is still released (nothing reads it), so a request that fails
+            # here leaks no slots: a bad ticket, or a good one whose read failed (a CUDA error, say).
             self.release_now(seen)
             raise
         self.stats.tickets += count
-        batch = parts[0] if len(parts) == 1 else torch.cat([p.to(self.device) for p in parts])
         if len(shapes) == 1:
             return [batch], seen
         n = int(batch.shape[0])

@@ -209,8 +209,7 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
             assert out is not None
             return out
 
-        # The join (it holds requests off its Triton instances: backend/join_loop.py) takes a key once
-        # and refuses a forged one at the door.
+        # The join takes a key once and refuses a forged one at once.
         key = call("stem", "IMAGE", xs[0][:1])  # the head hands its ticket on to the links: the join's key
         assert call("mid_c", "ACTIVATION_IN", key).shape == (1, 256)
         with pytest.raises(Exception, match="replayed"):

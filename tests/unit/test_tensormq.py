@@ -270,6 +270,28 @@ def test_full_pool_waits_then_fails_clearly(runtime: Path) -> None:
         prod.close()
 
 
+def test_a_read_that_fails_after_its_claims_releases_them(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A good ticket whose read fails for another reason (a CUDA error, say) gives its claim back at
+    once: the producer's only slot is free again long before its lease."""
+    prod = Producer("blockR/0", runtime, CPU, pool_bytes=1 << 20, max_slots=1, lease_s=30, wait_s=2, prepare=False)
+    consumer = Consumer(runtime, CPU)
+    try:
+        tickets = prod.commit(prod.reserve((2, 8), torch.float32), 0)
+
+        def broken(*_: object) -> torch.Tensor:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        with monkeypatch.context() as m:
+            m.setattr(consumer, "_view", broken)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                consumer.gather(_tickets(tickets), (8,), 0)
+        consumer.flush()
+        assert consumer.stats.bad_tickets == 0  # not the caller's fault
+        prod.reserve((1, 8), torch.float32)  # the one slot: freed by the release, not the 30-s lease
+    finally:
+        consumer.close()
+        prod.close()
+
+
 def test_an_idle_producer_sleeps_until_a_slot_falls_due_and_close_wakes_it(runtime: Path) -> None:
     """The server thread naps a tenth of the claim window (here 60 s) when nothing falls due sooner,
     instead of going round every 100 ms (each round takes the stub's GIL); close() wakes it."""
