@@ -72,7 +72,7 @@ class RequestInputs:
                 else:
                     batch.append(self.read(request, releases))
                 owners.append(i)
-            except RequestError as exc:  # fails this request alone: the caller's fault (HTTP 400), or its ticket's producer's
+            except Exception as exc:  # fails this request alone: the caller's fault (HTTP 400), its ticket's producer's or ours
                 responses[i] = pb_utils.InferenceResponse(error=error(str(exc), failure_code(exc)))
         if self.decoder is None or not files:
             return batch, owners

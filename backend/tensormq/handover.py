@@ -39,7 +39,6 @@ from blockflow.backend.tensormq.wire import (
 )
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
 from blockflow.core import also_accepts, env
-from blockflow.core.errors import RequestError
 from blockflow.core.spec import HandOver
 
 T = TypeVar("T")
@@ -409,7 +408,7 @@ class Relay:
                     self._until = time.monotonic() + self.into.wait_s
                 tickets = self.into.resolve(tickets, self._until)
             got = gather(tickets)
-        except RequestError as exc:
+        except Exception as exc:  # the receiver hears why now, rather than waiting for a hand-over in vain
             if self.out is not None:
                 self.out.fail(keys, str(exc))
             raise

@@ -289,6 +289,28 @@ def test_a_later_receiver_of_a_run_waits_for_its_sender_after_the_keys_slot_move
         prod.close()
 
 
+def test_a_senders_read_that_fails_for_any_reason_is_handed_on_at_once(runtime: Path) -> None:
+    """A sender whose read of a request fails with something other than a bad ticket (a CUDA error,
+    say) hands that failure on: the receiver's request fails with it at once, not after the wait."""
+    into = HandIn(runtime, "b2", ROLE, read_key(runtime), wait_s=1.5, keep_s=10.0)
+    relay = Relay(HandOut(runtime, "b2"), None)
+    try:
+        rows = _key_ticket(runtime)
+
+        def broken(_: object) -> object:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        relay.begin()
+        with pytest.raises(RuntimeError):
+            relay.read(rows, broken)
+        t0 = time.monotonic()
+        with pytest.raises(ProducerGoneError, match="illegal memory access"):
+            into.resolve(rows)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        relay.close()
+        into.close()
+
+
 def test_the_requests_of_one_call_share_one_wait_for_their_hand_overs(runtime: Path) -> None:
     """Keys that never reached the sender (a client took them from the first block itself) hold a
     receiver's call for the wait once, however many of its requests carry them; a hand-over that
