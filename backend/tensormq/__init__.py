@@ -68,7 +68,8 @@ the time it gives: ``blockflow.core.also_accepts``), within
 ``claim_s`` of its commit, and only while its slot still holds the use the
 ticket names (the table carries the slot's sequence number). A refused ticket
 is never released, so a copy cannot free a slot its rightful reader still
-uses. Samples nobody claimed by the end of the claim window (tickets that left
+uses; a request whose read fails after it claimed some of its tickets (a later
+one refused, a CUDA error) releases those at once, as nothing has read them yet. Samples nobody claimed by the end of the claim window (tickets that left
 the ensemble: a direct call to a block, a cancelled request) are given back
 by the producer then, not at the end of the lease: it marks them claimed and
 released in one step under the entry's lock, so none can be claimed after.
