@@ -29,8 +29,8 @@ def error(message: str, code: str) -> Any:
 def failure_code(exc: BaseException) -> str:
     """The status of a request that ``exc`` failed: a full pool is load, and a ticket whose producer
     stopped or failed is the producer's fault, not a bad request (UNAVAILABLE: a retry later can
-    help); a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
-    if isinstance(exc, (PoolExhaustedError, ProducerGoneError)):
+    help), as is a GPU out of memory; a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
+    if isinstance(exc, (PoolExhaustedError, ProducerGoneError, torch.cuda.OutOfMemoryError)):
         return "UNAVAILABLE"
     return "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
 

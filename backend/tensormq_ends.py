@@ -117,7 +117,10 @@ class TensorMQEnds:
             # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
             # at once after the stream's sync; else after this block's own slot event, recorded at its
             # commit after that work (one driver call less); else after an event recorded now.
-            self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
+            try:
+                self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
+            except Exception:  # no event could be recorded: a sticky CUDA error, after which nothing reads them
+                self.consumer.release_now(releases)
             self.tracer.lap("respond:release")
         if self.producer is not None:
             self.producer.prepare_ahead()  # the next small batch's slot and tickets, while this block waits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -196,6 +197,8 @@ class Consumer:
         sample_shape, layout = (tuple(shapes[0]), 0) if len(shapes) == 1 else ((offsets[-1],), tk.layout_id(shapes))
         data = _ticket_bytes(raw)
         count = int(raw.shape[0])
+        if count == 0:
+            raise TicketError("no tickets: a request carries one per sample, at least one")
         parts: list[torch.Tensor] = []
         seen: list[Release] = []  # every ticket this request claimed, released whatever happens next
         waited: set[tuple[int, int, int]] = set()
@@ -329,13 +332,23 @@ class Consumer:
             if item is None:
                 break
             event, releases, done = item
-            if event is not None:
-                cuda.event_synchronize(event)
-            if len(tables) + len(sockets) > 64:  # generations come and go with reloads; opening again is cheap
-                _close_ends(tables, sockets)
-            self.stats.releases_sent += self._send(releases, sockets) if self._by_message else self._mark(releases, tables)
-            if done is not None:
-                done.set()
+            try:
+                if event is not None:
+                    try:
+                        cuda.event_synchronize(event)
+                    except Exception as exc:
+                        # A CUDA error of this process's context (an illegal address, say) is sticky: none of
+                        # its work runs any more, so the slots it would have read are given back now.
+                        print(f"blockflow: TensorMQ releases after a failed wait for the GPU: {exc!r}",
+                              file=sys.stderr, flush=True)
+                if len(tables) + len(sockets) > 64:  # generations come and go with reloads; opening again is cheap
+                    _close_ends(tables, sockets)
+                self.stats.releases_sent += self._send(releases, sockets) if self._by_message else self._mark(releases, tables)
+            except Exception as exc:  # this thread must outlive one batch: the lease takes its slots back
+                print(f"blockflow: TensorMQ releases failed: {exc!r}", file=sys.stderr, flush=True)
+            finally:
+                if done is not None:
+                    done.set()
         _close_ends(tables, sockets)
 
     def _mark(self, releases: list[Release], tables: dict[tuple[int, int], ClaimTable | None]) -> int:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import zmq
 
+from blockflow.backend.tensormq import consumer as consumer_module
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.memory import SHM_DIR
@@ -26,6 +27,7 @@ from blockflow.backend.tensormq.slots import ALIGN, SlotTable
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import STATS, endpoint, generations
 from blockflow.core import also_accepts, env
+from blockflow.core.errors import BlockError
 from blockflow.core.runtime_dir import ensure_tensormq
 
 KEY = b"k" * 32
@@ -286,7 +288,20 @@ def test_a_read_that_fails_after_its_claims_releases_them(runtime: Path, monkeyp
                 consumer.gather(_tickets(tickets), (8,), 0)
         consumer.flush()
         assert consumer.stats.bad_tickets == 0  # not the caller's fault
-        prod.reserve((1, 8), torch.float32)  # the one slot: freed by the release, not the 30-s lease
+        r = prod.reserve((1, 8), torch.float32)  # the one slot: freed by the release, not the 30-s lease
+        with pytest.raises(TicketError, match="no tickets"):
+            consumer.gather(torch.zeros((0, tk.TICKET_BYTES), dtype=torch.uint8), (8,), 0)
+
+        # A failed wait for the GPU (a sticky CUDA error) neither stops the release thread nor keeps the slot.
+        tickets = prod.commit(r, 0)
+        _, releases = consumer.gather(_tickets(tickets), (8,), 0)
+
+        def failed_wait(_: int) -> None:
+            raise BlockError("cuEventSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+        monkeypatch.setattr(consumer_module.cuda, "event_synchronize", failed_wait)
+        consumer.release_after(releases, None, after=1)
+        consumer.flush()
+        prod.reserve((1, 8), torch.float32)
     finally:
         consumer.close()
         prod.close()
