@@ -8,8 +8,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,6 +61,30 @@ def _receivers_listen(url: str) -> None:
     tmq, datagrams = HAND_OVERS[url][0] / "tmq", HAND_OVERS[url][1]
     receivers = len(list(tmq.glob("ho*.sock")))
     assert receivers > 0 and len(list(tmq.glob("ho*.dg"))) == (receivers if datagrams else 0)
+
+
+def _caller(client: Any) -> Callable[[str, str, np.ndarray], np.ndarray]:
+    """A direct call to one block over ``client`` (tritonclient's HTTP): its one input in, its tickets out."""
+    import tritonclient.http as http
+
+    def call(model: str, name: str, data: np.ndarray) -> np.ndarray:
+        inp = http.InferInput(name, list(data.shape), "FP32" if data.dtype == np.float32 else "UINT8")
+        inp.set_data_from_numpy(data)
+        out = client.infer(model, [inp]).as_numpy("ACTIVATION_OUT")
+        assert out is not None
+        return out
+    return call
+
+
+def _refuses_a_replay_and_a_forgery(call: Callable[[str, str, np.ndarray], np.ndarray], key: np.ndarray, replayed_to: str) -> None:
+    """``key``, taken once already, is refused as a replay by ``replayed_to``, and a copy of it with one
+    bit flipped as a forgery by mid_c."""
+    with pytest.raises(Exception, match="replayed"):
+        call(replayed_to, "ACTIVATION_IN", key)
+    forged = key.copy()
+    forged[0, 30] ^= 1
+    with pytest.raises(Exception, match="signature does not verify"):
+        call("mid_c", "ACTIVATION_IN", forged)
 
 
 # hand_over sends its hand-overs as datagrams, the default. chain_zmq: the same blocks with mid_a and
@@ -160,23 +185,13 @@ def test_direct_handing_on_serves_concurrent_clients_and_refuses_replayed_or_for
 
     client = http.InferenceServerClient(url.removeprefix("http://"))
 
-    def call(model: str, name: str, data: np.ndarray) -> np.ndarray:
-        inp = http.InferInput(name, list(data.shape), "FP32" if data.dtype == np.float32 else "UINT8")
-        inp.set_data_from_numpy(data)
-        out = client.infer(model, [inp]).as_numpy("ACTIVATION_OUT")
-        assert out is not None
-        return out
+    call = _caller(client)
 
     try:
         key = call("stem", "IMAGE", xs[0][:1])  # a ticket of the task's first block: mid_b's key
         call("mid_a", "ACTIVATION_IN", key)  # claims it and hands mid_b its own ticket under it
         call("mid_b", "ACTIVATION_IN", key)
-        with pytest.raises(Exception, match="replayed"):
-            call("mid_b", "ACTIVATION_IN", key)
-        forged = key.copy()
-        forged[0, 30] ^= 1
-        with pytest.raises(Exception, match="signature does not verify"):
-            call("mid_c", "ACTIVATION_IN", forged)
+        _refuses_a_replay_and_a_forgery(call, key, replayed_to="mid_b")
         with pytest.raises(Exception, match="did not hand over"):  # mid_b never saw this key: the commit wait, then a clear error
             call("mid_c", "ACTIVATION_IN", call("stem", "IMAGE", xs[0][:1]))
     finally:
@@ -202,22 +217,11 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
         with pytest.raises(Exception, match="is a link of a chain"):
             client.infer("mid_a", [ticket])
 
-        def call(model: str, name: str, data: np.ndarray) -> np.ndarray:
-            inp = http.InferInput(name, list(data.shape), "FP32" if data.dtype == np.float32 else "UINT8")
-            inp.set_data_from_numpy(data)
-            out = client.infer(model, [inp]).as_numpy("ACTIVATION_OUT")
-            assert out is not None
-            return out
-
+        call = _caller(client)
         # The join takes a key once and refuses a forged one at once.
         key = call("stem", "IMAGE", xs[0][:1])  # the head hands its ticket on to the links: the join's key
         assert call("mid_c", "ACTIVATION_IN", key).shape == (1, 256)
-        with pytest.raises(Exception, match="replayed"):
-            call("mid_c", "ACTIVATION_IN", key)
-        forged = key.copy()
-        forged[0, 30] ^= 1
-        with pytest.raises(Exception, match="signature does not verify"):
-            call("mid_c", "ACTIVATION_IN", forged)
+        _refuses_a_replay_and_a_forgery(call, key, replayed_to="mid_c")
     finally:
         client.close()
     assert worst_concurrent_error(url, ("task_b",), xs[:2], threads=1) <= 1e-4  # and the tasks serve on
