@@ -21,8 +21,8 @@ import torch
 
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.consumer import Release
 from blockflow.backend.tensormq.handover import HandIn, HandOut
+from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.tensormq.wire import HANDED
 from blockflow.backend.tensormq_ends import TensorMQEnds
 

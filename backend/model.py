@@ -34,7 +34,7 @@ from blockflow.backend.replies import EarlyReply, failed_response, split, trimme
 from blockflow.backend.request_inputs import RequestInputs
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.stage_cache import StageCache
-from blockflow.backend.tensormq.consumer import Release
+from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import tracer_for
 from blockflow.core import env

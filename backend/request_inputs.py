@@ -18,7 +18,7 @@ from blockflow.backend.image_input import feed_dtype, takes_encoded
 from blockflow.backend.replies import error, failure_code
 from blockflow.backend.runtime import DTYPES
 from blockflow.backend.side_inputs import check_sides, side_dtypes
-from blockflow.backend.tensormq.consumer import Release
+from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core.errors import RequestError

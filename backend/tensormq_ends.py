@@ -15,9 +15,10 @@ import torch
 from blockflow.backend.health import Health
 from blockflow.backend.replies import EarlyReply, Packed, packer, ticket_tensor
 from blockflow.backend.runtime import BlockRunner
-from blockflow.backend.tensormq.consumer import Consumer, Release
+from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.handover import HandOut, Relay
 from blockflow.backend.tensormq.producer import Producer
+from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core import also_accepts, env, runtime_dir
 from blockflow.core.spec import ModelSpec

@@ -42,7 +42,7 @@ Who owns a slot when:
    does it make its own stream wait on the slot's event (on the GPU; no host
    synchronisation, no CUDA IPC call per request) and read.
 5. The consumer records an event after the work that read the slot; its release
-   thread waits for that event, then *releases* the samples it claimed: it sets
+   thread (``backend/tensormq/releases.py``) waits for that event, then *releases* the samples it claimed: it sets
    their bits in the slot's release words in the producer's claim table, under
    the entry's lock, only for claimed samples of the use the entry holds
    (``ClaimTable.release``). Nothing is sent and the producer is not woken.

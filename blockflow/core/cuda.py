@@ -103,7 +103,7 @@ def ipc_close_mem(ptr: int) -> None:
 
 
 def event_create_ipc() -> int:
-    # Blocking-sync too: a block's release thread waits on its own slot's event (see Consumer.release_after)
+    # Blocking-sync too: a block's release thread waits on its own slot's event (see Releaser.after)
     # and should sleep, not spin a core, meanwhile. Other processes only wait for it on the GPU.
     return event_create(CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS | CU_EVENT_BLOCKING_SYNC)
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 import zmq
 
-from blockflow.backend.tensormq import consumer as consumer_module
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.memory import SHM_DIR
@@ -26,7 +25,7 @@ from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.slots import ALIGN, SlotTable
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import STATS, endpoint, generations
-from blockflow.core import also_accepts, env
+from blockflow.core import also_accepts, cuda, env
 from blockflow.core.errors import BlockError
 from blockflow.core.runtime_dir import ensure_tensormq
 
@@ -298,7 +297,7 @@ def test_a_read_that_fails_after_its_claims_releases_them(runtime: Path, monkeyp
 
         def failed_wait(_: int) -> None:
             raise BlockError("cuEventSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS")
-        monkeypatch.setattr(consumer_module.cuda, "event_synchronize", failed_wait)
+        monkeypatch.setattr(cuda, "event_synchronize", failed_wait)
         consumer.release_after(releases, None, after=1)
         consumer.flush()
         prod.reserve((1, 8), torch.float32)
