@@ -149,9 +149,7 @@ class TritonPythonModel:
         self.ends.begin()
         releases: list[Release] = []
         batch, owners = self.inputs.read_all(requests, responses, releases)  # each readable request's input tensors
-        if not batch:
-            if releases:  # slots of requests that failed after their tickets were read: theirs to give back
-                self.ends.end(releases, False, True)
+        if not batch:  # every request failed alone (and gave back what it had claimed: Consumer.gather_tensors)
             return responses
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
         failed: set[int] = set()  # positions in ``batch``
