@@ -92,9 +92,12 @@ class LinkLoop:
                 releases.extend(rel)
             if not views:
                 return
+            tracer.mark()  # inputs read (as an execute's trace: read, run, respond)
+            tracer.gpu_begin()
             out.take(keys)  # from here on, a key not handed on fails at the next block (end_sends)
             xs = views[0] if len(views) == 1 else self.runner.join([[v[j] for v in views] for j in range(len(views[0]))])
             ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
+            tracer.mark()  # work queued
         except Exception as exc:
             failed = True
             self.log_error(f"blockflow: link batch of {len(keys)} failed: {exc!r}")

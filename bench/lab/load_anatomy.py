@@ -1,7 +1,7 @@
 """Where each block's time goes under load: traced ``execute`` calls and Triton's phases at concurrency C.
 
     python -m blockflow.bench.lab.load_anatomy --plan plans/bench_r50.yaml --precision fp16 --out DIR \\
-        [--concurrency 32] [--seconds 4] [--input host,cuda-shm] [--mps]
+        [--concurrency 32] [--seconds 4] [--input host,cuda-shm] [--mps] [--client-threads 16]
 
 One server with ``BLOCKFLOW_TRACE_DIR`` set (backend/trace.py) serves the plan's first task
 split (``tensormq``) and unsplit (the monolithic CUDA graph), nothing else; perf_analyzer drives
@@ -47,12 +47,13 @@ def _median(values: list[float]) -> float:
 
 def block_window(records: list[dict[str, Any]], t0: int, t1: int) -> dict[str, float]:
     """One block's traced ``execute`` calls that began in ``[t0, t1]`` ns (CLOCK_MONOTONIC), summarised."""
-    calls = [r for r in records if r.get("kind") == "execute" and len(r["t"]) == 4 and t0 <= r["t"][0] <= t1]
+    every = [r for r in records if r.get("kind") == "execute" and len(r["t"]) >= 2 and t0 <= r["t"][0] <= t1]
+    calls = [r for r in every if len(r["t"]) == 4]  # a link's batch with nothing to run has no phases
     if not calls:
         return {}
     window = (t1 - t0) / 1e9
-    out = {"calls_per_s": len(calls) / window, "samples_per_call": statistics.mean(r["n"] for r in calls),
-           "busy": sum(r["t"][3] - r["t"][0] for r in calls) / (t1 - t0)}
+    out = {"calls_per_s": len(every) / window, "samples_per_call": statistics.mean(r["n"] for r in every),
+           "busy": sum(r["t"][-1] - r["t"][0] for r in every) / (t1 - t0)}
     for name, a, b in (("read", 0, 1), ("run", 1, 2), ("respond", 2, 3), ("execute", 0, 3)):
         out[f"{name}_ms"] = _median([(r["t"][b] - r["t"][a]) / 1e6 for r in calls])
     laps: dict[str, list[float]] = {}
@@ -74,7 +75,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          f"Plan `{res['plan']}`, task `{res['task']}`, {res['precision']}, commit {res['commit']}, {res['date']}; "
          f"MPS {'on' if res['mps'] else 'off'}; perf_analyzer over HTTP, batch 1, concurrency {res['concurrency']}, "
          f"one {res['seconds']:g} s window per input path; tracing on.", "",
-         "*busy*: share of the window the block's `execute` ran; *gap*: one call's return to the same process's next; "
+         "*samples/call*: from the block's trace (a link's batches included; Triton's count without a trace); "
+         "*busy*: share of the window the block's `execute` (a link: its batch) ran; *gap*: one call's return to the same process's next; "
          "Triton's *input* / *infer* / *output*: ms per execution (server side before the stub, the stub round trip, "
          "server side after it); *queue*: ms per request.", ""]
     for key, run in res["runs"].items():
@@ -84,7 +86,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
               "|---|---|---|---|---|---|---|---|---|---|"]
         for block, b in run["blocks"].items():
             tr, tc = b["triton"], b["trace"]
-            L.append(f"| {block} | {tc.get('calls_per_s', 0):.0f} | {tr['samples_per_execution']:.1f} | {tc.get('busy', 0):.0%} | "
+            L.append(f"| {block} | {tc.get('calls_per_s', 0):.0f} | {tc.get('samples_per_call', tr['samples_per_execution']):.1f} | {tc.get('busy', 0):.0%} | "
                      f"{tc.get('execute_ms', float('nan')):.3f} | {tc.get('gap_ms', float('nan')):.3f} | "
                      f"{tr['compute_input_ms']:.3f} | {tr['compute_infer_ms']:.3f} | {tr['compute_output_ms']:.3f} | "
                      f"{tr['queue_ms_per_request']:.3f} |")
@@ -106,6 +108,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--input", default="host,cuda-shm", help=f"comma-separated client input paths ({', '.join(INPUTS)})")
     ap.add_argument("--mps", action="store_true", help="serve under a private MPS daemon")
+    ap.add_argument("--client-threads", type=int, default=0,
+                    help="perf_analyzer sends asynchronously from this many threads (as `blockflow bench --client-threads`)")
     args = ap.parse_args()
     inputs = [i for i in args.input.split(",") if i]
     if unknown := [i for i in inputs if i not in INPUTS]:
@@ -125,17 +129,17 @@ def main() -> None:
                 stages = m["blocks"] or [m["model"]]
                 # A window first, so every graph, mapping and pool is warm before the measured one.
                 perf_analyzer(server.http_url, m["model"], shape, 1, 1.0, args.concurrency, input_memory=inp, output_bytes=400_000,
-                              shm_key_file=server.shm_key_file)
+                              shm_key_file=server.shm_key_file, client_threads=args.client_threads)
                 before, t0 = model_stats(server.http_url), time.monotonic_ns()
                 pa = perf_analyzer(server.http_url, m["model"], shape, 1, args.seconds, args.concurrency, input_memory=inp,
-                                   output_bytes=400_000, shm_key_file=server.shm_key_file)
+                                   output_bytes=400_000, shm_key_file=server.shm_key_file, client_threads=args.client_threads)
                 t1, d = time.monotonic_ns(), delta(model_stats(server.http_url), before)
                 windows[f"{label}, {inp} inputs"] = (t0, t1, pa, {s: phases_per_execution(d[s]) for s in stages}, stages)
                 print(f"[load_anatomy] {label}, {inp}: {pa}", flush=True)
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "precision": plan.task_precision(task),
                            "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mps": args.mps,
-                           "concurrency": args.concurrency, "seconds": args.seconds, "runs": {}}
+                           "concurrency": args.concurrency, "client_threads": args.client_threads, "seconds": args.seconds, "runs": {}}
     for key, (t0, t1, pa, phases, stages) in windows.items():
         res["runs"][key] = {"perf_analyzer": pa, "blocks": {s: {"triton": phases[s], "trace": block_window(traces.get(s, []), t0, t1)}
                                                             for s in stages}}
