@@ -132,8 +132,8 @@ def pack_spec(plan: Plan, pack: HeadPack, transport: TransportName) -> tuple[Mod
 def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> tuple[ModelSpec, Block]:
     """The unsplit model of ``task``: its path's parts in one process, same weights, in the task's
     precision (what a split is compared with for speed); ``fp32``: the eager fp32 one accuracy is
-    checked against. It has as many instances as the task's first block: the same processes ingest
-    the task's images on both sides of the comparison."""
+    checked against. It has as many instances as the task's first block (the same processes ingest
+    the task's images on both sides of the comparison) unless the plan's ``reference_instances`` says."""
     blocks = [plan.blocks[b] for b in task.path]
     # A path in several precisions (fp16 stages, then a detector's fp32 heads): the first block's,
     # and each part that differs in its own, as the split runs them. Not with tf32 among them: TF32
@@ -144,7 +144,7 @@ def reference_spec(plan: Plan, task: Task, graph: bool, fp32: bool = False) -> t
     deploy = dataclasses.replace(
         blocks[0],
         name=naming.fp32_reference(task.name) if fp32 else naming.reference_model(task.name, graph),
-        instances=1 if fp32 else blocks[0].instances,
+        instances=1 if fp32 else plan.raw.reference_instances or blocks[0].instances,
         max_batch_size=min(b.max_batch_size for b in blocks),
         precision=precision,
         cuda_graphs=graph,

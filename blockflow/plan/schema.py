@@ -250,6 +250,10 @@ class PlanModel(_Strict):
     transport: TransportName = "tensormq"
     compare: list[TransportName] = Field(default_factory=list)
     references: list[Literal["eager", "graph"]] = Field(default_factory=list)
+    # Instances of each task's unsplit (non-fp32) references; None: as many as the task's first block,
+    # so the same number of processes ingests images on both sides of a comparison. Set it to compare a
+    # split whose first block runs fewer instances with the unsplit model at its best.
+    reference_instances: int | None = Field(default=None, ge=1, le=64)
     # auto: consecutive blocks that exactly the same tasks traverse (with the same deployment
     # settings) run as one model: one process and one hop fewer per fused pair.
     fuse: Literal["none", "auto"] = "none"

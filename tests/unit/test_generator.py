@@ -101,6 +101,22 @@ def test_gpu_blocks_take_the_image_where_the_client_put_it() -> None:
     assert {force_cpu(files, m) for m in ("r50_s0", "cls_a__ref", "r50_s1")} == {"yes"}
 
 
+def test_references_run_the_first_blocks_instances_unless_the_plan_says() -> None:
+    import yaml
+
+    from blockflow.plan import parse_plan
+
+    def counts(raw: dict[str, Any]) -> dict[str, int]:
+        files = generator.render(parse_plan(raw))
+        return {m: parse_pbtxt(files[f"{m}/config.pbtxt"].decode()).instance_group[0].count for m in ("cls_a__ref", "r50_s0")}
+
+    raw = yaml.safe_load((ROOT / "plans" / "default.yaml").read_text())
+    raw["blocks"]["r50_s0"]["instances"] = 2
+    assert counts(raw) == {"cls_a__ref": 2, "r50_s0": 2}
+    raw["reference_instances"] = 4
+    assert counts(raw) == {"cls_a__ref": 4, "r50_s0": 2}
+
+
 def test_ensemble_batch_is_min_of_path() -> None:
     plan = load_plan(ROOT / "tests" / "plans" / "r34_late_cuts.yaml")
     files = generator.render(plan)
