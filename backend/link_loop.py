@@ -45,6 +45,7 @@ class LinkLoop:
         self.out: HandOut = relay.out
         self.consumer = consumer
         self.max_batch, self.touch, self.log_error = max_batch, touch, log_error
+        self.batches = self.samples = 0  # what it ran (the metrics thread reads them: blockflow_tmq_link_*)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="blockflow-link", daemon=True)
         self._thread.start()
@@ -59,6 +60,8 @@ class LinkLoop:
                 got = self.into.take_any(_POLL_S, self.max_batch, stale_s=self.into.wait_s)
                 if got:
                     self.touch(len(got))
+                    self.batches += 1
+                    self.samples += len(got)
                     self._run(got)
             except Exception as exc:  # a batch's failure is handed on; this thread must outlive it
                 self.log_error(f"blockflow: link batch failed: {exc!r}")

@@ -90,7 +90,8 @@ class TritonPythonModel:
         self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, max(1, spec.max_batch_size),
                                      self.health.touch, _to_stderr)
                            if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
-        self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer)
+        self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer,
+                               link=self.link_loop)
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.ends.producer is None

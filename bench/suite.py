@@ -34,7 +34,7 @@ from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import FAILURE_LINES, INPUTS, encoded_input_data, median_of, perf_analyzer, side_input_data
 from blockflow.bench.plans import answer_bytes, in_precision, spread, task_models
 from blockflow.bench.report import write_report
-from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats
+from blockflow.bench.triton_stats import block_breakdown, compute_ms, delta, model_stats, tmq_counters
 from blockflow.clients.load import LoadSpec, run_load, summarize
 from blockflow.core.errors import BlockFlowError
 from blockflow.core.nvml import gpu_count
@@ -111,7 +111,7 @@ class Bench:
 
     def measure(self, server: TritonServer, model: dict[str, Any], batch: int, concurrency: int | None = None,
                 rate: float | None = None) -> dict[str, Any]:
-        before = model_stats(server.http_url)
+        before, counted = model_stats(server.http_url), tmq_counters(server.metrics_url)
         log_at = server.log_size()
         cpu0, e0, t0 = host_cpu.snapshot(server), self.gpus.energy_mj(), time.monotonic()
         r = median_of([self._pa(server, model["model"], batch, self.cfg.seconds, concurrency, rate)
@@ -129,7 +129,7 @@ class Bench:
         if "error" in r:  # the server's side of it (a block's exception is logged there, not sent whole)
             r["server_errors"] = server.log_since(log_at, FAILURE_LINES)
         r["server_compute_ms"] = compute_ms(top)
-        blocks = block_breakdown(d, model["blocks"], batch)
+        blocks = block_breakdown(d, model["blocks"], batch, delta(tmq_counters(server.metrics_url), counted))
         if blocks:
             r["blocks"] = blocks
             r["block_compute_ms"] = sum(b["compute_ms"] for b in blocks)

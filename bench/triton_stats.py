@@ -1,11 +1,20 @@
 """Triton's per-model statistics as a benchmark reads them: cumulative counts and times, the change
-between two reads, and what it comes to per execution and per block of an ensemble."""
+between two reads, and what it comes to per execution and per block of an ensemble; and the blocks' own
+TensorMQ counters from the metrics endpoint, for what Triton's statistics cannot see (a chain's links)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from blockflow.triton.api import TritonApi
+
+# Counters (per block instance, summed per model): a chain's links' batches and samples, and the batches
+# that found a producer's pool full and waited (backend/tensormq/metrics.py).
+TMQ_COUNTERS = {"blockflow_tmq_link_batches_total": "link_batches", "blockflow_tmq_link_samples_total": "link_samples",
+                "blockflow_tmq_pool_waits_total": "pool_waits"}
 
 PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's: before the backend's model runs, the run, after it
 
@@ -22,6 +31,28 @@ def model_stats(url: str) -> dict[str, dict[str, int]]:
                           "execution_ns": sum(int(b[k]["ns"]) for b in m.get("batch_stats", []) for k in PHASES),
                           **{f"execution_{k}_{u}": sum(int(b[k][f]) for b in m.get("batch_stats", []))
                              for k in PHASES for u, f in (("ns", "ns"), ("n", "count"))}}
+    return out
+
+
+def tmq_counters(metrics_url: str) -> dict[str, dict[str, int]]:
+    """:data:`TMQ_COUNTERS` per model from the metrics endpoint; empty where it cannot be read. The blocks publish
+    them once a second, so a reading is up to a second old."""
+    try:
+        r = httpx.get(metrics_url, timeout=10)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    return counters_of(r.text)
+
+
+def counters_of(text: str) -> dict[str, dict[str, int]]:
+    """:data:`TMQ_COUNTERS` per model in a metrics endpoint's text (Prometheus' format)."""
+    out: dict[str, dict[str, int]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if (key := TMQ_COUNTERS.get(s.name)) and "model" in s.labels:
+                m = out.setdefault(s.labels["model"], {})
+                m[key] = m.get(key, 0) + int(s.value)
     return out
 
 
@@ -50,12 +81,20 @@ def compute_ms(s: dict[str, int]) -> float:
     return total / max(1, s.get("requests", s.get("executions", 0))) / 1e6
 
 
-def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int) -> list[dict[str, Any]]:
-    """Per composing model of an ensemble: compute per execution, queue time per request, batch formed."""
+def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int,
+                    counters: dict[str, dict[str, int]] | None = None) -> list[dict[str, Any]]:
+    """Per block of a task: compute per execution, queue time per request, batch formed (Triton's statistics);
+    with ``counters`` (a :func:`delta` of :func:`tmq_counters`), a link's samples per batch and each block's pool waits."""
     out = []
     for b in blocks:
         s = d.get(b, {})
-        out.append({"block": b, "compute_ms": compute_ms(s),
-                    "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
-                    "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))})
+        row: dict[str, Any] = {"block": b, "compute_ms": compute_ms(s),
+                               "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
+                               "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))}
+        c = (counters or {}).get(b, {})
+        if c.get("link_batches", 0) > 0:
+            row["link_samples_per_batch"] = c["link_samples"] / c["link_batches"]
+        if "pool_waits" in c:
+            row["pool_waits"] = c["pool_waits"]
+        out.append(row)
     return out

@@ -8,7 +8,7 @@ from the execute thread.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from blockflow.backend.gauges import Gauge
 from blockflow.backend.tensormq.consumer import Consumer
@@ -31,14 +31,24 @@ COUNTERS = {
     "blockflow_tmq_unclaimed_tickets_total": "Samples reclaimed because no consumer claimed their ticket in time",
     "blockflow_tmq_early_tickets_total": "Tickets this instance handed on before committing their batch (calls of one request)",
     "blockflow_tmq_commit_waits_total": "Tickets that reached this instance before their batch's commit and waited for it",
+    "blockflow_tmq_pool_waits_total": "Batches that found this instance's pool full and waited for a release",
+    "blockflow_tmq_link_batches_total": "Batches this instance ran as a chain's link (hand_over: chain)",
+    "blockflow_tmq_link_samples_total": "Samples in the batches this instance ran as a chain's link",
 }
+
+
+class LinkCounts(Protocol):
+    """What a chain's link instance counts (``backend/link_loop.py``)."""
+
+    batches: int
+    samples: int
 
 
 class TmqMetrics:
     """The TensorMQ series of one block instance, published every ``period_s`` on a daemon thread."""
 
     def __init__(self, pb_utils: Any, labels: dict[str, str], producer: Producer | None, consumer: Consumer | None,
-                 period_s: float = PERIOD_S) -> None:
+                 period_s: float = PERIOD_S, link: LinkCounts | None = None) -> None:
         fam = pb_utils.MetricFamily
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
         self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
@@ -46,7 +56,7 @@ class TmqMetrics:
         self._gauges = {n: Gauge(self._families[n].Metric(labels=labels)) for n in GAUGES}
         self._counters = {n: self._families[n].Metric(labels=labels) for n in COUNTERS}
         self._sent = dict.fromkeys(COUNTERS, 0)
-        self.producer, self.consumer = producer, consumer
+        self.producer, self.consumer, self.link = producer, consumer, link
         self._lock = threading.Lock()  # the first publish runs on the initializing thread, the rest on the thread
         self._stop = threading.Event()
         self.publish()
@@ -79,13 +89,17 @@ class TmqMetrics:
                            "blockflow_tmq_lease_expiries_total": s.lease_expiries,
                            "blockflow_tmq_pool_full_failures_total": s.pool_failures,
                            "blockflow_tmq_unclaimed_tickets_total": s.unclaimed_tickets,
-                           "blockflow_tmq_early_tickets_total": s.early_tickets})
+                           "blockflow_tmq_early_tickets_total": s.early_tickets,
+                           "blockflow_tmq_pool_waits_total": s.pool_waits})
         if consumer is not None:
             c = consumer.stats
             values.update({"blockflow_tmq_handle_opens_total": c.handle_opens, "blockflow_tmq_tickets_consumed_total": c.tickets,
                            "blockflow_tmq_bad_tickets_total": c.bad_tickets,
                            "blockflow_tmq_refused_tickets_total": c.refused_tickets,
                            "blockflow_tmq_commit_waits_total": c.commit_waits})
+        if self.link is not None:
+            values.update({"blockflow_tmq_link_batches_total": self.link.batches,
+                           "blockflow_tmq_link_samples_total": self.link.samples})
         for name, value in values.items():
             delta = value - self._sent[name]
             if delta > 0:

@@ -104,7 +104,7 @@ def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object
     for col in cols:
         b.add_column(col, justify="left" if col in ("block", "state", "device") else "right", no_wrap=True)
     for r in blocks:
-        cells = {"block": str(r["block"]), "state": ready(r["ready"]), "inst": str(r["instances"]), "device": str(r["device"]),
+        cells = {"block": f"{r['block']} (link)" if r.get("link") else str(r["block"]), "state": ready(r["ready"]), "inst": str(r["instances"]), "device": str(r["device"]),
                  "GPU MiB": num(r["gpu_mem_mib"], ".0f"), "RSS MiB": num(r["rss_mib"], ".0f"), "GPU util": num(r["gpu_util"], ".0%"),
                  "CPU": num(r["cpu_util"], ".0%"), "req/s": num(r["rate"], ".1f"), "queue ms": num(r["queue_ms"], ".2f"),
                  "compute ms": num(r["compute_ms"], ".2f")}

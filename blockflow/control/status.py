@@ -100,11 +100,20 @@ def device_name(gpu_uuid: str | None) -> str:
     return "-".join(gpu_uuid.split("-")[:2]) if gpu_uuid else "cpu"
 
 
+def _counted(a: Snapshot, b: Snapshot, name: str, model: str) -> float | None:
+    """How much the counter ``name`` of ``model``'s instances grew between the snapshots; None where it has none."""
+    after = b.metric(name, model=model)
+    return max(0.0, sum(v for _, v in after) - sum(v for _, v in a.metric(name, model=model))) if after else None
+
+
 def block_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
+    """One row per block model. A chain's link answers no requests: its ``rate`` is the samples handed to it a
+    second (``blockflow_tmq_link_samples_total``), and ``link_batch`` the samples in each of its batches."""
     dt = max(b.at - a.at, 1e-9)
     rows = []
     for model in sorted(b.instances):
         n, queue_ns = _delta(a, b, model, "queue")
+        linked, batches = (_counted(a, b, f"blockflow_tmq_link_{k}_total", model) for k in ("samples", "batches"))
         _, compute_ns = _delta(a, b, model, "compute_infer")
         monitored = b.metric("blockflow_block_monitor_samples_total", model=model)
         gpus = sorted({lab.get("gpu_uuid", "") for lab, _ in monitored})
@@ -118,6 +127,8 @@ def block_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
             "device": ",".join(device_name(g) for g in gpus) or "-",
             "gpu_mem_mib": gpu_mem / 2**20 if gpu_mem else None, "rss_mib": rss / 2**20 if rss else None,
             "gpu_util": max(util) if util else None, "cpu_util": cpu,
-            "rate": n / dt, "queue_ms": queue_ns / n / 1e6 if n else None, "compute_ms": compute_ns / n / 1e6 if n else None,
+            "rate": n / dt if linked is None else linked / dt,
+            "queue_ms": queue_ns / n / 1e6 if n else None, "compute_ms": compute_ns / n / 1e6 if n else None,
+            "link": linked is not None, "link_batch": linked / batches if linked is not None and batches else None,
         })
     return rows

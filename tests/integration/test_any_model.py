@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from blockflow.bench.triton_stats import tmq_counters
 from blockflow.clients.client import TaskClient
 from blockflow.plan import Plan, load_plan, naming
 
@@ -54,6 +56,7 @@ def skipnet_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The runtime directories of the servers that hand over beyond the ensemble, by URL, and whether as datagrams.
 HAND_OVERS: dict[str, tuple[Path, bool]] = {}
+METRICS: dict[str, str] = {}  # their metrics endpoints, by URL
 
 
 def _receivers_listen(url: str) -> None:
@@ -100,6 +103,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     with own_server(plan, where, env=zmq_only) as server:
         if name in ("hand_over", "chain"):
             HAND_OVERS[server.http_url] = (server.runtime_dir, zmq_only is None)
+            METRICS[server.http_url] = server.metrics_url
         yield plan, server.http_url
 
 
@@ -210,6 +214,12 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
     # Both tasks' requests run through the links together, batched across calls.
     assert worst_concurrent_error(url, ("task_a", "task_b"), xs, threads=8) <= 1e-4
     _receivers_listen(url)
+    # The links count what they ran on the metrics endpoint (published each second); Triton's statistics see nothing.
+    images = 2 * sum(len(x) for x in xs)
+    deadline = time.monotonic() + 10
+    while (links := tmq_counters(METRICS[url]).get("mid_a", {})).get("link_samples", 0) < images and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert links["link_samples"] >= images and 1 <= links["link_batches"] <= links["link_samples"]
     client = http.InferenceServerClient(url.removeprefix("http://"))
     try:
         ticket = http.InferInput("ACTIVATION_IN", [1, 256], "UINT8")

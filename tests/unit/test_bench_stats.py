@@ -224,3 +224,26 @@ def test_a_failed_point_keeps_only_the_server_log_written_during_it(tmp_path: Pa
         f.write("E1130 model.py: RuntimeError: boom\n\n  /work/main/blockflow/backend/model.py(126): execute\n")
     assert server.log_since(at, 30) == ["E1130 model.py: RuntimeError: boom", "  /work/main/blockflow/backend/model.py(126): execute"]
     assert len(server.log_since(0, 1)) == 1
+
+
+def test_a_links_batches_come_from_the_blocks_counters() -> None:
+    from blockflow.bench.triton_stats import block_breakdown, counters_of, delta
+
+    def text(samples: int, batches: int, waits: int) -> str:
+        return "\n".join([
+            "# TYPE blockflow_tmq_link_samples_total counter",
+            f'blockflow_tmq_link_samples_total{{model="b1",model_instance="b1_0"}} {samples // 2}',
+            f'blockflow_tmq_link_samples_total{{model="b1",model_instance="b1_1"}} {samples - samples // 2}',
+            "# TYPE blockflow_tmq_link_batches_total counter",
+            f'blockflow_tmq_link_batches_total{{model="b1",model_instance="b1_0"}} {batches}',
+            "# TYPE blockflow_tmq_pool_waits_total counter",
+            f'blockflow_tmq_pool_waits_total{{model="b0",model_instance="b0_0"}} {waits}',
+            "# TYPE nv_inference_count counter",
+            'nv_inference_count{model="b0",version="1"} 7', ""])
+
+    before, after = counters_of(text(10, 2, 1)), counters_of(text(110, 6, 4))
+    assert after == {"b1": {"link_samples": 110, "link_batches": 6}, "b0": {"pool_waits": 4}}
+    rows = {r["block"]: r for r in block_breakdown({"b0": {"inferences": 8, "executions": 2}}, ["b0", "b1"], 1,
+                                                   delta(after, before))}
+    assert rows["b1"]["link_samples_per_batch"] == 25.0 and rows["b1"]["batch_per_execution"] == 0
+    assert rows["b0"]["pool_waits"] == 3 and rows["b0"]["batch_per_execution"] == 4 and "link_samples_per_batch" not in rows["b0"]

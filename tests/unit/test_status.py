@@ -24,3 +24,16 @@ def test_block_rows_join_the_gpu_by_uuid_and_name_cpu_blocks() -> None:
     assert rows["on_gpu"]["device"] == "GPU-1df59fe6" and rows["on_gpu"]["gpu_util"] == 0.25
     assert rows["on_gpu"]["rss_mib"] == 2.0 and rows["on_gpu"]["rate"] == 5.0 and rows["on_gpu"]["queue_ms"] == 0.001
     assert rows["on_cpu"]["device"] == "cpu" and rows["on_cpu"]["gpu_util"] is None and rows["on_cpu"]["rss_mib"] is None
+
+
+def test_a_links_rate_is_the_samples_handed_to_it() -> None:
+    def snap(at: float, samples: float, batches: float) -> Snapshot:
+        per = [({"model": "link", "model_instance": f"link_{i}"}, v / 2) for i, v in ((0, samples), (1, samples))]
+        return Snapshot(at=at, ready={"link": True}, ensembles=set(), instances={"link": 2}, stats={"link": {}},
+                        samples={"blockflow_tmq_link_samples_total": per,
+                                 "blockflow_tmq_link_batches_total": [({"model": "link", "model_instance": "link_0"}, batches)]})
+
+    row = block_rows(snap(0.0, 10, 1), snap(2.0, 110, 5))[0]
+    assert row["link"] and row["rate"] == 50.0 and row["link_batch"] == 25.0
+    plain = block_rows(_snapshot(0.0, 0), _snapshot(2.0, 10))[0]
+    assert not plain["link"] and plain["link_batch"] is None
