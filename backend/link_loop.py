@@ -1,7 +1,7 @@
 """A link's own thread (plan option ``hand_over: chain``): the block runs what it is handed, not requests.
 
 A link is no ensemble step. Its instances take the hand-overs the block before it sends them
-(``backend/tensormq/handover.py``: each call's to one instance), claim the tickets, run the batch
+(``backend/tensormq/handout.py``: each call's to one instance), claim the tickets, run the batch
 into their own pool slot and hand their tickets on under the same keys, the first block's
 (``HandOver.own_keys``), to the next block: another link, or the chain's *join*, the step the
 ensemble gives that key. A sample that fails here is handed on as its failure, so the join's request
@@ -21,7 +21,8 @@ import torch
 
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.handover import HandIn, HandOut
+from blockflow.backend.tensormq.handout import HandOut
+from blockflow.backend.tensormq.handover import HandIn
 from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.tensormq.wire import HANDED
 from blockflow.backend.tensormq_ends import TensorMQEnds

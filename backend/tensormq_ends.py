@@ -16,7 +16,8 @@ from blockflow.backend.health import Health
 from blockflow.backend.replies import EarlyReply, Packed, packer, ticket_tensor
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.tensormq.consumer import Consumer
-from blockflow.backend.tensormq.handover import HandOut, Relay
+from blockflow.backend.tensormq.handout import HandOut
+from blockflow.backend.tensormq.handover import Relay
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.trace import NoTracer, Tracer
@@ -41,7 +42,7 @@ class TensorMQEnds:
              health: Health, tracer: Tracer | NoTracer) -> TensorMQEnds:
         """The ends ``spec`` gives the instance Triton describes in ``args``; their files go when the server does."""
         # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
-        # A sender of direct hand-overs answers after its commit (backend/tensormq/handover.py).
+        # A sender of direct hand-overs answers after its commit (backend/tensormq/handout.py).
         # A chain's head keys its hand-overs by its own tickets and may answer early; a link answers nobody.
         role = spec.hand_over
         answers_early = (not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"

@@ -120,8 +120,8 @@ Cancel, crash, restart:
   fails its request alone, and the tickets that request claimed are still
   released.
 
-Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handover.py``,
-``blockflow/plan/direct_pairs.py`` for which pairs of blocks qualify):
+Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handout.py`` the sender,
+``handover.py`` the receiver and the relay, ``blockflow/plan/direct_pairs.py`` for which pairs of blocks qualify):
 
 - A *sender* and the one block after it, the *receiver*, run in the same ensemble step: the
   ensemble gives both the ticket the sender takes as its input. For the receiver that ticket is a

@@ -1,5 +1,5 @@
 """Direct hand-overs as AF_UNIX datagrams (the default; ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=0`` turns them off): a sender's socket and a
-receiver instance's, beside the ZeroMQ sockets of ``handover.py``, which stay the fallback. The
+receiver instance's, beside the ZeroMQ sockets of ``handout.py`` and ``handover.py``, which stay the fallback. The
 datagrams' layout and the fallback's rules are in ``wire.py``."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Direct hand-overs: a block gives its tickets to the next block itself, not through the ensemble.
+"""Direct hand-overs, the receiver's side and the relay: a block gives its tickets to the next block itself,
+not through the ensemble (the sender's side, ``HandOut``, is in ``handout.py``).
 
 Where the plan says ``hand_over: direct``, the generator pairs a *sender* with the one block
 after it, the *receiver* (``blockflow.plan.direct_pairs`` says which pairs qualify), and the task's
@@ -15,7 +16,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,28 +26,23 @@ import zmq
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.consumer import Consumer
-from blockflow.backend.tensormq.datagrams import DatagramIn, DatagramOut, datagrams_on
+from blockflow.backend.tensormq.datagrams import DatagramIn, datagrams_on
+from blockflow.backend.tensormq.handout import MAC, SEND_HWM, HandOut, keys_of
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import (
     HANDED,
-    failed,
     hand_over_dgram_path,
     hand_over_of,
     hand_over_path,
-    hand_over_prefix,
-    handed,
     listening,
 )
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
-from blockflow.core import also_accepts, env
+from blockflow.core import also_accepts
 from blockflow.core.spec import HandOver
 
 T = TypeVar("T")
 
-MAC = tk.LAYOUT["mac"]
 MODEL = tk.LAYOUT["model"]  # the producing block's model id
-# Hand-overs a sender queues for one receiver instance that is not reading (then they are dropped).
-SEND_HWM = 65536
 # Kept at most, received or served (beyond the window a receiver expires them in).
 MAX_KEPT = 1 << 18
 # A receiver that has waited this long for a key's hand-over asks the key's claim table whether it
@@ -57,121 +53,6 @@ LOOK_EVERY_S = 0.5
 # How long after its claim window a key's hand-over may still arrive (its sender claimed it at the
 # end of the window, and the message is on its way).
 LATE_S = 1.0
-
-
-def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
-    """The key of each of a request's input tickets (its MAC); none for input that is not tickets
-    (the consumer refuses that request with a clear error)."""
-    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != tk.TICKET_BYTES:
-        return []
-    return [bytes(r) for r in rows[:, MAC]]
-
-
-class HandOut:
-    """A sender's side: the keys of the current call, then for each its ticket or its failure."""
-
-    def __init__(self, runtime_dir: Path, to_model: str, own_keys: bool = False, one: bool = False) -> None:
-        self.dir = runtime_dir / env.TMQ_DIR
-        self.prefix = hand_over_prefix(to_model)
-        self.to = to_model
-        # A chain's head keys each hand-over by the ticket it hands over (the ensemble gives the chain's
-        # join that ticket); other senders by the ticket they were given.
-        self.own_keys = own_keys
-        # A chain's link takes every hand-over it hears (no request picks its instance): each call's go to one
-        # instance, the next call's to the next (an instance that does not take them: the one after).
-        self.one = one
-        self._turn = 0
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._socks: dict[str, zmq.Socket[Any]] = {}
-        self._dgram = DatagramOut() if datagrams_on() else None
-        self._seen: tuple[int, float] = (-1, 0.0)  # the directory's mtime at the last listing, and when it was listed
-        self._keys: list[bytes] = []
-        self.dropped = 0  # hand-overs a receiver instance did not take in time
-
-    @property
-    def by_zmq(self) -> int:
-        """Calls whose hand-overs went over ZeroMQ to an instance that has a datagram socket."""
-        return self._dgram.by_zmq if self._dgram is not None else 0
-
-    def _receivers(self) -> dict[str, zmq.Socket[Any]]:
-        """A socket to each receiver instance, listed again when the directory changed. File times
-        tick coarsely (a few ms), so a listing made within that of the last change is made again."""
-        mtime = os.stat(self.dir).st_mtime_ns
-        if mtime != self._seen[0] or self._seen[1] - mtime / 1e9 < 0.05:
-            self._seen = (mtime, time.time())
-            names = {n for n in os.listdir(self.dir) if n.startswith(self.prefix) and n.endswith(".sock")}
-            for gone in set(self._socks) - names:
-                self._socks.pop(gone).close(0)
-                if self._dgram is not None:
-                    self._dgram.gone(gone)
-            for name in sorted(names - set(self._socks)):
-                if listening(self.dir / name):  # a killed instance leaves its file
-                    sock = self._ctx.socket(zmq.PUSH)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-                    sock.connect(f"ipc://{self.dir / name}")
-                    self._socks[name] = sock
-                    if self._dgram is not None:
-                        self._dgram.found(name, self.dir / name)
-        return self._socks
-
-    def begin(self) -> None:
-        self._keys = []
-
-    def take(self, keys: Sequence[bytes]) -> None:
-        """One request's keys, read: its samples are the next ones of this call's batch."""
-        self._keys.extend(keys)
-
-    def send(self, tickets: Sequence[bytes]) -> None:
-        """This call's tickets, one per sample of its batch, in the order of its keys (a chain's head: keyed by themselves)."""
-        keys, self._keys = self._keys, []
-        if self.own_keys:
-            keys = [t[MAC] for t in tickets]
-        self._push([handed(k, t) for k, t in zip(keys, tickets, strict=True)])
-
-    def fail(self, keys: Sequence[bytes], reason: str, forwarded: bool = False) -> None:
-        """The receiver fails these samples' requests at once, with ``reason``, instead of waiting
-        (``forwarded``: a chain's link hands on the failure it was handed, as it was)."""
-        self._push([failed(k, reason if forwarded else f"{reason} (in block {self.to}'s sender)") for k in keys])
-
-    def finish(self, reason: str) -> None:
-        """End of the call: keys read but never sent (the batch failed before its tickets) fail."""
-        keys, self._keys = self._keys, []
-        if keys:
-            self.fail(keys, reason)
-
-    def _push(self, messages: list[list[bytes]]) -> None:
-        if not messages:
-            return
-        socks = self._receivers()
-        datagrams = self._dgram.pack(messages) if self._dgram is not None else []
-        names = list(socks)
-        if self.one and names:
-            # A link: one instance takes the call, the next call's the next one. A call in one datagram
-            # that does not go (all or nothing) is tried on the next instance; otherwise the rest goes to
-            # the same instance over ZeroMQ (it keeps the first copy of each key): a sample two instances
-            # took would run twice, and the second's failed claim would be handed on as its failure.
-            self._turn = (self._turn + 1) % len(names)
-            names = names[self._turn:] + names[:self._turn]
-            if len(datagrams) == 1 and self._dgram is not None and any(self._dgram.send(datagrams, n) for n in names):
-                return
-            # A killed instance leaves its files (and ZeroMQ queues for it without a word): the first one listening.
-            names = next(([n] for n in names if listening(self.dir / n)), [])
-        for name in names:
-            if datagrams and self._dgram is not None and self._dgram.send(datagrams, name):
-                continue
-            for message in messages:
-                try:
-                    socks[name].send_multipart(message, flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    self.dropped += 1
-
-    def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(0)
-        self._socks = {}
-        if self._dgram is not None:
-            self._dgram.close()
 
 
 class HandIn:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from blockflow.backend.tensormq import ticket as tk
-from blockflow.backend.tensormq.handover import LATE_S, LOOK_AFTER_S, HandIn, HandOut, Relay, keys_of
+from blockflow.backend.tensormq.handout import HandOut, keys_of
+from blockflow.backend.tensormq.handover import LATE_S, LOOK_AFTER_S, HandIn, Relay
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import DGRAM_MAX, failed, handed, pack_datagrams, unpack_datagram

@@ -11,7 +11,8 @@ import torch
 
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq import wire
-from blockflow.backend.tensormq.handover import MAC, MODEL
+from blockflow.backend.tensormq.handout import MAC
+from blockflow.backend.tensormq.handover import MODEL
 
 KEY = bytes(range(32))
 # Two tickets encoded with KEY (a tensor; a record) and their bytes: a change of these is a change of
