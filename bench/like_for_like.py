@@ -73,6 +73,8 @@ def row_plan(row: Row, plan: Path, out: Path, instances: int | None, rest: int |
     if row.image != "plan":
         for model in raw["models"].values():
             model["input"] = {"dtype": row.image, "normalize": "imagenet"}
+    if instances is not None:
+        raw.pop("reference_instances", None)  # the unsplit model as the first block, as the row says
     for task in raw["tasks"].values():
         for k, block in enumerate(task["path"]):
             if (n := instances if k == 0 else rest) is not None:

@@ -91,7 +91,7 @@ def block_breakdown(d: dict[str, dict[str, int]], blocks: list[str], batch: int,
         row: dict[str, Any] = {"block": b, "compute_ms": compute_ms(s),
                                "queue_ms": s.get("queue_ns", 0) / max(1, s.get("inferences", 0)) * batch / 1e6,
                                "batch_per_execution": s.get("inferences", 0) / max(1, s.get("executions", 0))}
-        c = (counters or {}).get(b, {})
+        c = {k: max(0, v) for k, v in (counters or {}).get(b, {}).items()}  # an instance restarted meanwhile counts from 0
         if c.get("link_batches", 0) > 0:
             row["link_samples_per_batch"] = c["link_samples"] / c["link_batches"]
         if "pool_waits" in c:

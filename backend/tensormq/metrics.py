@@ -32,6 +32,9 @@ COUNTERS = {
     "blockflow_tmq_early_tickets_total": "Tickets this instance handed on before committing their batch (calls of one request)",
     "blockflow_tmq_commit_waits_total": "Tickets that reached this instance before their batch's commit and waited for it",
     "blockflow_tmq_pool_waits_total": "Batches that found this instance's pool full and waited for a release",
+}
+# A chain's links only: their series say which blocks are links (``blockflow status``).
+LINK_COUNTERS = {
     "blockflow_tmq_link_batches_total": "Batches this instance ran as a chain's link (hand_over: chain)",
     "blockflow_tmq_link_samples_total": "Samples in the batches this instance ran as a chain's link",
 }
@@ -52,10 +55,11 @@ class TmqMetrics:
         fam = pb_utils.MetricFamily
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
         self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
-        self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()})
+        counters = COUNTERS | LINK_COUNTERS if link is not None else COUNTERS
+        self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in counters.items()})
         self._gauges = {n: Gauge(self._families[n].Metric(labels=labels)) for n in GAUGES}
-        self._counters = {n: self._families[n].Metric(labels=labels) for n in COUNTERS}
-        self._sent = dict.fromkeys(COUNTERS, 0)
+        self._counters = {n: self._families[n].Metric(labels=labels) for n in counters}
+        self._sent = dict.fromkeys(counters, 0)
         self.producer, self.consumer, self.link = producer, consumer, link
         self._lock = threading.Lock()  # the first publish runs on the initializing thread, the rest on the thread
         self._stop = threading.Event()

@@ -73,7 +73,8 @@ def block_window(records: list[dict[str, Any]], t0: int, t1: int) -> dict[str, f
 def write_report(res: dict[str, Any], path: Path) -> None:
     L = [f"# Blocks under load — {res['device']}", "",
          f"Plan `{res['plan']}`, task `{res['task']}`, {res['precision']}, commit {res['commit']}, {res['date']}; "
-         f"MPS {'on' if res['mps'] else 'off'}; perf_analyzer over HTTP, batch 1, concurrency {res['concurrency']}, "
+         f"MPS {'on' if res['mps'] else 'off'}; perf_analyzer over HTTP, batch 1, concurrency {res['concurrency']}"
+         + (f" on {res['client_threads']} client threads" if res.get("client_threads") else "") + ", "
          f"one {res['seconds']:g} s window per input path; tracing on.", "",
          "*samples/call*: from the block's trace (a link's batches included; Triton's count without a trace); "
          "*busy*: share of the window the block's `execute` (a link: its batch) ran; *gap*: one call's return to the same process's next; "

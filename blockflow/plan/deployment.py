@@ -300,6 +300,8 @@ class Plan(SideInputs):
             out.append("pack: 'all' packs nothing: no two tasks have heads of their own after the same block, nor "
                        "whole models of their own (one deployed model each, no block shared) of the same model, "
                        "with the same deployment settings")
+        if self.raw.reference_instances is not None and not self.raw.references:
+            out.append("reference_instances has no effect without references")
         # A dumped plan repeats the default, so only a value other than it is worth a warning.
         if self.raw.pack == "none" and self.raw.pack_size != type(self.raw).model_fields["pack_size"].default:
             out.append("pack_size has no effect with pack: 'none'")

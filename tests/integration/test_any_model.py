@@ -219,7 +219,9 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
     deadline = time.monotonic() + 10
     while (links := tmq_counters(METRICS[url]).get("mid_a", {})).get("link_samples", 0) < images and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert links["link_samples"] >= images and 1 <= links["link_batches"] <= links["link_samples"]
+    assert links.get("link_samples", 0) >= images and 1 <= links.get("link_batches", 0) <= links["link_samples"], links
+    stem = tmq_counters(METRICS[url]).get("stem")
+    assert stem is not None and "pool_waits" in stem and "link_samples" not in stem  # the head is no link
     client = http.InferenceServerClient(url.removeprefix("http://"))
     try:
         ticket = http.InferInput("ACTIVATION_IN", [1, 256], "UINT8")

@@ -222,6 +222,10 @@ def test_a_uint8_row_with_instances_serves_a_copy_of_the_plan(tmp_path: Path) ->
     served = load_plan(copy)
     assert served.blocks["b0"].instances == 4 and served.blocks["b1"].instances == served.blocks["b3"].instances == 2
     assert all(m.image is not None and m.image.dtype == "uint8" for m in served.models.values())
+    # --instances sets the unsplit model's too, whatever the plan said.
+    own = tmp_path / "own.yaml"
+    own.write_text(plan.read_text() + "reference_instances: 8\n")
+    assert load_plan(lfl.row_plan(row, own, tmp_path / "own", 4)).raw.reference_instances is None
 
 
 def test_the_best_throughput_over_more_concurrencies_is_shown_against_the_gpu_alone() -> None:

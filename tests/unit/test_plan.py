@@ -50,6 +50,15 @@ def test_unused_block_is_a_warning() -> None:
     assert parse_plan(data).warnings() == ["blocks.spare: no task uses this block; it is not deployed"]
 
 
+def test_reference_instances_without_references_is_a_warning() -> None:
+    data = base()
+    data["reference_instances"] = 4
+    data["references"] = []
+    assert parse_plan(data).warnings() == ["reference_instances has no effect without references"]
+    data["references"] = ["graph"]
+    assert parse_plan(data).warnings() == []
+
+
 def test_dynamic_batching_off_drops_the_batcher_and_warns_on_a_shared_block() -> None:
     from blockflow.ensemble_gen import generator
 
