@@ -111,7 +111,7 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
                      "--stability-percentage", "1000"]
             res = run_child(cmd + count, capture_output=True, timeout=600, check=False, env=env)
         if res.returncode != 0:
-            return failure(res.stderr or res.stdout)
+            return failure(res.stdout, res.stderr)  # perf_analyzer says what failed on either
         rows = list(csv.DictReader(open(f.name)))
     if not rows:
         return {"error": 1.0}
@@ -123,11 +123,11 @@ def perf_analyzer(url: str, model: str, shape: str | None, batch: int, seconds: 
             **({"unstable": 1.0} if unstable else {})}
 
 
-def failure(text: str) -> dict[str, Any]:
-    """A failed run: ``message``, the line that says what failed (perf_analyzer's first error line, else
-    its last line), and ``detail``, the output's last lines, which hold the server's traceback when a
-    block raised (the last line alone is a frame of it)."""
-    lines = [line for line in text.strip().splitlines() if line.strip()] or ["?"]
+def failure(*outputs: str) -> dict[str, Any]:
+    """A failed run from its ``outputs`` (stdout, stderr): ``message``, the line that says what failed
+    (perf_analyzer's first error line in either, else the last line), and ``detail``, the last lines,
+    which hold the server's traceback when a block raised (the last line alone is a frame of it)."""
+    lines = [line for text in outputs for line in text.strip().splitlines() if line.strip()] or ["?"]
     said = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
     return {"error": 1.0, "message": said[:500], "detail": "\n".join(lines[-FAILURE_LINES:])[-4000:]}
 

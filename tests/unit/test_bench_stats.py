@@ -182,6 +182,9 @@ def test_a_failed_point_keeps_what_failed_and_the_report_says_it(tmp_path: Path)
     assert r["error"] == 1.0 and r["message"].startswith("Thread [0] had error") and "RuntimeError: boom" in r["message"]
     assert r["detail"].endswith("model.py(126): execute") and "runtime.py(99)" in r["detail"]
     assert failure("")["message"] == "?" and failure("a\nlast words\n")["message"] == "last words"
+    # What failed is found on stdout when stderr holds something else too, and the detail ends with stderr's.
+    both = failure("Request concurrency: 1\nThread [0] had error: no model 'x'\n", "WARNING: a note\n")
+    assert both["message"] == "Thread [0] had error: no model 'x'" and both["detail"].endswith("WARNING: a note")
     res = {"concurrency": {"tensormq": {"1": {"p50_ms": 3.0}, "256": r}}, "rate": {"peak_per_s": 9.0, "tensormq": {"0.5": r}},
            "pipeline": {"tensormq": r}, "gpus": {"skipped": "no", "2": {"tensormq": {"1": {"p50_ms": 3.0}, "32": r}}}}
     lines = failures_section(res)
