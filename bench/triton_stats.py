@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from blockflow.control.status import metric_samples
 from blockflow.triton.api import TritonApi
 
 # Counters (per block instance, summed per model): a chain's links' batches and samples, and the batches
@@ -48,11 +48,11 @@ def tmq_counters(metrics_url: str) -> dict[str, dict[str, int]]:
 def counters_of(text: str) -> dict[str, dict[str, int]]:
     """:data:`TMQ_COUNTERS` per model in a metrics endpoint's text (Prometheus' format)."""
     out: dict[str, dict[str, int]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if (key := TMQ_COUNTERS.get(s.name)) and "model" in s.labels:
-                m = out.setdefault(s.labels["model"], {})
-                m[key] = m.get(key, 0) + int(s.value)
+    for name, samples in metric_samples(text, tuple(TMQ_COUNTERS)).items():
+        for labels, value in samples:
+            if name in TMQ_COUNTERS and "model" in labels:
+                m = out.setdefault(labels["model"], {})
+                m[TMQ_COUNTERS[name]] = m.get(TMQ_COUNTERS[name], 0) + int(value)
     return out
 
 

@@ -60,12 +60,19 @@ def snapshot(api: TritonApi, metrics_url: str, client: httpx.Client) -> Snapshot
         text = r.text
     except httpx.HTTPError as exc:
         raise Unreachable(f"cannot read Triton's metrics at {metrics_url}: {exc}") from None
+    samples = metric_samples(text, ("blockflow_", "nv_inference_request_summary_us", "nv_gpu_utilization"))
+    return Snapshot(time.monotonic(), ready, ensembles, instances, stats, samples)
+
+
+def metric_samples(text: str, prefixes: tuple[str, ...]) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The samples of a metrics endpoint's text (Prometheus' format) whose names start with one of ``prefixes``:
+    name -> [(labels, value)]."""
     samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.startswith(("blockflow_", "nv_inference_request_summary_us", "nv_gpu_utilization")):
+            if s.name.startswith(prefixes):
                 samples[s.name].append((dict(s.labels), float(s.value)))
-    return Snapshot(time.monotonic(), ready, ensembles, instances, stats, dict(samples))
+    return dict(samples)
 
 
 def _count(stats: dict[str, Any], key: str) -> tuple[int, int]:
