@@ -41,12 +41,9 @@ class TensorMQEnds:
     def open(cls, args: dict[str, str], spec: ModelSpec, device: torch.device, out_name: str, stream: int,
              health: Health, tracer: Tracer | NoTracer) -> TensorMQEnds:
         """The ends ``spec`` gives the instance Triton describes in ``args``; their files go when the server does."""
-        # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply).
-        # A sender of direct hand-overs answers after its commit (backend/tensormq/handout.py).
-        # A chain's head keys its hand-overs by its own tickets and may answer early; a link answers nobody.
-        role = spec.hand_over
-        answers_early = (not spec.heads and os.environ.get(env.TMQ_EARLY) != "0"
-                         and not (role is not None and (role.link or (role.to and not role.own_keys))))
+        # A call of one request answers it with its tickets before queuing its GPU work (replies.EarlyReply)
+        # where the spec allows it (ModelSpec.answers_early) and BLOCKFLOW_TMQ_EARLY is not "0".
+        answers_early = spec.answers_early and os.environ.get(env.TMQ_EARLY) != "0"
         if spec.transport != "tensormq" or spec.tensormq is None:
             return cls(None, None, None, answers_early, spec, stream, tracer)
         model = args["model_name"]

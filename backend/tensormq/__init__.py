@@ -27,7 +27,8 @@ Who owns a slot when:
    ticket per sample (the slot counts one reference per ticket). The producer
    never writes a lent slot. A block may hand the tickets on *before* the
    commit (``Producer.issue``: a call of one request answers with them before
-   queuing its GPU work, ``backend/replies.py``); until the commit, its
+   queuing its GPU work, ``backend/replies.py``, where the next block is an
+   ensemble step: ``ModelSpec.answers_early``); until the commit, its
    consumer finds the claim entry on an earlier use and waits for it (at most
    ``COMMIT_WAIT_S``). If the writes fail, ``Producer.abort`` marks the use
    failed and its tickets are refused; a failed, never committed or orphaned
@@ -132,7 +133,8 @@ Direct hand-overs (plan option ``hand_over: direct``; ``backend/tensormq/handout
   every instance of the receiver (Triton, not the sender, picks the instance a request goes to):
   its own ticket, sent when the tickets are issued, before the sample's GPU work (the receiver's
   consumer then waits for the commit, as for a ticket handed on early); or the reason it failed
-  that sample's request. A sender does not answer the ensemble early.
+  that sample's request. A sender does not answer the ensemble early: its receiver waits for
+  the commit, which the answer's round trip would delay.
 - Each receiver instance binds its own socket (``wire.hand_over_path``); senders list the
   directory again when it changes. Unless ``BLOCKFLOW_TMQ_HANDOVER_DGRAM=0``, it binds an AF_UNIX
   datagram socket beside it (``wire.hand_over_dgram_path``; ``datagrams.py``), and a sender sends a call's

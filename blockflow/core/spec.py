@@ -319,6 +319,16 @@ class ModelSpec(_Strict):
         return self.last_stage == self.stage_count - 1
 
     @property
+    def answers_early(self) -> bool:
+        """Whether a call of one request may answer with its tickets before queuing its GPU work: only
+        where the ensemble's next step takes them, so the answer overlaps that step's scheduling. A
+        sender of direct hand-overs (a chain's head among them) answers after its commit, as the block
+        after it waits for that commit and the answer's round trip (~0.2 ms) would come first; a link
+        answers nobody; a pack of heads answers with logits."""
+        role = self.hand_over
+        return not self.heads and not (role is not None and (role.link or bool(role.to)))
+
+    @property
     def task_outputs(self) -> tuple[TaskOutput, ...]:
         """What the task's answer holds where this model gives it."""
         return self.outputs or (TaskOutput(name=LOGITS, dtype="fp32", shape=self.out_shape),)

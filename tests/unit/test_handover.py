@@ -23,7 +23,7 @@ from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import DGRAM_MAX, failed, handed, pack_datagrams, unpack_datagram
 from blockflow.core import also_accepts, env
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
-from blockflow.core.spec import HandOver
+from blockflow.core.spec import HandOver, ModelSpec
 from blockflow.ensemble_gen import generator
 from blockflow.plan import direct_pairs, load_plan, parse_plan, parse_plan_text
 
@@ -440,6 +440,18 @@ def test_the_generator_leaves_a_chains_links_out_of_its_ensemble() -> None:
         "to": "mid_b", "takes_from": "stem", "keys_from": ["stem"], "after": 0, "link": True, "to_link": True}
     assert _spec(files["mid_c/config.pbtxt"])["hand_over"] == {"takes_from": "mid_b", "keys_from": ["stem"], "to": "", "after": 0, "from_link": True}
     assert "hand_over" not in _spec(files["head_a/config.pbtxt"])
+
+
+def test_only_a_block_whose_next_block_is_an_ensemble_step_answers_early() -> None:
+    files = generator.render(load_plan(ROOT / "tests" / "plans" / "chain.yaml"))
+    early = {m: ModelSpec.model_validate(_spec(files[f"{m}/config.pbtxt"])).answers_early
+             for m in ("stem", "mid_a", "mid_b", "mid_c")}
+    # The head hands over to a link, which waits for its commit; the links answer nobody; the join's
+    # next block (a task's head) is an ensemble step.
+    assert early == {"stem": False, "mid_a": False, "mid_b": False, "mid_c": True}
+    plain = generator.render(parse_plan_text((ROOT / "tests" / "plans" / "chain.yaml").read_text().replace(
+        "hand_over: chain", "hand_over: ensemble")))
+    assert ModelSpec.model_validate(_spec(plain["stem/config.pbtxt"])).answers_early
 
 
 def test_a_plan_hands_over_one_way_beyond_the_ensemble() -> None:
