@@ -2,7 +2,7 @@
 
 Starts one server for the plan, computes every request's expected outputs (every output a task
 answers: logits, or a detector's boxes, scores, labels and counts) from the task's monolithic
-reference (sequentially), then replays all requests concurrently and counts mismatches. A diagnostic, not a test: prints one line per round. ``--input cuda`` sends the
+reference (the plan's ``references``: eager, else its CUDA graph; sequentially), then replays all requests concurrently and counts mismatches. A diagnostic, not a test: prints one line per round. ``--input cuda`` sends the
 concurrent requests' images through CUDA shared memory (one region per worker thread), so they
 reach the first blocks on the GPU; ``--input host,cuda`` runs the rounds for each on one server.
 The expected logits always come from host inputs.
@@ -43,6 +43,9 @@ def main() -> None:
     if not inputs or set(inputs) - {"host", "cuda"}:
         ap.error(f"--input takes host, cuda or host,cuda; not {args.input!r}")
     plan = load_plan(args.plan)
+    if not plan.references:
+        ap.error(f"{args.plan} serves no unsplit reference to check the answers against: add references: [eager] or [graph]")
+    graph = "eager" not in plan.references  # either one answers as the unsplit network
     tasks = [t for t in plan.tasks if len(plan.tasks[t].path) > 1]
     repo = Path(os.environ.get("TMPDIR", "/tmp")) / f"stress-repo-{os.getpid()}"
     generator.write(generator.render(plan), repo)
@@ -50,7 +53,7 @@ def main() -> None:
     jobs = [(tasks[i % len(tasks)], task_images(plan, tasks[i % len(tasks)], 1 + i % 3, seed=i)) for i in range(args.jobs)]
     with TritonServer(opts) as server:
         with TaskClient(server.http_url) as c:
-            expected = [c.infer_outputs(naming.reference_model(t, False), x) for t, x in jobs]
+            expected = [c.infer_outputs(naming.reference_model(t, graph), x) for t, x in jobs]
 
         for memory in inputs:
             for r in range(args.rounds):

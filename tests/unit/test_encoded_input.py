@@ -220,3 +220,12 @@ def test_bench_inputs_for_an_encoded_task_are_jpeg_files(tmp_path: Path) -> None
         assert raw[:len(jpeg)] == jpeg and not any(raw[len(jpeg):])
     total = sum(p.stat().st_size for p in SAMPLE_IMAGES.iterdir())
     assert len(list(SAMPLE_IMAGES.iterdir())) <= 5 and total <= 300_000  # the images and their README
+
+
+def test_images_for_a_task_whose_metadata_could_not_be_read_go_as_they_are() -> None:
+    kind, x = TaskInput.given("t", np.zeros((2, 3, 8, 8), np.uint8))
+    assert (kind.datatype, x.dtype, x.flags.c_contiguous) == ("UINT8", np.uint8, True)
+    kind, x = TaskInput.given("t", np.zeros((2, 3, 8, 8), np.float64)[..., ::2])
+    assert (kind.datatype, x.dtype, x.flags.c_contiguous) == ("FP32", np.float32, True)
+    kind, x = TaskInput.given("t", [b"ab", b"c"])
+    assert kind.encoded and x.tolist() == [[97, 98], [99, 0]]
