@@ -43,9 +43,9 @@ def main() -> None:
     if not inputs or set(inputs) - {"host", "cuda"}:
         ap.error(f"--input takes host, cuda or host,cuda; not {args.input!r}")
     plan = load_plan(args.plan)
-    if not plan.references:
+    if not plan.raw.references:
         ap.error(f"{args.plan} serves no unsplit reference to check the answers against: add references: [eager] or [graph]")
-    graph = "eager" not in plan.references  # either one answers as the unsplit network
+    graph = "eager" not in plan.raw.references  # either one answers as the unsplit network
     tasks = [t for t in plan.tasks if len(plan.tasks[t].path) > 1]
     repo = Path(os.environ.get("TMPDIR", "/tmp")) / f"stress-repo-{os.getpid()}"
     generator.write(generator.render(plan), repo)

@@ -120,6 +120,12 @@ class ClientBase:
             kwargs["client_timeout"] = timeout_s if timeout_s is not None else self.timeout_s
         return _Request((task, inps), kwargs)
 
+    def _checked(self, task: str, images: Any) -> tuple[TaskInput, Any]:
+        """The task's input and ``images`` as it takes them (:meth:`TaskInput.check`); where its metadata
+        could not be read, as they are (:meth:`TaskInput.given`: the call says why it fails)."""
+        kind = self._inputs.get(task)
+        return (kind, kind.check(task, images)) if kind is not None else TaskInput.given(task, images)
+
     def _sides(self, task: str, inputs: Mapping[str, Any] | None, images: Any) -> dict[str, Any]:
         """A call's side inputs as the task takes them (:meth:`TaskInput.check_sides`, the batch of the
         checked ``images``); unchecked where the task's metadata could not be read (the call says why)."""

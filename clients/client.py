@@ -137,7 +137,7 @@ class TaskClient(ClientBase):
                 self._inputs[task] = TaskInput.of(self._client.get_model_metadata(task))
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
-        images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
+        kind, images = self._checked(task, images)
         sides = self._sides(task, inputs, images)
         region = self._region_for(images) if self.input_memory == "cuda" and not kind.encoded else None
         req = self._request(task, images, kind, headers, request_id, priority, timeout_s, region,
@@ -242,7 +242,7 @@ class AsyncTaskClient(ClientBase):
                 self._inputs[task] = TaskInput.of(await self._client.get_model_metadata(task))
             except Exception:  # the call itself says why (not served, unreachable, loading)
                 pass
-        images = (kind := self._inputs.get(task, TaskInput())).check(task, images)
+        kind, images = self._checked(task, images)
         sides = self._sides(task, inputs, images)
         wanted = self._wanted(task, kind, outputs)
         region = self._take_region(images) if self.input_memory == "cuda" and not kind.encoded else None  # files: in the request

@@ -102,6 +102,18 @@ class TaskInput:
                               f"inputs={{{', '.join(f'{s.name!r}: array' for s in missing)}}}")
         return {s.name: _side_array(task, s, given[s.name], batch) for s in self.side_inputs}
 
+    @staticmethod
+    def given(task: str, images: Any) -> tuple[TaskInput, Any]:
+        """For a task whose metadata could not be read: the input ``images`` make as they are (files'
+        bytes as files, uint8 pixels as uint8, any other pixels as float32) and the images so, so that
+        the call reaches the server, which says why it fails (not served, loading), rather than a
+        check against a kind the task may not have."""
+        if isinstance(images, (bytes, bytearray)) or (isinstance(images, (list, tuple)) and images
+                                                      and all(isinstance(b, (bytes, bytearray)) for b in images)):
+            return TaskInput("UINT8", (-1,)), _files(task, images)
+        u8 = str(getattr(images, "dtype", "")).removeprefix("torch.") == "uint8"
+        return TaskInput("UINT8" if u8 else "FP32"), _contiguous(images, u8)
+
     def check(self, task: str, images: Any) -> Any:
         """``images`` as the task takes them (contiguous; numpy stays numpy, torch stays torch). A float
         array for a uint8 task (or uint8 for a float one) is refused, never cast: the values would be
