@@ -17,7 +17,8 @@ from blockflow.core import stage_files
 from blockflow.core.errors import PlanError, PlanIssue
 from blockflow.core.spec import HopDtype, Precision, TaskOutput, TransportName, WeightsSource, hop_dtype
 from blockflow.core.trained_weights import trained_weights
-from blockflow.plan import direct_pairs, naming
+from blockflow.plan import naming
+from blockflow.plan.hand_overs import HandOvers
 from blockflow.plan.packs import HeadPack, head_packs
 from blockflow.plan.schema import (
     DEFAULT_SETTINGS,
@@ -67,7 +68,7 @@ class Deployed:
     pack: HeadPack | None = None
 
 
-class Plan(SideInputs):
+class Plan(SideInputs, HandOvers):
     """A validated plan. Build it with :func:`load_plan` or :func:`parse_plan`; its side inputs
     (task inputs besides the image) come from :class:`blockflow.plan.side_inputs.SideInputs`."""
 
@@ -292,7 +293,7 @@ class Plan(SideInputs):
             if not self.blocks[name].dynamic_batching and len(sharing) > 1:
                 out.append(f"blocks.{name}: dynamic_batching is off, so requests of its {len(sharing)} tasks "
                            f"({', '.join(sharing)}) never share an execute; under load it runs them one by one")
-        out += self._hand_over_warnings()
+        out += self.hand_over_warnings()
         if self.raw.pack == "heads" and not self.head_packs:
             out.append("pack: 'heads' packs nothing: no two tasks have heads of their own after the same block "
                        "with the same deployment settings")
@@ -305,53 +306,6 @@ class Plan(SideInputs):
         # A dumped plan repeats the default, so only a value other than it is worth a warning.
         if self.raw.pack == "none" and self.raw.pack_size != type(self.raw).model_fields["pack_size"].default:
             out.append("pack_size has no effect with pack: 'none'")
-        return out
-
-    @cached_property
-    def hand_overs(self) -> dict[str, str]:
-        """Sender -> receiver of each pair of deployed models (names before any transport suffix) that
-        hand over directly on the tasks that ask for it (``blockflow.plan.direct_pairs``)."""
-        mode = self.hand_over_mode
-        paths = {t.name: [d.name for d in self.deployed(t)] for t in self.tasks.values()
-                 if t.hand_over == mode and mode != "ensemble" and t.transport == "tensormq"}
-        if not paths:
-            return {}
-        kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
-        readers = {d.name for t in self.tasks.values() for d in self.deployed(t) if self.side_inputs_of(d.blocks)}
-        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept, readers, chain=mode == "chain")
-
-    @cached_property
-    def hand_over_mode(self) -> HandOverMode:
-        """How the plan's blocks hand over beyond the ensemble: ``direct``, ``chain`` (one of them per
-        plan, checked when the plan is read) or ``ensemble`` (never)."""
-        modes = {t.hand_over for t in self.tasks.values()} - {"ensemble"}
-        return next(iter(modes)) if len(modes) == 1 else "ensemble"
-
-    def task_hand_overs(self, task: Task) -> list[tuple[str, str]]:
-        """The pairs of :meth:`hand_overs` on ``task``'s deployed path, in order."""
-        relay = self.hand_overs
-        path = [d.name for d in self.deployed(task)]
-        return [(a, b) for a, b in zip(path, path[1:], strict=False) if relay.get(a) == b]
-
-    def _hand_over_warnings(self) -> list[str]:
-        """Tasks that ask for direct hand-overs or chains where their path has none."""
-        out = []
-        for t in self.tasks.values():
-            if t.hand_over == "ensemble":
-                continue
-            if t.transport != "tensormq":
-                out.append(f"tasks.{t.name}: hand_over {t.hand_over!r} needs transport 'tensormq' (it is {t.transport!r}); "
-                           "its blocks hand over through the ensemble")
-            elif not self.task_hand_overs(t) and t.hand_over == "direct":
-                out.append(f"tasks.{t.name}: hand_over 'direct' finds no pair on its path: a block must be the only one "
-                           "after the other and the other the only one before it in every task, and the one that takes "
-                           "over is no task's first, second or last block and reads no task input besides the image "
-                           "(docs/plan.md)")
-            elif not self.task_hand_overs(t):
-                out.append(f"tasks.{t.name}: hand_over 'chain' finds no link on its path: a link is the only block after "
-                           "the one before it and before the one after it in every task, no task's first or last block, "
-                           "in no task that keeps its steps (hand_over 'ensemble', another transport) and reads no task "
-                           "input besides the image (docs/plan.md)")
         return out
 
 

@@ -1,0 +1,83 @@
+"""A plan's hand-overs beyond the ensemble (plan option ``hand_over``: ``direct`` or ``chain``;
+docs/plan.md): which deployed models hand over to which, on which tasks, and the warnings for tasks
+that ask for them and find none. The pairs' rules are in :mod:`blockflow.plan.direct_pairs`.
+
+They are methods of :class:`blockflow.plan.deployment.Plan` (``plan.task_hand_overs(task)``),
+mixed in from :class:`HandOvers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from blockflow.core.spec import SideInput
+from blockflow.plan import direct_pairs
+from blockflow.plan.packs import HeadPack
+from blockflow.plan.schema import HandOverMode
+
+if TYPE_CHECKING:  # deployment imports this module: its classes are named for the types only
+    from blockflow.plan.deployment import Block, Deployed, Task
+
+
+class HandOvers:
+    """The hand-over queries of a plan, over its resolved ``tasks``, deployed paths and head packs."""
+
+    if TYPE_CHECKING:  # the plan's (:class:`~blockflow.plan.deployment.Plan` has them)
+        @property
+        def tasks(self) -> Mapping[str, Task]: ...
+
+        @property
+        def head_packs(self) -> Mapping[str, HeadPack]: ...
+
+        def deployed(self, task: Task) -> list[Deployed]: ...
+
+        def side_inputs_of(self, blocks: Sequence[Block]) -> tuple[SideInput, ...]: ...
+
+    @cached_property
+    def hand_overs(self) -> dict[str, str]:
+        """Sender -> receiver of each pair of deployed models (names before any transport suffix) that
+        hand over directly on the tasks that ask for it (``blockflow.plan.direct_pairs``)."""
+        mode = self.hand_over_mode
+        paths = {t.name: [d.name for d in self.deployed(t)] for t in self.tasks.values()
+                 if t.hand_over == mode and mode != "ensemble" and t.transport == "tensormq"}
+        if not paths:
+            return {}
+        kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
+        readers = {d.name for t in self.tasks.values() for d in self.deployed(t) if self.side_inputs_of(d.blocks)}
+        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept, readers, chain=mode == "chain")
+
+    @cached_property
+    def hand_over_mode(self) -> HandOverMode:
+        """How the plan's blocks hand over beyond the ensemble: ``direct``, ``chain`` (one of them per
+        plan, checked when the plan is read) or ``ensemble`` (never)."""
+        modes = {t.hand_over for t in self.tasks.values()} - {"ensemble"}
+        return next(iter(modes)) if len(modes) == 1 else "ensemble"
+
+    def task_hand_overs(self, task: Task) -> list[tuple[str, str]]:
+        """The pairs of :meth:`hand_overs` on ``task``'s deployed path, in order."""
+        relay = self.hand_overs
+        path = [d.name for d in self.deployed(task)]
+        return [(a, b) for a, b in zip(path, path[1:], strict=False) if relay.get(a) == b]
+
+    def hand_over_warnings(self) -> list[str]:
+        """Tasks that ask for direct hand-overs or chains where their path has none."""
+        out = []
+        for t in self.tasks.values():
+            if t.hand_over == "ensemble":
+                continue
+            if t.transport != "tensormq":
+                out.append(f"tasks.{t.name}: hand_over {t.hand_over!r} needs transport 'tensormq' (it is {t.transport!r}); "
+                           "its blocks hand over through the ensemble")
+            elif not self.task_hand_overs(t) and t.hand_over == "direct":
+                out.append(f"tasks.{t.name}: hand_over 'direct' finds no pair on its path: a block must be the only one "
+                           "after the other and the other the only one before it in every task, and the one that takes "
+                           "over is no task's first, second or last block and reads no task input besides the image "
+                           "(docs/plan.md)")
+            elif not self.task_hand_overs(t):
+                out.append(f"tasks.{t.name}: hand_over 'chain' finds no link on its path: a link is the only block after "
+                           "the one before it and before the one after it in every task, no task's first or last block, "
+                           "in no task that keeps its steps (hand_over 'ensemble', another transport) and reads no task "
+                           "input besides the image (docs/plan.md)")
+        return out
