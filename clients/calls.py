@@ -147,11 +147,10 @@ class ClientBase:
 
     @staticmethod
     def _wanted(task: str, kind: TaskInput, outputs: tuple[str, ...] | None) -> tuple[str, ...]:
-        """The outputs a call asks for: ``outputs``, or every output of the task (None); LOGITS
-        only from a task that has it."""
+        """The outputs a call asks for: ``outputs``, or every output of the task (None: all the task's,
+        none named where they are not known, which asks the server for all); LOGITS only from a task that has it."""
         if outputs is None:
-            if not kind.outputs:
-                raise ClientError(f"the outputs of task {task!r} are not known: its metadata could not be read")
+            # Empty where the task's metadata could not be read: the call asks for every output, or says why it fails.
             return kind.outputs
         if kind.outputs and LOGITS in outputs and LOGITS not in kind.outputs:
             raise ClientError(f"task {task!r} answers {', '.join(kind.outputs)}, not {LOGITS}: call infer_outputs"

@@ -105,14 +105,27 @@ class TaskInput:
     @staticmethod
     def given(task: str, images: Any) -> tuple[TaskInput, Any]:
         """For a task whose metadata could not be read: the input ``images`` make as they are (files'
-        bytes as files, uint8 pixels as uint8, any other pixels as float32) and the images so, so that
-        the call reaches the server, which says why it fails (not served, loading), rather than a
-        check against a kind the task may not have."""
-        if isinstance(images, (bytes, bytearray)) or (isinstance(images, (list, tuple)) and images
-                                                      and all(isinstance(b, (bytes, bytearray)) for b in images)):
+        bytes, or uint8 ``[batch, L]`` rows, as files; uint8 pixels as uint8; other numbers as float32)
+        and the images so, so that the call reaches the server, which says why it fails (not served,
+        loading), rather than a check against a kind the task may not have."""
+        def files(items: Any) -> bool:
+            return isinstance(items, (list, tuple)) and bool(items) and all(isinstance(b, (bytes, bytearray)) for b in items)
+
+        if isinstance(images, (bytes, bytearray)) or files(images):
             return TaskInput("UINT8", (-1,)), _files(task, images)
-        u8 = str(getattr(images, "dtype", "")).removeprefix("torch.") == "uint8"
-        return TaskInput("UINT8" if u8 else "FP32"), _contiguous(images, u8)
+        try:
+            if getattr(images, "dtype", None) is None:  # a list of arrays, say
+                images = np.asarray(images)
+            if getattr(images, "dtype", None) == np.object_:
+                if files(list(images.ravel())):
+                    return TaskInput("UINT8", (-1,)), _files(task, list(images.ravel()))
+                raise ValueError("an array of objects")
+            if _rows(images):
+                return TaskInput("UINT8", (-1,)), _contiguous(images)
+            u8 = str(images.dtype).removeprefix("torch.") == "uint8"
+            return TaskInput("UINT8" if u8 else "FP32"), _contiguous(images, u8)
+        except (TypeError, ValueError) as exc:
+            raise ClientError(f"images for {task!r} must be an array of numbers (numpy or torch) or files' bytes: {exc}") from None
 
     def check(self, task: str, images: Any) -> Any:
         """``images`` as the task takes them (contiguous; numpy stays numpy, torch stays torch). A float

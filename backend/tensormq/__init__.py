@@ -27,8 +27,8 @@ Who owns a slot when:
    ticket per sample (the slot counts one reference per ticket). The producer
    never writes a lent slot. A block may hand the tickets on *before* the
    commit (``Producer.issue``: a call of one request answers with them before
-   queuing its GPU work, ``backend/replies.py``, where the next block is an
-   ensemble step: ``ModelSpec.answers_early``); until the commit, its
+   queuing its GPU work, ``backend/replies.py``, unless it is a sender of
+   hand-overs or a link: ``ModelSpec.answers_early``); until the commit, its
    consumer finds the claim entry on an earlier use and waits for it (at most
    ``COMMIT_WAIT_S``). If the writes fail, ``Producer.abort`` marks the use
    failed and its tickets are refused; a failed, never committed or orphaned

@@ -320,11 +320,11 @@ class ModelSpec(_Strict):
 
     @property
     def answers_early(self) -> bool:
-        """Whether a call of one request may answer with its tickets before queuing its GPU work: only
-        where the ensemble's next step takes them, so the answer overlaps that step's scheduling. A
-        sender of direct hand-overs (a chain's head among them) answers after its commit, as the block
-        after it waits for that commit and the answer's round trip (~0.2 ms) would come first; a link
-        answers nobody; a pack of heads answers with logits."""
+        """Whether a call of one request may answer with its tickets before queuing its GPU work, so the
+        answer overlaps the ensemble's scheduling of the next step: a block that is no sender of direct
+        hand-overs, no link and no pack of heads. A sender (a chain's head among them) answers after its
+        commit, as the block it hands over to waits for that commit and the answer's round trip (~0.2 ms)
+        would come first; a link answers nobody; a pack of heads answers with logits."""
         role = self.hand_over
         return not self.heads and not (role is not None and (role.link or bool(role.to)))
 

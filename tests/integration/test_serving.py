@@ -191,6 +191,8 @@ def test_bad_request_fails_alone(served: Served) -> None:
         for given in (np.zeros((1, 3, 224, 224), np.uint8), b"\xff\xd8 not a task's"):  # no float32 check on a task it cannot read
             with pytest.raises(ClientError, match="not served"):
                 c.infer("no_such_task", given)
+        with pytest.raises(ClientError, match="not served"):
+            c.infer_outputs("no_such_task", images(1, (3, 224, 224), seed=0))
         assert c.infer("cls_a", images(1, (3, 224, 224), seed=0)).shape == (1, 1000)
 
 

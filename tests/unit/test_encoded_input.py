@@ -229,3 +229,12 @@ def test_images_for_a_task_whose_metadata_could_not_be_read_go_as_they_are() -> 
     assert (kind.datatype, x.dtype, x.flags.c_contiguous) == ("FP32", np.float32, True)
     kind, x = TaskInput.given("t", [b"ab", b"c"])
     assert kind.encoded and x.tolist() == [[97, 98], [99, 0]]
+    kind, x = TaskInput.given("t", np.array([b"ab", b"c"], dtype=object))
+    assert kind.encoded and x.tolist() == [[97, 98], [99, 0]]
+    kind, x = TaskInput.given("t", np.zeros((2, 5), np.uint8))  # rows: files
+    assert kind.encoded
+    kind, x = TaskInput.given("t", [np.zeros((3, 8, 8), np.uint8)] * 2)  # a list of arrays keeps its dtype
+    assert (kind.datatype, x.shape) == ("UINT8", (2, 3, 8, 8))
+    for bad in (np.array(["ab", "c"]), np.array([b"ab", 3], dtype=object), [np.zeros(3), np.zeros(2)]):
+        with pytest.raises(ClientError, match="must be an array of numbers"):
+            TaskInput.given("t", bad)

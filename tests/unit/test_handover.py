@@ -442,7 +442,7 @@ def test_the_generator_leaves_a_chains_links_out_of_its_ensemble() -> None:
     assert "hand_over" not in _spec(files["head_a/config.pbtxt"])
 
 
-def test_only_a_block_whose_next_block_is_an_ensemble_step_answers_early() -> None:
+def test_a_sender_of_hand_overs_and_a_link_never_answer_early() -> None:
     files = generator.render(load_plan(ROOT / "tests" / "plans" / "chain.yaml"))
     early = {m: ModelSpec.model_validate(_spec(files[f"{m}/config.pbtxt"])).answers_early
              for m in ("stem", "mid_a", "mid_b", "mid_c")}
