@@ -52,11 +52,13 @@ def memory_steps(plan_path: str, block_name: str, baseline_mib: float) -> dict[s
 
 
 def main(argv: list[str]) -> None:
-    kind, *rest = argv
-    if kind == "memory-steps":
+    kind, *rest = argv or ["--help"]
+    if kind == "memory-steps" and len(rest) == 3:
         print(json.dumps(memory_steps(rest[0], rest[1], float(rest[2]))))
+    elif kind in ("-h", "--help"):
+        print(__doc__)
     else:
-        raise SystemExit(f"unknown child program {kind!r}; see python -m blockflow.bench.children --help")
+        raise SystemExit(f"not a child program: {' '.join(argv)!r}; the programs:\n{__doc__}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ Each plot is named after the thesis figure it reproduces (fig4_3_pipeline.png, â
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -377,7 +377,12 @@ def write_report(res: dict[str, Any], out: Path) -> None:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    ap = argparse.ArgumentParser(description="Write DIR/report.md (and its plots, where matplotlib is installed) "
+                                             "from DIR/results.json, as blockflow bench does.")
+    ap.add_argument("dir", nargs="?", type=Path, default=Path("."), metavar="DIR", help="a results directory (default: .)")
+    out = ap.parse_args().dir
+    if not (out / "results.json").is_file():
+        ap.error(f"{out / 'results.json'} does not exist: DIR is a directory blockflow bench wrote")
     write_report(json.loads((out / "results.json").read_text()), out)
     print(f"wrote {out / 'report.md'}")
 

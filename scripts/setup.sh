@@ -33,7 +33,7 @@ if ! ldconfig -p 2>/dev/null | grep -q "libpython${PYVER}.so.1.0"; then apt_inst
 if ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then apt_install "python${PYVER}-venv"; fi
 # A real terminal for the test of `blockflow status --watch` at 80x24.
 if ! command -v tmux >/dev/null; then apt_install tmux; fi
-# A C compiler builds the library that keeps tritonserver's admin key off its command line (README, *Security*).
+# A C compiler builds the library that keeps tritonserver's admin key off its command line (docs/security.md).
 if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then apt_install gcc libc6-dev; fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -138,7 +138,7 @@ class Unreachable(ClientError):
         super().__init__(message, status, retryable)
 
 
-# What each exit status of the `blockflow` command means (listed in `blockflow --help` and the README).
+# What each exit status of the `blockflow` command means (listed in `blockflow --help`).
 EXIT_CODES: dict[int, str] = {
     0: "success",
     1: "an error not listed below",

@@ -3,8 +3,8 @@ redirected tickets to every TensorMQ block. Each fails alone with a 4xx; no proc
 task still equals its unsplit reference afterwards.
 
 Counts are modest in CI (N = 300 requests, N / 4 ticket rounds of 6 bad tickets each);
-``BLOCKFLOW_FUZZ_N=4000`` sends 4,000 requests and 6,000 bad tickets (figures in the README's
-security section).
+``BLOCKFLOW_FUZZ_N=4000`` sends 4,000 requests and 6,000 bad tickets (figures in
+docs/security.md).
 """
 
 from __future__ import annotations
