@@ -51,6 +51,12 @@ def commit() -> str:
     return os.environ.get(env.COMMIT) or stamp.verified() or stamp.describe() or "unknown"
 
 
+def switches() -> dict[str, str]:
+    """The behaviour switches (``blockflow.core.env.SWITCHES``) set in this environment, which the server's
+    block processes inherit: a result records them, so a turn run with one set says so in its own data."""
+    return {name: os.environ[name] for name in env.SWITCHES if name in os.environ}
+
+
 def write_results(out: Path, result: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
     """``results.json`` and ``report.md`` (``report`` of the results) in ``out``; returns ``result``."""
     out.mkdir(parents=True, exist_ok=True)

@@ -250,7 +250,9 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     f"Commit {meta.get('commit', '?')}; blocks and monolithic references in **{meta.get('precision', 'fp32')}** "
                     f"(references: {meta.get('reference_precision', 'fp32')}); client inputs: **{meta.get('input', 'host')}**"
                     f"{' (perf_analyzer --shared-memory cuda: outputs too, which the server copies into the client region in its own CUDA context)' if meta.get('input') == 'cuda-shm' else ' memory, in the request'}; "
-                    f"MPS {'on' if meta.get('mps') else 'off'}; warm cores {warm}; each figure the median of {meta.get('repeats', 1)} perf_analyzer "
+                    f"MPS {'on' if meta.get('mps') else 'off'}; warm cores {warm}; "
+                    + "".join(f"`{k}={v}`; " for k, v in meta.get("switches", {}).items())
+                    + f"each figure the median of {meta.get('repeats', 1)} perf_analyzer "
                     "run(s)" + (" ± half their range" if meta.get("repeats", 1) > 1 else "") + ".", "",
                     "Every row was measured in one server, one after the other (compare within this report only). "
                     "Latencies are perf_analyzer's (HTTP, binary tensors) unless noted.", ""]

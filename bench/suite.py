@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.bench import gpu_alone, host_cpu
-from blockflow.bench.harness import commit, rendered
+from blockflow.bench.harness import commit, rendered, switches
 from blockflow.bench.nvml import GpuSampler
 from blockflow.bench.perf_analyzer import FAILURE_LINES, INPUTS, encoded_input_data, median_of, perf_analyzer, side_input_data
 from blockflow.bench.plans import answer_bytes, in_precision, spread, task_models
@@ -218,7 +218,7 @@ class Bench:
                 "precision": self.plan.precision_label(self.task),
                 "reference_precision": self.plan.precision_label(self.task),
                 "mps": self.cfg.mps, "warm_cores_ms": self.cfg.warm_cores_ms, "input": self.cfg.input, "repeats": self.cfg.repeats,
-                "client_threads": self.cfg.client_threads,
+                "client_threads": self.cfg.client_threads, "switches": switches(),
                 "cuda_graphs": sorted({self.plan.blocks[b].cuda_graphs for b in self.task.path}),
                 "complete": False}
 

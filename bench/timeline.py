@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, get_args
 
-from blockflow.bench.harness import commit, device_name, rendered, task_images
+from blockflow.bench.harness import commit, device_name, rendered, switches, task_images
 from blockflow.bench.plans import in_precision, task_models
 from blockflow.bench.triton_stats import block_breakdown, delta, model_stats
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
@@ -135,7 +135,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     warm = f"{res['warm_cores_ms']:g} ms" if res.get("warm_cores_ms") else "off"
     L = [f"# Request anatomy — {res['device']}", "",
          f"Plan `{res['plan']}`, task `{res['task']}`, {res.get('precision', 'precision not recorded')}, commit {res.get('commit', '?')}; warm cores {warm}; "
-         f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
+         + "".join(f"`{k}={v}`; " for k, v in res.get("switches", {}).items())
+         + f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's answer (its return, or the end of *run:reply*) → the next block's "
          "entry; *gpu* = CUDA events "
@@ -194,7 +195,7 @@ def main() -> None:
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests,
                            "precision": plan.task_precision(task),
-                           "warm_cores_ms": args.warm_cores_ms, "commit": commit(), "models": {}}
+                           "warm_cores_ms": args.warm_cores_ms, "switches": switches(), "commit": commit(), "models": {}}
     for label, m in models.items():
         stages = m["blocks"] or [m["model"]]
         a = anatomy(runs[label]["times"], stages, traces)

@@ -76,6 +76,11 @@ STAGE_CACHE = "BLOCKFLOW_STAGE_CACHE"  # "0": every block process builds its par
 # A directory of this user's (0700) keeping built parts across servers, instead of each runtime directory's stages/.
 STAGE_CACHE_DIR_VAR = "BLOCKFLOW_STAGE_CACHE_DIR"
 
+# The switches above that change how blocks run (each a lever measured against its default): benchmarks record
+# those set in their results (bench.harness.switches), as the server and its block processes inherit them.
+SWITCHES = (DISABLE_CUDA_GRAPHS, KEEP_ALLOCATOR_CACHE, TMQ_PREPARE, TMQ_EARLY, TMQ_RELEASE, TMQ_HANDOVER_DGRAM,
+            PIN_HOST_INPUTS, LOGITS_ON_GPU, STAGE_CACHE)
+
 ADMIN_KEY_FILE = "admin.key"
 SHM_KEY_FILE = "shm.key"
 CONTROL_TOKEN_FILE = "control.token"

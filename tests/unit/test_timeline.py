@@ -6,6 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
+from blockflow.bench.harness import switches
 from blockflow.bench.lab import traced_turns
 from blockflow.bench.timeline import anatomy, step_order, write_report
 
@@ -39,6 +42,16 @@ def test_the_report_lists_each_block_s_steps_in_request_order(tmp_path: Path) ->
     assert rows[-4:] == ["b1.respond", "b1.execute", "b1.gpu", "b1.hop"]
     assert step_order(["b0"], {"end_to_end": 1.0, "b0.read": 0.1, "b0.run:reply": 0.1, "b0.run": 0.2}) == \
         ["b0.read", "b0.run", "b0.run:reply", "end_to_end"]
+
+
+def test_a_result_records_the_behaviour_switches_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLOCKFLOW_TMQ_EARLY", "0")
+    monkeypatch.setenv("BLOCKFLOW_TOKEN", "secret")  # not a switch: never recorded
+    monkeypatch.delenv("BLOCKFLOW_TMQ_PREPARE", raising=False)
+    assert switches() == {"BLOCKFLOW_TMQ_EARLY": "0"}
+    res = {**json.loads((RESULTS / "1_0" / "timeline.json").read_text()), "switches": switches()}
+    write_report(res, tmp_path / "timeline.md")
+    assert "; `BLOCKFLOW_TMQ_EARLY=0`; " in (tmp_path / "timeline.md").read_text()
 
 
 def test_traced_turns_put_each_turn_s_steps_side_by_side(tmp_path: Path) -> None:
