@@ -82,6 +82,16 @@ def answered(record: dict[str, Any]) -> int:
     return int(next((t for name, t in record.get("laps", []) if name == "run:reply"), record["t"][3]))
 
 
+def handed_to(record: dict[str, Any], sent: int) -> int:
+    """When a block took what the block before it sent at ``sent``: its entry; or, for a block that entered
+    before that (a chain's join, whose request the ensemble gives it as soon as the head answers), the end
+    of its *read:decode* lap, where it got the hand-over it waited for."""
+    if record["t"][0] >= sent:
+        return int(record["t"][0])
+    got = next((t for name, t in record.get("laps", []) if name == "read:decode"), None)
+    return int(got if got is not None and got > sent else record["t"][0])
+
+
 def _match(execs: list[dict[str, Any]], window: tuple[int, int]) -> dict[str, Any] | None:
     hits = [e for e in execs if window[0] <= e["t"][0] <= window[1] and len(e["t"]) == 4]
     return hits[0] if len(hits) == 1 else None
@@ -115,7 +125,8 @@ def anatomy(times: list[tuple[int, int]], stages: list[str], traces: dict[str, l
             for name, ns in step_laps(h):
                 add(f"{stage}.{name}", ns)
             if i + 1 < len(stages):
-                add(f"{stage}.hop", hits[i + 1]["t"][0] - answered(h))  # type: ignore[index]
+                sent = answered(h)
+                add(f"{stage}.hop", handed_to(hits[i + 1], sent) - sent)  # type: ignore[arg-type]
         add("last_to_client", recv - hits[-1]["t"][3])  # type: ignore[index]
     return {"requests": len(times), "matched": matched,
             "median_ms": {k: statistics.median(v) for k, v in parts.items()},
@@ -139,7 +150,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
          + f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's answer (its return, or the end of *run:reply*) → the next block's "
-         "entry; *gpu* = CUDA events "
+         "entry (a chain's join, entered before the hand-over, to the end of its *read:decode*: when it got it); *gpu* = CUDA events "
          "around the block's own kernels; *read:X*, *run:X* = steps inside a phase, each from the step before "
          "(TensorMQ: *read:input* the request's tickets; for the first ticket *read:decode* its MAC and fields, "
          "*read:claim* checked and claimed, *read:wait* the stream made to wait on its slot; *read:gather* the "

@@ -31,6 +31,17 @@ def test_a_hop_starts_where_the_block_answered() -> None:
     assert m["a.run:reply"] == 0.03 and m["a.execute"] == 0.21 and m["last_to_client"] == 0.09
 
 
+def test_a_chains_join_entered_before_the_hand_over_hops_from_it_to_its_decode() -> None:
+    """A join the ensemble called before the last link handed over: its hop ends where its read:decode
+    (the wait for the hand-over) ended, not at its entry, which came first."""
+    traces = {"a": [_exec([100_000, 110_000, 300_000, 310_000], [("run:reply", 150_000)])],
+              "j": [_exec([120_000, 400_000, 500_000, 510_000], [("read:input", 130_000), ("read:decode", 380_000)])]}
+    m = anatomy([(0, 600_000)], ["a", "j"], traces)["median_ms"]
+    assert m["a.hop"] == 0.23  # 150 us (sent) -> 380 us (the join got it)
+    traces["j"] = [_exec([120_000, 130_000, 500_000, 510_000], [("read:decode", 125_000)])]  # got its input before
+    assert anatomy([(0, 600_000)], ["a", "j"], traces)["median_ms"]["a.hop"] == -0.03
+
+
 RESULTS = Path(__file__).resolve().parents[1] / "fixtures" / "results" / "h100" / "side_thread_ab-2026-11-27-f716af3" / "timeline"
 
 
