@@ -117,12 +117,12 @@ class TaskInput:
             if getattr(images, "dtype", None) is None:  # a list of arrays, say
                 images = np.asarray(images)
             if getattr(images, "dtype", None) == np.object_:
-                if files(list(images.ravel())):
-                    return TaskInput("UINT8", (-1,)), _files(task, list(images.ravel()))
+                if files(items := list(images.ravel())):
+                    return TaskInput("UINT8", (-1,)), _files(task, items)
                 raise ValueError("an array of objects")
             if _rows(images):
                 return TaskInput("UINT8", (-1,)), _contiguous(images)
-            u8 = str(images.dtype).removeprefix("torch.") == "uint8"
+            u8 = _uint8(images)
             return TaskInput("UINT8" if u8 else "FP32"), _contiguous(images, u8)
         except (TypeError, ValueError) as exc:
             raise ClientError(f"images for {task!r} must be an array of numbers (numpy or torch) or files' bytes: {exc}") from None
@@ -151,7 +151,7 @@ class TaskInput:
         want = f"[batch, {', '.join(map(str, self.shape))}]" if self.shape else "[batch, 3, H, W]"
         if len(shape) != 4 or (tuple(shape[1:]) != self.shape if self.shape else shape[1] != 3):
             raise ClientError(f"images for {task!r} must be {want}; got shape {shape}")
-        is_u8 = str(images.dtype).removeprefix("torch.") == "uint8"
+        is_u8 = _uint8(images)
         if self.uint8 != is_u8:
             got = str(images.dtype).removeprefix("torch.")
             raise ClientError(f"task {task!r} takes {'uint8' if self.uint8 else 'float32'} images {want}, got {got}: "
@@ -215,7 +215,12 @@ def _exact(task: str, side: SideInputKind, want: str, value: Any) -> Any:
 
 def _rows(images: Any) -> bool:
     """Whether ``images`` is a uint8 ``[batch, L]`` array (numpy or torch): files' bytes, one per row."""
-    return getattr(images, "ndim", None) == 2 and str(images.dtype).removeprefix("torch.") == "uint8"
+    return getattr(images, "ndim", None) == 2 and _uint8(images)
+
+
+def _uint8(images: Any) -> bool:
+    """Whether ``images`` (numpy or torch) hold uint8 values."""
+    return str(images.dtype).removeprefix("torch.") == "uint8"
 
 
 def _contiguous(images: Any, uint8: bool = True) -> Any:
