@@ -100,7 +100,7 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.input.extend(_side_tensor(s) for s in spec.side_inputs)
     if spec.heads:  # a head pack answers each task on its own output
         cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
-    elif spec.gives_logits:
+    elif spec.gives_logits or spec.answers_task:  # a chain's tail computes the answer its head gives
         cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in spec.task_outputs)
     elif tmq:
         cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
@@ -192,7 +192,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
             step.input_map[side.name] = side.name
         for k, j in enumerate(wiring.after.get(i, ()) if wiring is not None else ()):
             step.input_map[f"{HANDED_AFTER}_{k}"] = given[j][0]
-        if s.spec.gives_logits:
+        if s.spec.answers_task:
             # The step's output map is also what the step's request asks for: a head pack
             # runs only the heads whose outputs are requested.
             if s.spec.outputs:
