@@ -19,6 +19,7 @@ from blockflow.core.spec import (
     TICKET_BYTES,
     ModelSpec,
     SideInput,
+    TaskOutput,
     activation_names,
 )
 from blockflow.plan import Block
@@ -139,6 +140,11 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     return cfg
 
 
+def _answer(spec: ModelSpec) -> tuple[TaskOutput, ...]:
+    """The outputs a step that answers its task names (a detector's, a chain head's); none: LOGITS."""
+    return spec.task_outputs if spec.hand_over is not None and spec.hand_over.answered_by else spec.outputs
+
+
 @dataclass(frozen=True)
 class Step:
     """One ensemble step: a model, the spec it runs (for its tensor names) and, for the last step,
@@ -170,7 +176,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         cfg.input.extend(_tensor(n, dims, mc.ModelInput, t) for n, dims, t in entry)
     cfg.input.extend(_side_tensor(s) for s in side_inputs)
     first = [IMAGE] if entry is None else [n for n, _, _ in entry]
-    answer = steps[-1].spec.outputs  # a detector's outputs; none: LOGITS
+    answer = _answer(steps[-1].spec)  # a detector's outputs; none: LOGITS
     if answer:
         cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in answer)
     else:
@@ -195,10 +201,10 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         if s.spec.answers_task:
             # The step's output map is also what the step's request asks for: a head pack
             # runs only the heads whose outputs are requested.
-            if s.spec.outputs:
-                for o in s.spec.outputs:
+            if _answer(s.spec):
+                for o in _answer(s.spec):
                     step.output_map[o.name] = o.name
-                given.append([o.name for o in s.spec.outputs])
+                given.append([o.name for o in _answer(s.spec)])
             else:
                 step.output_map[s.logits] = LOGITS
                 given.append([LOGITS])

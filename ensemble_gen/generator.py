@@ -247,8 +247,9 @@ def render(plan: Plan) -> dict[str, bytes]:
         role = roles.get(mname)
         if role is None:
             return spec
-        outputs = blocks[role.answered_by][0].task_outputs if role.answered_by else spec.outputs
-        return spec.model_copy(update={"hand_over": role, "outputs": outputs})
+        if role.answered_by:
+            role = role.model_copy(update={"answer": blocks[role.answered_by][0].task_outputs})
+        return spec.model_copy(update={"hand_over": role})
 
     for ename, steps, task, tname, index, onward in ensembles:
         last = plan.blocks[task.path[-1]]

@@ -242,6 +242,11 @@ class HandOver(_Strict):
     # only step of the chain.
     tail: bool = False
     answered_by: str = ""
+    # What the head answers with: its tail's task outputs.
+    answer: tuple[TaskOutput, ...] = ()
+
+
+_CHAIN_FIELDS = ("link", "own_keys", "to_link", "from_link", "tail", "answered_by", "answer")
 
 
 class ModelSpec(_Strict):
@@ -285,8 +290,7 @@ class ModelSpec(_Strict):
     # A model that takes the image, where the plan's model gives a non-default input (uint8, HWC, normalised).
     image: ImageInput | None = None
     # What the last block of a task whose network is no classifier answers with (a detector's
-    # COUNT, BOXES, ...), and what a chain's head answers with for its tail (``HandOver.answered_by``);
-    # empty: LOGITS of ``out_shape``.
+    # COUNT, BOXES, ...); empty: LOGITS of ``out_shape``.
     outputs: tuple[TaskOutput, ...] = ()
     # The task inputs besides the image that this model's parts read (each part names its own), taken
     # after its hop tensors (the image, or what crosses its cut), in this order.
@@ -360,7 +364,9 @@ class ModelSpec(_Strict):
 
     @property
     def task_outputs(self) -> tuple[TaskOutput, ...]:
-        """What the task's answer holds where this model gives it."""
+        """What the task's answer holds where this model gives it (a chain's head: what its tail gives)."""
+        if self.hand_over is not None and self.hand_over.answered_by:
+            return self.hand_over.answer
         return self.outputs or (TaskOutput(name=LOGITS, dtype="fp32", shape=self.out_shape),)
 
     def to_json(self) -> str:
@@ -382,5 +388,5 @@ class ModelSpec(_Strict):
             if not part["side_inputs"]:
                 del part["side_inputs"]
         if "hand_over" in data:  # a chain's fields, where false or empty (direct hand-overs keep their bytes)
-            data["hand_over"] = {k: v for k, v in data["hand_over"].items() if v is not False and (k != "answered_by" or v)}
+            data["hand_over"] = {k: v for k, v in data["hand_over"].items() if k not in _CHAIN_FIELDS or v}
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
