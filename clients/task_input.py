@@ -120,6 +120,8 @@ class TaskInput:
                 if files(items := list(images.ravel())):
                     return TaskInput("UINT8", (-1,)), _files(task, items)
                 raise ValueError("an array of objects")
+            if 0 in tuple(getattr(images, "shape", ())) or getattr(images, "ndim", 0) == 0:
+                raise ValueError(f"no image in it (shape {list(getattr(images, 'shape', ()))})")
             if _rows(images):
                 return TaskInput("UINT8", (-1,)), _contiguous(images)
             u8 = _uint8(images)
@@ -147,10 +149,15 @@ class TaskInput:
             raise ClientError(f"task {task!r} takes {'uint8' if self.uint8 else 'float32'} image arrays, not encoded files' "
                               "bytes: decode them first (blockflow.clients.images.load_image"
                               f"{'_uint8' if self.uint8 else ''}), or serve the model with input: {{dtype: encoded}}")
+        if listed:
+            images = _stacked(task, images)
+        if getattr(images, "shape", None) is None or getattr(images, "dtype", None) is None:
+            raise ClientError(f"images for {task!r} must be an array (numpy or torch) or a list of them, "
+                              f"got {type(images).__name__}")
         shape = list(images.shape)
         want = f"[batch, {', '.join(map(str, self.shape))}]" if self.shape else "[batch, 3, H, W]"
-        if len(shape) != 4 or (tuple(shape[1:]) != self.shape if self.shape else shape[1] != 3):
-            raise ClientError(f"images for {task!r} must be {want}; got shape {shape}")
+        if len(shape) != 4 or (tuple(shape[1:]) != self.shape if self.shape else shape[1] != 3) or shape[0] == 0:
+            raise ClientError(f"images for {task!r} must be {want} with a batch of one or more; got shape {shape}")
         is_u8 = _uint8(images)
         if self.uint8 != is_u8:
             got = str(images.dtype).removeprefix("torch.")
@@ -221,6 +228,29 @@ def _rows(images: Any) -> bool:
 def _uint8(images: Any) -> bool:
     """Whether ``images`` (numpy or torch) hold uint8 values."""
     return str(images.dtype).removeprefix("torch.") == "uint8"
+
+
+def _stacked(task: str, images: list[Any] | tuple[Any, ...]) -> Any:
+    """A list of images (each ``[3, H, W]`` or ``[H, W, 3]``, numpy or torch, of one shape and dtype) as one batch."""
+    if not images:
+        raise ClientError(f"images for {task!r}: the list is empty")
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(x, torch.Tensor) for x in images):
+        shapes = {tuple(x.shape) for x in images}
+        dtypes = {x.dtype for x in images}
+        if len(shapes) == 1 and len(dtypes) == 1 and len({x.device for x in images}) == 1:
+            return torch.stack(list(images))
+    else:
+        try:
+            arrays = [np.asarray(x) for x in images]
+        except (TypeError, ValueError, RuntimeError) as exc:  # a CUDA tensor among numpy arrays, say
+            raise ClientError(f"images for {task!r}: a list of arrays of one kind, {exc}") from None
+        shapes = {a.shape for a in arrays}
+        dtypes = {str(a.dtype) for a in arrays}
+        if len(shapes) == 1 and len(dtypes) == 1 and arrays[0].dtype != np.object_:
+            return np.stack(arrays)
+    raise ClientError(f"images for {task!r}: a list of images must hold one shape and dtype each (one image "
+                      f"[3, H, W] or [H, W, 3] per item); got shapes {sorted(map(list, shapes))}, dtypes {sorted(map(str, dtypes))}")
 
 
 def _contiguous(images: Any, uint8: bool = True) -> Any:

@@ -179,7 +179,7 @@ def test_bad_request_fails_alone(served: Served) -> None:
     from tritonclient.utils import InferenceServerException
 
     with TaskClient(served.http) as c:
-        with pytest.raises(ClientError, match=r"must be \[batch, 3, 224, 224\]; got shape \[1, 3, 200, 200\]"):
+        with pytest.raises(ClientError, match=r"must be \[batch, 3, 224, 224\] with a batch of one or more; got shape \[1, 3, 200, 200\]"):
             c.infer("cls_a", images(1, (3, 200, 200), seed=0))  # the client checks first
         raw = th.InferenceServerClient(served.http)
         bad = th.InferInput("IMAGE", [1, 3, 200, 200], "FP32")

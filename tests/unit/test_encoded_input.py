@@ -204,6 +204,25 @@ def test_client_sends_files_as_padded_uint8_rows_for_an_encoded_task_and_arrays_
     assert Image.open(io.BytesIO(jpegs[2].tobytes())).size == (40, 24)
 
 
+def test_a_list_of_images_is_one_batch_and_a_mixed_list_or_no_array_is_refused_clearly() -> None:
+    u8, f32 = TaskInput("UINT8", (3, 32, 32)), TaskInput("FP32", (3, 32, 32))
+    images = [np.full((3, 32, 32), i, np.uint8) for i in range(3)]
+    got = u8.check("t", images)
+    assert got.shape == (3, 3, 32, 32) and got.dtype == np.uint8 and int(got[2].max()) == 2
+    assert u8.check("t", tuple(torch.zeros((3, 32, 32), dtype=torch.uint8) for _ in range(2))).shape == (2, 3, 32, 32)
+    assert f32.check("t", [np.zeros((3, 32, 32), np.float32)]).shape == (1, 3, 32, 32)
+    with pytest.raises(ClientError, match="one shape and dtype each"):
+        u8.check("t", [images[0], np.zeros((3, 16, 16), np.uint8)])
+    with pytest.raises(ClientError, match="one shape and dtype each"):
+        u8.check("t", [images[0], images[1].astype(np.float32)])
+    with pytest.raises(ClientError, match="the list is empty"):
+        u8.check("t", [])
+    with pytest.raises(ClientError, match="with a batch of one or more; got shape \\[0, 3, 32, 32\\]"):
+        u8.check("t", np.zeros((0, 3, 32, 32), np.uint8))
+    with pytest.raises(ClientError, match="must be an array .* got int"):
+        u8.check("t", 7)
+
+
 def test_bench_inputs_for_an_encoded_task_are_jpeg_files(tmp_path: Path) -> None:
     plan = load_plan(ROOT / "plans" / "bench_r50_jpeg.yaml")
     x = task_images(plan, "r50", 2, seed=3)
@@ -238,3 +257,6 @@ def test_images_for_a_task_whose_metadata_could_not_be_read_go_as_they_are() -> 
     for bad in (np.array(["ab", "c"]), np.array([b"ab", 3], dtype=object), [np.zeros(3), np.zeros(2)]):
         with pytest.raises(ClientError, match="must be an array of numbers"):
             TaskInput.given("t", bad)
+    for empty in ([], np.zeros((0, 3, 8, 8), np.uint8), np.float32(1)):  # no image: said here, not as a 0-byte region
+        with pytest.raises(ClientError, match="no image in it"):
+            TaskInput.given("t", empty)
