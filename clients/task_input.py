@@ -238,7 +238,10 @@ def _stacked(task: str, images: list[Any] | tuple[Any, ...]) -> Any:
     if torch is not None and all(isinstance(x, torch.Tensor) for x in images):
         shapes = {tuple(x.shape) for x in images}
         dtypes = {x.dtype for x in images}
-        if len(shapes) == 1 and len(dtypes) == 1 and len({x.device for x in images}) == 1:
+        devices = {str(x.device) for x in images}
+        if len(devices) > 1:
+            raise ClientError(f"images for {task!r}: a list of tensors on one device, got {sorted(devices)}")
+        if len(shapes) == 1 and len(dtypes) == 1:
             return torch.stack(list(images))
     else:
         try:
