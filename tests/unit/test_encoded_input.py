@@ -217,6 +217,8 @@ def test_a_list_of_images_is_one_batch_and_a_mixed_list_or_no_array_is_refused_c
         u8.check("t", [images[0], images[1].astype(np.float32)])
     with pytest.raises(ClientError, match="the list is empty"):
         u8.check("t", [])
+    with pytest.raises(ClientError, match="on one device"):
+        u8.check("t", [torch.zeros((3, 32, 32), dtype=torch.uint8), torch.zeros((3, 32, 32), dtype=torch.uint8, device="meta")])
     with pytest.raises(ClientError, match="with a batch of one or more; got shape \\[0, 3, 32, 32\\]"):
         u8.check("t", np.zeros((0, 3, 32, 32), np.uint8))
     with pytest.raises(ClientError, match="must be an array .* got int"):
