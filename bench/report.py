@@ -240,6 +240,11 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
     return made
 
 
+def named_switches(meta: dict[str, Any]) -> str:
+    """The behaviour switches a run recorded (``switches``: ``bench.harness.switches``), as a report's header names them."""
+    return "".join(f"`{k}={v}`; " for k, v in meta.get("switches", {}).items())
+
+
 def write_report(res: dict[str, Any], out: Path) -> None:
     meta = res["meta"]
     warm = f"{meta['warm_cores_ms']:g} ms" if meta.get("warm_cores_ms") else "off"  # blockflow.triton.warm_cores
@@ -251,7 +256,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                     f"(references: {meta.get('reference_precision', 'fp32')}); client inputs: **{meta.get('input', 'host')}**"
                     f"{' (perf_analyzer --shared-memory cuda: outputs too, which the server copies into the client region in its own CUDA context)' if meta.get('input') == 'cuda-shm' else ' memory, in the request'}; "
                     f"MPS {'on' if meta.get('mps') else 'off'}; warm cores {warm}; "
-                    + "".join(f"`{k}={v}`; " for k, v in meta.get("switches", {}).items())
+                    + named_switches(meta)
                     + f"each figure the median of {meta.get('repeats', 1)} perf_analyzer "
                     "run(s)" + (" ± half their range" if meta.get("repeats", 1) > 1 else "") + ".", "",
                     "Every row was measured in one server, one after the other (compare within this report only). "

@@ -30,6 +30,7 @@ from typing import Any, get_args
 
 from blockflow.bench.harness import commit, device_name, rendered, switches, task_images
 from blockflow.bench.plans import in_precision, task_models
+from blockflow.bench.report import named_switches
 from blockflow.bench.triton_stats import block_breakdown, delta, model_stats
 from blockflow.core.env import TRACE_DIR as TRACE_ENV
 from blockflow.core.spec import Precision
@@ -146,7 +147,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     warm = f"{res['warm_cores_ms']:g} ms" if res.get("warm_cores_ms") else "off"
     L = [f"# Request anatomy — {res['device']}", "",
          f"Plan `{res['plan']}`, task `{res['task']}`, {res.get('precision', 'precision not recorded')}, commit {res.get('commit', '?')}; warm cores {warm}; "
-         + "".join(f"`{k}={v}`; " for k, v in res.get("switches", {}).items())
+         + named_switches(res)
          + f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
          "*respond* = responses built; *hop* = that block's answer (its return, or the end of *run:reply*) → the next block's "
