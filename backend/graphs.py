@@ -19,11 +19,16 @@ from blockflow.core.errors import RequestError
 PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
 
 
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two up to ``max_batch_size``, and ``max_batch_size`` itself."""
+def batch_buckets(max_batch_size: int, quarters: bool = True) -> list[int]:
+    """The batch sizes a block captures a graph for: powers of two up to ``max_batch_size`` and
+    ``max_batch_size`` itself, and with ``quarters`` the quarter steps between two powers of two from
+    16 on (20, 24, 28, 40, 48, ...), so a batch above 16 runs at most a quarter of padding where a
+    power of two alone pads up to 88% (17 in 32: GPU time spent on zeros)."""
     out, b = [], 1
     while b < max_batch_size:
         out.append(b)
+        if quarters and b >= 16:
+            out += [q for q in (b * 5 // 4, b * 3 // 2, b * 7 // 4) if q < max_batch_size]
         b *= 2
     out.append(max_batch_size)
     return out

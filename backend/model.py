@@ -37,7 +37,7 @@ from blockflow.backend.stage_cache import StageCache
 from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.backend.trace import tracer_for
-from blockflow.core import env
+from blockflow.core import cuda, env
 from blockflow.core.errors import BlockError, RequestError
 from blockflow.core.spec import ModelSpec
 
@@ -74,6 +74,9 @@ class TritonPythonModel:
             # several processes only fights over the cores (a 4-instance ingest model on an H200 fell
             # from 20,150/s to ~150/s with torch's default threads).
             torch.set_num_threads(1)
+            schedule = os.environ.get(env.CUDA_SCHEDULE)
+            if schedule:  # before torch makes the context, which reads the flag once
+                cuda.set_schedule(self.device.index or 0, schedule)
         self.in_names, self.out_names = instance_args.tensor_names(spec)
         self.out_name = self.out_names[0]
         self.tracer = tracer_for(model, instance, self.device)
@@ -98,7 +101,8 @@ class TritonPythonModel:
         self.logger.log_info(
             f"blockflow: {model} instance {instance} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}{f', {len(spec.heads)} heads' if spec.heads else ''}, {spec.precision}, "
-            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport}); "
+            f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport}"
+            f"{f', CUDA waits {cuda.schedule(self.device.index or 0)}' if self.device.type == 'cuda' else ''}); "
             f"start-up s: process and imports {started:.2f}, build {t_built - t0:.2f}, warm-up {t_warm - t_built:.2f}, "
             f"rest {time.monotonic() - t_warm:.2f}"
         )

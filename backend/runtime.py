@@ -99,7 +99,7 @@ class BlockRunner:
         module.cast_parts()
         if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
             self.module = self.module.to(memory_format=torch.channels_last)
-        self.buckets = batch_buckets(spec.max_batch_size)
+        self.buckets = batch_buckets(spec.max_batch_size, quarters=os.environ.get(env.GRAPH_BUCKETS) != "pow2")
         # Other networks of several outputs (an exported program's) run eagerly.
         self.use_graphs = graphs and (not spec.outputs or self.tail is not None)
         self._graphs: dict[int, Graph] = {}
@@ -135,8 +135,8 @@ class BlockRunner:
         sizes = sorted(self.buckets, reverse=True) if self.is_cuda else [1]
         if self.use_graphs:
             pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            for b in sizes:  # largest first, so smaller graphs reuse its pool
-                self._graphs[b] = self._capture(b, pool)
+            for b in sizes:  # largest first, so smaller graphs reuse its pool and its static inputs
+                self._graphs[b] = self._capture(b, pool, self._graphs[sizes[0]].static_ins if b != sizes[0] else None)
                 if self.tail is not None:  # its first calls' costs too, on what the graph gives for zeros
                     self.replay_bucket(b)
         else:
@@ -172,8 +172,12 @@ class BlockRunner:
             return [self.image(xs[0])]
         return [x.to(self.dtype).contiguous(memory_format=f) for x, f in zip(xs, self.formats, strict=True)]
 
-    def _capture(self, batch: int, pool: Any) -> Graph:
-        # Static inputs as requests give them: the hop's dtype, each side input's own.
+    def _capture(self, batch: int, pool: Any, largest: list[torch.Tensor] | None) -> Graph:
+        # Static inputs as requests give them: the hop's dtype, each side input's own. A smaller bucket's
+        # are the first rows of the largest's (one copy of the inputs, whatever the number of buckets):
+        # a runner replays one graph at a time, on one stream.
+        if largest is not None:
+            return capture(self._graph_forward, [x[:batch] for x in largest], self.device, pool)
         static_ins = [torch.zeros((batch, *s), device=self.device, dtype=self.in_dtype) for s in self.in_shapes]
         static_ins += side_zeros(self.sides, self.side_dtypes, batch, self.device)
         return capture(self._graph_forward, static_ins, self.device, pool)

@@ -18,6 +18,10 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_EVENT_BLOCKING_SYNC = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_EVENT_INTERPROCESS = 0x4
+# How a host thread waits for the GPU in a context (cuDevicePrimaryCtxSetFlags): the driver's default
+# ("auto") spins while the process has fewer contexts than the machine has cores, as every block has.
+CU_CTX_SCHED = {"auto": 0x0, "spin": 0x1, "yield": 0x2, "blocking": 0x4}
+CU_CTX_SCHED_MASK = 0x7
 
 
 class _IpcHandle(ctypes.Structure):
@@ -60,6 +64,10 @@ def _lib() -> Any:
         "cuMemHostRegister_v2": [vp, ctypes.c_size_t, ctypes.c_uint],
         "cuMemHostUnregister": [vp],
         "cuGetErrorName": [ctypes.c_int, P(ctypes.c_char_p)],
+        "cuInit": [ctypes.c_uint],
+        "cuDeviceGet": [P(ctypes.c_int), ctypes.c_int],
+        "cuDevicePrimaryCtxSetFlags_v2": [ctypes.c_int, ctypes.c_uint],
+        "cuDevicePrimaryCtxGetState": [ctypes.c_int, P(ctypes.c_uint), P(ctypes.c_int)],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -159,6 +167,34 @@ def mem_host_register(ptr: int, nbytes: int) -> None:
 
 def mem_host_unregister(ptr: int) -> None:
     _check(_lib().cuMemHostUnregister(ctypes.c_void_p(ptr)), "cuMemHostUnregister")
+
+
+def _device(ordinal: int) -> ctypes.c_int:
+    _check(_lib().cuInit(0), "cuInit")
+    dev = ctypes.c_int()
+    _check(_lib().cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    return dev
+
+
+def set_schedule(ordinal: int, mode: str) -> None:
+    """How host threads of this process wait for GPU ``ordinal`` (a key of :data:`CU_CTX_SCHED`): set on its
+    primary context (the one torch uses) before that context is made, as the flags are read then."""
+    if mode not in CU_CTX_SCHED:
+        raise BlockError(f"unknown CUDA schedule {mode!r}: one of {', '.join(CU_CTX_SCHED)}")
+    dev = _device(ordinal)
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    _check(_lib().cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)), "cuDevicePrimaryCtxGetState")
+    new = (flags.value & ~CU_CTX_SCHED_MASK) | CU_CTX_SCHED[mode]
+    _check(_lib().cuDevicePrimaryCtxSetFlags_v2(dev, new), "cuDevicePrimaryCtxSetFlags")
+
+
+def schedule(ordinal: int) -> str:
+    """The wait mode of GPU ``ordinal``'s primary context (a key of :data:`CU_CTX_SCHED`)."""
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    _check(_lib().cuDevicePrimaryCtxGetState(_device(ordinal), ctypes.byref(flags), ctypes.byref(active)),
+           "cuDevicePrimaryCtxGetState")
+    mode = flags.value & CU_CTX_SCHED_MASK
+    return next((k for k, v in CU_CTX_SCHED.items() if v == mode), hex(mode))
 
 
 class DeviceBytes:

@@ -57,6 +57,8 @@ TMQ_RELEASE = "BLOCKFLOW_TMQ_RELEASE"  # "message": consumers release samples wi
 TMQ_HANDOVER_DGRAM = "BLOCKFLOW_TMQ_HANDOVER_DGRAM"  # "0": direct hand-overs over ZeroMQ only; else as AF_UNIX datagrams first, ZeroMQ the fallback (backend/tensormq/wire.py)
 PIN_HOST_INPUTS = "BLOCKFLOW_PIN_HOST_INPUTS"  # "0": a first block's host images go to the GPU through the driver's staging (backend/host_pins.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
+CUDA_SCHEDULE = "BLOCKFLOW_CUDA_SCHEDULE"  # auto, spin, yield, blocking: how a block's threads wait for its GPU (blockflow.core.cuda.set_schedule)
+GRAPH_BUCKETS = "BLOCKFLOW_GRAPH_BUCKETS"  # "pow2": CUDA graphs for powers of two only; else quarter steps above 16 too (backend/graphs.py)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
 # -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
 TOKEN_FILE = "BLOCKFLOW_TOKEN_FILE"  # a file holding that token
@@ -79,7 +81,7 @@ STAGE_CACHE_DIR_VAR = "BLOCKFLOW_STAGE_CACHE_DIR"
 # The switches above that change how blocks run (each a lever measured against its default): benchmarks record
 # those set in their results (bench.harness.switches), as the server and its block processes inherit them.
 SWITCHES = (DISABLE_CUDA_GRAPHS, KEEP_ALLOCATOR_CACHE, TMQ_PREPARE, TMQ_EARLY, TMQ_RELEASE, TMQ_HANDOVER_DGRAM,
-            PIN_HOST_INPUTS, LOGITS_ON_GPU, STAGE_CACHE)
+            PIN_HOST_INPUTS, LOGITS_ON_GPU, STAGE_CACHE, CUDA_SCHEDULE, GRAPH_BUCKETS)
 
 ADMIN_KEY_FILE = "admin.key"
 SHM_KEY_FILE = "shm.key"
