@@ -19,11 +19,13 @@ from blockflow.core.errors import RequestError
 PLAIN_HOPS = 1024  # checked hops kept; more than a block's pools hand out views for
 
 
-def batch_buckets(max_batch_size: int, quarters: bool = True) -> list[int]:
+def batch_buckets(max_batch_size: int, quarters: bool = False) -> list[int]:
     """The batch sizes a block captures a graph for: powers of two up to ``max_batch_size`` and
-    ``max_batch_size`` itself, and with ``quarters`` the quarter steps between two powers of two from
-    16 on (20, 24, 28, 40, 48, ...), so a batch above 16 runs at most a quarter of padding where a
-    power of two alone pads up to 88% (17 in 32: GPU time spent on zeros)."""
+    ``max_batch_size`` itself; with ``quarters`` (``BLOCKFLOW_GRAPH_BUCKETS=quarter``) the quarter steps
+    between two powers of two from 16 on too (20, 24, 28, 40, ...), so a batch above 16 runs at most a
+    quarter of padding. Powers of two alone by default: on an H200 the quarter steps cut the split's
+    GPU energy per inference by ~4% and moved no throughput, for 14-175 MiB more GPU memory per process
+    (docs/performance.md, "Levers tried and not adopted")."""
     out, b = [], 1
     while b < max_batch_size:
         out.append(b)

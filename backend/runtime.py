@@ -99,7 +99,7 @@ class BlockRunner:
         module.cast_parts()
         if self.is_cuda and all(len(s) == 3 for s in self.in_shapes):
             self.module = self.module.to(memory_format=torch.channels_last)
-        self.buckets = batch_buckets(spec.max_batch_size, quarters=os.environ.get(env.GRAPH_BUCKETS) != "pow2")
+        self.buckets = batch_buckets(spec.max_batch_size, quarters=os.environ.get(env.GRAPH_BUCKETS) == "quarter")
         # Other networks of several outputs (an exported program's) run eagerly.
         self.use_graphs = graphs and (not spec.outputs or self.tail is not None)
         self._graphs: dict[int, Graph] = {}

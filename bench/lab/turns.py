@@ -66,9 +66,11 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
             continue
         line, _ = table_row(Row(row.name, f"{setting}={value}", row.precision, row.input), done[name])
         lines.append(f"| {turn} {line}")
-        conc = done[name]["concurrency"]
-        if "p50_ms" in conc.get(SPLIT, {}).get("1", {}):
-            c1[name] = conc[SPLIT]["1"]["p50_ms"]
+        # c1 from the concurrency section, else from the batch section's batch 1 (a turn run under load only)
+        at_c1 = done[name]["concurrency"].get(SPLIT, {}).get("1") or done[name].get("batch", {}).get(SPLIT, {}).get("1", {})
+        if "p50_ms" in at_c1:
+            c1[name] = at_c1["p50_ms"]
+    lines += load_table(setting, values, names, done)
     lines += ["", f"The split's c1 p50 in each turn against the mean of its neighbouring turns of another value (`{MONO}` moves too):", ""]
     deltas: dict[str, list[float]] = {}
     for i, name in enumerate(names):
@@ -81,6 +83,37 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
     for value, ds in deltas.items():
         lines.append(f"- {setting}={value}: median {statistics.median(ds):+.2f} ms over {len(ds)} turns, lower in {sum(d < 0 for d in ds)}")
     return "\n".join([*lines, ""])
+
+
+def load_table(setting: str, values: list[str], names: list[str], done: dict[str, dict[str, Any]]) -> list[str]:
+    """Each finished turn at the highest concurrency both models ran: throughput, the split's ratio, host CPU
+    and GPU energy per inference, so a lever that moves load and not c1 shows in ``turns.md`` too."""
+    rows = []
+    for turn, (name, value) in enumerate(zip(names, values, strict=True), 1):
+        conc = done.get(name, {}).get("concurrency", {})
+        common = set(conc.get(MONO, {})) & set(conc.get(SPLIT, {}))
+        if not common:
+            continue
+        c = max(common, key=int)
+        mono, split = conc[MONO][c], conc[SPLIT][c]
+        if "throughput" not in mono or "throughput" not in split:
+            continue
+
+        def cpu(r: dict[str, Any]) -> str:
+            h = r.get("host_cpu_ms_per_inference")
+            return f"{h['total']:.3f} ({h['own_blocks']:.3f})" if h else "—"
+
+        def mj(r: dict[str, Any]) -> str:
+            return f"{r['energy_mj_per_inference']:.1f}" if "energy_mj_per_inference" in r else "—"
+
+        rows.append(f"| {turn} | {setting}={value} | c{c} | {mono['throughput']:.0f} | {split['throughput']:.0f} | "
+                    f"{split['throughput'] / mono['throughput']:.2f}× | {cpu(mono)} | {cpu(split)} | {mj(mono)} | {mj(split)} |")
+    if not rows:
+        return []
+    return ["", "Under load (the highest concurrency both ran; host CPU ms per inference, in all and in the model's own "
+            "block processes; GPU energy mJ per inference):", "",
+            f"| turn | setting | concurrency | {MONO} /s | split /s | split/mono | {MONO} CPU | split CPU | {MONO} mJ | split mJ |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def setting_parser(doc: str | None, tool: str, turn_s: float) -> argparse.ArgumentParser:

@@ -58,7 +58,7 @@ TMQ_HANDOVER_DGRAM = "BLOCKFLOW_TMQ_HANDOVER_DGRAM"  # "0": direct hand-overs ov
 PIN_HOST_INPUTS = "BLOCKFLOW_PIN_HOST_INPUTS"  # "0": a first block's host images go to the GPU through the driver's staging (backend/host_pins.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 CUDA_SCHEDULE = "BLOCKFLOW_CUDA_SCHEDULE"  # auto, spin, yield, blocking: how a block's threads wait for its GPU (blockflow.core.cuda.set_schedule)
-GRAPH_BUCKETS = "BLOCKFLOW_GRAPH_BUCKETS"  # "pow2": CUDA graphs for powers of two only; else quarter steps above 16 too (backend/graphs.py)
+GRAPH_BUCKETS = "BLOCKFLOW_GRAPH_BUCKETS"  # "quarter": CUDA graphs at quarter steps above 16 too, not powers of two only (backend/graphs.py)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
 # -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
 TOKEN_FILE = "BLOCKFLOW_TOKEN_FILE"  # a file holding that token

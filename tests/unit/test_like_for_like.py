@@ -103,13 +103,33 @@ def test_turns_compare_each_turn_with_its_neighbours_of_the_other_value(tmp_path
         (tmp_path / name / row.name).mkdir(parents=True)
         (tmp_path / name / row.name / "results.json").write_text(json.dumps(res))
     md = turns.summary(tmp_path, "X", ["0", "1", "0", "1"], row)
-    assert "| 4 | X=1: not finished |" in md and md.count("| X=") == 4
+    assert "| 4 | X=1: not finished |" in md and md.count("| X=") == 4 + 3  # the c1 table, then the load table
+    assert "| 2 | X=1 | c32 | 2091 | 2073 | 0.99× | — | — | — | — |" in md
     assert "- turn 2 (X=1): 3.50 ms, -0.60 ms" in md and "- turn 3 (X=0): 4.20 ms, +0.70 ms" in md
     assert "- X=1: median -0.60 ms over 1 turns, lower in 1" in md
     # Arguments every turn's bench had (--also) are named above the table.
     assert "every one with" not in md
     assert "a fresh server per turn (every one with `--warm-cores-ms 50`)" in turns.summary(tmp_path, "X", ["0", "1", "0", "1"], row,
                                                                                            ["--warm-cores-ms", "50"])
+
+
+def test_turns_under_load_only_take_c1_from_the_batch_section_and_list_load(tmp_path: Path) -> None:
+    from blockflow.bench.lab import turns
+
+    row = lfl.ROWS[0]
+    base = json.loads((RESULTS / row.name / "results.json").read_text())
+    for name, split_ms, per_s in zip(turns.turn_names(["a", "b"]), [2.5, 2.3], [7000.0, 7400.0], strict=True):
+        res = json.loads(json.dumps(base))
+        cpu = {"total": 1.7, "own_blocks": 0.8}
+        res["concurrency"] = {"monolithic-graph": {"256": {"p50_ms": 30.0, "throughput": 8000.0}},
+                              "tensormq": {"256": {"p50_ms": 33.0, "throughput": per_s, "host_cpu_ms_per_inference": cpu,
+                                                   "energy_mj_per_inference": 64.0}}}
+        res["batch"] = {"tensormq": {"1": {"p50_ms": split_ms}}}
+        (tmp_path / name / row.name).mkdir(parents=True)
+        (tmp_path / name / row.name / "results.json").write_text(json.dumps(res))
+    md = turns.summary(tmp_path, "X", ["a", "b"], row)
+    assert "| 2 | X=b | c256 | 8000 | 7400 | 0.93× | — | 1.700 (0.800) | — | 64.0 |" in md
+    assert "- turn 2 (X=b): 2.30 ms, -0.20 ms" in md
 
 
 def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> None:

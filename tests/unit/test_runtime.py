@@ -79,13 +79,13 @@ def test_buckets() -> None:
     assert bucket_for(3, batch_buckets(8)) == 4
     with pytest.raises(RequestError):
         bucket_for(9, batch_buckets(8))
-    # Above 16, quarter steps too: a batch runs at most a quarter of padding.
-    assert batch_buckets(32) == [1, 2, 4, 8, 16, 20, 24, 28, 32]
-    assert batch_buckets(64)[4:] == [16, 20, 24, 28, 32, 40, 48, 56, 64]
-    assert batch_buckets(30) == [1, 2, 4, 8, 16, 20, 24, 28, 30]
-    assert batch_buckets(17) == [1, 2, 4, 8, 16, 17]
-    assert bucket_for(17, batch_buckets(32)) == 20
-    assert batch_buckets(32, quarters=False) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    # With quarters, quarter steps above 16 too: a batch runs at most a quarter of padding.
+    assert batch_buckets(32, quarters=True) == [1, 2, 4, 8, 16, 20, 24, 28, 32]
+    assert batch_buckets(64, quarters=True)[4:] == [16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert batch_buckets(30, quarters=True) == [1, 2, 4, 8, 16, 20, 24, 28, 30]
+    assert batch_buckets(17, quarters=True) == [1, 2, 4, 8, 16, 17]
+    assert bucket_for(17, batch_buckets(32, quarters=True)) == 20
 
 
 def _spec_with_file(path: Path, first: int = 2, last: int = 2) -> ModelSpec:
