@@ -113,8 +113,10 @@ class TaskInput:
 
         if isinstance(images, (bytes, bytearray)) or files(images):
             return TaskInput("UINT8", (-1,)), _files(task, images)
+        if isinstance(images, (list, tuple)):
+            images = _stacked(task, images)  # one batch, said as for a task whose metadata was read
         try:
-            if getattr(images, "dtype", None) is None:  # a list of arrays, say
+            if getattr(images, "dtype", None) is None:  # a scalar, say
                 images = np.asarray(images)
             if getattr(images, "dtype", None) == np.object_:
                 if files(items := list(images.ravel())):

@@ -256,9 +256,16 @@ def test_images_for_a_task_whose_metadata_could_not_be_read_go_as_they_are() -> 
     assert kind.encoded
     kind, x = TaskInput.given("t", [np.zeros((3, 8, 8), np.uint8)] * 2)  # a list of arrays keeps its dtype
     assert (kind.datatype, x.shape) == ("UINT8", (2, 3, 8, 8))
-    for bad in (np.array(["ab", "c"]), np.array([b"ab", 3], dtype=object), [np.zeros(3), np.zeros(2)]):
+    kind, x = TaskInput.given("t", [torch.zeros((3, 8, 8), dtype=torch.uint8)] * 2)  # a list of tensors stays torch
+    assert isinstance(x, torch.Tensor) and (kind.datatype, tuple(x.shape)) == ("UINT8", (2, 3, 8, 8))
+    for bad in (np.array(["ab", "c"]), np.array([b"ab", 3], dtype=object), ["ab", "cd"]):
         with pytest.raises(ClientError, match="must be an array of numbers"):
             TaskInput.given("t", bad)
-    for empty in ([], np.zeros((0, 3, 8, 8), np.uint8), np.float32(1)):  # no image: said here, not as a 0-byte region
+    # A list is one batch by the same rules as for a task whose metadata was read (TaskInput.check).
+    with pytest.raises(ClientError, match="must hold one shape and dtype each"):
+        TaskInput.given("t", [np.zeros(3), np.zeros(2)])
+    with pytest.raises(ClientError, match="the list is empty"):
+        TaskInput.given("t", [])
+    for empty in (np.zeros((0, 3, 8, 8), np.uint8), np.float32(1)):  # no image: said here, not as a 0-byte region
         with pytest.raises(ClientError, match="no image in it"):
             TaskInput.given("t", empty)
