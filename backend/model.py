@@ -69,14 +69,15 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.spec = spec = instance_args.spec_from_config(json.loads(args["model_config"]))
         self.device = instance_args.device(args)
+        self.schedule = ""  # BLOCKFLOW_CUDA_SCHEDULE, where set (a GPU block)
         if self.device.type == "cuda":
             # A GPU block's host work is Python and copies; torch's intra-op thread pool in each of
             # several processes only fights over the cores (a 4-instance ingest model on an H200 fell
             # from 20,150/s to ~150/s with torch's default threads).
             torch.set_num_threads(1)
-            schedule = os.environ.get(env.CUDA_SCHEDULE)
-            if schedule:  # before torch makes the context, which reads the flag once
-                cuda.set_schedule(self.device.index or 0, schedule)
+            self.schedule = os.environ.get(env.CUDA_SCHEDULE, "").strip().lower()
+            if self.schedule:  # before torch makes the context, which reads the flag once
+                cuda.set_schedule(self.device.index or 0, self.schedule)
         self.in_names, self.out_names = instance_args.tensor_names(spec)
         self.out_name = self.out_names[0]
         self.tracer = tracer_for(model, instance, self.device)
@@ -102,10 +103,17 @@ class TritonPythonModel:
             f"blockflow: {model} instance {instance} ready on {self.device} "
             f"(stages {spec.first_stage}-{spec.last_stage}{f', {len(spec.heads)} heads' if spec.heads else ''}, {spec.precision}, "
             f"graphs={'on' if self.runner.use_graphs else 'off'}, transport={spec.transport}"
-            f"{f', CUDA waits {cuda.schedule(self.device.index or 0)}' if self.device.type == 'cuda' else ''}); "
+            f"{f', CUDA waits {self._waits()}' if self.schedule else ''}); "
             f"start-up s: process and imports {started:.2f}, build {t_built - t0:.2f}, warm-up {t_warm - t_built:.2f}, "
             f"rest {time.monotonic() - t_warm:.2f}"
         )
+
+    def _waits(self) -> str:
+        """The wait mode the block's CUDA context runs (``BLOCKFLOW_CUDA_SCHEDULE``), for its ready line."""
+        try:
+            return cuda.schedule()
+        except BlockError as exc:  # said, never a reason to fail a block that is ready
+            return f"unknown ({exc})"
 
     def _build(self, spec: ModelSpec) -> None:
         """The block: a runner per output (a head pack, several tasks' heads in this one process, has

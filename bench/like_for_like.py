@@ -104,7 +104,7 @@ def finished(out: Path, row: Row) -> dict[str, Any] | None:
     return res if res.get("meta", {}).get("complete", False) else None
 
 
-def _figure(conc: dict[str, Any], model: str, c: str) -> dict[str, Any] | None:
+def measured_figure(conc: dict[str, Any], model: str, c: str) -> dict[str, Any] | None:
     """``model``'s figures at concurrency ``c``, if it was measured there and did not fail."""
     fig: dict[str, Any] | None = conc.get(model, {}).get(c)
     return fig if fig is not None and "error" not in fig else None
@@ -123,7 +123,7 @@ def _c1_c32(conc: dict[str, Any], model: str, throughput_spread: bool = True) ->
     """``p50 at c1 (throughput at c32)``; a run at one concurrency only (``--concurrency 1`` in turns) shows that one."""
     if _failed(conc, model):
         return "failed"
-    c1, c32 = _figure(conc, model, "1"), _figure(conc, model, "32")
+    c1, c32 = measured_figure(conc, model, "1"), measured_figure(conc, model, "32")
     if c1 is None and c32 is None:
         return "—"
     text = f"{c1['p50_ms']:.2f} ms{spread_text(c1, 'p50_ms')}" if c1 is not None else "—"
@@ -140,10 +140,10 @@ def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | No
         cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT), "—", "—", *(_c1_c32(conc, m, False) for m in OTHERS)]
         return "| " + " | ".join(cells) + " |", None
     figures: dict[str, float] = {}
-    if (s1 := _figure(conc, SPLIT, "1")) is not None and (m1 := _figure(conc, MONO, "1")) is not None:
+    if (s1 := measured_figure(conc, SPLIT, "1")) is not None and (m1 := measured_figure(conc, MONO, "1")) is not None:
         hops = max(1, len(res.get("path", [])) - 1)
         figures |= {"c1_ratio": s1["p50_ms"] / m1["p50_ms"], "hop_ms": (s1["p50_ms"] - m1["p50_ms"]) / hops}
-    if (s32 := _figure(conc, SPLIT, "32")) is not None and (m32 := _figure(conc, MONO, "32")) is not None:
+    if (s32 := measured_figure(conc, SPLIT, "32")) is not None and (m32 := measured_figure(conc, MONO, "32")) is not None:
         figures["c32_ratio"] = s32["throughput"] / m32["throughput"]
     ratios = ", ".join(f"{figures[k]:.2f}×" if k in figures else "—" for k in ("c1_ratio", "c32_ratio"))
     cells = [row.label, _c1_c32(conc, MONO), _c1_c32(conc, SPLIT), ratios,
@@ -154,7 +154,7 @@ def table_row(row: Row, res: dict[str, Any]) -> tuple[str, dict[str, float] | No
 
 def best(conc: dict[str, Any], model: str) -> tuple[float, str] | None:
     """``model``'s highest throughput over the concurrencies measured, and that concurrency."""
-    figs = [(fig["throughput"], c) for c in conc.get(model, {}) if (fig := _figure(conc, model, c)) is not None]
+    figs = [(fig["throughput"], c) for c in conc.get(model, {}) if (fig := measured_figure(conc, model, c)) is not None]
     return max(figs, key=lambda f: f[0]) if figs else None
 
 
@@ -163,7 +163,7 @@ def served_over_alone(res: dict[str, Any]) -> str:
     concurrencies were measured, each model's best as a share of it; "—" without the GPU alone's figure."""
     b32 = alone_b32(res)
     conc = res["concurrency"]
-    fig = None if _failed(conc, SPLIT) else _figure(conc, SPLIT, "32")
+    fig = None if _failed(conc, SPLIT) else measured_figure(conc, SPLIT, "32")
     if not b32 or fig is None:
         return "—"
     text = f"{100 * fig['throughput'] / b32:.0f}% of {b32:,.0f}/s"

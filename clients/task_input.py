@@ -245,6 +245,14 @@ def _stacked(task: str, images: list[Any] | tuple[Any, ...]) -> Any:
             raise ClientError(f"images for {task!r}: a list of tensors on one device, got {sorted(devices)}")
         if len(shapes) == 1 and len(dtypes) == 1:
             return torch.stack(list(images))
+    elif not any(hasattr(x, "dtype") for x in images):  # nested Python lists of numbers: no dtype to keep per item
+        try:
+            whole = np.asarray(images)
+        except (TypeError, ValueError) as exc:  # ragged
+            raise ClientError(f"images for {task!r}: a list of images must hold one shape each: {exc}") from None
+        if whole.dtype != np.object_:
+            return whole
+        shapes, dtypes = {whole.shape}, {str(whole.dtype)}
     else:
         try:
             arrays = [np.asarray(x) for x in images]

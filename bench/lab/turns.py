@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, started_span, table_row
+from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, measured_figure, started_span, table_row
 from blockflow.triton.process_group import run_child
 
 
@@ -67,11 +67,12 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
         line, _ = table_row(Row(row.name, f"{setting}={value}", row.precision, row.input), done[name])
         lines.append(f"| {turn} {line}")
         # c1 from the concurrency section, else from the batch section's batch 1 (a turn run under load only)
-        at_c1 = done[name]["concurrency"].get(SPLIT, {}).get("1") or done[name].get("batch", {}).get(SPLIT, {}).get("1", {})
+        at_c1 = measured_figure(done[name]["concurrency"], SPLIT, "1") or measured_figure(done[name].get("batch", {}), SPLIT, "1") or {}
         if "p50_ms" in at_c1:
             c1[name] = at_c1["p50_ms"]
     lines += load_table(setting, values, names, done)
-    lines += ["", f"The split's c1 p50 in each turn against the mean of its neighbouring turns of another value (`{MONO}` moves too):", ""]
+    lines += ["", f"The split's c1 p50 in each turn (a turn run under load only: its batch section's batch 1) against the mean of "
+              f"its neighbouring turns of another value (`{MONO}` moves too):", ""]
     deltas: dict[str, list[float]] = {}
     for i, name in enumerate(names):
         value = values[i]
@@ -91,13 +92,11 @@ def load_table(setting: str, values: list[str], names: list[str], done: dict[str
     rows = []
     for turn, (name, value) in enumerate(zip(names, values, strict=True), 1):
         conc = done.get(name, {}).get("concurrency", {})
-        common = set(conc.get(MONO, {})) & set(conc.get(SPLIT, {}))
-        if not common:
+        both = [c for c in conc.get(MONO, {}) if all("throughput" in (measured_figure(conc, m, c) or {}) for m in (MONO, SPLIT))]
+        if not both:
             continue
-        c = max(common, key=int)
+        c = max(both, key=int)
         mono, split = conc[MONO][c], conc[SPLIT][c]
-        if "throughput" not in mono or "throughput" not in split:
-            continue
 
         def cpu(r: dict[str, Any]) -> str:
             h = r.get("host_cpu_ms_per_inference")
@@ -107,10 +106,10 @@ def load_table(setting: str, values: list[str], names: list[str], done: dict[str
             return f"{r['energy_mj_per_inference']:.1f}" if "energy_mj_per_inference" in r else "—"
 
         rows.append(f"| {turn} | {setting}={value} | c{c} | {mono['throughput']:.0f} | {split['throughput']:.0f} | "
-                    f"{split['throughput'] / mono['throughput']:.2f}× | {cpu(mono)} | {cpu(split)} | {mj(mono)} | {mj(split)} |")
+                    f"{split['throughput'] / mono['throughput'] if mono['throughput'] else float('nan'):.2f}× | {cpu(mono)} | {cpu(split)} | {mj(mono)} | {mj(split)} |")
     if not rows:
         return []
-    return ["", "Under load (the highest concurrency both ran; host CPU ms per inference, in all and in the model's own "
+    return ["", "Under load (the highest concurrency both ran without error; host CPU ms per inference, in all and in the model's own "
             "block processes; GPU energy mJ per inference):", "",
             f"| turn | setting | concurrency | {MONO} /s | split /s | split/mono | {MONO} CPU | split CPU | {MONO} mJ | split mJ |",
             "|---|---|---|---|---|---|---|---|---|---|", *rows]

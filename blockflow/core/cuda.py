@@ -11,6 +11,7 @@ import ctypes
 from functools import cache
 from typing import Any
 
+from blockflow.core import env
 from blockflow.core.errors import BlockError
 
 IPC_HANDLE_BYTES = 64
@@ -68,6 +69,7 @@ def _lib() -> Any:
         "cuDeviceGet": [P(ctypes.c_int), ctypes.c_int],
         "cuDevicePrimaryCtxSetFlags_v2": [ctypes.c_int, ctypes.c_uint],
         "cuDevicePrimaryCtxGetState": [ctypes.c_int, P(ctypes.c_uint), P(ctypes.c_int)],
+        "cuCtxGetFlags": [P(ctypes.c_uint)],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -178,21 +180,23 @@ def _device(ordinal: int) -> ctypes.c_int:
 
 def set_schedule(ordinal: int, mode: str) -> None:
     """How host threads of this process wait for GPU ``ordinal`` (a key of :data:`CU_CTX_SCHED`): set on its
-    primary context (the one torch uses) before that context is made, as the flags are read then."""
+    primary context (the one torch uses) before that context is made, as it reads the flag then."""
     if mode not in CU_CTX_SCHED:
-        raise BlockError(f"unknown CUDA schedule {mode!r}: one of {', '.join(CU_CTX_SCHED)}")
+        raise BlockError(f"unknown CUDA wait mode {mode!r} ({env.CUDA_SCHEDULE}): one of {', '.join(CU_CTX_SCHED)}")
     dev = _device(ordinal)
     flags, active = ctypes.c_uint(), ctypes.c_int()
     _check(_lib().cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)), "cuDevicePrimaryCtxGetState")
+    if active.value:
+        raise BlockError(f"the CUDA context of GPU {ordinal} is made already: {env.CUDA_SCHEDULE} must be set "
+                         "before anything in the process uses the GPU")
     new = (flags.value & ~CU_CTX_SCHED_MASK) | CU_CTX_SCHED[mode]
     _check(_lib().cuDevicePrimaryCtxSetFlags_v2(dev, new), "cuDevicePrimaryCtxSetFlags")
 
 
-def schedule(ordinal: int) -> str:
-    """The wait mode of GPU ``ordinal``'s primary context (a key of :data:`CU_CTX_SCHED`)."""
-    flags, active = ctypes.c_uint(), ctypes.c_int()
-    _check(_lib().cuDevicePrimaryCtxGetState(_device(ordinal), ctypes.byref(flags), ctypes.byref(active)),
-           "cuDevicePrimaryCtxGetState")
+def schedule() -> str:
+    """The wait mode of the calling thread's current context, as the driver runs it (a key of :data:`CU_CTX_SCHED`)."""
+    flags = ctypes.c_uint()
+    _check(_lib().cuCtxGetFlags(ctypes.byref(flags)), "cuCtxGetFlags")
     mode = flags.value & CU_CTX_SCHED_MASK
     return next((k for k, v in CU_CTX_SCHED.items() if v == mode), hex(mode))
 

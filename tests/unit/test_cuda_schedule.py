@@ -9,5 +9,5 @@ from blockflow.core.errors import BlockError
 
 
 def test_an_unknown_wait_mode_is_refused_by_name() -> None:
-    with pytest.raises(BlockError, match="unknown CUDA schedule 'sometimes': one of auto, spin, yield, blocking"):
+    with pytest.raises(BlockError, match="unknown CUDA wait mode 'sometimes' .BLOCKFLOW_CUDA_SCHEDULE.: one of auto, spin, yield, blocking"):
         cuda.set_schedule(0, "sometimes")

@@ -256,6 +256,8 @@ def test_images_for_a_task_whose_metadata_could_not_be_read_go_as_they_are() -> 
     assert kind.encoded
     kind, x = TaskInput.given("t", [np.zeros((3, 8, 8), np.uint8)] * 2)  # a list of arrays keeps its dtype
     assert (kind.datatype, x.shape) == ("UINT8", (2, 3, 8, 8))
+    kind, x = TaskInput.given("t", [[[[0, 0.5]]], [[[1, 2]]]])  # nested lists of numbers: one array, whatever each number
+    assert (kind.datatype, x.dtype, x.shape) == ("FP32", np.float32, (2, 1, 1, 2))
     kind, x = TaskInput.given("t", [torch.zeros((3, 8, 8), dtype=torch.uint8)] * 2)  # a list of tensors stays torch
     assert isinstance(x, torch.Tensor) and (kind.datatype, tuple(x.shape)) == ("UINT8", (2, 3, 8, 8))
     for bad in (np.array(["ab", "c"]), np.array([b"ab", 3], dtype=object), ["ab", "cd"]):

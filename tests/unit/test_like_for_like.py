@@ -121,9 +121,10 @@ def test_turns_under_load_only_take_c1_from_the_batch_section_and_list_load(tmp_
     for name, split_ms, per_s in zip(turns.turn_names(["a", "b"]), [2.5, 2.3], [7000.0, 7400.0], strict=True):
         res = json.loads(json.dumps(base))
         cpu = {"total": 1.7, "own_blocks": 0.8}
-        res["concurrency"] = {"monolithic-graph": {"256": {"p50_ms": 30.0, "throughput": 8000.0}},
+        res["concurrency"] = {"monolithic-graph": {"256": {"p50_ms": 30.0, "throughput": 8000.0}, "512": {"throughput": 9000.0}},
                               "tensormq": {"256": {"p50_ms": 33.0, "throughput": per_s, "host_cpu_ms_per_inference": cpu,
-                                                   "energy_mj_per_inference": 64.0}}}
+                                                   "energy_mj_per_inference": 64.0},
+                                           "512": {"error": "perf_analyzer failed"}}}  # the load row falls back to c256
         res["batch"] = {"tensormq": {"1": {"p50_ms": split_ms}}}
         (tmp_path / name / row.name).mkdir(parents=True)
         (tmp_path / name / row.name / "results.json").write_text(json.dumps(res))
