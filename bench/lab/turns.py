@@ -17,6 +17,7 @@ neighbours of another value. A turn whose complete ``results.json`` is already t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -49,10 +50,11 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
     """``turns.md``: the table of the turns that finished and each turn against its neighbours
     (``setting``: the environment variable or option the turns set; ``also``: arguments every turn's bench had)."""
     names = turn_names(values)
-    done: dict[str, dict[str, Any]] = {n: res for n in names if (res := finished(out / n, row)) is not None}
+    # Turns cut short (past their limit) count with the rows they finished: their bench checkpoints its results.
+    done: dict[str, dict[str, Any]] = {n: res for n in names if (res := measured(out / n, row)) is not None}
     lines = [f"# `{setting}` in turns: {row.label}", ""]
     if not done:
-        return "\n".join([*lines, "No turn has finished yet.", ""])
+        return "\n".join([*lines, "No turn has measured anything yet.", ""])
     metas = [res["meta"] for res in done.values()]
     lines += [f"Plan `{metas[0]['plan']}`, task `{next(iter(done.values()))['task']}`; {metas[0]['device']}; commit "
               f"{', '.join(sorted({m.get('commit', '?') for m in metas}))}; turns started {started_span(metas)}; "
@@ -64,7 +66,8 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
         if name not in done:
             lines.append(f"| {turn} | {setting}={value}: not finished |")
             continue
-        line, _ = table_row(Row(row.name, f"{setting}={value}", row.precision, row.input), done[name])
+        cut = "" if done[name]["meta"].get("complete", True) else " (cut short)"
+        line, _ = table_row(Row(row.name, f"{setting}={value}{cut}", row.precision, row.input), done[name])
         lines.append(f"| {turn} {line}")
         # c1 from the concurrency section, else from the batch section's batch 1 (a turn run under load only)
         at_c1 = measured_figure(done[name]["concurrency"], SPLIT, "1") or measured_figure(done[name].get("batch", {}), SPLIT, "1") or {}
@@ -84,6 +87,18 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
     for value, ds in deltas.items():
         lines.append(f"- {setting}={value}: median {statistics.median(ds):+.2f} ms over {len(ds)} turns, lower in {sum(d < 0 for d in ds)}")
     return "\n".join([*lines, ""])
+
+
+def measured(out: Path, row: Row) -> dict[str, Any] | None:
+    """A turn's results so far (``like_for_like.finished`` if it finished; else what its bench checkpointed)."""
+    try:
+        res: dict[str, Any] = json.loads((out / row.name / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "meta" not in res or "task" not in res:
+        return None
+    res.setdefault("concurrency", {})
+    return res
 
 
 def load_table(setting: str, values: list[str], names: list[str], done: dict[str, dict[str, Any]]) -> list[str]:

@@ -128,9 +128,16 @@ def test_turns_under_load_only_take_c1_from_the_batch_section_and_list_load(tmp_
         res["batch"] = {"tensormq": {"1": {"p50_ms": split_ms}}}
         (tmp_path / name / row.name).mkdir(parents=True)
         (tmp_path / name / row.name / "results.json").write_text(json.dumps(res))
-    md = turns.summary(tmp_path, "X", ["a", "b"], row)
+    # A third turn cut short after the split's batch 1: counted with what it measured, said to be cut short.
+    res["meta"]["complete"] = False
+    res["concurrency"] = {"monolithic-graph": {"256": {"p50_ms": 30.0, "throughput": 8000.0}}}
+    res["batch"] = {"tensormq": {"1": {"p50_ms": 2.6}}}
+    (tmp_path / "3_a" / row.name).mkdir(parents=True)
+    (tmp_path / "3_a" / row.name / "results.json").write_text(json.dumps(res))
+    md = turns.summary(tmp_path, "X", ["a", "b", "a"], row)
     assert "| 2 | X=b | c256 | 8000 | 7400 | 0.93× | — | 1.700 (0.800) | — | 64.0 |" in md
-    assert "- turn 2 (X=b): 2.30 ms, -0.20 ms" in md
+    assert "| 3 | X=a (cut short) |" in md and "| 3 | X=a | c256" not in md
+    assert "- turn 2 (X=b): 2.30 ms, -0.25 ms" in md and "- turn 3 (X=a): 2.60 ms, +0.30 ms" in md
 
 
 def test_turns_set_an_environment_variable_or_a_bench_option(tmp_path: Path) -> None:
