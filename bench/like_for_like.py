@@ -95,13 +95,19 @@ def bench_command(row: Row, plan: Path, out: Path, repeats: int, seconds: float,
             *(["--client-threads", str(client_threads)] if client_threads else []), "--out", str(out / row.name)]
 
 
-def finished(out: Path, row: Row) -> dict[str, Any] | None:
-    """A row's results, if its run finished."""
+def checkpointed(out: Path, row: Row) -> dict[str, Any] | None:
+    """A row's results so far: its run's last checkpoint (``meta.complete`` says whether it finished)."""
     try:
         res: dict[str, Any] = json.loads((out / row.name / "results.json").read_text())
     except (OSError, ValueError):
         return None
-    return res if res.get("meta", {}).get("complete", False) else None
+    return res
+
+
+def finished(out: Path, row: Row) -> dict[str, Any] | None:
+    """A row's results, if its run finished."""
+    res = checkpointed(out, row)
+    return res if res is not None and res.get("meta", {}).get("complete", False) else None
 
 
 def measured_figure(conc: dict[str, Any], model: str, c: str) -> dict[str, Any] | None:

@@ -17,7 +17,6 @@ neighbours of another value. A turn whose complete ``results.json`` is already t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -27,7 +26,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.like_for_like import HEADER, MONO, ROWS, SPLIT, Row, bench_command, finished, measured_figure, started_span, table_row
+from blockflow.bench.like_for_like import (
+    HEADER,
+    MONO,
+    ROWS,
+    SPLIT,
+    Row,
+    bench_command,
+    checkpointed,
+    finished,
+    measured_figure,
+    started_span,
+    table_row,
+)
 from blockflow.triton.process_group import run_child
 
 
@@ -90,12 +101,9 @@ def summary(out: Path, setting: str, values: list[str], row: Row, also: list[str
 
 
 def measured(out: Path, row: Row) -> dict[str, Any] | None:
-    """A turn's results so far (``like_for_like.finished`` if it finished; else what its bench checkpointed)."""
-    try:
-        res: dict[str, Any] = json.loads((out / row.name / "results.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if "meta" not in res or "task" not in res:
+    """A turn's results so far (what its bench checkpointed, all of it if it finished)."""
+    res = checkpointed(out, row)
+    if res is None or "meta" not in res or "task" not in res:
         return None
     res.setdefault("concurrency", {})
     return res
