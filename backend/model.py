@@ -66,6 +66,8 @@ class TritonPythonModel:
         started = max(0.0, time.time() - psutil.Process().create_time())
         model, instance = args["model_name"], args["model_instance_name"]
         self.health = Health(model, instance)  # first: a block whose server dies while it builds or warms up exits too
+        if problems := env.switch_problems(os.environ):  # a hand-started server's, which no `blockflow serve` checked
+            raise BlockError("; ".join(problems))
         self.logger = pb_utils.Logger
         self.spec = spec = instance_args.spec_from_config(json.loads(args["model_config"]))
         self.device = instance_args.device(args)
@@ -75,7 +77,7 @@ class TritonPythonModel:
             # several processes only fights over the cores (a 4-instance ingest model on an H200 fell
             # from 20,150/s to ~150/s with torch's default threads).
             torch.set_num_threads(1)
-            self.schedule = os.environ.get(env.CUDA_SCHEDULE, "").strip().lower()
+            self.schedule = os.environ.get(env.CUDA_SCHEDULE, "")
             if self.schedule:  # before torch makes the context, which reads the flag once
                 cuda.set_schedule(self.device.index or 0, self.schedule)
         self.in_names, self.out_names = instance_args.tensor_names(spec)

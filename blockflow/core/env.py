@@ -33,6 +33,7 @@ stub IPC) and :func:`pool_shm_prefix` (TensorMQ host pools).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 # -- set by `blockflow serve` for tritonserver and its stubs
@@ -82,6 +83,21 @@ STAGE_CACHE_DIR_VAR = "BLOCKFLOW_STAGE_CACHE_DIR"
 # those set in their results (bench.harness.switches), as the server and its block processes inherit them.
 SWITCHES = (DISABLE_CUDA_GRAPHS, KEEP_ALLOCATOR_CACHE, TMQ_PREPARE, TMQ_EARLY, TMQ_RELEASE, TMQ_HANDOVER_DGRAM,
             PIN_HOST_INPUTS, LOGITS_ON_GPU, STAGE_CACHE, CUDA_SCHEDULE, GRAPH_BUCKETS)
+# The values each switch takes, its default first (unset or empty is the default). Any other value fails the
+# server's start and each block's load, naming the variable: a typo (``BLOCKFLOW_TMQ_EARLY=off``) would
+# otherwise run the default without a word.
+SWITCH_VALUES: dict[str, tuple[str, ...]] = {
+    DISABLE_CUDA_GRAPHS: ("0", "1"), KEEP_ALLOCATOR_CACHE: ("0", "1"), TMQ_PREPARE: ("1", "0"), TMQ_EARLY: ("1", "0"),
+    TMQ_RELEASE: ("claims", "message"), TMQ_HANDOVER_DGRAM: ("1", "0"), PIN_HOST_INPUTS: ("1", "0"),
+    LOGITS_ON_GPU: ("0", "1"), STAGE_CACHE: ("1", "0"), CUDA_SCHEDULE: ("auto", "spin", "yield", "blocking"),
+    GRAPH_BUCKETS: ("pow2", "quarter"),
+}
+
+
+def switch_problems(environ: Mapping[str, str]) -> list[str]:
+    """One line per switch set in ``environ`` to a value it does not take (none: all are fine)."""
+    return [f"{name}={value!r} is not one of {', '.join(SWITCH_VALUES[name])} (its default: {SWITCH_VALUES[name][0]})"
+            for name in SWITCHES if (value := environ.get(name, "")) and value not in SWITCH_VALUES[name]]
 
 ADMIN_KEY_FILE = "admin.key"
 SHM_KEY_FILE = "shm.key"

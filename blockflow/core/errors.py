@@ -9,7 +9,7 @@ traceback) and an exit code.
     BlockFlowError
     ├── PlanError            a plan is malformed; lists every problem with its key path
     ├── GenerateError        the model repository could not be written or is stale
-    ├── EnvironmentProblem   something BlockFlow needs is missing (server, stub, library)
+    ├── EnvironmentProblem   something BlockFlow needs is missing (server, stub, library) or a switch is set wrong
     ├── CalibrationError     memory-model constants do not fit this version of the model
     ├── ServerError          tritonserver failed to start, stopped, or a model did not load
     │   ├── PortInUseError   a requested port is taken
@@ -68,7 +68,7 @@ class GenerateError(BlockFlowError):
 
 
 class EnvironmentProblem(BlockFlowError):
-    """A binary, library or package BlockFlow needs is missing or unusable."""
+    """A binary, library or package BlockFlow needs is missing or unusable, or a switch (`env.SWITCHES`) has a value it does not take."""
 
     exit_code = 3
 

@@ -25,6 +25,7 @@ from types import TracebackType
 
 from blockflow.core import env
 from blockflow.core.errors import (
+    EnvironmentProblem,
     ModelReloadError,
     ServerError,
     TritonApiError,
@@ -148,20 +149,22 @@ class TritonServer:
 
     def start(self, timeout: float = 300.0) -> None:
         o = self.options
+        if problems := env.switch_problems({**os.environ, **o.env}):  # before anything starts: every block would fail its load
+            raise EnvironmentProblem("; ".join(problems))
         for what, port in (("HTTP", o.http_port), ("gRPC", o.grpc_port), ("metrics", o.metrics_port)):
             check_port(o.host, port, what)
         cmd = self.command()
         ensure_tensormq(self.runtime_dir)
         write_private(self.admin_key_file, self.admin_key)
         write_private(self.shm_key_file, self.shm_key, group=o.shm_key_group)
-        env = server_env(self.install, self.runtime_dir)
-        env.update(o.env)
+        environ = server_env(self.install, self.runtime_dir)
+        environ.update(o.env)
         shim = argv_key.library()
         if shim is not None:
-            env = argv_key.preload_env(env, shim, self.admin_key_file, self.shm_key_file)
+            environ = argv_key.preload_env(environ, shim, self.admin_key_file, self.shm_key_file)
         if self.warm_cores is not None:
             self.warm_cores.start()
-            env.update(self.warm_cores.env)
+            environ.update(self.warm_cores.env)
             log.info("warm cores: %d pollers at SCHED_IDLE keep CPUs %s out of idle for %g ms after each block call",
                      len(self.warm_cores.cpus), ",".join(map(str, self.warm_cores.cpus)), o.warm_cores_ms)
         logfile = self.log_path.open("wb")
@@ -170,11 +173,11 @@ class TritonServer:
                 self.front_door.start()
             if self.mps is not None:
                 self.mps.start()
-                env.update(self.mps.env)
+                environ.update(self.mps.env)
             # umask 077: what the server and its block processes create is their user's alone (the Python
             # backend's regions, which it fchmod()s to 0644, are kept 0600 by the preloaded shm_guard.c).
             self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, preexec_fn=die_with_parent, umask=0o077)
+                                            env=environ, start_new_session=True, preexec_fn=die_with_parent, umask=0o077)
         except BaseException:
             self._stop_companions()
             raise

@@ -71,10 +71,11 @@ def where_threads_are(pid: int) -> str:
     return "\n".join(rows)
 
 
-def start_by_hand(where: Path, plan: Path, home_args: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
+def launch_by_hand(where: Path, plan: Path, home_args: list[str],
+                   extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, Path]:
     """``plan``'s repository under ``where``, served by a tritonserver started with the script
-    `blockflow triton-command` writes, as a user's shell would; its process (the script execs
-    tritonserver), HTTP address and runtime base, once it is ready."""
+    `blockflow triton-command` writes, as a user's shell would (with ``extra_env`` too); its process
+    (the script execs tritonserver), HTTP address and runtime base, as soon as it started."""
     repo = where / "repo"
     generator.write(generator.render(load_plan(plan)), repo)
     # A short base, as a user's /run/user/<uid> is: Unix socket paths hold at most 107 bytes.
@@ -83,6 +84,7 @@ def start_by_hand(where: Path, plan: Path, home_args: list[str]) -> tuple[subpro
     # own, such as BLOCKFLOW_TRITON_HOME on the GPU machine, stay).
     shell_env = {k: v for k, v in os.environ.items() if k not in (env.RUNTIME_DIR, env.PYTHONPATH)}
     shell_env["XDG_RUNTIME_DIR"] = str(runtime_base)
+    shell_env.update(extra_env or {})
     script = subprocess.run([sys.executable, "-m", "blockflow", "triton-command", str(repo), "--backend-dir", str(where / "be"),
                              *home_args], capture_output=True, text=True, env=shell_env, check=True).stdout
     assert ("--backend-directory=" + str(where / "opt" / "tritonserver" / "backends")) in script if home_args else str(where / "be") in script
@@ -93,7 +95,12 @@ def start_by_hand(where: Path, plan: Path, home_args: list[str]) -> tuple[subpro
                                  f"--metrics-port={free_port()}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
                                  "--metrics-address=127.0.0.1"],
                                 stdout=log, stderr=subprocess.STDOUT, env=shell_env, start_new_session=True)
-    url = f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}", runtime_base
+
+
+def start_by_hand(where: Path, plan: Path, home_args: list[str]) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """:func:`launch_by_hand`, returning once the server is ready."""
+    proc, url, runtime_base = launch_by_hand(where, plan, home_args)
     try:
         client = http.InferenceServerClient(url)
         deadline = time.monotonic() + START_TIMEOUT
@@ -241,3 +248,18 @@ def test_a_killed_hand_started_triton_left_unreaped_takes_its_block_processes_al
         proc.wait()
         shutil.rmtree(runtime_base, ignore_errors=True)
 
+
+
+def test_a_switch_set_wrong_fails_each_blocks_load_on_a_hand_started_triton(tmp_path: Path) -> None:
+    """No `blockflow serve` checked this server's environment: each block process does, and names the variable."""
+    proc, _, runtime_base = launch_by_hand(tmp_path, PLAN, [], {env.GRAPH_BUCKETS: "quarters"})
+    try:
+        # A model that fails its load at start-up stops tritonserver (without the check, it would serve: a timeout here).
+        assert proc.wait(min(START_TIMEOUT, 300)) != 0
+        log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+        assert "BLOCKFLOW_GRAPH_BUCKETS='quarters' is not one of pow2, quarter (its default: pow2)" in log, log[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(runtime_base, ignore_errors=True)
