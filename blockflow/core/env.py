@@ -88,7 +88,7 @@ SWITCHES = (DISABLE_CUDA_GRAPHS, KEEP_ALLOCATOR_CACHE, TMQ_PREPARE, TMQ_EARLY, T
 # otherwise run the default without a word.
 SWITCH_VALUES: dict[str, tuple[str, ...]] = {
     DISABLE_CUDA_GRAPHS: ("0", "1"), KEEP_ALLOCATOR_CACHE: ("0", "1"), TMQ_PREPARE: ("1", "0"), TMQ_EARLY: ("1", "0"),
-    TMQ_RELEASE: ("claims", "message"), TMQ_HANDOVER_DGRAM: ("1", "0"), PIN_HOST_INPUTS: ("1", "0"),
+    TMQ_RELEASE: ("table", "message"), TMQ_HANDOVER_DGRAM: ("1", "0"), PIN_HOST_INPUTS: ("1", "0"),
     LOGITS_ON_GPU: ("0", "1"), STAGE_CACHE: ("1", "0"), CUDA_SCHEDULE: ("auto", "spin", "yield", "blocking"),
     GRAPH_BUCKETS: ("pow2", "quarter"),
 }

@@ -36,7 +36,7 @@ def test_the_server_refuses_to_start_before_it_starts_anything(tmp_path: Path) -
 
     server = TritonServer(ServerOptions(repositories=[tmp_path], env={env.TMQ_RELEASE: "messages"}), runtime_dir=tmp_path,
                           install=object())  # type: ignore[arg-type]  # never reached
-    with pytest.raises(EnvironmentProblem, match="BLOCKFLOW_TMQ_RELEASE='messages' is not one of claims, message"):
+    with pytest.raises(EnvironmentProblem, match="BLOCKFLOW_TMQ_RELEASE='messages' is not one of table, message"):
         server.start()
     assert not server.log_path.exists()
 
