@@ -1,0 +1,127 @@
+"""Whether a model's throughput falls from one perf_analyzer run to the next because of the model or because of
+the machine: the same point run back to back in blocks (by default the split, the unsplit model, the split
+again) on one server, each run with the host's CPU clock and load and the GPU's SM clock, temperature and power
+beside it.
+
+    python -m blockflow.bench.lab.repeat_drift --plan PLAN --out DIR --precision fp16 --mps \\
+        --concurrency 256 --client-threads 16 --runs 4 --order tensormq,monolithic-graph,tensormq
+
+``DIR/drift.json`` holds every run; ``DIR/drift.md`` the table. A fall that follows the machine's clocks
+comes back in every block; one the model's own state causes starts afresh after the other model's block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from blockflow.bench.harness import commit, device_name, rendered
+from blockflow.bench.perf_analyzer import perf_analyzer
+from blockflow.bench.suite import Bench, BenchConfig
+from blockflow.triton.server import ServerOptions, TritonServer
+
+
+def cpu_mhz() -> float | None:
+    """The mean current clock of the host's CPUs (cpufreq, else /proc/cpuinfo); None where neither says."""
+    freqs = [int(p.read_text()) / 1000 for p in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_cur_freq")]
+    if not freqs:
+        try:
+            freqs = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("cpu MHz")]
+        except OSError:
+            return None
+    return statistics.fmean(freqs) if freqs else None
+
+
+def gpu_state() -> dict[str, float]:
+    """GPU 0's SM clock (MHz), temperature (°C) and power (W); empty without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return {"sm_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "temp_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000}
+    except Exception:  # no GPU, or no NVML: the host's figures alone
+        return {}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = BenchConfig(args.plan, args.out, seconds=args.seconds, mps=args.mps, precision=args.precision,
+                      client_threads=args.client_threads, gpu_alone=False)
+    bench = Bench(cfg)
+    models = {label: m["model"] for label, m in bench.models(bench.plan).items()}
+    order = args.order.split(",")
+    unknown = [label for label in order if label not in models]
+    if unknown:
+        raise SystemExit(f"--order: {', '.join(unknown)} not among this plan's models ({', '.join(models)})")
+    server = TritonServer(ServerOptions.on_free_ports([rendered(bench.plan, "blockflow-drift-")], mps=args.mps))
+    server.start(900)
+    runs: list[dict[str, Any]] = []
+    try:
+        for label in models.values():  # warm-up, not recorded
+            perf_analyzer(server.http_url, label, bench.shape, 1, 1.0, args.concurrency, None, cfg.input, bench.output_bytes,
+                          server.shm_key_file, bench.input_data, args.client_threads)
+        t_first = time.monotonic()
+        for block, label in enumerate(order):
+            for k in range(args.runs):
+                start, mhz0, gpu0 = time.monotonic(), cpu_mhz(), gpu_state()
+                psutil.cpu_percent(None)
+                r = perf_analyzer(server.http_url, models[label], bench.shape, 1, args.seconds, args.concurrency, None, cfg.input,
+                                  bench.output_bytes, server.shm_key_file, bench.input_data, args.client_threads)
+                busy, mhz1, gpu1 = psutil.cpu_percent(None), cpu_mhz(), gpu_state()
+                runs.append({"block": block, "model": label, "run": k, "start_s": round(start - t_first, 1),
+                             "seconds": round(time.monotonic() - start, 1), "throughput": r.get("throughput"),
+                             "p50_ms": r.get("p50_ms"), "error": r.get("error"), "cpu_busy_pct": busy,
+                             "cpu_mhz": [mhz0, mhz1], "gpu_before": gpu0, "gpu_after": gpu1})
+                print(f"[drift] {label} run {k}: {r.get('throughput')}/s, CPU {busy:.0f}% busy at {mhz1} MHz, GPU {gpu1}", flush=True)
+    finally:
+        server.stop()
+    return {"meta": {"commit": commit(), "device": device_name(), "plan": str(args.plan), "precision": args.precision,
+                     "mps": args.mps, "concurrency": args.concurrency, "client_threads": args.client_threads,
+                     "seconds": args.seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+            "runs": runs}
+
+
+def table(res: dict[str, Any]) -> str:
+    m = res["meta"]
+    lines = [f"# Throughput run after run: {m['plan']}, c{m['concurrency']}, {m['device']}, commit {m['commit']}, {m['date']}", "",
+             "| block | model | run | start s | /s | CPU busy | CPU MHz (before, after) | GPU SM MHz | GPU °C | GPU W |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        g = r["gpu_after"]
+        mhz = ", ".join(f"{v:.0f}" if v is not None else "—" for v in r["cpu_mhz"])
+        tput = f"{r['throughput']:.0f}" if r["throughput"] is not None else f"failed: {r['error']}"
+        watts = f"{g['power_w']:.0f}" if "power_w" in g else "—"
+        lines.append(f"| {r['block']} | {r['model']} | {r['run']} | {r['start_s']} | {tput} | {r['cpu_busy_pct']:.0f}% | {mhz} | "
+                     f"{g.get('sm_mhz', '—')} | {g.get('temp_c', '—')} | {watts} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--precision", default=None, choices=["fp32", "tf32", "fp16", "bf16"])
+    ap.add_argument("--mps", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--client-threads", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=1.5, help="perf_analyzer's measurement window")
+    ap.add_argument("--runs", type=int, default=4, help="runs in each block")
+    ap.add_argument("--order", default="tensormq,monolithic-graph,tensormq", help="the models' labels, one block each")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = run(args)
+    (args.out / "drift.json").write_text(json.dumps(res, indent=1))
+    (args.out / "drift.md").write_text(table(res))
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
