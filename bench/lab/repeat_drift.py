@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           server.shm_key_file, bench.input_data, args.client_threads)
         t_first = time.monotonic()
         for block, label in enumerate(order):
+            if block:
+                time.sleep(args.gap_s)  # the server idle between blocks: does a fall come back with time alone?
             for k in range(args.runs):
                 start, mhz0, gpu0 = time.monotonic(), cpu_mhz(), gpu_state()
                 psutil.cpu_percent(None)
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
     return {"meta": {"commit": commit(), "device": device_name(), "plan": str(args.plan), "precision": args.precision,
                      "mps": args.mps, "concurrency": args.concurrency, "client_threads": args.client_threads,
-                     "seconds": args.seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+                     "seconds": args.seconds, "gap_s": args.gap_s, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
             "runs": runs}
 
 
@@ -114,6 +116,7 @@ def main() -> None:
     ap.add_argument("--client-threads", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=1.5, help="perf_analyzer's measurement window")
     ap.add_argument("--runs", type=int, default=4, help="runs in each block")
+    ap.add_argument("--gap-s", type=float, default=0.0, help="seconds the server idles between blocks")
     ap.add_argument("--order", default="tensormq,monolithic-graph,tensormq", help="the models' labels, one block each")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
