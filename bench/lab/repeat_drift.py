@@ -21,9 +21,11 @@ from typing import Any
 
 import psutil
 
+from blockflow.bench import host_cpu
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import Bench, BenchConfig
+from blockflow.bench.triton_stats import delta, model_stats
 from blockflow.triton.server import ServerOptions, TritonServer
 
 
@@ -52,6 +54,31 @@ def gpu_state() -> dict[str, float]:
         return {}
 
 
+def per_request(s: dict[str, int]) -> dict[str, float]:
+    """One model's Triton statistics over a run: requests, samples per execution, and milliseconds per
+    request queued and in the model (input, run and output)."""
+    n = max(1, s["requests"])
+    return {"requests": s["requests"], "samples_per_execution": round(s["inferences"] / max(1, s["executions"]), 2),
+            "queue_ms": round(s["queue_ns"] / n / 1e6, 3),
+            "compute_ms": round(sum(s[f"{k}_ns"] for k in ("compute_input", "compute_infer", "compute_output")) / n / 1e6, 3)}
+
+
+def time_wait_sockets() -> int:
+    """TCP sockets of this host in TIME-WAIT (state 06 of /proc/net/tcp and tcp6)."""
+    n = 0
+    for table_file in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            n += sum(1 for line in Path(table_file).read_text().splitlines()[1:] if line.split()[3] == "06")
+        except (OSError, IndexError):
+            pass
+    return n
+
+
+def stub_shm_mib(server: TritonServer) -> float:
+    """The size of the shared memory under /dev/shm that names this server's runtime directory (its stubs' regions)."""
+    return round(sum(f.stat().st_size for f in Path("/dev/shm").glob(f"*{server.runtime_dir.name}*") if f.is_file()) / 2**20, 1)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = BenchConfig(args.plan, args.out, seconds=args.seconds, mps=args.mps, precision=args.precision,
                       client_threads=args.client_threads, gpu_alone=False)
@@ -74,14 +101,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(args.gap_s)  # the server idle between blocks: does a fall come back with time alone?
             for k in range(args.runs):
                 start, mhz0, gpu0 = time.monotonic(), cpu_mhz(), gpu_state()
+                stats0, cpu0 = model_stats(server.http_url), host_cpu.snapshot(server)
                 psutil.cpu_percent(None)
                 r = perf_analyzer(server.http_url, models[label], bench.shape, 1, args.seconds, args.concurrency, None, cfg.input,
                                   bench.output_bytes, server.shm_key_file, bench.input_data, args.client_threads)
                 busy, mhz1, gpu1 = psutil.cpu_percent(None), cpu_mhz(), gpu_state()
+                cpu1, d = host_cpu.snapshot(server), delta(model_stats(server.http_url), stats0)
+                inferences = d.get(models[label], {}).get("inferences", 0)
                 runs.append({"block": block, "model": label, "run": k, "start_s": round(start - t_first, 1),
                              "seconds": round(time.monotonic() - start, 1), "throughput": r.get("throughput"),
                              "p50_ms": r.get("p50_ms"), "error": r.get("error"), "cpu_busy_pct": busy,
-                             "cpu_mhz": [mhz0, mhz1], "gpu_before": gpu0, "gpu_after": gpu1})
+                             "cpu_mhz": [mhz0, mhz1], "gpu_before": gpu0, "gpu_after": gpu1,
+                             "host_cpu_ms_per_inference": (host_cpu.per_inference(cpu0, cpu1, inferences)
+                                                           if cpu0 is not None and cpu1 is not None and inferences else None),
+                             "triton": {m: per_request(s) for m, s in d.items() if s.get("requests", 0) > 0},
+                             "tcp_time_wait": time_wait_sockets(), "stub_shm_mib": stub_shm_mib(server)})
                 print(f"[drift] {label} run {k}: {r.get('throughput')}/s, CPU {busy:.0f}% busy at {mhz1} MHz, GPU {gpu1}", flush=True)
     finally:
         server.stop()
@@ -94,14 +128,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     m = res["meta"]
     lines = [f"# Throughput run after run: {m['plan']}, c{m['concurrency']}, {m['device']}, commit {m['commit']}, {m['date']}", "",
-             "| block | model | run | start s | /s | CPU busy | CPU MHz (before, after) | GPU SM MHz | GPU °C | GPU W |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| block | model | run | start s | /s | CPU busy | host CPU ms/inference (its blocks) | Triton queue, compute ms/request "
+             "(samples per execution) | TIME-WAIT | stub shm MiB | CPU MHz (before, after) | GPU SM MHz | GPU °C | GPU W |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         g = r["gpu_after"]
         mhz = ", ".join(f"{v:.0f}" if v is not None else "—" for v in r["cpu_mhz"])
         tput = f"{r['throughput']:.0f}" if r["throughput"] is not None else f"failed: {r['error']}"
         watts = f"{g['power_w']:.0f}" if "power_w" in g else "—"
-        lines.append(f"| {r['block']} | {r['model']} | {r['run']} | {r['start_s']} | {tput} | {r['cpu_busy_pct']:.0f}% | {mhz} | "
+        cpu = r.get("host_cpu_ms_per_inference")
+        own = f"{cpu['total']:.3f} ({sum(cpu['blocks'].values()):.3f})" if cpu else "—"
+        triton = "; ".join(f"{m} {t['queue_ms']}, {t['compute_ms']} ({t['samples_per_execution']})" for m, t in r.get("triton", {}).items())
+        lines.append(f"| {r['block']} | {r['model']} | {r['run']} | {r['start_s']} | {tput} | {r['cpu_busy_pct']:.0f}% | {own} | "
+                     f"{triton or '—'} | {r.get('tcp_time_wait', '—')} | {r.get('stub_shm_mib', '—')} | {mhz} | "
                      f"{g.get('sm_mhz', '—')} | {g.get('temp_c', '—')} | {watts} |")
     return "\n".join(lines) + "\n"
 
