@@ -182,7 +182,10 @@ class Bench:
             if "concurrency" in cfg.sections or "gpus" in cfg.sections:
                 for label, m in models.items():
                     for c in cfg.concurrencies:
-                        r = self.measure(server, m, 1, concurrency=c)
+                        if c == 1 and "1" in res["batch"].get(label, {}):  # batch 1 at concurrency 1: the same point, not run twice
+                            r = dict(res["batch"][label]["1"], from_batch_section=True)
+                        else:
+                            r = self.measure(server, m, 1, concurrency=c)
                         res["concurrency"].setdefault(label, {})[str(c)] = r
                         self._line("concurrency", label, f"c{c}", r)
                     self.checkpoint(res)

@@ -6,7 +6,9 @@ beside it.
     python -m blockflow.bench.lab.repeat_drift --plan PLAN --out DIR --precision fp16 --mps \\
         --concurrency 256 --client-threads 16 --runs 4 --order tensormq,monolithic-graph,tensormq
 
-``DIR/drift.json`` holds every run; ``DIR/drift.md`` the table. A fall that follows the machine's clocks
+``DIR/drift.json`` holds every run; ``DIR/drift.md`` the table, and one row per model and run with what
+Triton says each execution spent (input, run, output), its stubs' memory, page faults and context switches per
+inference, TensorMQ's pool waits, the GPU's busy share, the hypervisor's steal and the cgroup's throttling. A fall that follows the machine's clocks
 comes back in every block; one the model's own state causes starts afresh after the other model's block.
 """
 
@@ -25,7 +27,8 @@ from blockflow.bench import host_cpu
 from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import Bench, BenchConfig
-from blockflow.bench.triton_stats import delta, model_stats
+from blockflow.bench.triton_stats import delta, model_stats, phases_per_execution, tmq_counters
+from blockflow.triton.process_group import stubs_by_model
 from blockflow.triton.server import ServerOptions, TritonServer
 
 
@@ -41,7 +44,7 @@ def cpu_mhz() -> float | None:
 
 
 def gpu_state() -> dict[str, float]:
-    """GPU 0's SM clock (MHz), temperature (°C) and power (W); empty without NVML."""
+    """GPU 0's SM clock (MHz), temperature (°C), power (W) and busy share since NVML last sampled (%); empty without NVML."""
     try:
         import pynvml
 
@@ -49,18 +52,82 @@ def gpu_state() -> dict[str, float]:
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         return {"sm_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
                 "temp_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000}
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
+                "busy_pct": float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)}
     except Exception:  # no GPU, or no NVML: the host's figures alone
         return {}
 
 
 def per_request(s: dict[str, int]) -> dict[str, float]:
-    """One model's Triton statistics over a run: requests, samples per execution, and milliseconds per
-    request queued and in the model (input, run and output)."""
+    """One model's Triton statistics over a run: requests, samples per execution, milliseconds per
+    request queued and in the model (input, run and output), and each of those phases per execution."""
     n = max(1, s["requests"])
+    phases = phases_per_execution(s)
     return {"requests": s["requests"], "samples_per_execution": round(s["inferences"] / max(1, s["executions"]), 2),
             "queue_ms": round(s["queue_ns"] / n / 1e6, 3),
-            "compute_ms": round(sum(s[f"{k}_ns"] for k in ("compute_input", "compute_infer", "compute_output")) / n / 1e6, 3)}
+            "compute_ms": round(sum(s[f"{k}_ns"] for k in ("compute_input", "compute_infer", "compute_output")) / n / 1e6, 3),
+            **{f"{k}_ms_per_execution": round(phases[f"{k}_ms"], 3) for k in ("compute_input", "compute_infer", "compute_output")}}
+
+
+def stub_state(server: TritonServer) -> dict[str, dict[str, float]]:
+    """Each model's stub processes together: resident MiB, threads, and the counts (minor page faults,
+    voluntary and involuntary context switches) so far, to difference between two reads."""
+    out: dict[str, dict[str, float]] = {}
+    if server.process is None:
+        return out
+    for model, pids in stubs_by_model(server.process.pid).items():
+        m = out.setdefault(model, {"rss_mib": 0.0, "threads": 0.0, "minor_faults": 0.0, "ctx_voluntary": 0.0, "ctx_involuntary": 0.0})
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                with p.oneshot():
+                    m["rss_mib"] += p.memory_info().rss / 2**20
+                    m["threads"] += p.num_threads()
+                    m["minor_faults"] += _minor_faults(pid)
+                    ctx = p.num_ctx_switches()
+                    m["ctx_voluntary"] += ctx.voluntary
+                    m["ctx_involuntary"] += ctx.involuntary
+            except (psutil.Error, OSError):
+                continue
+    return out
+
+
+def _minor_faults(pid: int) -> int:
+    """Field 10 of ``/proc/PID/stat`` (minflt), read after the command name, which may hold spaces."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def stub_change(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], inferences: int) -> dict[str, dict[str, float]]:
+    """:func:`stub_state` at ``after``, its counts as the change since ``before`` per inference of the run."""
+    n = max(1, inferences)
+    out = {}
+    for model, a in after.items():
+        b = before.get(model, {})
+        out[model] = {"rss_mib": round(a["rss_mib"], 1), "threads": a["threads"],
+                      **{f"{k}_per_inference": round((a[k] - b.get(k, 0.0)) / n, 3) for k in ("minor_faults", "ctx_voluntary", "ctx_involuntary")}}
+    return out
+
+
+def host_waits() -> dict[str, float]:
+    """CPU seconds the hypervisor took from this guest (steal) and the CPU cgroup's throttling so far."""
+    out = {"steal_s": float(getattr(psutil.cpu_times(), "steal", 0.0))}
+    try:
+        for line in Path("/sys/fs/cgroup/cpu.stat").read_text().splitlines():
+            key, value = line.split()
+            if key in ("nr_throttled", "throttled_usec"):
+                out[key] = float(value)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def log_count(server: TritonServer, needle: str) -> int:
+    """Lines of the server's log so far that hold ``needle`` (Triton's pinned-memory pool says it is
+    "falling back to" ordinary memory when it runs out)."""
+    try:
+        return sum(1 for line in server.log_path.read_text(errors="replace").splitlines() if needle in line)
+    except OSError:
+        return 0
 
 
 def time_wait_sockets() -> int:
@@ -102,12 +169,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k in range(args.runs):
                 start, mhz0, gpu0 = time.monotonic(), cpu_mhz(), gpu_state()
                 stats0, cpu0 = model_stats(server.http_url), host_cpu.snapshot(server)
+                stubs0, waits0, tmq0 = stub_state(server), host_waits(), tmq_counters(server.metrics_url)
                 psutil.cpu_percent(None)
                 r = perf_analyzer(server.http_url, models[label], bench.shape, 1, args.seconds, args.concurrency, None, cfg.input,
                                   bench.output_bytes, server.shm_key_file, bench.input_data, args.client_threads)
                 busy, mhz1, gpu1 = psutil.cpu_percent(None), cpu_mhz(), gpu_state()
                 cpu1, d = host_cpu.snapshot(server), delta(model_stats(server.http_url), stats0)
                 inferences = d.get(models[label], {}).get("inferences", 0)
+                waits1 = host_waits()
                 runs.append({"block": block, "model": label, "run": k, "start_s": round(start - t_first, 1),
                              "seconds": round(time.monotonic() - start, 1), "throughput": r.get("throughput"),
                              "p50_ms": r.get("p50_ms"), "error": r.get("error"), "cpu_busy_pct": busy,
@@ -115,13 +184,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "host_cpu_ms_per_inference": (host_cpu.per_inference(cpu0, cpu1, inferences)
                                                            if cpu0 is not None and cpu1 is not None and inferences else None),
                              "triton": {m: per_request(s) for m, s in d.items() if s.get("requests", 0) > 0},
-                             "tcp_time_wait": time_wait_sockets(), "stub_shm_mib": stub_shm_mib(server)})
+                             "tcp_time_wait": time_wait_sockets(), "stub_shm_mib": stub_shm_mib(server),
+                             "stubs": stub_change(stubs0, stub_state(server), inferences),
+                             "host_waits": {k: round(v - waits0.get(k, 0.0), 3) for k, v in waits1.items()},
+                             "tmq": delta(tmq_counters(server.metrics_url), tmq0),
+                             "log_falling_back": log_count(server, "falling back")})
+                partial = {"meta": {"complete": False}, "runs": runs}  # a call cut short keeps the runs it had
+                (args.out / "drift.json").write_text(json.dumps(partial, indent=1))
                 print(f"[drift] {label} run {k}: {r.get('throughput')}/s, CPU {busy:.0f}% busy at {mhz1} MHz, GPU {gpu1}", flush=True)
     finally:
         server.stop()
     return {"meta": {"commit": commit(), "device": device_name(), "plan": str(args.plan), "precision": args.precision,
                      "mps": args.mps, "concurrency": args.concurrency, "client_threads": args.client_threads,
-                     "seconds": args.seconds, "gap_s": args.gap_s, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+                     "seconds": args.seconds, "gap_s": args.gap_s, "complete": True, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
             "runs": runs}
 
 
@@ -142,6 +217,27 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"| {r['block']} | {r['model']} | {r['run']} | {r['start_s']} | {tput} | {r['cpu_busy_pct']:.0f}% | {own} | "
                      f"{triton or '—'} | {r.get('tcp_time_wait', '—')} | {r.get('stub_shm_mib', '—')} | {mhz} | "
                      f"{g.get('sm_mhz', '—')} | {g.get('temp_c', '—')} | {watts} |")
+    return "\n".join(lines) + "\n" + detail(res)
+
+
+def detail(res: dict[str, Any]) -> str:
+    """Per run and model: where Triton says its time went per execution, and its stub processes' state."""
+    lines = ["", "## Each model in each run", "",
+             "| block | run | model | samples/execution | queue ms/request | input, run, output ms/execution | stubs MiB (threads) | "
+             "minor faults, voluntary, involuntary switches per inference | pool waits | GPU busy | steal s, throttled | "
+             "log \"falling back\" |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        for m, t in r.get("triton", {}).items():
+            st = r.get("stubs", {}).get(m)
+            stub = f"{st['rss_mib']:.0f} ({st['threads']:.0f})" if st else "—"
+            sw = (f"{st['minor_faults_per_inference']}, {st['ctx_voluntary_per_inference']}, {st['ctx_involuntary_per_inference']}"
+                  if st else "—")
+            hw = r.get("host_waits", {})
+            lines.append(f"| {r['block']} | {r['run']} | {m} | {t['samples_per_execution']} | {t['queue_ms']} | "
+                         f"{t.get('compute_input_ms_per_execution', '—')}, {t.get('compute_infer_ms_per_execution', '—')}, "
+                         f"{t.get('compute_output_ms_per_execution', '—')} | {stub} | {sw} | "
+                         f"{r.get('tmq', {}).get(m, {}).get('pool_waits', '—')} | {r['gpu_after'].get('busy_pct', '—')} | "
+                         f"{hw.get('steal_s', '—')}, {hw.get('nr_throttled', '—')} | {r.get('log_falling_back', '—')} |")
     return "\n".join(lines) + "\n"
 
 
