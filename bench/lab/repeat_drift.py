@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [label for label in order if label not in models]
     if unknown:
         raise SystemExit(f"--order: {', '.join(unknown)} not among this plan's models ({', '.join(models)})")
-    server = TritonServer(ServerOptions.on_free_ports([rendered(bench.plan, "blockflow-drift-")], mps=args.mps))
+    server = TritonServer(ServerOptions.on_free_ports([rendered(bench.plan, "blockflow-drift-")], mps=args.mps,
+                                                      latency_summaries=not args.no_latency_summaries,
+                                                      extra_args=args.tritonserver_arg))
     server.start(900)
     runs: list[dict[str, Any]] = []
     try:
@@ -196,7 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
     return {"meta": {"commit": commit(), "device": device_name(), "plan": str(args.plan), "precision": args.precision,
                      "mps": args.mps, "concurrency": args.concurrency, "client_threads": args.client_threads,
-                     "seconds": args.seconds, "gap_s": args.gap_s, "complete": True, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+                     "seconds": args.seconds, "gap_s": args.gap_s, "complete": True,
+                     "latency_summaries": not args.no_latency_summaries, "tritonserver_args": args.tritonserver_arg, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
             "runs": runs}
 
 
@@ -252,6 +255,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.5, help="perf_analyzer's measurement window")
     ap.add_argument("--runs", type=int, default=4, help="runs in each block")
     ap.add_argument("--gap-s", type=float, default=0.0, help="seconds the server idles between blocks")
+    ap.add_argument("--no-latency-summaries", action="store_true", help="without Triton's latency quantiles on the metrics endpoint")
+    ap.add_argument("--tritonserver-arg", action="append", default=[], help="a tritonserver flag, --flag=value (repeatable)")
     ap.add_argument("--order", default="tensormq,monolithic-graph,tensormq", help="the models' labels, one block each")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

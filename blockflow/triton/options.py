@@ -92,6 +92,9 @@ class ServerOptions:
     # Keep the server's CPUs out of idle for this long after each block execute; 0: off
     # (see blockflow.triton.warm_cores).
     warm_cores_ms: float = 0.0
+    # Triton's per-model latency quantiles (nv_inference_request_summary_us and its phases) on the metrics
+    # endpoint, which `blockflow status` reads for p50/p99.
+    latency_summaries: bool = True
     extra_args: Sequence[str] = field(default_factory=list)
     # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
     env: Mapping[str, str] = field(default_factory=dict)

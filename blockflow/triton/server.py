@@ -136,7 +136,7 @@ class TritonServer:
             *(access.restricted_args(self.admin_key, self.shm_key) if argv_key.library() is None
               else access.restricted_args(argv_key.ADMIN_PLACEHOLDER, argv_key.SHM_PLACEHOLDER)),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
-            "--metrics-config=summary_latencies=true",
+            *(["--metrics-config=summary_latencies=true"] if o.latency_summaries else []),
             "--exit-timeout-secs=20",
             *[f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_pool_mb * 2**20}" for gpu in range(gpu_count())],
             # Named shm regions let us find (and remove) what a killed stub left in /dev/shm.
