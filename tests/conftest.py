@@ -168,7 +168,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         generator.write(generator.render(plan), repo)
         repos.append(repo)
         plans[path.stem] = plan
-    opts = ServerOptions.on_free_ports(repos)
+    opts = ServerOptions.on_free_ports(repos, latency_summaries=True)  # test_monitoring reads p50/p99
     server = TritonServer(opts, runtime_dir=base / "runtime")
     (base / "runtime").mkdir(mode=0o700)
     try:

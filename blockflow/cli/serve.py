@@ -67,11 +67,15 @@ log = logging.getLogger("blockflow.serve")
 @click.option("--http-max-body-mb", type=click.IntRange(1), default=None,
               help="The largest HTTP request body the front door lets through (default: 64, or twice the largest "
                    "batch a task of the plan takes, if more).")
+@click.option("--latency-summaries", is_flag=True,
+              help="Keep each model's p50/p99 latency on the metrics endpoint (for `blockflow status` and the dashboard); "
+                   "off by default, as it costs throughput under sustained load (docs/performance.md, *Latency summaries*).")
 @TRITON_HOME
 def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, repository: Path | None,
           timeout: float, cuda_pool_mb: int, control_port: int, token_file: Path | None, state_dir: Path | None,
           mps: bool, warm_cores_ms: float, weights_dirs: tuple[Path, ...], load_timeout: float, tritonserver_args: tuple[str, ...],
-          shm_key_file: Path | None, shm_key_group: str | None, http_max_body_mb: int | None, server_name: str | None) -> None:
+          shm_key_file: Path | None, shm_key_group: str | None, http_max_body_mb: int | None, server_name: str | None,
+          latency_summaries: bool) -> None:
     """Generate the plan's repository, start tritonserver and serve until Ctrl-C or SIGTERM.
 
     Plan changes arrive through the control service (`blockflow apply`) and are applied
@@ -88,7 +92,8 @@ def serve(plan: Path, host: str, http_port: int, grpc_port: int, metrics_port: i
     serving = Serving(ServeOptions(plan, host, http_port, grpc_port, metrics_port, repository, timeout, cuda_pool_mb,
                                    control_port, token, token_file, state_dir, mps, warm_cores_ms, list(weights_dirs),
                                    load_timeout, list(tritonserver_args), shm_key_file, _group_id(shm_key_group),
-                                   http_max_body_mb << 20 if http_max_body_mb else None, server_name),
+                                   http_max_body_mb << 20 if http_max_body_mb else None, server_name,
+                                   latency_summaries),
                       say=log.warning, log_apply=lambda m: log.info("apply: %s", m))
     try:
         if serving.resumed is not None:

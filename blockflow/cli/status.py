@@ -98,6 +98,8 @@ def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object
         t.add_column(col, justify="left" if col in ("task", "state") else "right", no_wrap=True)
     for r in tasks:
         t.add_row(str(r["task"]), ready(r["ready"]), num(r["rate"], ".1f"), str(r["failed"]), num(r["p50_ms"], ".2f"), num(r["p99_ms"], ".2f"))
+    if tasks and all(r["p50_ms"] is None for r in tasks):
+        t.caption = "p50/p99 come from Triton's latency summaries: `blockflow serve --latency-summaries`, once requests have run"
     b = Table(title="blocks", **style)  # type: ignore[arg-type]
     cols = ("block", "state", "device", "GPU MiB", "req/s", "queue ms", "compute ms") if narrow else \
         ("block", "state", "inst", "device", "GPU MiB", "RSS MiB", "GPU util", "CPU", "req/s", "queue ms", "compute ms")

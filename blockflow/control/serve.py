@@ -65,6 +65,7 @@ class ServeOptions:
     shm_key_group: int | None = None  # a gid whose members may read it (0640)
     max_body_bytes: int | None = None  # the HTTP front door's limit; default: front_door_limit(plan)
     server: str | None = None  # which of the plan's servers this is (a plan that spans several: blockflow.plan.crossing)
+    latency_summaries: bool = False  # Triton's p50/p99 per model on the metrics endpoint (triton.options.ServerOptions)
 
 
 def front_door_limit(plan: Plan) -> int:
@@ -124,6 +125,7 @@ class Serving:
         o = options
         self.server = TritonServer(ServerOptions([self.repository], o.host, o.http_port, o.grpc_port, o.metrics_port,
                                                  cuda_pool_mb=o.cuda_pool_mb, mps=o.mps, warm_cores_ms=o.warm_cores_ms,
+                                                 latency_summaries=o.latency_summaries,
                                                  extra_args=list(o.tritonserver_args), shm_key_file=o.shm_key_file,
                                                  shm_key_group=o.shm_key_group,
                                                  max_body_bytes=o.max_body_bytes or front_door_limit(self.plan)),

@@ -72,6 +72,12 @@ def check_port(host: str, port: int, what: str) -> None:
             raise ServerError(f"cannot bind {what} port {port} on {host}: {exc.strerror}") from None
 
 
+# The quantiles Triton keeps with latency summaries on: the two BlockFlow reads, with the coarsest
+# errors that still tell them apart (Triton's defaults add 0.9, 0.95, 0.999 at errors down to 0.001,
+# which cost the most under load).
+LATENCY_QUANTILES = "0.5:0.05,0.99:0.01"
+
+
 @dataclass
 class ServerOptions:
     repositories: Sequence[Path]
@@ -92,9 +98,12 @@ class ServerOptions:
     # Keep the server's CPUs out of idle for this long after each block execute; 0: off
     # (see blockflow.triton.warm_cores).
     warm_cores_ms: float = 0.0
-    # Triton's per-model latency quantiles (nv_inference_request_summary_us and its phases) on the metrics
-    # endpoint, which `blockflow status` reads for p50/p99.
-    latency_summaries: bool = True
+    # Triton's per-model latency quantiles on the metrics endpoint (nv_inference_request_summary_us and its
+    # phases: what `blockflow status` and the dashboard read for p50/p99), as LATENCY_QUANTILES. Off by default:
+    # each is a sliding window of quantile sketches that every request of every model feeds, and under
+    # sustained load with Triton's default quantiles (errors to 0.001) throughput fell 23-35% within 30 s
+    # (docs/performance.md, "Latency summaries").
+    latency_summaries: bool = False
     extra_args: Sequence[str] = field(default_factory=list)
     # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
     env: Mapping[str, str] = field(default_factory=dict)

@@ -173,6 +173,17 @@ def test_tritonserver_args_pass_through_and_replace_the_log_verbosity(tmp_path: 
     assert any(a.startswith("--http-restricted-api=") for a in cmd)
 
 
+def test_latency_summaries_are_off_unless_asked_for_and_then_keep_the_quantiles_status_reads(tmp_path: Path) -> None:
+    from blockflow.triton.options import LATENCY_QUANTILES
+    from blockflow.triton.server import ServerOptions, TritonServer
+
+    assert not [a for a in TritonServer(ServerOptions([tmp_path]), runtime_dir=tmp_path).command() if a.startswith("--metrics-config")]
+    on = [a for a in TritonServer(ServerOptions([tmp_path], latency_summaries=True), runtime_dir=tmp_path).command()
+          if a.startswith("--metrics-config")]
+    assert on == ["--metrics-config=summary_latencies=true", f"--metrics-config=summary_quantiles={LATENCY_QUANTILES}"]
+    assert {q.split(":")[0] for q in LATENCY_QUANTILES.split(",")} == {"0.5", "0.99"}  # what blockflow status and the dashboard read
+
+
 def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None:
     """Each prints one document with the keys docs/cli-json.md lists."""
     import json
