@@ -28,6 +28,7 @@ from blockflow.bench.harness import commit, device_name, rendered
 from blockflow.bench.perf_analyzer import perf_analyzer
 from blockflow.bench.suite import Bench, BenchConfig
 from blockflow.bench.triton_stats import delta, model_stats, phases_per_execution, tmq_counters
+from blockflow.triton.options import LATENCY_QUANTILES, TRITON_DEFAULT_QUANTILES
 from blockflow.triton.process_group import stubs_by_model
 from blockflow.triton.server import ServerOptions, TritonServer
 
@@ -156,7 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--order: {', '.join(unknown)} not among this plan's models ({', '.join(models)})")
     server = TritonServer(ServerOptions.on_free_ports([rendered(bench.plan, "blockflow-drift-")], mps=args.mps,
-                                                      latency_summaries=not args.no_latency_summaries,
+                                                      latency_summaries=args.latency_quantiles is not None,
+                                                      latency_quantiles=args.latency_quantiles or LATENCY_QUANTILES,
                                                       extra_args=args.tritonserver_arg))
     server.start(900)
     runs: list[dict[str, Any]] = []
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"meta": {"commit": commit(), "device": device_name(), "plan": str(args.plan), "precision": args.precision,
                      "mps": args.mps, "concurrency": args.concurrency, "client_threads": args.client_threads,
                      "seconds": args.seconds, "gap_s": args.gap_s, "complete": True,
-                     "latency_summaries": not args.no_latency_summaries, "tritonserver_args": args.tritonserver_arg, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+                     "latency_summaries": args.latency_quantiles, "tritonserver_args": args.tritonserver_arg, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
             "runs": runs}
 
 
@@ -255,7 +257,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.5, help="perf_analyzer's measurement window")
     ap.add_argument("--runs", type=int, default=4, help="runs in each block")
     ap.add_argument("--gap-s", type=float, default=0.0, help="seconds the server idles between blocks")
-    ap.add_argument("--no-latency-summaries", action="store_true", help="without Triton's latency quantiles on the metrics endpoint")
+    ap.add_argument("--latency-summaries", dest="latency_quantiles", nargs="?", const=LATENCY_QUANTILES, default=None,
+                    help=f"Triton's latency summaries on, keeping these quantiles (default {LATENCY_QUANTILES}; "
+                         f"Triton's own: {TRITON_DEFAULT_QUANTILES}); off without it, as `blockflow serve`")
     ap.add_argument("--tritonserver-arg", action="append", default=[], help="a tritonserver flag, --flag=value (repeatable)")
     ap.add_argument("--order", default="tensormq,monolithic-graph,tensormq", help="the models' labels, one block each")
     args = ap.parse_args()

@@ -76,6 +76,8 @@ def check_port(host: str, port: int, what: str) -> None:
 # errors that still tell them apart (Triton's defaults add 0.9, 0.95, 0.999 at errors down to 0.001,
 # which cost the most under load).
 LATENCY_QUANTILES = "0.5:0.05,0.99:0.01"
+# Triton's own (core's metric_model_reporter.cc), for measuring what they cost.
+TRITON_DEFAULT_QUANTILES = "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,0.999:0.001"
 
 
 @dataclass
@@ -104,6 +106,7 @@ class ServerOptions:
     # sustained load with Triton's default quantiles (errors to 0.001) throughput fell 23-35% within 30 s
     # (docs/performance.md, "Latency summaries").
     latency_summaries: bool = False
+    latency_quantiles: str = LATENCY_QUANTILES  # quantile:error pairs, as Triton's summary_quantiles takes them
     extra_args: Sequence[str] = field(default_factory=list)
     # Extra environment for the server and so for every block process (e.g. BLOCKFLOW_TRACE_DIR).
     env: Mapping[str, str] = field(default_factory=dict)

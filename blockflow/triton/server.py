@@ -43,8 +43,8 @@ from blockflow.triton.install import (
     server_env,
 )
 from blockflow.triton.mps import MpsDaemon
-from blockflow.triton.options import LATENCY_QUANTILES, check_port
 from blockflow.triton.options import ServerOptions as ServerOptions  # its users import it from here, beside TritonServer
+from blockflow.triton.options import check_port
 from blockflow.triton.process_group import (
     die_with_parent,
     drain_then_terminate,
@@ -136,7 +136,7 @@ class TritonServer:
             *(access.restricted_args(self.admin_key, self.shm_key) if argv_key.library() is None
               else access.restricted_args(argv_key.ADMIN_PLACEHOLDER, argv_key.SHM_PLACEHOLDER)),
             # p50/p99 per model on the metrics endpoint (nv_inference_request_summary_us), for `blockflow status`.
-            *(["--metrics-config=summary_latencies=true", f"--metrics-config=summary_quantiles={LATENCY_QUANTILES}"]
+            *(["--metrics-config=summary_latencies=true", f"--metrics-config=summary_quantiles={o.latency_quantiles}"]
               if o.latency_summaries else []),
             "--exit-timeout-secs=20",
             *[f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_pool_mb * 2**20}" for gpu in range(gpu_count())],

@@ -182,6 +182,8 @@ def test_latency_summaries_are_off_unless_asked_for_and_then_keep_the_quantiles_
           if a.startswith("--metrics-config")]
     assert on == ["--metrics-config=summary_latencies=true", f"--metrics-config=summary_quantiles={LATENCY_QUANTILES}"]
     assert {q.split(":")[0] for q in LATENCY_QUANTILES.split(",")} == {"0.5", "0.99"}  # what blockflow status and the dashboard read
+    mine = TritonServer(ServerOptions([tmp_path], latency_summaries=True, latency_quantiles="0.5:0.01"), runtime_dir=tmp_path).command()
+    assert "--metrics-config=summary_quantiles=0.5:0.01" in mine
 
 
 def test_json_output_of_the_commands_that_need_no_server(tmp_path: Path) -> None:
