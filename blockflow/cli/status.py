@@ -94,10 +94,11 @@ def _status_tables(tasks: list[dict[str, object]], blocks: list[dict[str, object
     narrow = width < 120
     style = {"box": box.SIMPLE_HEAD, "pad_edge": False} if narrow else {}
     t = Table(title="tasks", **style)  # type: ignore[arg-type]
-    for col in ("task", "state", "req/s", "failed", "p50 ms", "p99 ms"):
+    for col in ("task", "state", "req/s", "failed", "mean ms", "p50 ms", "p99 ms"):
         t.add_column(col, justify="left" if col in ("task", "state") else "right", no_wrap=True)
     for r in tasks:
-        t.add_row(str(r["task"]), ready(r["ready"]), num(r["rate"], ".1f"), str(r["failed"]), num(r["p50_ms"], ".2f"), num(r["p99_ms"], ".2f"))
+        t.add_row(str(r["task"]), ready(r["ready"]), num(r["rate"], ".1f"), str(r["failed"]), num(r["mean_ms"], ".2f"),
+                  num(r["p50_ms"], ".2f"), num(r["p99_ms"], ".2f"))
     if tasks and all(r["p50_ms"] is None for r in tasks):
         t.caption = "p50/p99 come from Triton's latency summaries: `blockflow serve --latency-summaries`, once requests have run"
     b = Table(title="blocks", **style)  # type: ignore[arg-type]

@@ -95,9 +95,11 @@ def task_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
     dt = max(b.at - a.at, 1e-9)
     rows = []
     for model in sorted(b.ensembles | {m for m in a.ensembles if m in b.ready}):
-        n, _ = _delta(a, b, model, "success")
+        n, ns = _delta(a, b, model, "success")
         failed, _ = _delta(a, b, model, "fail")
+        # mean_ms from Triton's statistics, always there; p50/p99 only with its latency summaries on.
         rows.append({"task": model, "ready": b.ready.get(model, False), "rate": n / dt, "failed": failed,
+                     "mean_ms": ns / n / 1e6 if n else None,
                      "p50_ms": _quantile(b, model, "0.5"), "p99_ms": _quantile(b, model, "0.99")})
     return rows
 

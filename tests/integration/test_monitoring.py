@@ -162,6 +162,7 @@ def test_status_command_shows_tasks_and_blocks_under_load(served: Served) -> Non
     blocks = {r["block"]: r for r in data["blocks"]}
     assert tasks[TASK]["ready"] and tasks[TASK]["rate"] > 0 and tasks[TASK]["failed"] == 0
     assert tasks[TASK]["p50_ms"] is not None and tasks[TASK]["p99_ms"] >= tasks[TASK]["p50_ms"]
+    assert tasks[TASK]["mean_ms"] > 0
     for b in PATH:
         row = blocks[b]
         assert row["ready"] and row["instances"] >= 1

@@ -10,7 +10,7 @@ from blockflow.backend import monitor
 from blockflow.backend.tensormq import metrics as tmq
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "monitoring" / "grafana" / "blockflow.json"
-TRITON = {"nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_summary_us",
+TRITON = {"nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_summary_us", "nv_inference_request_duration_us",
           "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us",
           "nv_gpu_utilization", "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}
 

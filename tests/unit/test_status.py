@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockflow.control.status import Snapshot, block_rows
+from blockflow.control.status import Snapshot, block_rows, task_rows
 
 
 def _snapshot(at: float, samples: int) -> Snapshot:
@@ -37,3 +37,15 @@ def test_a_links_rate_is_the_samples_handed_to_it() -> None:
     assert row["link"] and row["rate"] == 50.0 and row["link_batch"] == 25.0
     plain = block_rows(_snapshot(0.0, 0), _snapshot(2.0, 10))[0]
     assert not plain["link"] and plain["link_batch"] is None
+
+
+def test_a_tasks_mean_latency_comes_from_tritons_statistics_and_its_quantiles_only_from_summaries() -> None:
+    def snap(at: float, n: int, ms: float, summaries: bool) -> Snapshot:
+        q = [({"model": "t", "quantile": "0.5"}, 1800.0), ({"model": "t", "quantile": "0.99"}, 2500.0)]
+        return Snapshot(at=at, ready={"t": True}, ensembles={"t"}, instances={}, stats={"t": {"success": {"count": n, "ns": int(n * ms * 1e6)}}},
+                        samples={"nv_inference_request_summary_us": q} if summaries else {})
+
+    row = task_rows(snap(0.0, 10, 1.0, False), snap(2.0, 30, 2.0, False))[0]
+    assert row["rate"] == 10.0 and abs(row["mean_ms"] - 2.5) < 1e-9 and row["p50_ms"] is None and row["p99_ms"] is None
+    idle = task_rows(snap(0.0, 10, 1.0, True), snap(2.0, 10, 1.0, True))[0]
+    assert idle["mean_ms"] is None and idle["p50_ms"] == 1.8 and idle["p99_ms"] == 2.5
