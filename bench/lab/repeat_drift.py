@@ -201,7 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"meta": {"commit": commit(), "device": device_name(), "plan": str(args.plan), "precision": args.precision,
                      "mps": args.mps, "concurrency": args.concurrency, "client_threads": args.client_threads,
                      "seconds": args.seconds, "gap_s": args.gap_s, "complete": True,
-                     "latency_summaries": args.latency_quantiles, "tritonserver_args": args.tritonserver_arg, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
+                     "latency_summaries": args.latency_quantiles,  # the quantiles kept, or None: off
+                     "tritonserver_args": args.tritonserver_arg, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())},
             "runs": runs}
 
 
@@ -246,6 +247,18 @@ def detail(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def quantiles(text: str) -> str:
+    """``--latency-summaries``' value: quantile:error pairs, each in (0, 1), comma-separated (as Triton takes them)."""
+    try:
+        pairs = [tuple(float(x) for x in pair.split(":", 1)) for pair in text.split(",")]
+        ok = all(len(p) == 2 and all(0 < x < 1 for x in p) for p in pairs)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: quantile:error pairs, each in (0, 1), e.g. {LATENCY_QUANTILES}")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", type=Path, required=True)
@@ -257,7 +270,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.5, help="perf_analyzer's measurement window")
     ap.add_argument("--runs", type=int, default=4, help="runs in each block")
     ap.add_argument("--gap-s", type=float, default=0.0, help="seconds the server idles between blocks")
-    ap.add_argument("--latency-summaries", dest="latency_quantiles", nargs="?", const=LATENCY_QUANTILES, default=None,
+    ap.add_argument("--latency-summaries", dest="latency_quantiles", nargs="?", const=LATENCY_QUANTILES, default=None, type=quantiles,
                     help=f"Triton's latency summaries on, keeping these quantiles (default {LATENCY_QUANTILES}; "
                          f"Triton's own: {TRITON_DEFAULT_QUANTILES}); off without it, as `blockflow serve`")
     ap.add_argument("--tritonserver-arg", action="append", default=[], help="a tritonserver flag, --flag=value (repeatable)")

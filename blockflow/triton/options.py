@@ -101,9 +101,9 @@ class ServerOptions:
     # (see blockflow.triton.warm_cores).
     warm_cores_ms: float = 0.0
     # Triton's per-model latency quantiles on the metrics endpoint (nv_inference_request_summary_us and its
-    # phases: what `blockflow status` and the dashboard read for p50/p99), as LATENCY_QUANTILES. Off by default:
-    # each is a sliding window of quantile sketches that every request of every model feeds, and under
-    # sustained load with Triton's default quantiles (errors to 0.001) throughput fell 23-35% within 30 s
+    # phases: what `blockflow status` and the dashboard read for p50/p99), keeping latency_quantiles. Off by
+    # default: each is a sliding window of quantile sketches that every request of every model feeds, and under
+    # sustained load with Triton's default quantiles (errors to 0.001) throughput fell 18-21% within 25 s
     # (docs/performance.md, "Latency summaries").
     latency_summaries: bool = False
     latency_quantiles: str = LATENCY_QUANTILES  # quantile:error pairs, as Triton's summary_quantiles takes them
