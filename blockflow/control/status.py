@@ -86,6 +86,11 @@ def _delta(a: Snapshot, b: Snapshot, model: str, key: str) -> tuple[int, int]:
     return max(0, c1 - c0), max(0, n1 - n0)
 
 
+def _ms_each(ns: int, n: int) -> float | None:
+    """Milliseconds per count from a statistic's nanoseconds and count over an interval; None with no counts."""
+    return ns / n / 1e6 if n else None
+
+
 def _quantile(s: Snapshot, model: str, q: str) -> float | None:
     hits = [v for lab, v in s.metric("nv_inference_request_summary_us", model=model, quantile=q) if v == v]  # drop NaN
     return hits[0] / 1000.0 if hits else None
@@ -99,7 +104,7 @@ def task_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
         failed, _ = _delta(a, b, model, "fail")
         # mean_ms from Triton's statistics, always there; p50/p99 only with its latency summaries on.
         rows.append({"task": model, "ready": b.ready.get(model, False), "rate": n / dt, "failed": failed,
-                     "mean_ms": ns / n / 1e6 if n else None,
+                     "mean_ms": _ms_each(ns, n),
                      "p50_ms": _quantile(b, model, "0.5"), "p99_ms": _quantile(b, model, "0.99")})
     return rows
 
@@ -137,7 +142,7 @@ def block_rows(a: Snapshot, b: Snapshot) -> list[dict[str, Any]]:
             "gpu_mem_mib": gpu_mem / 2**20 if gpu_mem else None, "rss_mib": rss / 2**20 if rss else None,
             "gpu_util": max(util) if util else None, "cpu_util": cpu,
             "rate": n / dt if linked is None else linked / dt,
-            "queue_ms": queue_ns / n / 1e6 if n else None, "compute_ms": compute_ns / n / 1e6 if n else None,
+            "queue_ms": _ms_each(queue_ns, n), "compute_ms": _ms_each(compute_ns, n),
             "link": linked is not None, "link_batch": linked / batches if linked is not None and batches else None,
         })
     return rows
