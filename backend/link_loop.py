@@ -26,6 +26,7 @@ from blockflow.backend.tensormq.handover import HandIn
 from blockflow.backend.tensormq.releases import Release
 from blockflow.backend.tensormq.wire import HANDED
 from blockflow.backend.tensormq_ends import TensorMQEnds
+from blockflow.core.threads import named_thread
 
 # The ticket's bytes that name the use of a slot (producer, generation, slot, sequence): the samples of
 # one use are claimed together, so one bad use fails only its own samples.
@@ -48,7 +49,7 @@ class LinkLoop:
         self.max_batch, self.touch, self.log_error = max_batch, touch, log_error
         self.batches = self.samples = 0  # what it ran (the metrics thread reads them: blockflow_tmq_link_*)
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="blockflow-link", daemon=True)
+        self._thread = named_thread(self._loop, "bf-link")
         self._thread.start()
 
     def _loop(self) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from blockflow.backend.gauges import Gauge
 from blockflow.core import nvml
+from blockflow.core.threads import named_thread
 
 GAUGES = {
     "blockflow_block_cpu_utilization_ratio": "CPU time of this instance's process per wall second since the last sample (1 = one core)",
@@ -101,7 +102,7 @@ class BlockMonitor:
             except Exception:  # no NVML (driver without it): GPU gauges stay unset, the rest works
                 self._nvml = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="blockflow-monitor", daemon=True)
+        self._thread = named_thread(self._run, "bf-monitor")
         self.sample()
         self._thread.start()
 

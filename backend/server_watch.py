@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from blockflow.core.procfs import exiting
+from blockflow.core.threads import named_thread
 
 PERIOD_S = 1.0
 EXIT_CODE = 1
@@ -65,7 +66,7 @@ class ServerWatch:
         self.period_s = period_s
         self._cleanups: list[Callable[[], object]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="blockflow-server-watch", daemon=True)
+        self._thread = named_thread(self._run, "bf-server-watch")
         self._thread.start()
 
     def on_gone(self, cleanup: Callable[[], object]) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from blockflow.backend.monitor import nvml_handle
 from blockflow.core import env, nvml
+from blockflow.core.threads import named_thread
 
 ENV = env.TRACE_DIR
 FLUSH_S = 0.2  # how often the writer thread reads finished calls' events and writes their lines
@@ -125,7 +126,7 @@ class Tracer:
         # it asks torch for the current stream, several Python and torch calls per event.
         self._stream: Any = None
         self._stop = threading.Event()
-        self._writer = threading.Thread(target=self._write_loop, name="bf-trace", daemon=True)
+        self._writer = named_thread(self._write_loop, "bf-trace")
         self._writer.start()
 
     def start(self) -> None:

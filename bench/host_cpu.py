@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import resource
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from blockflow.core.procfs import cpu_seconds
+from blockflow.core.procfs import cpu_seconds, thread_cpu
 from blockflow.triton.process_group import group_members, stubs_by_model
 from blockflow.triton.server import TritonServer
 
@@ -32,12 +32,14 @@ def cpu_of(pids: Iterable[int]) -> dict[int, float]:
 class HostCpu:
     """CPU seconds used so far, by process: ``server`` (tritonserver), ``blocks`` (each model's stubs, by
     pid), ``front_door`` (nginx and its workers, by pid) and ``client`` (the bench's waited-for children:
-    perf_analyzer)."""
+    perf_analyzer); ``threads``: the server's (``tritonserver``) and each model's threads, by their kernel
+    name (:func:`blockflow.core.procfs.thread_cpu`, all its instances together)."""
 
     server: float
     blocks: dict[str, dict[int, float]]
     front_door: dict[int, float]
     client: float
+    threads: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def snapshot(server: TritonServer) -> HostCpu | None:
@@ -49,7 +51,13 @@ def snapshot(server: TritonServer) -> HostCpu | None:
     door = server.front_door.process if server.front_door is not None else None
     front = cpu_of(group_members(door.pid)) if door is not None else {}
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return HostCpu(cpu_of([pid]).get(pid, 0.0), blocks, front, usage.ru_utime + usage.ru_stime)
+    threads = {"tritonserver": thread_cpu(pid)}
+    for model, pids in blocks.items():
+        threads[model] = by_name = dict[str, float]()
+        for p in pids:
+            for name, seconds in thread_cpu(p).items():
+                by_name[name] = by_name.get(name, 0.0) + seconds
+    return HostCpu(cpu_of([pid]).get(pid, 0.0), blocks, front, usage.ru_utime + usage.ru_stime, threads)
 
 
 def _grown(before: dict[int, float], after: dict[int, float]) -> float:
@@ -59,8 +67,9 @@ def _grown(before: dict[int, float], after: dict[int, float]) -> float:
 
 def per_inference(before: HostCpu, after: HostCpu, inferences: int, own: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Milliseconds of CPU per inference between two snapshots: ``server``, ``front_door``, ``client``,
-    ``blocks`` (per model), ``own_blocks`` (the models in ``own``: what the run measured) and the
-    ``total``. A process that ended within the window is left out; one that started counts whole."""
+    ``blocks`` (per model), ``own_blocks`` (the models in ``own``: what the run measured), the
+    ``total`` and ``threads``: the server's and each model's by thread name, the busy ones (≥ 0.001 ms).
+    A process that ended within the window is left out; one that started counts whole."""
     def ms(seconds: float) -> float:
         return round(1000.0 * max(0.0, seconds) / inferences, 4)
 
@@ -69,4 +78,11 @@ def per_inference(before: HostCpu, after: HostCpu, inferences: int, own: frozens
                            "client": ms(after.client - before.client), "blocks": blocks,
                            "own_blocks": round(sum(v for m, v in blocks.items() if m in own), 4)}
     out["total"] = round(out["server"] + out["front_door"] + out["client"] + sum(blocks.values()), 4)
+    threads = {}
+    for who, names in sorted(after.threads.items()):
+        was = before.threads.get(who, {})
+        busy = {n: v for n, t in sorted(names.items()) if (v := ms(t - was.get(n, 0.0))) >= 0.001}
+        if busy:
+            threads[who] = busy
+    out["threads"] = threads
     return out

@@ -39,6 +39,7 @@ from blockflow.backend.tensormq.wire import (
 from blockflow.backend.tensormq.wire import socket_path as producer_socket
 from blockflow.core import also_accepts
 from blockflow.core.spec import HandOver
+from blockflow.core.threads import named_thread
 
 T = TypeVar("T")
 
@@ -101,7 +102,7 @@ class HandIn:
         self._lock = threading.Lock()
         self._read_at = time.monotonic()
         self._closed = threading.Event()
-        self._idle = threading.Thread(target=self._idle_loop, name="tmq-handover", daemon=True)
+        self._idle = named_thread(self._idle_loop, "tmq-handover")
         self._idle.start()
 
     def resolve(self, rows: np.ndarray[Any, Any], deadline: float | None = None) -> np.ndarray[Any, Any]:

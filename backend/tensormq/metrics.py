@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from blockflow.backend.gauges import Gauge
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.producer import Producer
+from blockflow.core.threads import named_thread
 
 PERIOD_S = 1.0
 GAUGES = {
@@ -64,7 +65,7 @@ class TmqMetrics:
         self._lock = threading.Lock()  # the first publish runs on the initializing thread, the rest on the thread
         self._stop = threading.Event()
         self.publish()
-        self._thread = threading.Thread(target=self._run, args=(period_s,), name="blockflow-tmq-metrics", daemon=True)
+        self._thread = named_thread(self._run, "tmq-metrics", (period_s,))
         self._thread.start()
 
     def _run(self, period_s: float) -> None:

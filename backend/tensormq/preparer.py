@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from blockflow.backend.tensormq.reservation import Key, Reservation, Stats, batch_bytes
 from blockflow.backend.tensormq.slots import Slot, SlotTable
+from blockflow.core.threads import named_thread
 
 
 class Preparer:
@@ -40,7 +41,7 @@ class Preparer:
         self._closing = threading.Event()  # stops the preparer (before the drain, which needs the server thread)
         self._preparer: threading.Thread | None = None
         if prepare:
-            self._preparer = threading.Thread(target=self._prepare_loop, name=f"tmq-prepare-{name}", daemon=True)
+            self._preparer = named_thread(self._prepare_loop, "tmq-prepare")
             self._preparer.start()
 
     def _stop_preparer(self) -> None:

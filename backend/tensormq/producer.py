@@ -42,6 +42,7 @@ from blockflow.backend.tensormq.wire import (
 from blockflow.core import env
 from blockflow.core.errors import BlockError
 from blockflow.core.runtime_dir import read_key
+from blockflow.core.threads import named_thread
 
 
 class Producer(Preparer):
@@ -103,7 +104,7 @@ class Producer(Preparer):
         self._wake_r, self._wake_w = os.pipe()
         # A slot reserved while the thread sleeps is reaped at most this late: a tenth of the claim window, or 0.1 s.
         self._nap_s = max(0.1, self.claim_s / 10)
-        self._thread = threading.Thread(target=self._serve, name=f"tmq-producer-{name}", daemon=True)
+        self._thread = named_thread(self._serve, "tmq-producer")
         self._thread.start()
         self._start_preparer(name, prepare)
 

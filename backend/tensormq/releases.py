@@ -21,6 +21,7 @@ import zmq
 from blockflow.backend.tensormq.claims import ClaimTable, claims_path
 from blockflow.backend.tensormq.wire import RELEASE, RELEASE_ITEM, endpoint, socket_path
 from blockflow.core import cuda, env
+from blockflow.core.threads import named_thread
 
 Release = tuple[int, int, int, int, int]  # producer, generation, slot, seq, sample
 RELEASE_EVENTS = 64
@@ -51,7 +52,7 @@ class Releaser:
         # Releases as bits in each producer's claim table (no message, no wake-up of the producer), or
         # with BLOCKFLOW_TMQ_RELEASE=message as ZeroMQ RELEASE messages to the producer's server thread.
         self._by_message = os.environ.get(env.TMQ_RELEASE) == "message"
-        self._thread = threading.Thread(target=self._loop, name="tmq-releaser", daemon=True)
+        self._thread = named_thread(self._loop, "tmq-releaser")
         self._thread.start()
 
     def after(self, releases: list[Release], stream: int | None, after: int | None = None) -> None:

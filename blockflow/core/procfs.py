@@ -43,3 +43,23 @@ def exiting(pid: int) -> bool:
         return stat_fields(pid)[0] in "ZX"
     except OSError:
         return True
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of process ``pid``'s live threads, added up by the kernel's name of each
+    (``comm``; its main thread as ``main``, since every thread of a process starts with its name).
+    Empty when the process is gone."""
+    out: dict[str, float] = {}
+    try:
+        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            comm = "main" if tid == pid else Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = stat_fields(pid, tid)
+        except OSError:
+            continue  # that thread ended meanwhile
+        out[comm] = out.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out

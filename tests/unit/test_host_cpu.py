@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from blockflow.bench import host_cpu
 from blockflow.bench.host_cpu import HostCpu
-from blockflow.core import procfs
+from blockflow.core import procfs, threads
 
 
 def test_per_inference_splits_the_windows_cpu_by_process_kind() -> None:
@@ -16,7 +17,40 @@ def test_per_inference_splits_the_windows_cpu_by_process_kind() -> None:
     after = HostCpu(server=1.2, blocks={"b0": {10: 2.5}, "b1": {11: 3.1, 14: 0.2}, "ref": {13: 1.01}}, front_door={20: 0.6}, client=4.4)
     cpu = host_cpu.per_inference(before, after, inferences=100, own=frozenset({"split", "b0", "b1"}))
     assert cpu == {"server": 2.0, "front_door": 1.0, "client": 4.0, "blocks": {"b0": 5.0, "b1": 3.0, "ref": 0.1},
-                   "own_blocks": 8.0, "total": 15.1}
+                   "own_blocks": 8.0, "total": 15.1, "threads": {}}
+
+
+def test_per_inference_names_the_busy_threads_of_the_server_and_of_each_model() -> None:
+    before = HostCpu(server=1.0, blocks={}, front_door={}, client=0.0,
+                     threads={"tritonserver": {"main": 0.5, "http": 1.0}, "b0": {"main": 2.0, "tmq-releaser": 1.0}})
+    after = HostCpu(server=1.4, blocks={}, front_door={}, client=0.0,
+                    threads={"tritonserver": {"main": 0.5, "http": 1.4}, "b0": {"main": 2.3, "tmq-releaser": 1.0, "bf-link": 0.1}})
+    cpu = host_cpu.per_inference(before, after, inferences=100)
+    # Idle threads are left out; a thread that started within the window counts whole.
+    assert cpu["threads"] == {"tritonserver": {"http": 4.0}, "b0": {"bf-link": 1.0, "main": 3.0}}
+
+
+def test_a_named_thread_carries_its_name_to_the_kernel_and_its_cpu_to_that_name() -> None:
+    done = threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        done.wait(10)
+
+    t = threads.named_thread(spin, "bf-test-spinner-long-name")
+    t.start()
+    try:
+        time.sleep(0.5)
+        by_name = procfs.thread_cpu(os.getpid())
+        assert t.name == "bf-test-spinner-long-name"
+        assert by_name["bf-test-spinner"] >= 0.1  # the kernel's 15 bytes
+        assert "main" in by_name
+    finally:
+        done.set()
+        t.join()
+    assert procfs.thread_cpu(2**22 + 7) == {}
 
 
 def test_a_process_cpu_time_grows_with_its_work_and_a_gone_one_is_left_out() -> None:
