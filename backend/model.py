@@ -28,6 +28,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from blockflow.backend import instance_args
+from blockflow.backend.gpu_waits import GpuWaits, spin_for
 from blockflow.backend.health import Health, Metrics
 from blockflow.backend.link_loop import LinkLoop
 from blockflow.backend.replies import EarlyReply, failed_response, split, trimmed
@@ -130,6 +131,7 @@ class TritonPythonModel:
         # life); read once here, as each lookup costs a torch call on the request path.
         self.stream = int(torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else 0
         self.pins_host_inputs = any(r.pins_host_inputs for r in self.runners.values())  # see BlockRunner.settle_inputs
+        self.waits = GpuWaits(self.device, self.stream)  # how its threads wait for its GPU (backend/gpu_waits.py)
         # Logits leave the GPU here, in the process that made them, with one copy per execute.
         # Handed to Triton on the GPU, they cost a CUDA IPC hand-off and a device-to-host copy in
         # the server's own CUDA context (its HTTP and gRPC responses need them in host memory);
@@ -197,7 +199,7 @@ class TritonPythonModel:
                     failed.update(ks)
                     self._fail(responses, owners, batch, ks, exc)
             if self.sync_outputs:
-                synced = self._sync(responses, owners, batch, failed)  # what read the producers' slots is done too
+                synced = self._sync(responses, owners, batch, failed, len(requests))  # what read the producers' slots is done too
             tracer.mark()  # work done (TensorMQ: queued)
             if early is not None and early.sent:
                 responses[0] = None  # answered already (even if its batch then failed): one response per request
@@ -208,7 +210,7 @@ class TritonPythonModel:
         finally:
             self.ends.end_sends()
             if self.pins_host_inputs:
-                self._settle_inputs()
+                self._settle_inputs(len(requests))
             self.ends.end(releases, synced, bool(failed))
         return responses
 
@@ -221,14 +223,14 @@ class TritonPythonModel:
             self._fail(responses, owners, batch, range(len(batch)), exc)
             return False
 
-    def _sync(self, responses: list[Any], owners: list[int], batch: list[list[torch.Tensor]], failed: set[int]) -> bool:
+    def _sync(self, responses: list[Any], owners: list[int], batch: list[list[torch.Tensor]], failed: set[int], requests: int) -> bool:
         """Wait for the call's GPU work; whether it is done (if not, the requests not failed yet fail).
 
         Triton reads the outputs once execute returns, so their kernels (and copies to the host) must
         be done by then. One wait for the whole call: a pack queues every head's work first.
         """
         try:
-            torch.cuda.current_stream(self.device).synchronize()
+            self.waits.stream_done(requests)
             return True
         except Exception as exc:
             rest = [k for k in range(len(batch)) if k not in failed]
@@ -236,12 +238,13 @@ class TritonPythonModel:
             self._fail(responses, owners, batch, rest, exc)
             return False
 
-    def _settle_inputs(self) -> None:
+    def _settle_inputs(self, requests: int) -> None:
         """Before ``execute`` returns, what reads the requests' host inputs must be done (Triton frees them)."""
         waited = False
+        spin_s = spin_for(requests) if self.waits.sleep else 0.0
         for runner in self.runners.values():
             try:
-                waited = runner.settle_inputs() or waited
+                waited = runner.settle_inputs(spin_s) or waited
             except BlockError as exc:  # the GPU failed: the call's outcome is decided already
                 self.logger.log_error(f"blockflow: {self.spec.name}: waiting for the input copies failed: {exc!r}")
         if waited:

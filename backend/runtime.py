@@ -340,16 +340,17 @@ class BlockRunner:
         """Whether this runner copies host inputs out of page-locked memory (and so must :meth:`settle_inputs`)."""
         return self._pins is not None
 
-    def settle_inputs(self) -> bool:
+    def settle_inputs(self, spin_s: float = 0.0) -> bool:
         """Wait until what this call queued has read its host inputs, where that may still be under
         way (a DMA out of page-locked memory): Triton frees them once ``execute`` returns. Only the
-        DMA is waited for, not the block's GPU work after it, on the usual path. Whether it waited."""
+        DMA is waited for, not the block's GPU work after it, on the usual path; polled for up to
+        ``spin_s``, then asleep (``backend/gpu_waits.py``). Whether it waited."""
         if not (self._dma or self._host_inputs):
             return False
         if not self._dma:  # copies no step marked: after everything queued so far
             cuda.event_record(self._copied, self._stream)
         self._host_inputs = self._dma = False
-        cuda.event_synchronize(self._copied)
+        cuda.wait_event(self._copied, spin_s)
         return True
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

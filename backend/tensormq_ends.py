@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from blockflow.backend import gpu_waits
 from blockflow.backend.health import Health
 from blockflow.backend.replies import EarlyReply, Packed, packer, ticket_tensor
 from blockflow.backend.runtime import BlockRunner
@@ -36,6 +37,9 @@ class TensorMQEnds:
         self.early = producer is not None and answers_early
         self.stream, self.tracer = stream, tracer
         self.committed: int | None = None  # the event of the current call's last committed pool slot
+        # Releases wait on an event of their thread's own, asleep, rather than on the slot's interprocess
+        # event, whose wait spun a core in each link (backend/gpu_waits.py); BLOCKFLOW_GPU_WAIT=spin: on the slot's.
+        self.own_release_event = gpu_waits.sleeping()
 
     @classmethod
     def open(cls, args: dict[str, str], spec: ModelSpec, device: torch.device, out_name: str, stream: int,
@@ -114,10 +118,11 @@ class TensorMQEnds:
         """After the call's responses: release its producers' slots and prepare this block's next one."""
         if self.consumer is not None and releases:
             # Release the producers' slots once the GPU work that read them is done (see blockflow.backend.tensormq):
-            # at once after the stream's sync; else after this block's own slot event, recorded at its
-            # commit after that work (one driver call less); else after an event recorded now.
+            # at once after the stream's sync; else after an event recorded now (or, waits spinning, after
+            # this block's own slot event, recorded at its commit after that work: one driver call less).
             try:
-                self.consumer.release_after(releases, None if synced else self.stream, None if failed else self.committed)
+                after = None if failed or self.own_release_event else self.committed
+                self.consumer.release_after(releases, None if synced else self.stream, after)
             except Exception:  # no event could be recorded: a sticky CUDA error, after which nothing reads them
                 self.consumer.release_now(releases)
             self.tracer.lap("respond:release")

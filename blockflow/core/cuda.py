@@ -8,6 +8,7 @@ needs nothing beyond the driver, and exposes the IPC handles as plain bytes
 from __future__ import annotations
 
 import ctypes
+import time
 from functools import cache
 from typing import Any
 
@@ -19,6 +20,7 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_EVENT_BLOCKING_SYNC = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
 CU_EVENT_INTERPROCESS = 0x4
+CUDA_ERROR_NOT_READY = 600  # cuEventQuery: the work before the event is not done yet
 # How a host thread waits for the GPU in a context (cuDevicePrimaryCtxSetFlags): the driver's default
 # ("auto") spins while the process has fewer contexts than the machine has cores, as every block has.
 CU_CTX_SCHED = {"auto": 0x0, "spin": 0x1, "yield": 0x2, "blocking": 0x4}
@@ -60,6 +62,7 @@ def _lib() -> Any:
         "cuEventDestroy_v2": [vp],
         "cuEventRecord": [vp, vp],
         "cuEventSynchronize": [vp],
+        "cuEventQuery": [vp],
         "cuStreamWaitEvent": [vp, vp, ctypes.c_uint],
         "cuMemcpyAsync": [u64, u64, ctypes.c_size_t, vp],
         "cuMemHostRegister_v2": [vp, ctypes.c_size_t, ctypes.c_uint],
@@ -127,6 +130,28 @@ def event_create(flags: int = CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC) 
 def event_synchronize(event: int) -> None:
     """Wait for ``event`` (ctypes drops the GIL meanwhile; a blocking-sync event sleeps instead of spinning)."""
     _check(_lib().cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize")
+
+
+def event_done(event: int) -> bool:
+    """Whether the work before ``event`` is done (``cuEventQuery``; never waits)."""
+    rc = _lib().cuEventQuery(ctypes.c_void_p(event))
+    if rc == CUDA_ERROR_NOT_READY:
+        return False
+    _check(rc, "cuEventQuery")
+    return True
+
+
+def wait_event(event: int, spin_s: float) -> None:
+    """Wait for a blocking-sync ``event``: polled for up to ``spin_s`` (a thread woken from sleep
+    answers tens of microseconds later), then asleep in ``cuEventSynchronize`` (no core spun)."""
+    if spin_s > 0:
+        end = time.perf_counter() + spin_s
+        while not event_done(event):
+            if time.perf_counter() >= end:
+                break
+        else:
+            return
+    event_synchronize(event)
 
 
 def ipc_event_handle(event: int) -> bytes:

@@ -59,6 +59,9 @@ TMQ_HANDOVER_DGRAM = "BLOCKFLOW_TMQ_HANDOVER_DGRAM"  # "0": direct hand-overs ov
 PIN_HOST_INPUTS = "BLOCKFLOW_PIN_HOST_INPUTS"  # "0": a first block's host images go to the GPU through the driver's staging (backend/host_pins.py)
 LOGITS_ON_GPU = "BLOCKFLOW_LOGITS_ON_GPU"  # "1": last blocks answer with GPU tensors (benchmarks of the data path)
 CUDA_SCHEDULE = "BLOCKFLOW_CUDA_SCHEDULE"  # auto, spin, yield, blocking: how a block's threads wait for its GPU (blockflow.core.cuda.set_schedule)
+# sleep, spin: how a block's threads wait for the GPU work of a call (backend/gpu_waits.py): polled briefly, then asleep
+# (the default), or spinning a core until it is done, whatever the load (each CUDA context's own default)
+GPU_WAIT = "BLOCKFLOW_GPU_WAIT"
 GRAPH_BUCKETS = "BLOCKFLOW_GRAPH_BUCKETS"  # "quarter": CUDA graphs at quarter steps above 16 too, not powers of two only (backend/graphs.py)
 TOKEN = "BLOCKFLOW_TOKEN"  # the control service's bearer token, for `blockflow serve` and `blockflow apply`
 # -- where the client commands find a server (flag, then variable, then the endpoints file: blockflow.core.endpoints)
@@ -82,7 +85,7 @@ STAGE_CACHE_DIR_VAR = "BLOCKFLOW_STAGE_CACHE_DIR"
 # The switches above that change how blocks run (each a lever measured against its default): benchmarks record
 # those set in their results (bench.harness.switches), as the server and its block processes inherit them.
 SWITCHES = (DISABLE_CUDA_GRAPHS, KEEP_ALLOCATOR_CACHE, TMQ_PREPARE, TMQ_EARLY, TMQ_RELEASE, TMQ_HANDOVER_DGRAM,
-            PIN_HOST_INPUTS, LOGITS_ON_GPU, STAGE_CACHE, CUDA_SCHEDULE, GRAPH_BUCKETS)
+            PIN_HOST_INPUTS, LOGITS_ON_GPU, STAGE_CACHE, CUDA_SCHEDULE, GPU_WAIT, GRAPH_BUCKETS)
 # The values each switch takes, its default first (unset or empty is the default). Any other value fails the
 # server's start and each block's load, naming the variable: a typo (``BLOCKFLOW_TMQ_EARLY=off``) would
 # otherwise run the default without a word.
@@ -90,7 +93,7 @@ SWITCH_VALUES: dict[str, tuple[str, ...]] = {
     DISABLE_CUDA_GRAPHS: ("0", "1"), KEEP_ALLOCATOR_CACHE: ("0", "1"), TMQ_PREPARE: ("1", "0"), TMQ_EARLY: ("1", "0"),
     TMQ_RELEASE: ("table", "message"), TMQ_HANDOVER_DGRAM: ("1", "0"), PIN_HOST_INPUTS: ("1", "0"),
     LOGITS_ON_GPU: ("0", "1"), STAGE_CACHE: ("1", "0"), CUDA_SCHEDULE: ("auto", "spin", "yield", "blocking"),
-    GRAPH_BUCKETS: ("pow2", "quarter"),
+    GPU_WAIT: ("sleep", "spin"), GRAPH_BUCKETS: ("pow2", "quarter"),
 }
 
 
