@@ -47,9 +47,11 @@ Who owns a slot when:
    their bits in the slot's release words in the producer's claim table, under
    the entry's lock, only for claimed samples of the use the entry holds
    (``ClaimTable.release``). Nothing is sent and the producer is not woken.
-   A consumer that is itself a producer (a middle block) uses the event it records
-   at its own commit, which follows that work on the same stream; a consumer
-   that synchronised its stream releases at once. (``BLOCKFLOW_TMQ_RELEASE=message``
+   The event is the thread's own (blocking-sync, so the thread sleeps); a consumer
+   that synchronised its stream releases at once. (With ``BLOCKFLOW_GPU_WAIT=spin`` a
+   middle block waits on the slot event it records at its own commit instead, one
+   driver call less: the driver spins a core in any wait on an interprocess event,
+   its blocking-sync flag notwithstanding; ``backend/gpu_waits.py``.) (``BLOCKFLOW_TMQ_RELEASE=message``
    sends a RELEASE message per producer instead: one frame of
    ``(generation, slot, sequence, sample)`` items, whose bits the producer's server
    thread sets in the same table; so consumers of either kind may share a batch.)
