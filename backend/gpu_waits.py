@@ -8,7 +8,9 @@ CPU). So by default (``sleep``) a wait polls its event for a moment and then sle
 ``SPIN_ONE_S`` for a call of one request (a lightly loaded server, where a wake-up's tens of
 microseconds would show in the latency and cores are free), ``SPIN_MANY_S`` for a call of several.
 A release thread, which no request waits for, sleeps at once on an event of its own
-(``TensorMQEnds.end``). ``spin`` keeps the context's own waits everywhere.
+(``TensorMQEnds.end``). ``spin`` keeps the context's own spinning waits for a call's stream and the
+release threads' waits on their slots' interprocess events (the waits for a first block's input copies
+and for the release threads' own events sleep either way: blocking-sync events).
 
 Inside a stub only.
 """
@@ -45,8 +47,15 @@ class GpuWaits:
 
     def stream_done(self, requests: int) -> None:
         """Until the stream's work queued so far is done (``requests``: the call's, for how long to poll)."""
+        if self.device.type != "cuda":
+            return  # a CPU block's work is done when its call returns
         if not self.sleep:
             torch.cuda.current_stream(self.device).synchronize()
             return
         cuda.event_record(self._done, self.stream)
         cuda.wait_event(self._done, spin_for(requests))
+
+    def close(self) -> None:
+        if self._done:
+            cuda.event_destroy(self._done)
+            self._done = 0

@@ -32,14 +32,14 @@ def cpu_of(pids: Iterable[int]) -> dict[int, float]:
 class HostCpu:
     """CPU seconds used so far, by process: ``server`` (tritonserver), ``blocks`` (each model's stubs, by
     pid), ``front_door`` (nginx and its workers, by pid) and ``client`` (the bench's waited-for children:
-    perf_analyzer); ``threads``: the server's (``tritonserver``) and each model's threads, by their kernel
-    name (:func:`blockflow.core.procfs.thread_cpu`, all its instances together)."""
+    perf_analyzer); ``threads``: the server's (``tritonserver``) and each model's processes' threads, by pid
+    and kernel name (:func:`blockflow.core.procfs.thread_cpu`)."""
 
     server: float
     blocks: dict[str, dict[int, float]]
     front_door: dict[int, float]
     client: float
-    threads: dict[str, dict[str, float]] = field(default_factory=dict)
+    threads: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
 
 
 def snapshot(server: TritonServer) -> HostCpu | None:
@@ -51,12 +51,7 @@ def snapshot(server: TritonServer) -> HostCpu | None:
     door = server.front_door.process if server.front_door is not None else None
     front = cpu_of(group_members(door.pid)) if door is not None else {}
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    threads = {"tritonserver": thread_cpu(pid)}
-    for model, pids in blocks.items():
-        threads[model] = by_name = dict[str, float]()
-        for p in pids:
-            for name, seconds in thread_cpu(p).items():
-                by_name[name] = by_name.get(name, 0.0) + seconds
+    threads = {"tritonserver": {pid: thread_cpu(pid)}} | {model: {p: thread_cpu(p) for p in pids} for model, pids in blocks.items()}
     return HostCpu(cpu_of([pid]).get(pid, 0.0), blocks, front, usage.ru_utime + usage.ru_stime, threads)
 
 
@@ -68,8 +63,9 @@ def _grown(before: dict[int, float], after: dict[int, float]) -> float:
 def per_inference(before: HostCpu, after: HostCpu, inferences: int, own: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Milliseconds of CPU per inference between two snapshots: ``server``, ``front_door``, ``client``,
     ``blocks`` (per model), ``own_blocks`` (the models in ``own``: what the run measured), the
-    ``total`` and ``threads``: the server's and each model's by thread name, the busy ones (≥ 0.001 ms).
-    A process that ended within the window is left out; one that started counts whole."""
+    ``total`` and ``threads``: the server's and each model's (all its processes) by thread name, the busy
+    ones (≥ 0.001 ms). A process that ended within the window is left out, one that started counts whole;
+    so do threads (of a name, the live ones' growth: a thread that ended takes its time with it)."""
     def ms(seconds: float) -> float:
         return round(1000.0 * max(0.0, seconds) / inferences, 4)
 
@@ -79,10 +75,13 @@ def per_inference(before: HostCpu, after: HostCpu, inferences: int, own: frozens
                            "own_blocks": round(sum(v for m, v in blocks.items() if m in own), 4)}
     out["total"] = round(out["server"] + out["front_door"] + out["client"] + sum(blocks.values()), 4)
     threads = {}
-    for who, names in sorted(after.threads.items()):
-        was = before.threads.get(who, {})
-        busy = {n: v for n, t in sorted(names.items()) if (v := ms(t - was.get(n, 0.0))) >= 0.001}
-        if busy:
+    for who, pids in sorted(after.threads.items()):
+        grown: dict[str, float] = {}
+        for pid, names in pids.items():
+            was = before.threads.get(who, {}).get(pid, {})
+            for name, t in names.items():
+                grown[name] = grown.get(name, 0.0) + max(0.0, t - was.get(name, 0.0))
+        if busy := {n: v for n, t in sorted(grown.items()) if (v := ms(t)) >= 0.001}:
             threads[who] = busy
     out["threads"] = threads
     return out

@@ -1,4 +1,4 @@
-"""The few CUDA driver calls TensorMQ needs, through ctypes on ``libcuda.so.1``.
+"""The few CUDA driver calls TensorMQ and the blocks' waits need, through ctypes on ``libcuda.so.1``.
 
 The driver API works on the context PyTorch made current (its primary context),
 needs nothing beyond the driver, and exposes the IPC handles as plain bytes
@@ -116,8 +116,9 @@ def ipc_close_mem(ptr: int) -> None:
 
 
 def event_create_ipc() -> int:
-    # Blocking-sync too: a block's release thread waits on its own slot's event (see Releaser.after)
-    # and should sleep, not spin a core, meanwhile. Other processes only wait for it on the GPU.
+    # Other processes wait for it on the GPU only. A host thread's wait on it spins a core whatever the
+    # blocking-sync flag (H200, 2026-12-02), so release threads wait on events of their own
+    # (backend/gpu_waits.py); the flag stays for BLOCKFLOW_GPU_WAIT=spin, where they wait on it.
     return event_create(CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS | CU_EVENT_BLOCKING_SYNC)
 
 

@@ -22,27 +22,31 @@ def test_per_inference_splits_the_windows_cpu_by_process_kind() -> None:
 
 def test_per_inference_names_the_busy_threads_of_the_server_and_of_each_model() -> None:
     before = HostCpu(server=1.0, blocks={}, front_door={}, client=0.0,
-                     threads={"tritonserver": {"main": 0.5, "http": 1.0}, "b0": {"main": 2.0, "tmq-releaser": 1.0}})
+                     threads={"tritonserver": {1: {"main": 0.5, "http": 1.0}},
+                              "b0": {10: {"main": 2.0, "tmq-releaser": 1.0}, 11: {"main": 5.0}}})
+    # b0's pid 11 ended within the window (its time must not cancel pid 10's); pid 12 started (counts whole).
     after = HostCpu(server=1.4, blocks={}, front_door={}, client=0.0,
-                    threads={"tritonserver": {"main": 0.5, "http": 1.4}, "b0": {"main": 2.3, "tmq-releaser": 1.0, "bf-link": 0.1}})
+                    threads={"tritonserver": {1: {"main": 0.5, "http": 1.4}},
+                             "b0": {10: {"main": 2.3, "tmq-releaser": 1.0, "bf-link": 0.1}, 12: {"main": 0.05}}})
     cpu = host_cpu.per_inference(before, after, inferences=100)
     # Idle threads are left out; a thread that started within the window counts whole.
-    assert cpu["threads"] == {"tritonserver": {"http": 4.0}, "b0": {"bf-link": 1.0, "main": 3.0}}
+    assert cpu["threads"] == {"tritonserver": {"http": 4.0}, "b0": {"bf-link": 1.0, "main": 3.5}}
 
 
 def test_a_named_thread_carries_its_name_to_the_kernel_and_its_cpu_to_that_name() -> None:
-    done = threading.Event()
+    spun, done = threading.Event(), threading.Event()
 
     def spin() -> None:
         end = time.thread_time() + 0.2
         while time.thread_time() < end:
             pass
+        spun.set()
         done.wait(10)
 
     t = threads.named_thread(spin, "bf-test-spinner-long-name")
     t.start()
     try:
-        time.sleep(0.5)
+        assert spun.wait(60)  # its 0.2 s of CPU, however busy the machine
         by_name = procfs.thread_cpu(os.getpid())
         assert t.name == "bf-test-spinner-long-name"
         assert by_name["bf-test-spinner"] >= 0.1  # the kernel's 15 bytes
