@@ -29,7 +29,7 @@ def tensor_names(spec: ModelSpec) -> tuple[list[str], list[str]]:
     tmq = spec.transport == "tensormq"
     ins = [IMAGE] if spec.takes_image else activation_names(ACTIVATION_IN, 1 if tmq else len(spec.in_shapes))
     ins += [s.name for s in spec.side_inputs]
-    outs = [o.name for o in spec.task_outputs] if spec.gives_logits else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
+    outs = [o.name for o in spec.task_outputs] if spec.gives_logits or spec.answers_task else activation_names(ACTIVATION_OUT, 1 if tmq else len(spec.out_shapes))
     return ins, outs
 
 

@@ -19,12 +19,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from blockflow.backend.gpu_waits import GpuWaits
 from blockflow.backend.runtime import BlockRunner
 from blockflow.backend.tensormq import ticket as tk
+from blockflow.backend.tensormq.answers import AnswerOut
 from blockflow.backend.tensormq.handout import HandOut
 from blockflow.backend.tensormq.handover import HandIn
 from blockflow.backend.tensormq.releases import Release
-from blockflow.backend.tensormq.wire import HANDED
+from blockflow.backend.tensormq.wire import HANDED, Answer, HandOverMessage, answer_failed, answered
 from blockflow.backend.tensormq_ends import TensorMQEnds
 from blockflow.core.threads import named_thread
 
@@ -36,15 +38,20 @@ _POLL_S = 0.1
 
 
 class LinkLoop:
-    """Runs a link instance's hand-overs on a thread of its own, at most ``max_batch`` samples a batch."""
+    """Runs a link instance's hand-overs on a thread of its own, at most ``max_batch`` samples a batch;
+    a chain's tail sends each sample's answer back to the head instance that took its request."""
 
     def __init__(self, ends: TensorMQEnds, runner: BlockRunner, shapes: tuple[tuple[int, ...], ...], device: torch.device,
-                 max_batch: int, touch: Callable[[int], None], log_error: Callable[[str], None]) -> None:
+                 max_batch: int, touch: Callable[[int], None], log_error: Callable[[str], None], waits: GpuWaits) -> None:
         relay, consumer = ends.relay, ends.consumer
-        assert relay is not None and relay.into is not None and relay.out is not None and consumer is not None
+        # The block's own waits: a link's execute answers nothing, so this thread alone uses them.
+        self.waits = waits
+        assert relay is not None and relay.into is not None and consumer is not None
+        assert (relay.out is None) == (ends.answer_out is not None)  # a link hands on, or is the tail and answers
         self.ends, self.runner, self.shapes, self.device = ends, runner, shapes, device
         self.into: HandIn = relay.into
-        self.out: HandOut = relay.out
+        self.out: HandOut | None = relay.out
+        self.answer_out: AnswerOut | None = ends.answer_out
         self.consumer = consumer
         self.max_batch, self.touch, self.log_error = max_batch, touch, log_error
         self.batches = self.samples = 0  # what it ran (the metrics thread reads them: blockflow_tmq_link_*)
@@ -70,46 +77,76 @@ class LinkLoop:
                 got = []
             quiet = quiet + 1 if self._stopping.is_set() and not got else 0
 
-    def _run(self, got: list[tuple[bytes, bytes, bytes]]) -> None:
+    def _fail(self, samples: list[tuple[bytes, bytes]], reason: str, forwarded: bool = False) -> None:
+        """These ``(key, origin)`` samples fail with ``reason``: handed on, or (the tail) answered."""
+        if self.out is not None:
+            self.out.fail([k for k, _ in samples], reason, forwarded=forwarded, origins=[o for _, o in samples])
+        elif self.answer_out is not None:
+            by_origin: dict[bytes, list[Answer]] = {}
+            for key, origin in samples:
+                by_origin.setdefault(origin, []).append(answer_failed(key, reason))
+            self.answer_out.send(by_origin)
+
+    def _run(self, got: list[HandOverMessage]) -> None:
         ends, out, tracer = self.ends, self.out, self.ends.tracer
         tracer.begin()
         ends.begin()
-        uses: dict[bytes, list[tuple[bytes, bytes]]] = {}
-        for key, status, ticket in got:
-            if status != HANDED:  # failed before: the join's request fails with the sender's reason
-                out.fail([key], status.decode(errors="replace"), forwarded=True)
+        uses: dict[bytes, list[tuple[bytes, bytes, bytes]]] = {}  # (key, ticket, origin) by slot use
+        for key, status, ticket, origin in got:
+            if status != HANDED:  # failed before: the request fails with the sender's reason
+                self._fail([(key, origin)], status.decode(errors="replace"), forwarded=True)
             else:
-                uses.setdefault(ticket[_USE], []).append((key, ticket))
-        keys: list[bytes] = []
+                uses.setdefault(ticket[_USE], []).append((key, ticket, origin))
+        samples: list[tuple[bytes, bytes]] = []  # (key, origin) of each sample of the batch, in order
         views: list[list[torch.Tensor]] = []
         releases: list[Release] = []
-        failed = False
+        failed = synced = False
         try:
-            for samples in uses.values():
-                rows = np.frombuffer(b"".join(t for _, t in samples), dtype=np.uint8).reshape(len(samples), tk.TICKET_BYTES)
+            for use in uses.values():
+                rows = np.frombuffer(b"".join(t for _, t, _ in use), dtype=np.uint8).reshape(len(use), tk.TICKET_BYTES)
                 try:
                     v, rel = self.consumer.gather_tensors(rows, self.shapes, ends.stream)
                 except Exception as exc:  # this use's samples fail; the others run
-                    out.fail([k for k, _ in samples], str(exc))
+                    self._fail([(k, o) for k, _, o in use], str(exc))
                     continue
-                keys.extend(k for k, _ in samples)
+                samples.extend((k, o) for k, _, o in use)
                 views.append(v)
                 releases.extend(rel)
             if not views:
                 return
             tracer.mark()  # inputs read (as an execute's trace: read, run, respond)
             tracer.gpu_begin()
-            out.take(keys)  # from here on, a key not handed on fails at the next block (end_sends)
             xs = views[0] if len(views) == 1 else self.runner.join([[v[j] for v in views] for j in range(len(views[0]))])
-            ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
-            tracer.mark()  # work queued
+            if out is not None:
+                out.take([k for k, _ in samples], [o for _, o in samples])  # from here on, a key not handed on fails at the next block
+                ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
+            else:
+                synced = self._answer(xs, samples)
+            tracer.mark()  # work queued (the tail: answered)
         except Exception as exc:
             failed = True
-            self.log_error(f"blockflow: link batch of {len(keys)} failed: {exc!r}")
+            self.log_error(f"blockflow: link batch of {len(samples)} failed: {exc!r}")
+            if out is None:
+                self._fail(samples, f"block {self.into.model!r} failed: {exc}")
         finally:
             ends.end_sends()
-            ends.end(releases, False, failed)
+            ends.end(releases, synced, failed)
             tracer.end(len(got))
+
+    def _answer(self, xs: list[torch.Tensor], samples: list[tuple[bytes, bytes]]) -> bool:
+        """The tail: run the batch, bring its outputs to the host and send each sample's answer (its
+        value of each task output, in order) to its origin. Returns once the GPU work is done."""
+        assert self.answer_out is not None
+        outs = [o.to("cpu", non_blocking=True) for o in self.runner.run_all(xs)]
+        self.waits.stream_done(len(samples))
+        self.ends.tracer.lap("run:graph")
+        rows = [o.reshape(len(samples), -1).contiguous().numpy() for o in outs]
+        by_origin: dict[bytes, list[Answer]] = {}
+        for i, (key, origin) in enumerate(samples):
+            by_origin.setdefault(origin, []).append(answered(key, b"".join(r[i].tobytes() for r in rows)))
+        self.answer_out.send(by_origin)
+        self.ends.tracer.lap("respond:answer")
+        return True
 
     def close(self) -> None:
         """Stop before the ends close: senders stop finding this instance once its sockets' files are gone;

@@ -19,7 +19,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import psutil
@@ -28,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
 from blockflow.backend import instance_args
+from blockflow.backend.chain_answers import ChainAnswers, Waiting
 from blockflow.backend.gpu_waits import GpuWaits, spin_for
 from blockflow.backend.health import Health, Metrics
 from blockflow.backend.link_loop import LinkLoop
@@ -95,8 +97,12 @@ class TritonPythonModel:
         self.inputs = RequestInputs(spec, self.in_names, self.device, self.ends, self.stream, self.tracer)
         # A chain's link (plan option hand_over: chain) runs what it is handed on a thread of its own.
         self.link_loop = (LinkLoop(self.ends, self.runner, spec.in_shapes, self.device, max(1, spec.max_batch_size),
-                                     self.health.touch, _to_stderr)
+                                     self.health.touch, _to_stderr, self.waits)
                            if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
+        # A chain's head that its tail answers: the requests that wait for those answers.
+        self.answers = (ChainAnswers(self.ends.answer_in, spec.task_outputs, spec.tensormq.lease_s if spec.tensormq else 30.0,
+                                     spec.name)
+                        if self.ends.answer_in is not None else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer,
                                link=self.link_loop)
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
@@ -171,6 +177,7 @@ class TritonPythonModel:
         outputs: list[list[Any]] = [[] for _ in batch]  # each request's output tensors
         failed: set[int] = set()  # positions in ``batch``
         early = EarlyReply(requests[0], self.out_name) if self.ends.early and len(requests) == 1 and owners else None
+        waiting: dict[int, Waiting] = {}  # a chain's head: the positions whose requests its tail answers
         synced = False
         try:
             if self.inputs.device_inputs is not None and not self._own_inputs(responses, owners, batch):
@@ -183,9 +190,10 @@ class TritonPythonModel:
                     runner = self.runners[name]
                     joined = batch[ks[0]] if len(ks) == 1 else runner.join([[batch[k][j] for k in ks]
                                                                             for j in range(len(batch[ks[0]]))])
-                    results = self._run(runner, joined, early)
-                    if early is not None and early.sent:
-                        continue  # answered with its tickets already
+                    expect = partial(self._expect, waiting, ks, sizes) if self.answers is not None else None
+                    results = self._run(runner, joined, early, expect)
+                    if (early is not None and early.sent) or self.answers is not None:
+                        continue  # answered with its tickets already, or by the chain's tail (below)
                     names = [name] if len(results) == 1 else self.out_names
                     columns = [split(result, sizes) for result in results]
                     if self.ragged:
@@ -196,6 +204,8 @@ class TritonPythonModel:
                                 rows = rows.unsqueeze(1)
                             outputs[k].append(pb_utils.Tensor.from_dlpack(out_name, to_dlpack(rows)))
                 except Exception as exc:  # a failed batch (in a pack, one head's) fails its requests, never the stub
+                    for k in ks:
+                        waiting.pop(k, None)  # its tail's answers, if any come, are dropped
                     failed.update(ks)
                     self._fail(responses, owners, batch, ks, exc)
             if self.sync_outputs:
@@ -204,15 +214,28 @@ class TritonPythonModel:
             if early is not None and early.sent:
                 responses[0] = None  # answered already (even if its batch then failed): one response per request
                 return responses
+            if waiting and self.answers is not None:  # a chain's head: its tail's answers, waited for here
+                self.answers.collect(list(waiting.values()))
+                tracer.lap("respond:answers")
             for k, i in enumerate(owners):
-                if k not in failed:
+                if k in waiting and self.answers is not None:
+                    responses[i] = self.answers.response(waiting[k])
+                elif k not in failed:
                     responses[i] = pb_utils.InferenceResponse(output_tensors=outputs[k])
         finally:
+            if self.answers is not None:
+                self.answers.end_call()
             self.ends.end_sends()
             if self.pins_host_inputs:
                 self._settle_inputs(len(requests))
             self.ends.end(releases, synced, bool(failed))
         return responses
+
+    def _expect(self, waiting: dict[int, Waiting], ks: list[int], sizes: list[int], tickets: list[bytes]) -> None:
+        """A chain's head, before it hands ``tickets`` over: the requests at batch positions ``ks`` wait for
+        its tail's answers (``backend/chain_answers.py``)."""
+        assert self.answers is not None
+        waiting.update(zip(ks, self.answers.expect(sizes, tickets), strict=True))
 
     def _own_inputs(self, responses: list[Any], owners: list[int], batch: list[list[torch.Tensor]]) -> bool:
         """Whether the call's GPU inputs are the block's own now (``RequestInputs.own``); if not, its requests failed."""
@@ -274,11 +297,13 @@ class TritonPythonModel:
         for k in positions:
             responses[owners[k]] = failed_response(exc, self.spec.name)
 
-    def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None) -> list[torch.Tensor]:
+    def _run(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None = None,
+             expect: Callable[[list[bytes]], None] | None = None) -> list[torch.Tensor]:
         """One batch through ``runner``: its outputs (on the host for logits and triton-cpu), or TensorMQ
-        tickets (``TensorMQEnds.produce``; ``early`` answers with them before the GPU work is queued)."""
+        tickets (``TensorMQEnds.produce``; ``early`` answers with them before the GPU work is queued;
+        ``expect``, a chain's head, notes the requests its tail answers before it hands them over)."""
         if self.ends.producer is not None:
-            return self.ends.produce(runner, xs, early)
+            return self.ends.produce(runner, xs, early, expect)
         outs = runner.run_all(xs)
         # Into pinned memory (torch's caching host allocator) without blocking; _execute waits once.
         # A detector's counts are read on the host right away (``replies.trimmed``): copied at once.
@@ -287,10 +312,13 @@ class TritonPythonModel:
     def finalize(self) -> None:
         if self.link_loop is not None:
             self.link_loop.close()
+        if self.answers is not None:
+            self.answers.close()
         self.health.close()
         self.tracer.close()
         self.metrics.close()
         self.ends.close(drain_s=DRAIN_S)
+        self.waits.close()
         self.runner = None  # type: ignore[assignment]
         self.runners = {}
         if torch.cuda.is_available():

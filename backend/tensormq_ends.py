@@ -8,6 +8,7 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,11 +17,13 @@ from blockflow.backend import gpu_waits
 from blockflow.backend.health import Health
 from blockflow.backend.replies import EarlyReply, Packed, packer, ticket_tensor
 from blockflow.backend.runtime import BlockRunner
+from blockflow.backend.tensormq.answers import AnswerIn, AnswerOut
 from blockflow.backend.tensormq.consumer import Consumer
 from blockflow.backend.tensormq.handout import HandOut
 from blockflow.backend.tensormq.handover import Relay
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.releases import Release
+from blockflow.backend.tensormq.wire import NO_ORIGIN
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core import also_accepts, env, runtime_dir
 from blockflow.core.spec import ModelSpec
@@ -30,8 +33,11 @@ class TensorMQEnds:
     """Opens, runs a call through and closes one block instance's producer, consumer and relay."""
 
     def __init__(self, producer: Producer | None, consumer: Consumer | None, relay: Relay | None, answers_early: bool,
-                 spec: ModelSpec, stream: int, tracer: Tracer | NoTracer) -> None:
+                 spec: ModelSpec, stream: int, tracer: Tracer | NoTracer, answer_in: AnswerIn | None = None,
+                 answer_out: AnswerOut | None = None) -> None:
         self.producer, self.consumer, self.relay = producer, consumer, relay
+        # A chain's head that its tail answers: where the answers come; the tail: how it sends them.
+        self.answer_in, self.answer_out = answer_in, answer_out
         self.out_shapes = spec.out_shapes
         self.sender: HandOut | None = relay.out if relay is not None else None  # of direct hand-overs
         self.early = producer is not None and answers_early
@@ -65,11 +71,17 @@ class TensorMQEnds:
         if not spec.takes_image:
             consumer = Consumer(runtime, device, accepts_from=spec.accepts_from,
                                 also_accepts=Path(args["model_repository"]) / also_accepts.FILE)
-        relay = Relay.open(runtime, model, spec.hand_over, consumer, producer is not None, t.claim_window_s)
+        role = spec.hand_over
+        answer_in = AnswerIn(runtime) if role is not None and role.answered_by else None
+        if answer_in is not None:
+            health.on_gone(answer_in.remove_file)
+        relay = Relay.open(runtime, model, role, consumer, producer is not None, t.claim_window_s,
+                           origin=answer_in.origin if answer_in is not None else NO_ORIGIN)
         if relay is not None:
             health.on_gone(relay.remove_files)
+        answer_out = AnswerOut(runtime) if role is not None and role.tail else None
         tracer.memory("tensormq")
-        return cls(producer, consumer, relay, answers_early, spec, stream, tracer)
+        return cls(producer, consumer, relay, answers_early, spec, stream, tracer, answer_in, answer_out)
 
     def begin(self) -> None:
         """A new call."""
@@ -77,11 +89,13 @@ class TensorMQEnds:
         if self.relay is not None:
             self.relay.begin()  # a sender's keys and a receiver's wait start afresh with each call
 
-    def produce(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None) -> list[torch.Tensor]:
+    def produce(self, runner: BlockRunner, xs: list[torch.Tensor], early: EarlyReply | None,
+                before_send: Callable[[list[bytes]], object] | None = None) -> list[torch.Tensor]:
         """One batch through ``runner`` straight into a pool slot: its event recorded, its tickets handed out. No host sync.
 
         ``early``: sends the tickets as the call's response before the GPU work is queued (a
-        failure after that marks them failed: their consumer refuses them)."""
+        failure after that marks them failed: their consumer refuses them). ``before_send``: given
+        the tickets before a sender hands them over (a chain's head notes the keys it waits for)."""
         producer, tracer, lap = self.producer, self.tracer, self.tracer.part_lap
         assert producer is not None  # the block's _run asked
         reservation = producer.reserve_tensors(int(xs[0].shape[0]), self.out_shapes, runner.out_dtype)
@@ -95,6 +109,8 @@ class TensorMQEnds:
                 tickets = producer.issue(reservation)  # marks them handed on early, also when packed
                 handed = ticket_tensor(tickets) if handed is None else handed
                 if sender is not None:
+                    if before_send is not None:
+                        before_send(tickets)
                     sender.send(tickets)
                 if early is not None:
                     early(handed, packed.response if packed is not None else None)
@@ -133,6 +149,8 @@ class TensorMQEnds:
     def close(self, drain_s: float) -> None:
         if self.relay is not None:
             self.relay.close()
+        if self.answer_out is not None:
+            self.answer_out.close()
         if self.consumer is not None:
             self.consumer.close()  # sends the releases still queued
         if self.producer is not None:

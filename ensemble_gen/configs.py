@@ -19,6 +19,7 @@ from blockflow.core.spec import (
     TICKET_BYTES,
     ModelSpec,
     SideInput,
+    TaskOutput,
     activation_names,
 )
 from blockflow.plan import Block
@@ -100,7 +101,7 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     cfg.input.extend(_side_tensor(s) for s in spec.side_inputs)
     if spec.heads:  # a head pack answers each task on its own output
         cfg.output.extend(_tensor(h.output, spec.out_shape, mc.ModelOutput) for h in spec.heads)
-    elif spec.gives_logits:
+    elif spec.gives_logits or spec.answers_task:  # a chain's tail computes the answer its head gives
         cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in spec.task_outputs)
     elif tmq:
         cfg.output.append(_tensor(ACTIVATION_OUT, [TICKET_BYTES], mc.ModelOutput, mc.TYPE_UINT8))
@@ -139,6 +140,11 @@ def python_model_config(name: str, spec: ModelSpec, block: Block) -> mc.ModelCon
     return cfg
 
 
+def _answer(spec: ModelSpec) -> tuple[TaskOutput, ...]:
+    """The outputs a step that answers its task names (a detector's, a chain head's); none: LOGITS."""
+    return spec.task_outputs if spec.hand_over is not None and spec.hand_over.answered_by else spec.outputs
+
+
 @dataclass(frozen=True)
 class Step:
     """One ensemble step: a model, the spec it runs (for its tensor names) and, for the last step,
@@ -170,7 +176,7 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
         cfg.input.extend(_tensor(n, dims, mc.ModelInput, t) for n, dims, t in entry)
     cfg.input.extend(_side_tensor(s) for s in side_inputs)
     first = [IMAGE] if entry is None else [n for n, _, _ in entry]
-    answer = steps[-1].spec.outputs  # a detector's outputs; none: LOGITS
+    answer = _answer(steps[-1].spec)  # a detector's outputs; none: LOGITS
     if answer:
         cfg.output.extend(_tensor(o.name, o.shape, mc.ModelOutput, OUTPUT_TYPES[o.dtype]) for o in answer)
     else:
@@ -192,13 +198,13 @@ def ensemble_config(name: str, steps: Sequence[Step], image_shape: Sequence[int]
             step.input_map[side.name] = side.name
         for k, j in enumerate(wiring.after.get(i, ()) if wiring is not None else ()):
             step.input_map[f"{HANDED_AFTER}_{k}"] = given[j][0]
-        if s.spec.gives_logits:
+        if s.spec.answers_task:
             # The step's output map is also what the step's request asks for: a head pack
             # runs only the heads whose outputs are requested.
-            if s.spec.outputs:
-                for o in s.spec.outputs:
+            if _answer(s.spec):
+                for o in _answer(s.spec):
                     step.output_map[o.name] = o.name
-                given.append([o.name for o in s.spec.outputs])
+                given.append([o.name for o in _answer(s.spec)])
             else:
                 step.output_map[s.logits] = LOGITS
                 given.append([LOGITS])

@@ -181,6 +181,13 @@ Chains (plan option ``hand_over: chain``; ``backend/link_loop.py``, ``direct_pai
   than the join waits (``COMMIT_WAIT_S``) are handed on as the sample's failure, so the join's request
   fails with it (UNAVAILABLE). A link answers no request (a direct call fails with a clear error);
   Triton's statistics do not count its work.
+- With ``chain_answers: head`` a chain that runs to its tasks' last block has no join: that block is a
+  link too, the *tail*. The head's hand-overs name its instance (their *origin*, its pid); the tail
+  sends each sample's answer, or the failure it was handed, to that instance's answer socket
+  (``wire.py``; ``answers.py``). The head registers its call's keys before it hands them over, waits
+  in ``execute`` until each request has every answer, a failure, or nothing after the lease's wait,
+  and returns the responses (``backend/chain_answers.py``). An instance runs one call at a time, so
+  an answer for no key of its current call is dropped.
 - A link that stops (an unload, a reload) first removes its sockets' files, so senders stop finding it,
   then runs what reached it until it hears nothing for two polls.
 - The join resolves its key as a receiver of direct hand-overs, but never asks the key's claim table:

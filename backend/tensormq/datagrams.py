@@ -9,7 +9,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from blockflow.backend.tensormq.wire import DGRAM_MAX, hand_over_dgram_path, pack_datagrams, unpack_datagram
+from blockflow.backend.tensormq.wire import DGRAM_MAX, HandOverMessage, hand_over_dgram_path, pack_datagrams, unpack_datagram
 from blockflow.core import env
 
 
@@ -71,8 +71,8 @@ class DatagramIn:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> Iterator[tuple[bytes, bytes, bytes]]:
-        """``(key, status, ticket)`` of each hand-over queued, datagram by datagram, until none is left."""
+    def read(self) -> Iterator[HandOverMessage]:
+        """``(key, status, ticket, origin)`` of each hand-over queued, datagram by datagram, until none is left."""
         while True:
             try:
                 data = self.sock.recv(DGRAM_MAX)

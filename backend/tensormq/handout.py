@@ -19,7 +19,7 @@ import zmq
 
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.datagrams import DatagramOut, datagrams_on
-from blockflow.backend.tensormq.wire import failed, hand_over_prefix, handed, listening
+from blockflow.backend.tensormq.wire import NO_ORIGIN, failed, hand_over_prefix, handed, listening
 from blockflow.core import env
 
 MAC = tk.LAYOUT["mac"]
@@ -38,7 +38,8 @@ def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
 class HandOut:
     """A sender's side: the keys of the current call, then for each its ticket or its failure."""
 
-    def __init__(self, runtime_dir: Path, to_model: str, own_keys: bool = False, one: bool = False) -> None:
+    def __init__(self, runtime_dir: Path, to_model: str, own_keys: bool = False, one: bool = False,
+                 origin: bytes = NO_ORIGIN) -> None:
         self.dir = runtime_dir / env.TMQ_DIR
         self.prefix = hand_over_prefix(to_model)
         self.to = to_model
@@ -48,12 +49,16 @@ class HandOut:
         # A chain's link takes every hand-over it hears (no request picks its instance): each call's go to one
         # instance, the next call's to the next (an instance that does not take them: the one after).
         self.one = one
+        # A chain's head that its tail answers names itself as each of its hand-overs' origin; a link
+        # hands on the origin it was handed.
+        self.origin = origin
         self._turn = 0
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._dgram = DatagramOut() if datagrams_on() else None
         self._seen: tuple[int, float] = (-1, 0.0)  # the directory's mtime at the last listing, and when it was listed
         self._keys: list[bytes] = []
+        self._origins: list[bytes] = []  # a link's: each key's, as it was handed
         self.dropped = 0  # hand-overs a receiver instance did not take in time
 
     @property
@@ -84,29 +89,34 @@ class HandOut:
         return self._socks
 
     def begin(self) -> None:
-        self._keys = []
+        self._keys, self._origins = [], []
 
-    def take(self, keys: Sequence[bytes]) -> None:
-        """One request's keys, read: its samples are the next ones of this call's batch."""
+    def take(self, keys: Sequence[bytes], origins: Sequence[bytes] | None = None) -> None:
+        """One request's keys, read: its samples are the next ones of this call's batch (a link: with the
+        origin each was handed with)."""
         self._keys.extend(keys)
+        self._origins.extend(origins if origins is not None else [self.origin] * len(keys))
 
     def send(self, tickets: Sequence[bytes]) -> None:
         """This call's tickets, one per sample of its batch, in the order of its keys (a chain's head: keyed by themselves)."""
-        keys, self._keys = self._keys, []
+        keys, origins = self._keys, self._origins
+        self._keys, self._origins = [], []
         if self.own_keys:
-            keys = [t[MAC] for t in tickets]
-        self._push([handed(k, t) for k, t in zip(keys, tickets, strict=True)])
+            keys, origins = [t[MAC] for t in tickets], [self.origin] * len(tickets)
+        self._push([handed(k, t, o) for k, t, o in zip(keys, tickets, origins, strict=True)])
 
-    def fail(self, keys: Sequence[bytes], reason: str, forwarded: bool = False) -> None:
+    def fail(self, keys: Sequence[bytes], reason: str, forwarded: bool = False, origins: Sequence[bytes] | None = None) -> None:
         """The receiver fails these samples' requests at once, with ``reason``, instead of waiting
         (``forwarded``: a chain's link hands on the failure it was handed, as it was)."""
-        self._push([failed(k, reason if forwarded else f"{reason} (in block {self.to}'s sender)") for k in keys])
+        why = reason if forwarded else f"{reason} (in block {self.to}'s sender)"
+        self._push([failed(k, why, o) for k, o in zip(keys, origins if origins is not None else [self.origin] * len(keys), strict=True)])
 
     def finish(self, reason: str) -> None:
         """End of the call: keys read but never sent (the batch failed before its tickets) fail."""
-        keys, self._keys = self._keys, []
+        keys, origins = self._keys, self._origins
+        self._keys, self._origins = [], []
         if keys:
-            self.fail(keys, reason)
+            self.fail(keys, reason, origins=origins)
 
     def _push(self, messages: list[list[bytes]]) -> None:
         if not messages:

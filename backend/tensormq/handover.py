@@ -31,6 +31,8 @@ from blockflow.backend.tensormq.handout import MAC, SEND_HWM, HandOut, keys_of
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
 from blockflow.backend.tensormq.wire import (
     HANDED,
+    NO_ORIGIN,
+    HandOverMessage,
     hand_over_dgram_path,
     hand_over_of,
     hand_over_path,
@@ -94,7 +96,7 @@ class HandIn:
         self.mac_key = mac_key
         self.wait_s = wait_s
         self.keep_s = keep_s
-        self.pending: OrderedDict[bytes, tuple[float, bytes, bytes]] = OrderedDict()  # key -> (arrived, status, ticket)
+        self.pending: OrderedDict[bytes, tuple[float, bytes, bytes, bytes]] = OrderedDict()  # key -> (arrived, status, ticket, origin)
         self.served: OrderedDict[bytes, float] = OrderedDict()  # key -> when
         self._tables: dict[tuple[int, int], ClaimTable] = {}  # the keys' producers' claim tables, opened on demand
         # The execute thread reads the socket as it needs; an instance Triton gives no requests for a
@@ -137,22 +139,22 @@ class HandIn:
         self._expire()
         return out
 
-    def take_any(self, timeout_s: float, most: int, stale_s: float) -> list[tuple[bytes, bytes, bytes]]:
-        """A chain link's next hand-overs, ``(key, status, ticket)`` in the order they came, at most ``most``;
+    def take_any(self, timeout_s: float, most: int, stale_s: float) -> list[HandOverMessage]:
+        """A chain link's next hand-overs, ``(key, status, ticket, origin)`` in the order they came, at most ``most``;
         waits up to ``timeout_s`` for the first. Each key is served once (a copy that comes later is dropped).
         One that arrived over ``stale_s`` ago comes as failed (its request gave up by then)."""
         with self._lock:
             self._drain()
             if not self.pending and self.poller.poll(max(1, int(timeout_s * 1000))):
                 self._drain()
-            out: list[tuple[bytes, bytes, bytes]] = []
+            out: list[HandOverMessage] = []
             now = time.monotonic()
             while self.pending and len(out) < most:
-                key, (arrived, status, ticket) = self.pending.popitem(last=False)
+                key, (arrived, status, ticket, origin) = self.pending.popitem(last=False)
                 self.served[key] = now
                 if status == HANDED and now - arrived > stale_s:
                     status = f"not run: it waited over {stale_s:g} s in block {self.model}'s queue".encode()
-                out.append((key, status, ticket))
+                out.append((key, status, ticket, origin))
             self._expire()
             return out
 
@@ -176,7 +178,7 @@ class HandIn:
             if deadline - now <= 0 or (not self.poller.poll(max(1, int(left * 1000))) and time.monotonic() >= deadline):
                 raise ProducerGoneError(f"block {self.sender} did not hand over this request's input within "
                                         f"{self.wait_s:g} s (it stopped, or the request did not come through its task)")
-        _, status, ticket = self.pending.pop(key)
+        _, status, ticket, _ = self.pending.pop(key)
         return status, ticket
 
     def _over(self, t: tk.Ticket, now: float) -> TicketError | ProducerGoneError | None:
@@ -222,12 +224,12 @@ class HandIn:
             if heard is not None:  # only senders of this server reach the socket; nothing else is read
                 self._keep(heard, now)
 
-    def _keep(self, message: tuple[bytes, bytes, bytes], now: float) -> None:
+    def _keep(self, message: HandOverMessage, now: float) -> None:
         """A hand-over heard: kept until asked for, unless its key was served or heard already (a
         call that went over ZeroMQ after some of its datagrams arrived comes twice)."""
-        key, status, ticket = message
+        key, status, ticket, origin = message
         if key not in self.served and key not in self.pending:
-            self.pending[key] = (now, status, ticket)
+            self.pending[key] = (now, status, ticket, origin)
 
     def _expire(self) -> None:
         """Forget hand-overs older than the claim window (their tickets are refused by then) and
@@ -271,11 +273,13 @@ class Relay:
 
     @classmethod
     def open(cls, runtime_dir: Path, model: str, role: HandOver | None, consumer: Consumer | None, produces: bool,
-             keep_s: float) -> Relay | None:
-        """The part ``role`` gives a block with ``consumer`` (and a producer where ``produces``); None for none."""
+             keep_s: float, origin: bytes = NO_ORIGIN) -> Relay | None:
+        """The part ``role`` gives a block with ``consumer`` (and a producer where ``produces``; ``origin``: a
+        chain head's that its tail answers, :mod:`~blockflow.backend.tensormq.answers`); None for none."""
         if role is None:
             return None
-        out = HandOut(runtime_dir, role.to, own_keys=role.own_keys, one=role.to_link) if role.to and produces else None
+        out = (HandOut(runtime_dir, role.to, own_keys=role.own_keys, one=role.to_link, origin=origin)
+               if role.to and produces else None)
         into = (HandIn(runtime_dir, model, role, consumer.key, consumer.commit_wait_s, keep_s, also=consumer.also)
                 if role.takes_from and consumer is not None else None)
         return cls(out, into) if out or into else None

@@ -27,6 +27,8 @@ one message per sample, no answer::
     status  0 to 4096     empty (HANDED): the sample's ticket follows; else why the sender failed
                           the sample's request, UTF-8 (STATUS_MAX bytes at most)
     ticket  TICKET_BYTES  the sender's ticket for the sample; empty with a failure
+    origin  4             the process id (little-endian) of the chain head's instance that took the
+                          sample's request and waits for its answer (:func:`answer_path`); 0: none
 
 :func:`handed` and :func:`failed` build a message, :func:`hand_over_of` reads one.
 
@@ -37,9 +39,23 @@ without waiting. Each message in a datagram, one after the other::
 
     field          bytes          what
     key            MAC_BYTES      as above
+    origin         4              as above
     status length  2              little-endian, at most STATUS_MAX; 0 (HANDED): a ticket follows
     status         status length  why the sender failed the sample's request, UTF-8
     ticket         TICKET_BYTES   only with HANDED
+
+A chain's tail to its head (plan option ``chain_answers: head``): each sample's answer, as AF_UNIX
+datagrams only, to the datagram socket of the head instance its hand-overs name as their origin, at
+:func:`answer_path` (``tmq/an<pid, 8 hex>.dg``). The tail waits while that socket's queue is full (up to
+``ANSWER_SEND_S``), so answers are not dropped; an answer the head never hears fails its request after
+the head's wait. Each message in a datagram, one after the other (:func:`pack_answers`, :func:`unpack_answers`)::
+
+    field           bytes           what
+    key             MAC_BYTES       the hand-over's key (the head's ticket for the sample)
+    status length   2               little-endian, at most STATUS_MAX; 0: the answer follows
+    status          status length   why the chain failed the sample's request, UTF-8
+    answer length   4               little-endian, at most ANSWER_MAX; 0 with a failure
+    answer          answer length   the sample's value of each task output in order, raw (little-endian)
 
 A receiver's queue holds a few datagrams (``net.unix.max_dgram_qlen``); a call that finds it full,
 or finds no datagram socket, goes over ZeroMQ instead, and a receiver keeps the first copy of a key's
@@ -54,6 +70,7 @@ from pathlib import Path
 
 from blockflow.backend.tensormq.ticket import MAC_BYTES, TICKET_BYTES, model_id
 from blockflow.core import env
+from blockflow.core.spec import ANSWER_MAX
 
 HELLO, WELCOME, RELEASE, STATS, ERROR = b"HELLO", b"WELCOME", b"RELEASE", b"STATS", b"ERROR"
 RELEASE_ITEM = struct.Struct("<IIII")  # generation, slot, seq, sample: one claimed sample handed back
@@ -63,6 +80,16 @@ HANDED = b""  # a hand-over's status when it carries the sample's ticket
 STATUS_MAX = 4096
 DGRAM_MAX = 65536  # bytes of hand-overs in one datagram (AF_UNIX takes up to its send buffer, ~200 KiB)
 _STATUS_LEN = struct.Struct("<H")
+_ANSWER_LEN = struct.Struct("<I")
+ORIGIN = struct.Struct("<I")
+NO_ORIGIN = ORIGIN.pack(0)
+# How long a tail waits for room in its head's queue before it gives an answer up (the head then
+# fails the request after its own wait).
+ANSWER_SEND_S = 2.0
+# A hand-over: key, status, ticket (empty with a failure) and origin.
+HandOverMessage = tuple[bytes, bytes, bytes, bytes]
+# A tail's answer to its head: key, status, the sample's answer (empty with a failure).
+Answer = tuple[bytes, bytes, bytes]
 
 
 def socket_path(runtime_dir: Path, pid: int, generation: int) -> Path:
@@ -103,24 +130,33 @@ def hand_over_path(runtime_dir: Path, model: str, pid: int) -> Path:
     return runtime_dir / env.TMQ_DIR / f"{hand_over_prefix(model)}{pid:08x}.sock"
 
 
-def handed(key: bytes, ticket: bytes) -> list[bytes]:
+def answer_path(runtime_dir: Path, pid: int) -> Path:
+    """The datagram socket of the chain head's instance ``pid``, where its tail's answers come."""
+    return runtime_dir / env.TMQ_DIR / f"an{pid:08x}.dg"
+
+
+def handed(key: bytes, ticket: bytes, origin: bytes = NO_ORIGIN) -> list[bytes]:
     """The hand-over of one sample's ticket under ``key``."""
-    return [key, HANDED, ticket]
+    return [key, HANDED, ticket, origin]
 
 
-def failed(key: bytes, reason: str) -> list[bytes]:
+def failed(key: bytes, reason: str, origin: bytes = NO_ORIGIN) -> list[bytes]:
     """The hand-over of one sample's failure under ``key``: the receiver fails its request with ``reason``."""
-    return [key, reason.encode()[:STATUS_MAX] or b"failed", b""]
+    return [key, _status(reason), b"", origin]
 
 
-def hand_over_of(frames: list[bytes]) -> tuple[bytes, bytes, bytes] | None:
-    """``(key, status, ticket)`` of a well-formed hand-over; None for anything else."""
-    if len(frames) != 3 or len(frames[0]) != MAC_BYTES:
+def _status(reason: str) -> bytes:
+    return reason.encode()[:STATUS_MAX] or b"failed"
+
+
+def hand_over_of(frames: list[bytes]) -> HandOverMessage | None:
+    """``(key, status, ticket, origin)`` of a well-formed hand-over; None for anything else."""
+    if len(frames) != 4 or len(frames[0]) != MAC_BYTES or len(frames[3]) != ORIGIN.size:
         return None
-    key, status, ticket = frames
+    key, status, ticket, origin = frames
     if status == HANDED and len(ticket) != TICKET_BYTES:
         return None
-    return key, status, ticket
+    return key, status, ticket, origin
 
 
 def hand_over_dgram_path(stream_path: Path) -> Path:
@@ -128,12 +164,11 @@ def hand_over_dgram_path(stream_path: Path) -> Path:
     return stream_path.with_suffix(".dg")
 
 
-def pack_datagrams(messages: list[list[bytes]]) -> list[bytes]:
-    """Hand-overs (:func:`handed`, :func:`failed`) as datagrams of at most ``DGRAM_MAX`` bytes each."""
+def _packed(entries: list[bytes]) -> list[bytes]:
+    """``entries`` one after the other in datagrams of at most ``DGRAM_MAX`` bytes (a longer entry alone)."""
     out: list[bytes] = []
     current = bytearray()
-    for key, status, ticket in messages:
-        entry = key + _STATUS_LEN.pack(len(status)) + status + ticket
+    for entry in entries:
         if current and len(current) + len(entry) > DGRAM_MAX:
             out.append(bytes(current))
             current = bytearray()
@@ -143,15 +178,21 @@ def pack_datagrams(messages: list[list[bytes]]) -> list[bytes]:
     return out
 
 
-def unpack_datagram(data: bytes) -> list[tuple[bytes, bytes, bytes]]:
-    """``(key, status, ticket)`` of each well-formed hand-over of a datagram, in order; reading stops
-    at the first malformed one (only senders of this server reach the socket)."""
-    out: list[tuple[bytes, bytes, bytes]] = []
+def pack_datagrams(messages: list[list[bytes]]) -> list[bytes]:
+    """Hand-overs (:func:`handed`, :func:`failed`) as datagrams of at most ``DGRAM_MAX`` bytes each."""
+    return _packed([key + origin + _STATUS_LEN.pack(len(status)) + status + ticket for key, status, ticket, origin in messages])
+
+
+def unpack_datagram(data: bytes) -> list[HandOverMessage]:
+    """``(key, status, ticket, origin)`` of each well-formed hand-over of a datagram, in order; reading
+    stops at the first malformed one (only senders of this server reach the socket)."""
+    out: list[HandOverMessage] = []
     i = 0
-    while i + MAC_BYTES + _STATUS_LEN.size <= len(data):
-        key = data[i:i + MAC_BYTES]
-        (n,) = _STATUS_LEN.unpack_from(data, i + MAC_BYTES)
-        i += MAC_BYTES + _STATUS_LEN.size
+    head = MAC_BYTES + ORIGIN.size + _STATUS_LEN.size
+    while i + head <= len(data):
+        key, origin = data[i:i + MAC_BYTES], data[i + MAC_BYTES:i + MAC_BYTES + ORIGIN.size]
+        (n,) = _STATUS_LEN.unpack_from(data, i + MAC_BYTES + ORIGIN.size)
+        i += head
         if n > STATUS_MAX or i + n > len(data):
             break
         status = data[i:i + n]
@@ -162,5 +203,42 @@ def unpack_datagram(data: bytes) -> list[tuple[bytes, bytes, bytes]]:
                 break
             ticket = data[i:i + TICKET_BYTES]
             i += TICKET_BYTES
-        out.append((key, status, ticket))
+        out.append((key, status, ticket, origin))
+    return out
+
+
+def answered(key: bytes, answer: bytes) -> Answer:
+    """A tail's answer for the sample under ``key``."""
+    return key, HANDED, answer
+
+
+def answer_failed(key: bytes, reason: str) -> Answer:
+    """A tail's word that the sample under ``key`` failed, with ``reason``."""
+    return key, _status(reason), b""
+
+
+def pack_answers(answers: list[Answer]) -> list[bytes]:
+    """A tail's answers (:func:`answered`, :func:`answer_failed`) as datagrams of at most ``DGRAM_MAX`` bytes."""
+    return _packed([key + _STATUS_LEN.pack(len(status)) + status + _ANSWER_LEN.pack(len(answer)) + answer
+                    for key, status, answer in answers])
+
+
+def unpack_answers(data: bytes) -> list[Answer]:
+    """``(key, status, answer)`` of each well-formed answer of a datagram, in order; reading stops at
+    the first malformed one."""
+    out: list[Answer] = []
+    i = 0
+    while i + MAC_BYTES + _STATUS_LEN.size <= len(data):
+        key = data[i:i + MAC_BYTES]
+        (n,) = _STATUS_LEN.unpack_from(data, i + MAC_BYTES)
+        i += MAC_BYTES + _STATUS_LEN.size
+        if n > STATUS_MAX or i + n + _ANSWER_LEN.size > len(data):
+            break
+        status = data[i:i + n]
+        (m,) = _ANSWER_LEN.unpack_from(data, i + n)
+        i += n + _ANSWER_LEN.size
+        if m > ANSWER_MAX or i + m > len(data) or (status == HANDED) != (m > 0):
+            break
+        out.append((key, status, data[i:i + m]))
+        i += m
     return out

@@ -45,6 +45,10 @@ COUNT, BOXES, SCORES, LABELS, MASKS = "COUNT", "BOXES", "SCORES", "LABELS", "MAS
 ACTIVATION_IN = "ACTIVATION_IN"
 ACTIVATION_OUT = "ACTIVATION_OUT"
 TICKET_BYTES = 256
+# The most bytes of one sample's answer that a chain's tail sends back to its head (one message of a
+# datagram, ``backend/tensormq/wire.py``): a task whose answer is larger (a segmenter's masks), or
+# varies (a detector's), keeps its chain's join.
+ANSWER_MAX = 32768
 # A join's optional inputs: the tickets of the blocks before it that handed over directly (their
 # outputs reach no other step, and Triton runs only the steps whose outputs some step takes).
 HANDED_AFTER = "HANDED_AFTER"
@@ -113,6 +117,16 @@ class TaskOutput(_Strict):
     name: str
     dtype: OutputDtype
     shape: tuple[int, ...]
+
+    @property
+    def sample_bytes(self) -> int | None:
+        """Bytes of one sample's value; None where its shape varies."""
+        if any(d < 0 for d in self.shape):
+            return None
+        n = 8 if self.dtype == "int64" else 4
+        for d in self.shape:
+            n *= d
+        return n
 
 
 BRIDGE_PARAMETER = "blockflow.bridge"
@@ -222,6 +236,17 @@ class HandOver(_Strict):
     to_link: bool = False
     # A chain's join: its hand-overs come from a link, hops after its key (the head's ticket) was claimed.
     from_link: bool = False
+    # A chain that ends its tasks (plan option ``chain_answers: head``): its last block is a link too, the
+    # *tail*, and sends each sample's answer back to the head instance that took its request
+    # (``tail``); the head (``answered_by``: the tail) answers the request with it, as the ensemble's
+    # only step of the chain.
+    tail: bool = False
+    answered_by: str = ""
+    # What the head answers with: its tail's task outputs.
+    answer: tuple[TaskOutput, ...] = ()
+
+
+_CHAIN_FIELDS = ("link", "own_keys", "to_link", "from_link", "tail", "answered_by", "answer")
 
 
 class ModelSpec(_Strict):
@@ -329,8 +354,19 @@ class ModelSpec(_Strict):
         return not self.heads and not (role is not None and (role.link or bool(role.to)))
 
     @property
+    def answers_task(self) -> bool:
+        """Whether its response is the task's answer (``task_outputs``): it runs the network's last stage
+        and is no chain's tail, or it is the head of a chain whose tail answers through it."""
+        role = self.hand_over
+        if role is not None and role.answered_by:
+            return True
+        return self.gives_logits and not (role is not None and role.tail)
+
+    @property
     def task_outputs(self) -> tuple[TaskOutput, ...]:
-        """What the task's answer holds where this model gives it."""
+        """What the task's answer holds where this model gives it (a chain's head: what its tail gives)."""
+        if self.hand_over is not None and self.hand_over.answered_by:
+            return self.hand_over.answer
         return self.outputs or (TaskOutput(name=LOGITS, dtype="fp32", shape=self.out_shape),)
 
     def to_json(self) -> str:
@@ -351,6 +387,6 @@ class ModelSpec(_Strict):
                 del part["precision"]
             if not part["side_inputs"]:
                 del part["side_inputs"]
-        if "hand_over" in data:  # a chain's fields, where false (direct hand-overs keep their bytes)
-            data["hand_over"] = {k: v for k, v in data["hand_over"].items() if v is not False}
+        if "hand_over" in data:  # a chain's fields, where false or empty (direct hand-overs keep their bytes)
+            data["hand_over"] = {k: v for k, v in data["hand_over"].items() if k not in _CHAIN_FIELDS or v}
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

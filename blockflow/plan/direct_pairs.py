@@ -35,11 +35,13 @@ class Wiring:
 
 
 def pairs(paths: Mapping[str, Sequence[str]], packs: Set[str] = frozenset(),
-          kept: Sequence[Sequence[str]] = (), readers: Set[str] = frozenset(), chain: bool = False) -> dict[str, str]:
+          kept: Sequence[Sequence[str]] = (), readers: Set[str] = frozenset(), chain: bool = False,
+          tails: Set[str] = frozenset()) -> dict[str, str]:
     """Sender -> receiver of every pair that hands over directly, given each task's models in order
     (``kept``: the paths of tasks whose ensembles keep every step; their blocks hand over nothing;
     ``readers``: the models that read side inputs, which never receive; ``chain``: the receivers are
-    links, :func:`chain_roles`)."""
+    links, :func:`chain_roles`; ``tails``: the models that may end a chain as its *tail*, a link
+    that is the last block of every path it is on and answers the chain's head)."""
     after: dict[str, set[str]] = {}
     before: dict[str, set[str]] = {}
     steady = {m for path in kept for m in path} | set(packs)
@@ -57,6 +59,8 @@ def pairs(paths: Mapping[str, Sequence[str]], packs: Set[str] = frozenset(),
             nexts_b = after.get(b, set())
             if len(nexts_b) == 1 and before[next(iter(nexts_b))] == {b} and all(1 <= i <= n - 2 for i, n in places):
                 out[a] = b
+            elif b in tails and not nexts_b and all(i == n - 1 for i, n in places):
+                out[a] = b
         elif all(2 <= i <= n - 2 for i, n in places):
             out[a] = b
     return out
@@ -73,7 +77,8 @@ def chain_roles(paths: Mapping[str, Sequence[str]], relay: Mapping[str, str]) ->
     """Each model's part in the chains of ``paths`` (models that play none are left out): a run
     ``h -> r1 -> ... -> rk -> j`` has its head ``h`` keying each hand-over by its own ticket, the links
     ``r*`` (no steps) handing on under that key, and its join ``j`` (the step after ``h``) given ``h``'s
-    ticket as its key by the ensemble and ``rk``'s ticket for it by ``rk``."""
+    ticket as its key by the ensemble and ``rk``'s ticket for it by ``rk``. A run whose ``rk`` is its
+    paths' last block (a tail, :func:`pairs`) has no join: ``rk`` answers ``h``, which answers the request."""
     links = set(relay.values())
     takes_from = {b: a for a, b in relay.items()}
     out: dict[str, dict[str, object]] = {}
@@ -84,13 +89,15 @@ def chain_roles(paths: Mapping[str, Sequence[str]], relay: Mapping[str, str]) ->
             head, run = model, [model]  # a run's head: a sender that is no link
             while run[-1] in relay:
                 run.append(relay[run[-1]])
-            join = path[path.index(run[-1]) + 1]
-            out.setdefault(head, {}).update(to=relay[head], own_keys=True, to_link=True)
+            end = path.index(run[-1]) + 1
+            join = path[end] if end < len(path) else ""  # none: run[-1] is the chain's tail
+            out.setdefault(head, {}).update(to=relay[head], own_keys=True, to_link=True, answered_by="" if join else run[-1])
             for r in run[1:]:
                 to = relay.get(r, join)
                 out.setdefault(r, {}).update(to=to, takes_from=takes_from[r], keys_from=(head,), link=True,
-                                             to_link=to in links)
-            out.setdefault(join, {}).update(takes_from=run[-1], keys_from=(head,), from_link=True)
+                                             to_link=to in links, tail=not to)
+            if join:
+                out.setdefault(join, {}).update(takes_from=run[-1], keys_from=(head,), from_link=True)
     return {m: HandOver.model_validate(fields) for m, fields in sorted(out.items())}
 
 

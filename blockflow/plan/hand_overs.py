@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from blockflow.core.spec import SideInput
+from blockflow.core.spec import ANSWER_MAX, LOGITS, SideInput, TaskOutput
 from blockflow.plan import direct_pairs
 from blockflow.plan.packs import HeadPack
-from blockflow.plan.schema import HandOverMode
+from blockflow.plan.schema import HandOverMode, PlanModel
 
 if TYPE_CHECKING:  # deployment imports this module: its classes are named for the types only
     from blockflow.plan.deployment import Block, Deployed, Task
@@ -35,6 +35,12 @@ class HandOvers:
 
         def side_inputs_of(self, blocks: Sequence[Block]) -> tuple[SideInput, ...]: ...
 
+        raw: PlanModel
+
+        def block_outputs(self, block: Block) -> tuple[TaskOutput, ...]: ...
+
+        def block_out_shape(self, block: Block) -> tuple[int, ...]: ...
+
     @cached_property
     def hand_overs(self) -> dict[str, str]:
         """Sender -> receiver of each pair of deployed models (names before any transport suffix) that
@@ -46,7 +52,25 @@ class HandOvers:
             return {}
         kept = [[d.name for d in self.deployed(t)] for t in self.tasks.values() if t.name not in paths]
         readers = {d.name for t in self.tasks.values() for d in self.deployed(t) if self.side_inputs_of(d.blocks)}
-        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept, readers, chain=mode == "chain")
+        tails = self.chain_tails if mode == "chain" else set()
+        return direct_pairs.pairs(paths, {p.name for p in self.head_packs.values()}, kept, readers, chain=mode == "chain",
+                                  tails=tails)
+
+    @cached_property
+    def chain_tails(self) -> set[str]:
+        """The deployed models that may end a chain as its tail (plan option ``chain_answers: head``): each
+        task's last, where one sample's answer has a fixed size of at most ``ANSWER_MAX`` bytes."""
+        if self.raw.chain_answers != "head":
+            return set()
+        out = set()
+        for t in self.tasks.values():
+            last = self.deployed(t)[-1]
+            block = last.blocks[-1]
+            answer = self.block_outputs(block) or (TaskOutput(name=LOGITS, dtype="fp32", shape=self.block_out_shape(block)),)
+            sizes = [o.sample_bytes for o in answer]
+            if last.pack is None and all(n is not None for n in sizes) and sum(n or 0 for n in sizes) <= ANSWER_MAX:
+                out.add(last.name)
+        return out
 
     @cached_property
     def hand_over_mode(self) -> HandOverMode:

@@ -272,6 +272,11 @@ class PlanModel(_Strict):
     # one ensemble step fewer per such pair (docs/plan.md, "hand_over"). chain: such blocks are no
     # steps at all: each runs what the block before it hands it and hands on (docs/plan.md, "Chains").
     hand_over: HandOverMode = "ensemble"
+    # Who answers a chain's tasks where the chain runs to their last block (docs/plan.md, "Chains"):
+    # join: that block is an ensemble step after the head's, as where a chain ends before its tasks'
+    # last block; head: that block is a link too (the *tail*), and the chain's head waits in its call
+    # for what the tail sends back and answers with it, so the ensemble runs one step for the chain.
+    chain_answers: Literal["join", "head"] = "join"
     tensormq: TensorMQSettings = TensorMQSettings()
     # The servers a plan spans (blockflow.plan.crossing): each serves its blocks, and a task whose
     # path goes on to another server's blocks crosses to it over Triton's gRPC. Empty: one server.

@@ -20,7 +20,7 @@ from blockflow.backend.tensormq.handout import HandOut, keys_of
 from blockflow.backend.tensormq.handover import LATE_S, LOOK_AFTER_S, HandIn, Relay
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.tensormq.ticket import ProducerGoneError, TicketError
-from blockflow.backend.tensormq.wire import DGRAM_MAX, failed, handed, pack_datagrams, unpack_datagram
+from blockflow.backend.tensormq.wire import DGRAM_MAX, ORIGIN, failed, handed, pack_datagrams, unpack_datagram
 from blockflow.core import also_accepts, env
 from blockflow.core.runtime_dir import ensure_tensormq, read_key
 from blockflow.core.spec import HandOver, ModelSpec
@@ -362,7 +362,7 @@ def test_a_task_may_keep_its_steps_and_a_plan_that_finds_no_pair_says_so() -> No
 
 def test_datagrams_carry_a_calls_hand_overs_and_a_malformed_tail_is_dropped() -> None:
     key = bytes(range(tk.MAC_BYTES))
-    messages = [handed(key, b"\x07" * tk.TICKET_BYTES), failed(key[::-1], "batch failed")]
+    messages = [handed(key, b"\x07" * tk.TICKET_BYTES, ORIGIN.pack(77)), failed(key[::-1], "batch failed")]
     (one,) = pack_datagrams(messages)
     assert unpack_datagram(one) == [tuple(m) for m in messages]
     assert unpack_datagram(one[:-1]) == [tuple(messages[0])]  # the cut failure is not read
@@ -481,9 +481,9 @@ def test_a_links_instances_take_a_senders_calls_in_turn_and_each_key_once(runtim
                 g.extend(into.take_any(0.01, 32, stale_s=5.0))
         assert sorted(len(g) for g in got) == [6, 7]  # whole calls, alternately; the failure to one
         heard = [m for g in got for m in g]
-        assert sorted(t for k, s, t in heard if s == b"") == sorted(t for c in calls for t in c)
-        assert all(k == t[tk.LAYOUT["mac"]] for k, s, t in heard if s == b"")
-        assert [s for k, s, _ in heard if k == b"k" * 16] == [b"gone"]  # handed on as it was
+        assert sorted(t for k, s, t, _ in heard if s == b"") == sorted(t for c in calls for t in c)
+        assert all(k == t[tk.LAYOUT["mac"]] for k, s, t, _ in heard if s == b"")
+        assert [s for k, s, _, _ in heard if k == b"k" * 16] == [b"gone"]  # handed on as it was
         assert not first.take_any(0.01, 32, stale_s=5.0) and not second.take_any(0.01, 32, stale_s=5.0)  # nothing twice
     finally:
         for x in (out, first, second):
@@ -518,11 +518,11 @@ def test_a_links_sender_skips_a_killed_instance_and_a_stale_hand_over_comes_as_f
         for tickets in calls:
             out.begin()
             out.send(tickets)
-        got: list[tuple[bytes, bytes, bytes]] = []
+        got: list[tuple[bytes, bytes, bytes, bytes]] = []
         deadline = time.monotonic() + 3
         while len(got) < 12 and time.monotonic() < deadline:
             got.extend(live.take_any(0.01, 32, stale_s=5.0))
-        assert sorted(t for _, _, t in got) == sorted(t for c in calls for t in c)  # every call, none to the dead one
+        assert sorted(t for _, _, t, _ in got) == sorted(t for c in calls for t in c)  # every call, none to the dead one
         out.begin()
         out.send([b"\xee" * tk.TICKET_BYTES])
         time.sleep(0.05)

@@ -3,8 +3,6 @@ chained, equal the exported program run whole; bad ones fail the request that ga
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +24,7 @@ from blockflow.core.spec import ModelSpec, Part, SideInput, TransportName, Weigh
 
 from .. import side_programs
 from ..conftest import tensor_error
+from ..stub_stand_in import with_pb_utils
 
 CPU = torch.device("cpu")
 
@@ -212,16 +211,9 @@ class _Error:
 
 @pytest.fixture()
 def request_inputs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    fake = types.ModuleType("triton_python_backend_utils")
-    fake.get_input_tensor_by_name = lambda request, name: request.get(name)  # type: ignore[attr-defined]
-    fake.InferenceResponse = _Response  # type: ignore[attr-defined]
-    fake.TritonError = _Error  # type: ignore[attr-defined]
-    before = set(sys.modules)
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    yield importlib.import_module("blockflow.backend.request_inputs")
-    for name in set(sys.modules) - before:  # what imported the stand-in goes with it
-        if name.startswith("blockflow.backend"):
-            del sys.modules[name]
+    with with_pb_utils(monkeypatch, "blockflow.backend.request_inputs", InferenceResponse=_Response, TritonError=_Error,
+                       get_input_tensor_by_name=lambda request, name: request.get(name)) as module:
+        yield module
 
 
 class _Consumer:

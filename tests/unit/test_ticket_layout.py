@@ -76,11 +76,13 @@ def test_a_ticket_s_fields_sit_where_the_layout_says() -> None:
 
 def test_hand_over_frames() -> None:
     key, ticket = tk.encode(SINGLE, KEY)[MAC], tk.encode(RECORD, KEY)
-    assert wire.handed(key, ticket) == [key, b"", ticket]
-    assert wire.hand_over_of(wire.handed(key, ticket)) == (key, wire.HANDED, ticket)
-    assert wire.failed(key, "x" * 5000) == [key, b"x" * wire.STATUS_MAX, b""]
-    assert wire.failed(key, "") == [key, b"failed", b""]
-    assert wire.hand_over_of(wire.failed(key, "gone")) == (key, b"gone", b"")
-    assert wire.hand_over_of([key, wire.HANDED, ticket[:-1]]) is None  # a ticket cut short
-    assert wire.hand_over_of([key[:-1], wire.HANDED, ticket]) is None  # not a MAC
-    assert wire.hand_over_of([key, wire.HANDED]) is None
+    origin = wire.ORIGIN.pack(4242)
+    assert wire.handed(key, ticket) == [key, b"", ticket, wire.NO_ORIGIN]
+    assert wire.hand_over_of(wire.handed(key, ticket, origin)) == (key, wire.HANDED, ticket, origin)
+    assert wire.failed(key, "x" * 5000) == [key, b"x" * wire.STATUS_MAX, b"", wire.NO_ORIGIN]
+    assert wire.failed(key, "") == [key, b"failed", b"", wire.NO_ORIGIN]
+    assert wire.hand_over_of(wire.failed(key, "gone", origin)) == (key, b"gone", b"", origin)
+    assert wire.hand_over_of([key, wire.HANDED, ticket[:-1], origin]) is None  # a ticket cut short
+    assert wire.hand_over_of([key[:-1], wire.HANDED, ticket, origin]) is None  # not a MAC
+    assert wire.hand_over_of([key, wire.HANDED, ticket, origin[:-1]]) is None  # no origin
+    assert wire.hand_over_of([key, wire.HANDED, ticket]) is None
