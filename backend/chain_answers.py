@@ -16,7 +16,7 @@ Inside a stub only (it needs ``triton_python_backend_utils``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,15 +47,18 @@ class Waiting:
 class ChainAnswers:
     """The head instance's current call: the keys it waits for, and its answers once they come."""
 
-    def __init__(self, into: AnswerIn, outputs: Sequence[TaskOutput], wait_s: float, block: str) -> None:
-        self.into, self.outputs, self.wait_s, self.block = into, tuple(outputs), wait_s, block
+    def __init__(self, into: AnswerIn, outputs: Sequence[TaskOutput], wait_s: float, block: str,
+                 log_error: Callable[[str], None]) -> None:
+        self.into, self.outputs, self.wait_s, self.block, self.log_error = into, tuple(outputs), wait_s, block, log_error
         self._bytes = [o.sample_bytes or 0 for o in self.outputs]
         self._keys: dict[bytes, tuple[Waiting, int]] = {}
         self.answered = self.failed = self.expired = self.stale = 0  # requests; stale: answers no call waited for
 
     def expect(self, sizes: Sequence[int], tickets: Sequence[bytes]) -> list[Waiting]:
         """Before the head hands them over: requests of ``sizes`` samples each, in the order of ``tickets``
-        (the batch's), wait for the answers keyed by their tickets."""
+        (the batch's), wait for the answers keyed by their tickets. What the socket holds before they are
+        handed over is for earlier calls: read and dropped now, so it never fills meanwhile."""
+        self.stale += len(self.into.read())
         out = [Waiting(n) for n in sizes]
         i = 0
         for w in out:
@@ -68,12 +71,13 @@ class ChainAnswers:
         """Wait until each of ``waiting`` has every answer or has failed (a failure handed back, or
         nothing within ``wait_s``); what a request still lacks then fails it."""
         deadline = time.monotonic() + self.wait_s
+        mine = {id(w) for w in waiting}
         left = sum(1 for w in waiting if w.left and w.why is None)
         while left:
             for key, status, answer in self.into.read():
                 found = self._keys.pop(key, None)
-                if found is None:
-                    self.stale += 1  # a call that gave up on it, or a sample failed already
+                if found is None or id(found[0]) not in mine:
+                    self.stale += 1  # for a call that gave up on it, or for a request that failed meanwhile
                     continue
                 w, j = found
                 if w.why is not None:
@@ -86,13 +90,16 @@ class ChainAnswers:
                 w.left -= 1
                 if w.left == 0:
                     left -= 1
-            if left and not self.into.wait(deadline - time.monotonic()):
-                if time.monotonic() >= deadline:
-                    break
-        for w in waiting:
-            if w.why is None and w.left:
-                w.why = f"no answer from the chain's tail within {self.wait_s:g} s"
-                self.expired += 1
+            rest = deadline - time.monotonic()
+            if left and (rest <= 0 or not self.into.wait(rest)) and time.monotonic() >= deadline:
+                break
+        expired = [w for w in waiting if w.why is None and w.left]
+        for w in expired:
+            w.why = f"no answer from the chain's tail within {self.wait_s:g} s"
+        if expired:
+            self.expired += len(expired)
+            self.log_error(f"blockflow: {self.block}: {len(expired)} request(s) got no answer from the chain's tail "
+                           f"within {self.wait_s:g} s ({self.expired} so far)")
 
     def response(self, w: Waiting) -> Any:
         """``w``'s response: each task output's rows, one per sample, from its answers; or its failure."""

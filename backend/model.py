@@ -101,7 +101,7 @@ class TritonPythonModel:
                            if spec.hand_over is not None and spec.hand_over.link and self.ends.relay is not None else None)
         # A chain's head that its tail answers: the requests that wait for those answers.
         self.answers = (ChainAnswers(self.ends.answer_in, spec.task_outputs, spec.tensormq.lease_s if spec.tensormq else 30.0,
-                                     spec.name)
+                                     spec.name, _to_stderr)
                         if self.ends.answer_in is not None else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer,
                                link=self.link_loop)

@@ -14,6 +14,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exported without __all__
 
+from blockflow.backend.tensormq.handout import NoReceiverError
 from blockflow.backend.tensormq.reservation import PoolExhaustedError
 from blockflow.backend.tensormq.ticket import ProducerGoneError
 from blockflow.core.errors import RequestError
@@ -29,8 +30,8 @@ def error(message: str, code: str) -> Any:
 def failure_code(exc: BaseException) -> str:
     """The status of a request that ``exc`` failed: a full pool is load, and a ticket whose producer
     stopped or failed is the producer's fault, not a bad request (UNAVAILABLE: a retry later can
-    help), as is a GPU out of memory; a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
-    if isinstance(exc, (PoolExhaustedError, ProducerGoneError, torch.cuda.OutOfMemoryError)):
+    help), as are a next block with no instance running and a GPU out of memory; a bad request is the caller's (INVALID_ARG); anything else is INTERNAL."""
+    if isinstance(exc, (PoolExhaustedError, ProducerGoneError, NoReceiverError, torch.cuda.OutOfMemoryError)):
         return "UNAVAILABLE"
     return "INVALID_ARG" if isinstance(exc, RequestError) else "INTERNAL"
 

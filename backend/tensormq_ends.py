@@ -111,7 +111,7 @@ class TensorMQEnds:
                 if sender is not None:
                     if before_send is not None:
                         before_send(tickets)
-                    sender.send(tickets)
+                    sender.send(tickets, must_reach=before_send is not None)
                 if early is not None:
                     early(handed, packed.response if packed is not None else None)
                 tracer.lap("run:reply")

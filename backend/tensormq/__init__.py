@@ -186,8 +186,10 @@ Chains (plan option ``hand_over: chain``; ``backend/link_loop.py``, ``direct_pai
   sends each sample's answer, or the failure it was handed, to that instance's answer socket
   (``wire.py``; ``answers.py``). The head registers its call's keys before it hands them over, waits
   in ``execute`` until each request has every answer, a failure, or nothing after the lease's wait,
-  and returns the responses (``backend/chain_answers.py``). An instance runs one call at a time, so
-  an answer for no key of its current call is dropped.
+  and returns the responses (``backend/chain_answers.py``); a call whose hand-overs reach no instance
+  of its first link fails at once (UNAVAILABLE). An instance runs one call at a time, so an answer
+  for no key of its current call is dropped (what waits on its socket when a call begins, at once).
+  The tail has a socket per head instance: an unread datagram counts against its sender's buffer.
 - A link that stops (an unload, a reload) first removes its sockets' files, so senders stop finding it,
   then runs what reached it until it hears nothing for two polls.
 - The join resolves its key as a receiver of direct hand-overs, but never asks the key's claim table:

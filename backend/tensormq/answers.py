@@ -26,18 +26,32 @@ from blockflow.backend.tensormq.wire import (
     unpack_answers,
 )
 
+# Head instances a tail keeps a socket for at most.
+MAX_HEADS = 64
+
 
 class AnswerOut:
     """A tail's side: each sample's answer to the head instance its hand-over names as the origin."""
 
     def __init__(self, runtime_dir: Path) -> None:
         self.runtime_dir = runtime_dir
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        # Blocking, up to ANSWER_SEND_S, while the head's queue is full: the kernel waits for room
-        # (a timeout set through Python would poll this unconnected socket, always writable, in a loop).
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(ANSWER_SEND_S),
-                                                                                 int(ANSWER_SEND_S % 1 * 1e6)))
+        # A socket per head instance: a datagram the head has not read yet counts against its sender's
+        # send buffer, so one head that stops reading must not hold up the answers to the others.
+        self._socks: dict[bytes, socket.socket] = {}
         self.lost = 0  # answers no head took: its instance stopped, or its queue stayed full
+
+    def _sock(self, origin: bytes) -> socket.socket:
+        sock = self._socks.get(origin)
+        if sock is None:
+            if len(self._socks) >= MAX_HEADS:  # heads come and go with reloads; opening again is cheap
+                self.close()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            # Blocking, up to ANSWER_SEND_S, while the head's queue is full: the kernel waits for room
+            # (a timeout set through Python would poll this unconnected socket, always writable, in a loop).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(ANSWER_SEND_S),
+                                                                          int(ANSWER_SEND_S % 1 * 1e6)))
+            self._socks[origin] = sock
+        return sock
 
     def send(self, by_origin: Mapping[bytes, Sequence[Answer]]) -> None:
         """Each origin's answers, in datagrams; an origin whose instance is gone loses its own only."""
@@ -47,15 +61,18 @@ class AnswerOut:
                 continue
             path = str(answer_path(self.runtime_dir, ORIGIN.unpack(origin)[0]))
             datagrams = pack_answers(list(answers))
+            sock = self._sock(origin)
             for i, datagram in enumerate(datagrams):
                 try:
-                    self.sock.sendto(datagram, path)
+                    sock.sendto(datagram, path)
                 except OSError:
                     self.lost += len(unpack_answers(b"".join(datagrams[i:])))
                     break
 
     def close(self) -> None:
-        self.sock.close()
+        for sock in self._socks.values():
+            sock.close()
+        self._socks = {}
 
 
 class AnswerIn:
@@ -70,10 +87,12 @@ class AnswerIn:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.sock.bind(str(self.path))
+        self._poll = select.poll()  # not select.select: a CUDA and ZeroMQ process may hold descriptors past 1024
+        self._poll.register(self.sock, select.POLLIN)
 
     def wait(self, timeout_s: float) -> bool:
         """Whether an answer came within ``timeout_s``."""
-        return bool(select.select([self.sock], [], [], max(0.0, timeout_s))[0])
+        return bool(self._poll.poll(max(0, int(timeout_s * 1000 + 0.999))))
 
     def read(self) -> list[Answer]:
         """Every answer queued, in the order they came."""

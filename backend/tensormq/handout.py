@@ -21,6 +21,7 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.datagrams import DatagramOut, datagrams_on
 from blockflow.backend.tensormq.wire import NO_ORIGIN, failed, hand_over_prefix, handed, listening
 from blockflow.core import env
+from blockflow.core.errors import BlockError
 
 MAC = tk.LAYOUT["mac"]
 # Hand-overs a sender queues for one receiver instance that is not reading (then they are dropped).
@@ -33,6 +34,11 @@ def keys_of(rows: np.ndarray[Any, Any]) -> list[bytes]:
     if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != tk.TICKET_BYTES:
         return []
     return [bytes(r) for r in rows[:, MAC]]
+
+
+class NoReceiverError(BlockError):
+    """No instance of the block a sender hands over to is listening: the receiver's failure, not the
+    request's (UNAVAILABLE)."""
 
 
 class HandOut:
@@ -97,13 +103,16 @@ class HandOut:
         self._keys.extend(keys)
         self._origins.extend(origins if origins is not None else [self.origin] * len(keys))
 
-    def send(self, tickets: Sequence[bytes]) -> None:
-        """This call's tickets, one per sample of its batch, in the order of its keys (a chain's head: keyed by themselves)."""
+    def send(self, tickets: Sequence[bytes], must_reach: bool = False) -> None:
+        """This call's tickets, one per sample of its batch, in the order of its keys (a chain's head: keyed
+        by themselves). ``must_reach``: :class:`NoReceiverError` where no instance of the receiver listens
+        (a head that waits for its tail's answers fails its call at once rather than waiting for nothing)."""
         keys, origins = self._keys, self._origins
         self._keys, self._origins = [], []
         if self.own_keys:
             keys, origins = [t[MAC] for t in tickets], [self.origin] * len(tickets)
-        self._push([handed(k, t, o) for k, t, o in zip(keys, tickets, origins, strict=True)])
+        if not self._push([handed(k, t, o) for k, t, o in zip(keys, tickets, origins, strict=True)]) and must_reach and tickets:
+            raise NoReceiverError(f"no instance of block {self.to!r} is running to take this batch (it stopped or was unloaded)")
 
     def fail(self, keys: Sequence[bytes], reason: str, forwarded: bool = False, origins: Sequence[bytes] | None = None) -> None:
         """The receiver fails these samples' requests at once, with ``reason``, instead of waiting
@@ -118,9 +127,10 @@ class HandOut:
         if keys:
             self.fail(keys, reason, origins=origins)
 
-    def _push(self, messages: list[list[bytes]]) -> None:
+    def _push(self, messages: list[list[bytes]]) -> bool:
+        """Whether ``messages`` went to some instance of the receiver (queued there, or dropped as its queue was full)."""
         if not messages:
-            return
+            return True
         socks = self._receivers()
         datagrams = self._dgram.pack(messages) if self._dgram is not None else []
         names = list(socks)
@@ -132,7 +142,7 @@ class HandOut:
             self._turn = (self._turn + 1) % len(names)
             names = names[self._turn:] + names[:self._turn]
             if len(datagrams) == 1 and self._dgram is not None and any(self._dgram.send(datagrams, n) for n in names):
-                return
+                return True
             # A killed instance leaves its files (and ZeroMQ queues for it without a word): the first one listening.
             names = next(([n] for n in names if listening(self.dir / n)), [])
         for name in names:
@@ -143,6 +153,7 @@ class HandOut:
                     socks[name].send_multipart(message, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self.dropped += 1
+        return bool(names)
 
     def close(self) -> None:
         for sock in self._socks.values():

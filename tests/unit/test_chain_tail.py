@@ -23,7 +23,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.answers import AnswerIn, AnswerOut
-from blockflow.backend.tensormq.handout import HandOut
+from blockflow.backend.tensormq.handout import HandOut, NoReceiverError
 from blockflow.backend.tensormq.handover import HandIn
 from blockflow.backend.tensormq.wire import (
     DGRAM_MAX,
@@ -203,10 +203,11 @@ def _ticket(i: int) -> bytes:
 
 
 @contextmanager
-def _head(runtime: Path, module: Any, classes: int, wait_s: float) -> Iterator[tuple[Any, AnswerIn, AnswerOut]]:
+def _head(runtime: Path, module: Any, classes: int, wait_s: float, logged: list[str] | None = None) -> Iterator[tuple[Any, AnswerIn, AnswerOut]]:
     """A head instance's answers (its task's logits of ``classes`` values) and a tail that sends them."""
     into, tail = AnswerIn(runtime, pid=os.getpid() * 4 + 3), AnswerOut(runtime)
-    answers = module.ChainAnswers(into, [TaskOutput(name="LOGITS", shape=(classes,), dtype="fp32")], wait_s=wait_s, block="stem")
+    answers = module.ChainAnswers(into, [TaskOutput(name="LOGITS", shape=(classes,), dtype="fp32")], wait_s=wait_s, block="stem",
+                                  log_error=(logged if logged is not None else []).append)
     try:
         yield answers, into, tail
     finally:
@@ -237,7 +238,8 @@ def test_a_heads_call_waits_for_every_answer_of_its_requests_and_builds_their_re
 
 
 def test_a_request_fails_alone_with_the_failure_it_was_handed_or_after_the_wait(runtime: Path, chain_answers: Any) -> None:
-    with _head(runtime, chain_answers, classes=2, wait_s=0.3) as (answers, into, tail):
+    logged: list[str] = []
+    with _head(runtime, chain_answers, classes=2, wait_s=0.3, logged=logged) as (answers, into, tail):
         tickets = [_ticket(i) for i in range(1, 5)]
         failed, fine, silent = answers.expect([2, 1, 1], tickets)
         key = lambda i: tickets[i][tk.LAYOUT["mac"]]  # noqa: E731
@@ -248,9 +250,27 @@ def test_a_request_fails_alone_with_the_failure_it_was_handed_or_after_the_wait(
         answers.collect([failed, fine, silent])
         assert time.monotonic() - t0 < 0.25  # nothing left to wait for once each request is decided
         assert failed.why == "mid_a failed: out of memory" and fine.why is None and silent.why == "an answer of 3 bytes"
+        tail.send({into.origin: [answered(key(1), row)]})  # late, for a request that failed: the next call drops it
+        answers.end_call()
+        assert into.wait(1.0)
+        stale = answers.stale
         _, again = answers.expect([1, 1], [_ticket(7), _ticket(8)])
+        assert answers.stale == stale + 1 and not into.wait(0.0)
         answers.collect([again])
         assert again.why is not None and "no answer from the chain's tail within 0.3 s" in again.why and answers.expired == 1
+        assert logged == ["blockflow: stem: 1 request(s) got no answer from the chain's tail within 0.3 s (1 so far)"]
         responses = [answers.response(w) for w in (failed, fine, silent, again)]
         assert [r.error is None for r in responses] == [False, True, False, False]
         assert "mid_a failed: out of memory" in responses[0].error.message and responses[0].error.code == "UNAVAILABLE"
+
+
+def test_a_head_that_waits_for_answers_fails_its_batch_at_once_where_no_link_listens(runtime: Path) -> None:
+    head = HandOut(runtime, "gone", own_keys=True, one=True, origin=ORIGIN.pack(4242))
+    try:
+        head.begin()
+        head.send([b"\x01" * tk.TICKET_BYTES])  # a sender that does not wait: nothing to say
+        head.begin()
+        with pytest.raises(NoReceiverError, match="no instance of block 'gone' is running"):
+            head.send([b"\x01" * tk.TICKET_BYTES], must_reach=True)
+    finally:
+        head.close()
