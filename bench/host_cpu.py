@@ -85,3 +85,12 @@ def per_inference(before: HostCpu, after: HostCpu, inferences: int, own: frozens
             threads[who] = busy
     out["threads"] = threads
     return out
+
+
+def busiest_threads(cpu: dict[str, Any] | None, top: int = 5) -> str:
+    """A report cell: the ``top`` busiest threads of :func:`per_inference`'s ``threads``, each as
+    ``process-kind thread ms`` (``tritonserver``'s own, or a model's), busiest first."""
+    if not cpu or not cpu.get("threads"):
+        return "—"
+    ranked = sorted(((ms, who, name) for who, names in cpu["threads"].items() for name, ms in names.items()), reverse=True)
+    return "; ".join(f"{who} {name} {ms:.3f}" for ms, who, name in ranked[:top])

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from blockflow.bench.failures import failures_section
+from blockflow.bench.host_cpu import busiest_threads
 
 ORDER = ["monolithic-eager", "monolithic-graph", "tensormq", "triton-gpu", "triton-cpu"]
 
@@ -332,7 +333,8 @@ def write_report(res: dict[str, Any], out: Path) -> None:
                   "| model | " + " | ".join(f"c{c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
             for k in _labels(conc):
                 L.append(f"| {k} | " + " | ".join(_host_cpu_cell(conc[k].get(c, {}).get("host_cpu_ms_per_inference")) for c in cs) + " |")
-            L.append("")
+            L += ["", f"Busiest threads at c{cs[-1]} (process, thread, ms per inference; `main` runs a block's `execute`): "
+                  + " · ".join(f"{k}: {busiest_threads(conc[k].get(cs[-1], {}).get('host_cpu_ms_per_inference'))}" for k in _labels(conc)), ""]
     rate = {k: v for k, v in res.get("rate", {}).items() if isinstance(v, dict)}
     if rate:
         L += [f"## Offered load (Fig 4.12): Poisson arrivals at fractions of {res['rate']['peak_per_s']:.0f} req/s "

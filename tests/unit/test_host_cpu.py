@@ -64,3 +64,10 @@ def test_a_process_cpu_time_grows_with_its_work_and_a_gone_one_is_left_out() -> 
         pass
     assert procfs.cpu_seconds(os.getpid()) - t0 >= 0.1
     assert set(host_cpu.cpu_of([os.getpid(), 2**22 + 7])) == {os.getpid()}  # above pid_max's default: no such process
+
+
+def test_the_report_names_the_busiest_threads_busiest_first() -> None:
+    cpu = {"threads": {"tritonserver": {"tritonserver": 0.35, "cuda-EvtHandlr": 0.004}, "b3": {"main": 0.229, "tmq-releaser": 0.009},
+                       "b1": {"bf-link": 0.053}}}
+    assert host_cpu.busiest_threads(cpu, top=3) == "tritonserver tritonserver 0.350; b3 main 0.229; b1 bf-link 0.053"
+    assert host_cpu.busiest_threads(None) == host_cpu.busiest_threads({"threads": {}}) == "—"
