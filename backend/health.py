@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from blockflow.backend.monitor import BlockMonitor, metric_labels
 from blockflow.backend.server_watch import ServerWatch
 from blockflow.backend.tensormq.consumer import Consumer
-from blockflow.backend.tensormq.metrics import LinkCounts, TmqMetrics
+from blockflow.backend.tensormq.metrics import AnswerCounts, LinkCounts, TmqMetrics
 from blockflow.backend.tensormq.producer import Producer
 from blockflow.backend.trace import NoTracer, Tracer
 from blockflow.core import env
@@ -70,12 +70,13 @@ class Metrics:
     """
 
     def __init__(self, model: str, instance: str, device: torch.device, producer: Producer | None, consumer: Consumer | None,
-                 monitor_period_s: float, tracer: Tracer | NoTracer, link: LinkCounts | None = None) -> None:
+                 monitor_period_s: float, tracer: Tracer | NoTracer, link: LinkCounts | None = None,
+                 answers: AnswerCounts | None = None) -> None:
         self.tmq: TmqMetrics | None = None
         self.monitor: BlockMonitor | None = None
         labels = metric_labels(model, instance, device)
         if (producer or consumer) and hasattr(pb_utils, "MetricFamily"):
-            self.tmq = TmqMetrics(pb_utils, labels, producer, consumer, link=link)
+            self.tmq = TmqMetrics(pb_utils, labels, producer, consumer, link=link, answers=answers)
         if monitor_period_s > 0 and hasattr(pb_utils, "MetricFamily"):
             self.monitor = BlockMonitor(pb_utils, labels, device, monitor_period_s)
             tracer.memory("monitor")

@@ -148,6 +148,11 @@ class LinkLoop:
         self.ends.tracer.lap("respond:answer")
         return True
 
+    @property
+    def answers_lost(self) -> int | None:
+        """The tail's answers that could not be sent (``blockflow_tmq_chain_answers_lost_total``); None for another link."""
+        return self.answer_out.lost if self.answer_out is not None else None
+
     def close(self) -> None:
         """Stop before the ends close: senders stop finding this instance once its sockets' files are gone;
         what reached it by then is still run (until it has heard nothing for two polls), and it waits for that."""

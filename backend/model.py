@@ -104,7 +104,7 @@ class TritonPythonModel:
                                      spec.name, _to_stderr)
                         if self.ends.answer_in is not None else None)
         self.metrics = Metrics(model, instance, self.device, self.ends.producer, self.ends.consumer, spec.monitor_period_s, self.tracer,
-                               link=self.link_loop)
+                               link=self.link_loop, answers=self.answers)
         # Outputs handed to Triton (on the GPU, or copied to the host without blocking) need one
         # sync per execute; TensorMQ tickets need none (consumers wait on the slot's event).
         self.sync_outputs = self.device.type == "cuda" and self.ends.producer is None

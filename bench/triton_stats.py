@@ -14,7 +14,8 @@ from blockflow.triton.api import TritonApi
 # Counters (per block instance, summed per model): a chain's links' batches and samples, and the batches
 # that found a producer's pool full and waited (backend/tensormq/metrics.py).
 TMQ_COUNTERS = {"blockflow_tmq_link_batches_total": "link_batches", "blockflow_tmq_link_samples_total": "link_samples",
-                "blockflow_tmq_pool_waits_total": "pool_waits"}
+                "blockflow_tmq_pool_waits_total": "pool_waits", "blockflow_tmq_chain_answered_total": "chain_answered",
+                "blockflow_tmq_chain_failed_total": "chain_failed", "blockflow_tmq_chain_answers_lost_total": "chain_answers_lost"}
 
 PHASES = ("compute_input", "compute_infer", "compute_output")  # Triton's: before the backend's model runs, the run, after it
 

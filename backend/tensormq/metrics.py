@@ -41,27 +41,53 @@ LINK_COUNTERS = {
 }
 
 
+# A chain's head that its tail answers (chain_answers: head), and the tail.
+ANSWER_COUNTERS = {
+    "blockflow_tmq_chain_answered_total": "Requests this chain head answered with its tail's answers (chain_answers: head)",
+    "blockflow_tmq_chain_failed_total": "Requests this chain head failed: a failure its chain handed back, or no answer in time",
+    "blockflow_tmq_chain_expired_total": "Requests this chain head failed because its tail's answers did not come in time",
+}
+TAIL_COUNTERS = {
+    "blockflow_tmq_chain_answers_lost_total": "Answers this chain's tail could not send: the head instance stopped, or its queue stayed full",
+}
+
+
 class LinkCounts(Protocol):
-    """What a chain's link instance counts (``backend/link_loop.py``)."""
+    """What a chain's link instance counts (``backend/link_loop.py``); ``answers_lost``: None unless it is the tail."""
 
     batches: int
     samples: int
+
+    @property
+    def answers_lost(self) -> int | None: ...
+
+
+class AnswerCounts(Protocol):
+    """What a chain's head that its tail answers counts (``backend/chain_answers.py``)."""
+
+    answered: int
+    failed: int
+    expired: int
 
 
 class TmqMetrics:
     """The TensorMQ series of one block instance, published every ``period_s`` on a daemon thread."""
 
     def __init__(self, pb_utils: Any, labels: dict[str, str], producer: Producer | None, consumer: Consumer | None,
-                 period_s: float = PERIOD_S, link: LinkCounts | None = None) -> None:
+                 period_s: float = PERIOD_S, link: LinkCounts | None = None, answers: AnswerCounts | None = None) -> None:
         fam = pb_utils.MetricFamily
         # The families must outlive their metrics (the backend refuses updates otherwise): keep them.
         self._families = {n: fam(name=n, description=d, kind=fam.GAUGE) for n, d in GAUGES.items()}
-        counters = COUNTERS | LINK_COUNTERS if link is not None else COUNTERS
+        counters = dict(COUNTERS)
+        if link is not None:
+            counters |= LINK_COUNTERS | (TAIL_COUNTERS if link.answers_lost is not None else {})
+        if answers is not None:
+            counters |= ANSWER_COUNTERS
         self._families.update({n: fam(name=n, description=d, kind=fam.COUNTER) for n, d in counters.items()})
         self._gauges = {n: Gauge(self._families[n].Metric(labels=labels)) for n in GAUGES}
         self._counters = {n: self._families[n].Metric(labels=labels) for n in counters}
         self._sent = dict.fromkeys(counters, 0)
-        self.producer, self.consumer, self.link = producer, consumer, link
+        self.producer, self.consumer, self.link, self.answers = producer, consumer, link, answers
         self._lock = threading.Lock()  # the first publish runs on the initializing thread, the rest on the thread
         self._stop = threading.Event()
         self.publish()
@@ -105,6 +131,12 @@ class TmqMetrics:
         if self.link is not None:
             values.update({"blockflow_tmq_link_batches_total": self.link.batches,
                            "blockflow_tmq_link_samples_total": self.link.samples})
+            if (lost := self.link.answers_lost) is not None:
+                values["blockflow_tmq_chain_answers_lost_total"] = lost
+        if self.answers is not None:
+            values.update({"blockflow_tmq_chain_answered_total": self.answers.answered,
+                           "blockflow_tmq_chain_failed_total": self.answers.failed,
+                           "blockflow_tmq_chain_expired_total": self.answers.expired})
         for name, value in values.items():
             delta = value - self._sent[name]
             if delta > 0:

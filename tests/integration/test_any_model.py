@@ -254,6 +254,11 @@ def test_a_chain_that_ends_its_task_answers_through_its_head(served: tuple[Plan,
     while (tail := tmq_counters(METRICS[url]).get("tail", {})).get("link_samples", 0) < images and time.monotonic() < deadline:
         time.sleep(0.2)
     assert tail.get("link_samples", 0) >= images, tail  # the tail ran every image, as a link
+    while (stem := tmq_counters(METRICS[url]).get("stem", {})).get("chain_answered", 0) < len(xs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # Every request answered by the head with its tail's answers, none failed, no answer lost on the way back.
+    assert stem.get("chain_answered", 0) >= len(xs) and stem.get("chain_failed", 0) == 0, stem
+    assert tail.get("chain_answers_lost", -1) == 0, tail
     client = http.InferenceServerClient(url.removeprefix("http://"))
     try:
         ticket = http.InferInput("ACTIVATION_IN", [1, 256], "UINT8")
