@@ -216,9 +216,7 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
     _receivers_listen(url)
     # The links count what they ran on the metrics endpoint (published each second); Triton's statistics see nothing.
     images = 2 * sum(len(x) for x in xs)
-    deadline = time.monotonic() + 10
-    while (links := tmq_counters(METRICS[url]).get("mid_a", {})).get("link_samples", 0) < images and time.monotonic() < deadline:
-        time.sleep(0.2)
+    links = _counted(url, "mid_a", "link_samples", images)
     assert links.get("link_samples", 0) >= images and 1 <= links.get("link_batches", 0) <= links["link_samples"], links
     stem = tmq_counters(METRICS[url]).get("stem")
     assert stem is not None and "pool_waits" in stem and "link_samples" not in stem  # the head is no link
@@ -239,6 +237,15 @@ def test_a_chains_links_serve_concurrent_clients_and_refuse_requests_of_their_ow
     assert worst_concurrent_error(url, ("task_b",), xs[:2], threads=1) <= 1e-4  # and the tasks serve on
 
 
+def _counted(url: str, model: str, counter: str, at_least: int, timeout_s: float = 10.0) -> dict[str, int]:
+    """``model``'s TensorMQ counters once ``counter`` reaches ``at_least`` (the blocks publish them each second), or as
+    they stand after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (counts := tmq_counters(METRICS[url]).get(model, {})).get(counter, 0) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return counts
+
+
 def test_a_chain_that_ends_its_task_answers_through_its_head(served: tuple[Plan, str]) -> None:
     plan, url = served
     if plan.raw.name != "chain_tail":
@@ -250,12 +257,9 @@ def test_a_chain_that_ends_its_task_answers_through_its_head(served: tuple[Plan,
     # Requests of 1-4 images from 8 threads: both stem instances wait for answers, both tail instances send them.
     assert worst_concurrent_error(url, ("task_a",), xs, threads=8) <= 1e-4
     images = sum(len(x) for x in xs)
-    deadline = time.monotonic() + 10
-    while (tail := tmq_counters(METRICS[url]).get("tail", {})).get("link_samples", 0) < images and time.monotonic() < deadline:
-        time.sleep(0.2)
+    tail = _counted(url, "tail", "link_samples", images)
     assert tail.get("link_samples", 0) >= images, tail  # the tail ran every image, as a link
-    while (stem := tmq_counters(METRICS[url]).get("stem", {})).get("chain_answered", 0) < len(xs) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    stem = _counted(url, "stem", "chain_answered", len(xs))
     # Every request answered by the head with its tail's answers, none failed, no answer lost on the way back.
     assert stem.get("chain_answered", 0) >= len(xs) and stem.get("chain_failed", 0) == 0, stem
     assert tail.get("chain_answers_lost", -1) == 0, tail
