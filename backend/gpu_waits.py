@@ -45,6 +45,11 @@ class GpuWaits:
         self.sleep = device.type == "cuda" and sleeping()
         self._done = cuda.event_create() if self.sleep else 0  # blocking-sync: its synchronize sleeps
 
+    def spin_s(self, requests: int) -> float:
+        """How long a call of ``requests`` requests polls a blocking-sync event before it sleeps on it; 0 with
+        ``BLOCKFLOW_GPU_WAIT=spin``, where such a wait sleeps at once, as it did before the poll."""
+        return spin_for(requests) if self.sleep else 0.0
+
     def stream_done(self, requests: int) -> None:
         """Until the stream's work queued so far is done (``requests``: the call's, for how long to poll)."""
         if self.device.type != "cuda":

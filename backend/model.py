@@ -30,7 +30,7 @@ from torch.utils.dlpack import to_dlpack  # type: ignore[attr-defined]  # re-exp
 
 from blockflow.backend import instance_args
 from blockflow.backend.chain_answers import ChainAnswers, Waiting
-from blockflow.backend.gpu_waits import GpuWaits, spin_for
+from blockflow.backend.gpu_waits import GpuWaits
 from blockflow.backend.health import Health, Metrics
 from blockflow.backend.link_loop import LinkLoop
 from blockflow.backend.replies import EarlyReply, failed_response, split, trimmed
@@ -264,7 +264,7 @@ class TritonPythonModel:
     def _settle_inputs(self, requests: int) -> None:
         """Before ``execute`` returns, what reads the requests' host inputs must be done (Triton frees them)."""
         waited = False
-        spin_s = spin_for(requests) if self.waits.sleep else 0.0
+        spin_s = self.waits.spin_s(requests)
         for runner in self.runners.values():
             try:
                 waited = runner.settle_inputs(spin_s) or waited
