@@ -90,24 +90,30 @@ class LinkLoop:
     def _run(self, got: list[HandOverMessage]) -> None:
         ends, out, tracer = self.ends, self.out, self.ends.tracer
         tracer.begin()
-        ends.begin()
-        uses: dict[bytes, list[tuple[bytes, bytes, bytes]]] = {}  # (key, ticket, origin) by slot use
-        for key, status, ticket, origin in got:
-            if status != HANDED:  # failed before: the request fails with the sender's reason
-                self._fail([(key, origin)], status.decode(errors="replace"), forwarded=True)
-            else:
-                uses.setdefault(ticket[_USE], []).append((key, ticket, origin))
+        # The samples not yet failed, handed on or answered: whatever goes wrong before that, they fail
+        # here (handed on as failed; the tail: answered so), so no request waits for them until its timeout.
+        owed = {key: origin for key, _, _, origin in got}
         samples: list[tuple[bytes, bytes]] = []  # (key, origin) of each sample of the batch, in order
         views: list[list[torch.Tensor]] = []
         releases: list[Release] = []
         failed = synced = False
         try:
+            uses: dict[bytes, list[tuple[bytes, bytes, bytes]]] = {}  # (key, ticket, origin) by slot use
+            for key, status, ticket, origin in got:
+                if status != HANDED:  # failed before: the request fails with the sender's reason
+                    self._fail([(key, origin)], status.decode(errors="replace"), forwarded=True)
+                    owed.pop(key, None)
+                else:
+                    uses.setdefault(ticket[_USE], []).append((key, ticket, origin))
+            ends.begin()
             for use in uses.values():
                 rows = np.frombuffer(b"".join(t for _, t, _ in use), dtype=np.uint8).reshape(len(use), tk.TICKET_BYTES)
                 try:
                     v, rel = self.consumer.gather_tensors(rows, self.shapes, ends.stream)
                 except Exception as exc:  # this use's samples fail; the others run
                     self._fail([(k, o) for k, _, o in use], str(exc))
+                    for k, _, _ in use:
+                        owed.pop(k, None)
                     continue
                 samples.extend((k, o) for k, _, o in use)
                 views.append(v)
@@ -119,23 +125,25 @@ class LinkLoop:
             xs = views[0] if len(views) == 1 else self.runner.join([[v[j] for v in views] for j in range(len(views[0]))])
             if out is not None:
                 out.take([k for k, _ in samples], [o for _, o in samples])  # from here on, a key not handed on fails at the next block
+                owed.clear()  # the sender's now: ``end_sends`` fails what it took and never sent
                 ends.produce(self.runner, xs, None)  # hands its tickets on before queuing the GPU work
             else:
-                synced = self._answer(xs, samples)
+                synced = self._answer(xs, samples, owed)
             tracer.mark()  # work queued (the tail: answered)
         except Exception as exc:
             failed = True
-            self.log_error(f"blockflow: link batch of {len(samples)} failed: {exc!r}")
-            if out is None:
-                self._fail(samples, f"block {self.into.model!r} failed: {exc}")
+            self.log_error(f"blockflow: link batch of {len(got)} failed: {exc!r}")
+            if owed:
+                self._fail(list(owed.items()), f"block {self.into.model!r} failed: {exc}")
         finally:
             ends.end_sends()
             ends.end(releases, synced, failed)
             tracer.end(len(got))
 
-    def _answer(self, xs: list[torch.Tensor], samples: list[tuple[bytes, bytes]]) -> bool:
+    def _answer(self, xs: list[torch.Tensor], samples: list[tuple[bytes, bytes]], owed: dict[bytes, bytes]) -> bool:
         """The tail: run the batch, bring its outputs to the host and send each sample's answer (its
-        value of each task output, in order) to its origin. Returns once the GPU work is done."""
+        value of each task output, in order) to its origin; ``owed`` forgets them once sent. Returns once
+        the GPU work is done."""
         assert self.answer_out is not None
         outs = [o.to("cpu", non_blocking=True) for o in self.runner.run_all(xs)]
         self.waits.stream_done(len(samples))
@@ -145,6 +153,7 @@ class LinkLoop:
         for i, (key, origin) in enumerate(samples):
             by_origin.setdefault(origin, []).append(answered(key, b"".join(r[i].tobytes() for r in rows)))
         self.answer_out.send(by_origin)
+        owed.clear()
         self.ends.tracer.lap("respond:answer")
         return True
 

@@ -179,7 +179,8 @@ Chains (plan option ``hand_over: chain``; ``backend/link_loop.py``, ``direct_pai
   one tensor, a copy), runs them into its own slot and hands its tickets on under the same keys before
   queuing the GPU work. A failure it was handed, one of its own, and a hand-over that waited longer
   than the join waits (``COMMIT_WAIT_S``) are handed on as the sample's failure, so the join's request
-  fails with it (UNAVAILABLE). A link answers no request (a direct call fails with a clear error);
+  fails with it (UNAVAILABLE); every sample a link takes is handed on, failed or (the tail) answered
+  exactly once, whatever of its batch fails and wherever. A link answers no request (a direct call fails with a clear error);
   Triton's statistics do not count its work.
 - With ``chain_answers: head`` a chain that runs to its tasks' last block has no join: that block is a
   link too, the *tail*. The head's hand-overs name its instance (their *origin*, its pid); the tail
