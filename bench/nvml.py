@@ -1,4 +1,4 @@
-"""GPU utilisation, power, energy and per-process memory from NVML, sampled in the background.
+"""GPU utilisation, power, energy and per-process memory and SM use from NVML, sampled in the background.
 
 Without a GPU (or NVML) every method returns empty results, so the benchmark runs on CPU too.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from blockflow.core import nvml
@@ -55,6 +55,22 @@ class GpuSampler:
                 out[pid] = out.get(pid, 0.0) + used / 2**20
         return out
 
+    def process_sm_pct(self, since_wall_s: float, pids_by_model: Mapping[str, Iterable[int]]) -> dict[str, Any]:
+        """Each model's share of the GPUs' time with its kernels running since ``since_wall_s`` (``time.time()``):
+        NVML's per-process samples (each the % of its period a process had a kernel on the SMs), averaged per
+        process and summed over a model's processes and GPUs; ``all`` sums every process NVML sampled. Beside
+        the device's ``util_pct`` (any kernel running) it says how much of a busy GPU no process's kernel held:
+        switching between processes' time slices. Empty where NVML keeps no such samples (MPS clients, some GPUs)."""
+        per_pid: dict[int, list[float]] = {}
+        for h in self.handles:
+            try:
+                samples = self.nv.nvmlDeviceGetProcessUtilization(h, int(since_wall_s * 1e6))
+            except Exception:  # not supported here, or no process sampled since
+                continue
+            for x in samples:
+                per_pid.setdefault(int(x.pid), []).append(float(x.smUtil))
+        return sm_shares({pid: sum(v) / len(v) for pid, v in per_pid.items()}, pids_by_model)
+
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             util = [float(self.nv.nvmlDeviceGetUtilizationRates(h).gpu) for h in self.handles]
@@ -79,3 +95,11 @@ class GpuSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2)
+
+
+def sm_shares(pct_by_pid: Mapping[int, float], pids_by_model: Mapping[str, Iterable[int]]) -> dict[str, Any]:
+    """``{"models": {model: % summed over its pids}, "all": % summed over every pid}``, rounded; {} without samples."""
+    if not pct_by_pid:
+        return {}
+    models = {m: round(sum(pct_by_pid.get(p, 0.0) for p in pids), 1) for m, pids in sorted(pids_by_model.items())}
+    return {"models": {m: v for m, v in models.items() if v > 0}, "all": round(sum(pct_by_pid.values()), 1)}

@@ -113,7 +113,7 @@ class Bench:
                 rate: float | None = None) -> dict[str, Any]:
         before, counted = model_stats(server.http_url), tmq_counters(server.metrics_url)
         log_at = server.log_size()
-        cpu0, e0, t0 = host_cpu.snapshot(server), self.gpus.energy_mj(), time.monotonic()
+        cpu0, e0, t0, wall0 = host_cpu.snapshot(server), self.gpus.energy_mj(), time.monotonic(), time.time()
         r = median_of([self._pa(server, model["model"], batch, self.cfg.seconds, concurrency, rate)
                        for _ in range(max(1, self.cfg.repeats))])
         t1, e1, cpu1 = time.monotonic(), self.gpus.energy_mj(), host_cpu.snapshot(server)
@@ -123,6 +123,9 @@ class Bench:
         if self.gpus.available and inferences:
             r["energy_mj_per_inference"] = sum(b - a for a, b in zip(e0, e1, strict=True)) / inferences
             r.update(self.gpus.window(t0, t1))
+            if cpu1 is not None and server.process is not None and (sm := self.gpus.process_sm_pct(
+                    wall0, {"tritonserver": [server.process.pid], **{m: list(p) for m, p in cpu1.blocks.items()}})):
+                r["gpu_sm_pct"] = sm
         if cpu0 is not None and cpu1 is not None and inferences:
             own = frozenset([model["model"], *model["blocks"]])  # the measured model and its blocks; the rest idle meanwhile
             r["host_cpu_ms_per_inference"] = host_cpu.per_inference(cpu0, cpu1, inferences, own)
