@@ -60,7 +60,7 @@ class GpuSampler:
         NVML's per-process samples (each the % of its period a process had a kernel on the SMs), averaged per
         process and summed over a model's processes and GPUs; ``all`` sums every process NVML sampled. Beside
         the device's ``util_pct`` (any kernel running) it says how much of a busy GPU no process's kernel held:
-        switching between processes' time slices. Empty where NVML keeps no such samples (MPS clients, some GPUs)."""
+        switching between processes' time slices. Empty where NVML keeps no such samples (some GPUs; under MPS it may sample only the MPS server)."""
         per_pid: dict[int, list[float]] = {}
         for h in self.handles:
             try:
