@@ -35,7 +35,7 @@ from blockflow.backend.tensormq.wire import (
     pack_answers,
     unpack_answers,
 )
-from blockflow.core.runtime_dir import ensure_tensormq, read_key
+from blockflow.core.runtime_dir import read_key
 from blockflow.core.spec import ANSWER_MAX, HandOver, ModelSpec, TaskOutput
 from blockflow.ensemble_gen import generator
 from blockflow.plan import direct_pairs, load_plan, parse_plan_text
@@ -45,14 +45,6 @@ from ..stub_stand_in import with_pb_utils
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "tests" / "plans" / "chain_tail.yaml"
 CHAIN = {"t": ["b0", "b1", "b2", "b3", "b4"]}
-
-
-@pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[Path]:
-    rt = tmp_path / "rt"
-    rt.mkdir(mode=0o700)
-    ensure_tensormq(rt)
-    yield rt
 
 
 def _config(files: dict[str, bytes], model: str) -> mc.ModelConfig:

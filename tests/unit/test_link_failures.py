@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +21,6 @@ from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.answers import AnswerIn, AnswerOut
 from blockflow.backend.tensormq.wire import HANDED, HandOverMessage
 from blockflow.backend.trace import NoTracer
-from blockflow.core.runtime_dir import ensure_tensormq
 
 from ..stub_stand_in import with_pb_utils
 
@@ -98,14 +96,6 @@ class _Runner:
 
     def join(self, columns: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         return [torch.cat(c) for c in columns]
-
-
-@pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[Path]:
-    rt = tmp_path / "rt"
-    rt.mkdir(mode=0o700)
-    ensure_tensormq(rt)
-    yield rt
 
 
 def _answers(monkeypatch: pytest.MonkeyPatch, runtime: Path, *, gone: frozenset[int] = frozenset(),
