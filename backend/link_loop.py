@@ -132,13 +132,15 @@ class LinkLoop:
             tracer.mark()  # work queued (the tail: answered)
         except Exception as exc:
             failed = True
-            self.log_error(f"blockflow: link batch of {len(got)} failed: {exc!r}")
             if owed:
                 self._fail(list(owed.items()), f"block {self.into.model!r} failed: {exc}")
+            self.log_error(f"blockflow: link batch of {len(got)} failed: {exc!r}")
         finally:
-            ends.end_sends()
-            ends.end(releases, synced, failed)
-            tracer.end(len(got))
+            try:
+                ends.end_sends()
+            finally:
+                ends.end(releases, synced, failed)  # the slots it read are released whatever happened
+                tracer.end(len(got))
 
     def _answer(self, xs: list[torch.Tensor], samples: list[tuple[bytes, bytes]], owed: dict[bytes, bytes]) -> bool:
         """The tail: run the batch, bring its outputs to the host and send each sample's answer (its

@@ -56,20 +56,25 @@ class GpuSampler:
         return out
 
     def process_sm_pct(self, since_wall_s: float, pids_by_model: Mapping[str, Iterable[int]]) -> dict[str, Any]:
-        """Each model's share of the GPUs' time with its kernels running since ``since_wall_s`` (``time.time()``):
-        NVML's per-process samples (each the % of its period a process had a kernel on the SMs), averaged per
-        process and summed over a model's processes and GPUs; ``all`` sums every process NVML sampled. Beside
-        the device's ``util_pct`` (any kernel running) it says how much of a busy GPU no process's kernel held:
-        switching between processes' time slices. Empty where NVML keeps no such samples (some GPUs; under MPS it may sample only the MPS server)."""
-        per_pid: dict[int, list[float]] = {}
+        """Each model's share of the GPUs' time with its kernels running since ``since_wall_s`` (``time.time()``),
+        from NVML's per-process samples (each the % of one sample period a process had a kernel on the SMs):
+        per GPU, a process's samples summed over the periods NVML sampled any process in (a period in which
+        none ran has no sample), then summed over a model's processes and the GPUs; ``all`` sums every
+        process sampled. Beside the device's ``util_pct`` (any kernel running) it says how much of a busy GPU
+        no process's kernel held: switching between processes' time slices. Empty where NVML keeps no such
+        samples (some GPUs; under MPS it may sample only the MPS server)."""
+        pct_by_pid: dict[int, float] = {}
+        periods: list[int] = []  # per GPU: the sample periods counted (for the reader to judge the figure)
         for h in self.handles:
             try:
                 samples = self.nv.nvmlDeviceGetProcessUtilization(h, int(since_wall_s * 1e6))
             except Exception:  # not supported here, or no process sampled since
                 continue
+            periods.append(len({int(x.timeStamp) for x in samples}))
             for x in samples:
-                per_pid.setdefault(int(x.pid), []).append(float(x.smUtil))
-        return sm_shares({pid: sum(v) / len(v) for pid, v in per_pid.items()}, pids_by_model)
+                pct_by_pid[int(x.pid)] = pct_by_pid.get(int(x.pid), 0.0) + float(x.smUtil) / periods[-1]
+        shares = sm_shares(pct_by_pid, pids_by_model)
+        return shares | {"periods": periods} if shares else {}
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -61,7 +61,11 @@ class AnswerOut:
                 continue
             path = str(answer_path(self.runtime_dir, ORIGIN.unpack(origin)[0]))
             datagrams = pack_answers(list(answers))
-            sock = self._sock(origin)
+            try:
+                sock = self._sock(origin)  # a socket that cannot be opened (no descriptors left) loses them all
+            except OSError:
+                self.lost += len(answers)
+                continue
             for i, datagram in enumerate(datagrams):
                 try:
                     sock.sendto(datagram, path)

@@ -111,7 +111,13 @@ class HandOut:
         self._keys, self._origins = [], []
         if self.own_keys:
             keys, origins = [t[MAC] for t in tickets], [self.origin] * len(tickets)
-        if not self._push([handed(k, t, o) for k, t, o in zip(keys, tickets, origins, strict=True)]) and must_reach and tickets:
+        try:
+            pushed = self._push([handed(k, t, o) for k, t, o in zip(keys, tickets, origins, strict=True)])
+        except BaseException:
+            if not self.own_keys:
+                self._keys, self._origins = keys, origins  # not sent: ``finish`` fails them
+            raise
+        if not pushed and must_reach and tickets:
             raise NoReceiverError(f"no instance of block {self.to!r} is running to take this batch (it stopped or was unloaded)")
 
     def fail(self, keys: Sequence[bytes], reason: str, forwarded: bool = False, origins: Sequence[bytes] | None = None) -> None:

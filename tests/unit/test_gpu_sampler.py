@@ -25,3 +25,29 @@ def test_a_machine_without_nvml_samples_nothing() -> None:
         assert got == {} or set(got) == {"models", "all"}
     else:
         assert sampler.process_sm_pct(time.time() - 1, {"me": [1]}) == {}
+
+
+class _Sample:
+    def __init__(self, pid: int, stamp: int, sm: int) -> None:
+        self.pid, self.timeStamp, self.smUtil = pid, stamp, sm
+
+
+class _Nvml:
+    """NVML's per-process samples of two GPUs, as pynvml returns them (a process listed only in periods it ran)."""
+
+    def __init__(self) -> None:
+        self.since: list[int] = []
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, since_us: int) -> list[_Sample]:
+        self.since.append(since_us)
+        if handle == 0:  # four periods: pid 11 ran in all, at 40%; pid 12 in two, at 30%
+            return [_Sample(11, t, 40) for t in (1, 2, 3, 4)] + [_Sample(12, t, 30) for t in (2, 3)]
+        raise RuntimeError("NVML_ERROR_NOT_FOUND")  # the second GPU sampled no process since
+
+
+def test_a_process_share_counts_the_periods_it_did_not_run_in_and_each_gpu_apart() -> None:
+    sampler = GpuSampler.__new__(GpuSampler)
+    sampler.nv, sampler.handles = _Nvml(), [0, 1]
+    got = sampler.process_sm_pct(1700000000.25, {"b0": [11], "b1": [12]})
+    assert got == {"models": {"b0": 40.0, "b1": 15.0}, "all": 55.0, "periods": [4]}
+    assert sampler.nv.since == [1700000000250000, 1700000000250000]  # NVML's timestamps: microseconds of wall-clock time

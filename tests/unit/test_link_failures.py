@@ -1,9 +1,10 @@
 """A chain's link whose batch fails, wherever it fails, fails each sample it was handed once: the tail
 answers each its failure, so the head that waits for them fails its requests at once instead of after
-the lease (the served chains: tests/integration/test_any_model.py; on the GPU: tests/gpu/test_chain_gpu.py).
+the lease, and a middle link hands each on as failed, so the join fails it at once instead of after its
+wait (the served chains: tests/integration/test_any_model.py; on the GPU: tests/gpu/test_chain_gpu.py).
 
-The link's thread runs as it does in a stub, with real answer sockets between it and a head in a
-runtime directory; what feeds it (its hand-overs, its claimed slots, its network) stands in."""
+The link's thread runs as it does in a stub, with real sockets between it and a head (answers) or the
+next link (hand-overs) in a runtime directory; what feeds it (its hand-overs, its claimed slots, its network) stands in."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ import torch
 from blockflow.backend.gpu_waits import GpuWaits
 from blockflow.backend.tensormq import ticket as tk
 from blockflow.backend.tensormq.answers import AnswerIn, AnswerOut
-from blockflow.backend.tensormq.wire import HANDED, HandOverMessage
+from blockflow.backend.tensormq.handout import HandOut
+from blockflow.backend.tensormq.handover import HandIn
+from blockflow.backend.tensormq.wire import HANDED, ORIGIN, HandOverMessage
 from blockflow.backend.trace import NoTracer
+from blockflow.core.runtime_dir import read_key
+from blockflow.core.spec import HandOver
 
 from ..stub_stand_in import with_pb_utils
 
@@ -56,8 +61,8 @@ class _Into:
 class _Ends:
     """What the link's thread uses of a block's TensorMQ ends."""
 
-    def __init__(self, into: _Into, answer_out: AnswerOut, consumer: Any, fail_begin: bool) -> None:
-        self.relay = SimpleNamespace(into=into, out=None)
+    def __init__(self, into: _Into, answer_out: AnswerOut | None, consumer: Any, fail_begin: bool) -> None:
+        self.relay: Any = SimpleNamespace(into=into, out=None)
         self.answer_out, self.consumer, self.fail_begin = answer_out, consumer, fail_begin
         self.tracer, self.stream = NoTracer(), 0
         self.ended: list[bool] = []  # each batch's ``failed``
@@ -111,20 +116,22 @@ def _answers(monkeypatch: pytest.MonkeyPatch, runtime: Path, *, gone: frozenset[
     with with_pb_utils(monkeypatch, "blockflow.backend.link_loop") as link_loop:
         loop = link_loop.LinkLoop(ends, _Runner(runner_fails), ((2,),), torch.device("cpu"), 8, lambda n: None,
                                   errors.append, GpuWaits(torch.device("cpu"), 0))
+        answers: dict[bytes, list[bytes]] = {}
+
+        def read() -> None:
+            for key, status, answer in head.read():
+                answers.setdefault(key, []).append(status if status != HANDED else answer)
+
         try:
-            answers: dict[bytes, list[bytes]] = {}
             deadline = time.monotonic() + 5
             while sum(map(len, answers.values())) < len(got) and time.monotonic() < deadline:
                 head.wait(0.1)
-                for key, status, answer in head.read():
-                    answers.setdefault(key, []).append(status if status != HANDED else answer)
-            head.wait(0.05)  # anything more would be a second answer
-            for key, status, answer in head.read():
-                answers.setdefault(key, []).append(status if status != HANDED else answer)
+                read()
         finally:
-            loop.close()
-            out.close()
-            head.close()
+            loop.close()  # its thread has stopped: whatever it sent waits on the head's socket
+        read()  # a second answer would be here
+        out.close()
+        head.close()
     assert (begin_fails or runner_fails) == bool(errors)
     return answers, ends.ended
 
@@ -160,3 +167,35 @@ def test_a_tail_fails_the_samples_of_a_slot_it_cannot_claim_and_answers_the_rest
     assert all(b"slot was reused" in answers[bytes([k]) * 16][0] for k in (1, 2))
     assert torch.frombuffer(bytearray(answers[bytes([3]) * 16][0]), dtype=torch.float32).item() == 4.0
     assert ended == [False]
+
+
+def test_a_middle_link_whose_batch_fails_before_its_claims_hands_each_sample_on_as_failed(
+        monkeypatch: pytest.MonkeyPatch, runtime: Path) -> None:
+    origin = ORIGIN.pack(4242)
+    got: list[HandOverMessage] = [(bytes([k]) * 16, HANDED, _ticket(1), origin) for k in (1, 2)]
+    got.append((bytes([3]) * 16, b"failed upstream", b"", origin))
+    nxt = HandIn(runtime, "next", HandOver(takes_from="mid", keys_from=("b0",), link=True), read_key(runtime), 1.0, 10.0,
+                 pid=os.getpid() * 4 + 2)
+    out = HandOut(runtime, "next", one=True)
+    into = _Into(got)
+    into.model = "mid"
+    ends = _Ends(into, None, _Consumer(frozenset()), fail_begin=True)
+    ends.relay.out = out
+    with with_pb_utils(monkeypatch, "blockflow.backend.link_loop") as link_loop:
+        loop = link_loop.LinkLoop(ends, _Runner(False), ((2,),), torch.device("cpu"), 8, lambda n: None,
+                                  lambda line: None, GpuWaits(torch.device("cpu"), 0))
+        handed: list[HandOverMessage] = []
+        try:
+            deadline = time.monotonic() + 5
+            while len(handed) < len(got) and time.monotonic() < deadline:
+                handed.extend(nxt.take_any(0.05, 32, stale_s=5.0))
+        finally:
+            loop.close()
+        handed.extend(nxt.take_any(0.05, 32, stale_s=5.0))  # what it sent before it stopped (the next link serves a key once)
+        out.close()
+        nxt.close()
+    assert sorted((k[0], o) for k, _, _, o in handed) == [(1, origin), (2, origin), (3, origin)]
+    reasons = {k[0]: status.decode() for k, status, _, _ in handed}
+    assert reasons[3] == "failed upstream"
+    assert all("block 'mid' failed" in reasons[k] and "could not start" in reasons[k] for k in (1, 2)), reasons
+    assert ends.ended == [True]
