@@ -104,4 +104,20 @@ class HandOvers:
                            "the one before it and before the one after it in every task, no task's first or last block, "
                            "in no task that keeps its steps (hand_over 'ensemble', another transport) and reads no task "
                            "input besides the image (docs/plan.md)")
+        return out + self._chain_answer_warnings()
+
+    def _chain_answer_warnings(self) -> list[str]:
+        """``chain_answers: head`` where it changes nothing: no chains, or tasks whose chain keeps its join."""
+        if self.raw.chain_answers != "head":
+            return []
+        if self.hand_over_mode != "chain":
+            return ["chain_answers: 'head' has no effect without hand_over: 'chain' (docs/plan.md, \"Chains\")"]
+        out = []
+        for t in self.tasks.values():
+            pairs = self.task_hand_overs(t)
+            last = self.deployed(t)[-1].name
+            if t.hand_over == "chain" and pairs and pairs[-1][1] != last:
+                out.append(f"tasks.{t.name}: chain_answers 'head' keeps its join {last!r}: a tail's answer has a fixed size "
+                           f"of at most {ANSWER_MAX // 1024} KiB, it is in no pack, and it is last in every task that uses "
+                           "it, after a link (docs/plan.md, \"Chains\")")
         return out

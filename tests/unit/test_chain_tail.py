@@ -89,10 +89,18 @@ def test_the_generator_renders_a_chain_that_ends_its_task_as_one_step_that_answe
     assert _spec(joined, "tail").hand_over == HandOver(takes_from="mid_b", keys_from=("stem",), from_link=True)
 
 
-def test_a_task_whose_answer_is_too_large_for_a_message_keeps_its_join() -> None:
+def test_a_task_whose_answer_is_too_large_for_a_message_keeps_its_join_and_the_plan_says_so() -> None:
     classes = ANSWER_MAX // 4 + 1
-    files = generator.render(parse_plan_text(PLAN.read_text().replace("num_classes: 10", f"num_classes: {classes}")))
+    plan = parse_plan_text(PLAN.read_text().replace("num_classes: 10", f"num_classes: {classes}"))
+    files = generator.render(plan)
     assert [s.model_name for s in _config(files, "task_a").ensemble_scheduling.step] == ["stem", "tail"]
+    assert [w.split(":")[0] for w in plan.warnings()] == ["tasks.task_a"] and "keeps its join 'tail'" in plan.warnings()[0]
+    assert load_plan(PLAN).warnings() == []
+
+
+def test_chain_answers_head_without_chains_is_named_as_having_no_effect() -> None:
+    plan = parse_plan_text(PLAN.read_text().replace("hand_over: chain\n", ""))
+    assert plan.warnings() == ["chain_answers: 'head' has no effect without hand_over: 'chain' (docs/plan.md, \"Chains\")"]
 
 
 def test_answers_go_as_datagrams_and_a_malformed_one_ends_the_reading() -> None:
