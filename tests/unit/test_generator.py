@@ -12,13 +12,17 @@ from typing import Any
 import pytest
 
 from blockflow.core.errors import GenerateError
-from blockflow.core.spec import SPEC_PARAMETER, ModelSpec
+from blockflow.core.spec import BRIDGE_PARAMETER, SPEC_PARAMETER, BridgeSpec, ModelSpec
 from blockflow.ensemble_gen import generator
 from blockflow.ensemble_gen.configs import parse_pbtxt, to_pbtxt
 from blockflow.plan import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = [ROOT / "plans" / "default.yaml", *sorted((ROOT / "tests" / "plans").glob("*.yaml"))]
+# Every plan BlockFlow ships, but the examples cut from an exported program, which need it exported first
+# (tests/unit/test_program.py renders them).
+SHIPPED = sorted(p for p in [*(ROOT / "plans").glob("*.yaml"), *(ROOT / "plans" / "examples").glob("*.yaml")]
+                 if not p.stem.startswith("skipnet") and p not in PLANS)
 GOLDEN = ROOT / "tests" / "golden"
 
 
@@ -36,22 +40,27 @@ def test_matches_golden_repository(plan: Path) -> None:
     assert generator.diff(files, golden_dir(plan)) == [], f"stale golden for {plan.name}; run ./scripts/regenerate.sh"
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=[p.stem for p in PLANS])
+@pytest.mark.parametrize("plan", PLANS + SHIPPED, ids=[p.relative_to(ROOT).as_posix() for p in PLANS + SHIPPED])
 def test_every_config_round_trips_through_protobuf(plan: Path) -> None:
-    files = generator.render(load_plan(plan))
-    configs = {p: d.decode() for p, d in files.items() if p.endswith("config.pbtxt")}
-    assert configs
-    for path, text in configs.items():
-        cfg = parse_pbtxt(text)
-        assert to_pbtxt(cfg) == text
-        assert cfg.name == path.split("/")[0]
-        if cfg.platform == "ensemble":
-            steps = [s.model_name for s in cfg.ensemble_scheduling.step]
-            assert all(f"{s}/config.pbtxt" in files for s in steps), steps
-        else:
-            assert cfg.backend == "python"
-            spec = ModelSpec.model_validate(json.loads(cfg.parameters[SPEC_PARAMETER].string_value))
-            assert spec.max_batch_size == cfg.max_batch_size
+    loaded = load_plan(plan)
+    for server in loaded.raw.servers or [None]:  # a plan over several servers: each server's repository
+        files = generator.render(loaded.on_server(server))
+        configs = {p: d.decode() for p, d in files.items() if p.endswith("config.pbtxt")}
+        assert configs
+        for path, text in configs.items():
+            cfg = parse_pbtxt(text)
+            assert to_pbtxt(cfg) == text
+            assert cfg.name == path.split("/")[0]
+            if cfg.platform == "ensemble":
+                steps = [s.model_name for s in cfg.ensemble_scheduling.step]
+                assert all(f"{s}/config.pbtxt" in files for s in steps), steps
+            elif BRIDGE_PARAMETER in cfg.parameters:  # a task's crossing to the next server
+                assert cfg.backend == "python"
+                BridgeSpec.model_validate_json(cfg.parameters[BRIDGE_PARAMETER].string_value)
+            else:
+                assert cfg.backend == "python"
+                spec = ModelSpec.model_validate(json.loads(cfg.parameters[SPEC_PARAMETER].string_value))
+                assert spec.max_batch_size == cfg.max_batch_size
 
 
 def test_default_plan_models_and_naming() -> None:
