@@ -30,7 +30,9 @@ GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [ "$GPUS" -ge 2 ]; then
   CUDA_VISIBLE_DEVICES=0 "$PY" -m blockflow.bench.like_for_like --plan "$PLAN" --rows fp16_u8_host "${instances[@]}" \
     "${load[@]}" --mps --out "$OUT/gpu0"
-  # The uint8 row's copy of the plan (like_for_like wrote it), its blocks spread over the GPUs.
-  [ -f "$OUT/pipelined/results.json" ] || "$PY" -m blockflow bench --plan "$OUT/mps_on/fp16_u8_host/plan.yaml" --precision fp16 --sections gpus \
+  # The uint8 row's copy of the plan (like_for_like wrote it; the first row's where ROWS lacks it), its blocks
+  # spread over the GPUs.
+  first="fp16_u8_host"; case ",$ROWS," in *",fp16_u8_host,"*) ;; *) first="${ROWS%%,*}" ;; esac
+  [ -f "$OUT/pipelined/results.json" ] || "$PY" -m blockflow bench --plan "$OUT/mps_on/$first/plan.yaml" --precision fp16 --sections gpus \
     "${load[@]}" --mps --out "$OUT/pipelined"
 fi
