@@ -298,3 +298,18 @@ def test_a_table_names_perf_analyzer_s_threads_where_a_row_used_few(tmp_path: Pa
     md = lfl.summary(tmp_path, rows)
     assert "perf_analyzer a thread per request and perf_analyzer on 8 threads (the rows differ); each row" in md
     assert "perf_analyzer" not in lfl.summary(tmp_path, rows[:1])  # the default, as every earlier table ran it
+
+
+def test_rows_run_at_c1_and_above_c32_only_are_checked_at_each_models_best(tmp_path: Path) -> None:
+    src = FIXTURES / "h200" / "like_for_like-2026-11-28-e116978" / "fp16_host" / "results.json"
+    res = json.loads(src.read_text())
+    res["meta"]["gpu_alone"] = {"batch1_ms": 0.64, "images_per_s": {"32": 10000.0}}
+    for model, rate in ((lfl.SPLIT, 5800.0), (lfl.MONO, 6000.0)):
+        res["concurrency"][model]["256"] = dict(res["concurrency"][model].pop("32"), throughput=rate)
+    (tmp_path / "fp16_host").mkdir()
+    (tmp_path / "fp16_host" / "results.json").write_text(json.dumps(res))
+    line, figures = lfl.table_row(lfl.ROWS[0], res)
+    assert figures is not None and "c32_ratio" not in figures and figures["best_ratio"] == pytest.approx(5800 / 6000)
+    assert "; bests 0.97×" in line and lfl.served_over_alone(res) == "of 10,000/s, best unsplit 6000/s = 60% (c256), split 5800/s = 58% (c256)"
+    check = next(x for x in lfl.summary(tmp_path, lfl.ROWS[:1]).splitlines() if x.startswith("- "))
+    assert "bests 0.967× (meets ≥ 0.95×)" in check and "c32" not in check and "not compared" not in check
