@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -58,8 +59,8 @@ class GpuSampler:
     def process_sm_pct(self, since_wall_s: float, pids_by_model: Mapping[str, Iterable[int]]) -> dict[str, Any]:
         """Each model's share of the GPUs' time with its kernels running since ``since_wall_s`` (``time.time()``),
         from NVML's per-process samples (each the % of one sample period a process had a kernel on the SMs):
-        per GPU, a process's samples summed over the periods NVML sampled any process in (a period in which
-        none ran has no sample), then summed over a model's processes and the GPUs; ``all`` sums every
+        per GPU, a process's samples summed over the periods of the process sampled most (a process is
+        sampled only in the periods it ran, each on its own clock), then summed over a model's processes and the GPUs; ``all`` sums every
         process sampled. Beside the device's ``util_pct`` (any kernel running) it says how much of a busy GPU
         no process's kernel held: switching between processes' time slices. Empty where NVML keeps no such
         samples (some GPUs; under MPS it may sample only the MPS server)."""
@@ -70,7 +71,12 @@ class GpuSampler:
                 samples = self.nv.nvmlDeviceGetProcessUtilization(h, int(since_wall_s * 1e6))
             except Exception:  # not supported here, or no process sampled since
                 continue
-            periods.append(len({int(x.timeStamp) for x in samples}))
+            # NVML stamps each process's samples on its own clock (one H200: 14-17 stamps for 5 processes over
+            # a run), so the periods are those of the process sampled most: one that ran in every period.
+            counts = Counter(int(x.pid) for x in samples)
+            if not counts:
+                continue
+            periods.append(max(counts.values()))
             for x in samples:
                 pct_by_pid[int(x.pid)] = pct_by_pid.get(int(x.pid), 0.0) + float(x.smUtil) / periods[-1]
         shares = sm_shares(pct_by_pid, pids_by_model)

@@ -40,8 +40,8 @@ class _Nvml:
 
     def nvmlDeviceGetProcessUtilization(self, handle: int, since_us: int) -> list[_Sample]:
         self.since.append(since_us)
-        if handle == 0:  # four periods: pid 11 ran in all, at 40%; pid 12 in two, at 30%
-            return [_Sample(11, t, 40) for t in (1, 2, 3, 4)] + [_Sample(12, t, 30) for t in (2, 3)]
+        if handle == 0:  # four periods: pid 11 ran in all, at 40%; pid 12 in two, at 30%, stamped on its own clock
+            return [_Sample(11, t, 40) for t in (10, 20, 30, 40)] + [_Sample(12, t, 30) for t in (23, 31)]
         raise RuntimeError("NVML_ERROR_NOT_FOUND")  # the second GPU sampled no process since
 
 
