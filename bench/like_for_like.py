@@ -240,8 +240,9 @@ def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
               ""]
     alone = any(gpu_alone(res) for _, res in done)
     if alone:
-        lines += ["served / GPU alone (b32): the split's throughput at c32 against the task's whole network in a plain "
-                  "process at batch 32, same precision, channels-last, CUDA graph (each row's `meta.gpu_alone`).", ""]
+        lines += [f"served / GPU alone (b32): the split's throughput at c32{' (and each model at its best)' if beyond else ''} "
+                  "against the task's whole network in a plain process at batch 32, same precision, channels-last, CUDA graph "
+                  "(each row's `meta.gpu_alone`; with JPEG files, its decoding included).", ""]
     lines += [h + g for h, g in zip(HEADER, GPU_ALONE_HEADER, strict=True)] if alone else HEADER
     checks = []
     for row, res in done:

@@ -71,7 +71,7 @@ class GpuSampler:
                 samples = self.nv.nvmlDeviceGetProcessUtilization(h, int(since_wall_s * 1e6))
             except Exception:  # not supported here, or no process sampled since
                 continue
-            # NVML stamps each process's samples on its own clock (one H200: 14-17 stamps for 5 processes over
+            # NVML stamps each process's samples on its own clock (one H200: 14-19 stamps for 5 processes over
             # a run), so the periods are those of the process sampled most: one that ran in every period.
             counts = Counter(int(x.pid) for x in samples)
             if not counts:
