@@ -174,6 +174,11 @@ def best(conc: dict[str, Any], model: str) -> tuple[float, str] | None:
     return max(figs, key=lambda f: f[0]) if figs else None
 
 
+def _bests(conc: dict[str, Any]) -> list[tuple[str, tuple[float, str]]]:
+    """``("unsplit" | "split", (best throughput, its concurrency))`` of each model measured."""
+    return [(label, b) for label, m in (("unsplit", MONO), ("split", SPLIT)) if (b := best(conc, m)) is not None]
+
+
 def served_over_alone(res: dict[str, Any]) -> str:
     """The split's throughput at c32 as a share of the GPU alone's at batch 32 (``meta.gpu_alone``), and where more
     concurrencies were measured, each model's best as a share of it; "—" without the GPU alone's figure."""
@@ -184,7 +189,7 @@ def served_over_alone(res: dict[str, Any]) -> str:
         return "—"
     texts = [] if fig is None else [f"{100 * fig['throughput'] / b32:.0f}% of {b32:,.0f}/s"]
     if _beyond_c32(conc):
-        bests = [(label, b) for label, m in (("unsplit", MONO), ("split", SPLIT)) if (b := best(conc, m)) is not None]
+        bests = _bests(conc)
         texts.append(("best " if fig is not None else f"of {b32:,.0f}/s, best ")
                      + ", ".join(f"{label} {b[0]:.0f}/s = {100 * b[0] / b32:.0f}% (c{b[1]})" for label, b in bests))
     return "; ".join(texts)
@@ -195,7 +200,7 @@ def alone_checks(res: dict[str, Any]) -> str:
     b32 = alone_b32(res)
     if not b32:
         return ""
-    bests = [(label, b) for label, m in (("unsplit", MONO), ("split", SPLIT)) if (b := best(res["concurrency"], m)) is not None]
+    bests = _bests(res["concurrency"])
     return "".join(f"; {label} best / GPU alone {_verdict(b[0] / b32, ALONE_SHARE, False, '')}" for label, b in bests)
 
 
