@@ -147,6 +147,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     warm = f"{res['warm_cores_ms']:g} ms" if res.get("warm_cores_ms") else "off"
     L = [f"# Request anatomy — {res['device']}", "",
          f"Plan `{res['plan']}`, task `{res['task']}`, {res.get('precision', 'precision not recorded')}, commit {res.get('commit', '?')}; warm cores {warm}; "
+         f"MPS {'on' if res.get('mps') else 'off'}; "
          + named_switches(res)
          + f"{res['requests']} sequential batch-1 HTTP requests per model after a warm-up; medians in ms (host clock, CLOCK_MONOTONIC, shared by all processes).", "",
          "Per block: *read* = inputs decoded, *run* = work queued (or run and synced, where the transport syncs), "
@@ -185,6 +186,9 @@ def main() -> None:
     ap.add_argument("--warm-cores-ms", type=float, default=0.0,
                     help="keep the CPUs out of idle this long after each block call (as blockflow serve --warm-cores-ms)")
     ap.add_argument("--precision", choices=get_args(Precision), help="every block in this precision instead of the plan's")
+    # A value as well as a flag, so that traced turns can set it per turn (--option=--mps --values off,on).
+    ap.add_argument("--mps", nargs="?", const="on", default="off", choices=("on", "off"),
+                    help="block processes as clients of a private MPS daemon (as blockflow serve --mps); --mps alone is on")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plan = load_plan(args.plan)
@@ -197,7 +201,7 @@ def main() -> None:
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
     runs: dict[str, Any] = {}
     # Every block process traces its calls.
-    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)}, warm_cores_ms=args.warm_cores_ms)
+    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)}, warm_cores_ms=args.warm_cores_ms, mps=args.mps == "on")
     with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)
@@ -207,7 +211,7 @@ def main() -> None:
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests,
                            "precision": plan.task_precision(task),
-                           "warm_cores_ms": args.warm_cores_ms, "switches": switches(), "commit": commit(), "models": {}}
+                           "warm_cores_ms": args.warm_cores_ms, "mps": args.mps == "on", "switches": switches(), "commit": commit(), "models": {}}
     for label, m in models.items():
         stages = m["blocks"] or [m["model"]]
         a = anatomy(runs[label]["times"], stages, traces)
