@@ -236,7 +236,10 @@ def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
     client = client_phrase(sorted({int(m.get("client_threads", 0)) for m in metas}))
     beyond = any(_beyond_c32(res["concurrency"]) for _, res in done)
     bests = "; `bests`: each model's highest throughput over the concurrencies measured" if beyond else ""
-    lines += [f"Plan `{metas[0]['plan']}`, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
+    plans = sorted({m["plan"] for m in metas})
+    # Rows may serve different copies of a plan (the speed command gives host-heavy rows more first-block instances).
+    where = f"Plan `{plans[0]}`" if len(plans) == 1 else "Plans " + ", ".join(f"`{p}`" for p in plans)
+    lines += [f"{where}, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
               f"commit {', '.join(commits)}; rows started {started_span(metas)}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"{client}"
               f"each row one server, references in its precision; median of {metas[0].get('repeats', 1)} runs ± half their "

@@ -6,8 +6,10 @@
 # For MPS off, then on (OUT/mps_off, OUT/mps_on): blockflow.bench.like_for_like rows of fp16 images as
 # uint8 from host memory and from CUDA shared memory, JPEG files, and float32 from host memory and CUDA
 # shared memory, each row one server serving the 4-block split and the unsplit graph in the plan's
-# instances (the default plan: the chain that served best on one H200, its unsplit model x4; INSTANCES=N
-# gives the first block, and so the unsplit model, N instances instead), perf_analyzer's asynchronous
+# instances (the default plan: the chain that served best on one H200, its unsplit model x4), except that
+# the rows whose first block ingests on the host (JPEG files, float32 images from host memory: decoding,
+# or 4x the bytes of uint8) give the first block, and so the unsplit model, HOST_INSTANCES (4) instances;
+# INSTANCES=N gives every row's first block N instances instead), perf_analyzer's asynchronous
 # loop on CLIENT_THREADS threads (16) at concurrency 1, 32, 128 and 256, every row with the GPU alone
 # measured first (meta.gpu_alone). On a machine with several GPUs, also OUT/gpu0 (the uint8 row on GPU 0
 # alone, MPS on) against OUT/mps_on/fp16_u8_host (every GPU: each block replicated on each), and
@@ -23,9 +25,28 @@ CONCURRENCY="${CONCURRENCY:-1,32,128,256}"
 instances=()
 if [ -n "${INSTANCES:-}" ]; then instances=(--instances "$INSTANCES"); fi
 load=(--concurrency "$CONCURRENCY" --client-threads "${CLIENT_THREADS:-16}" --repeats 3 --seconds 1.5)
-common=(--plan "$PLAN" --rows "$ROWS" "${instances[@]}" "${load[@]}")
-"$PY" -m blockflow.bench.like_for_like "${common[@]}" --out "$OUT/mps_off"
-"$PY" -m blockflow.bench.like_for_like "${common[@]}" --mps --out "$OUT/mps_on"
+# The rows in two groups: the plan's first block, and the host-heavy rows with HOST_INSTANCES of it (on one H200
+# the head x2 held float32 and JPEG rows to 0.61-0.67x the unsplit model x4; x4 gave 0.76-1.08x:
+# bench/results/h200/speed_more-2026-12-02-bb110da).
+plain=() heavy=()
+for row in ${ROWS//,/ }; do
+  case "$row" in *_jpeg_host|fp16_host|tf32_host|fp32_host) heavy+=("$row") ;; *) plain+=("$row") ;; esac
+done
+if [ -n "${INSTANCES:-}" ]; then plain+=("${heavy[@]}"); heavy=(); fi
+join() { local IFS=,; echo "$*"; }
+for mps in off on; do
+  flag=(); if [ "$mps" = on ]; then flag=(--mps); fi
+  if [ "${#plain[@]}" -gt 0 ]; then
+    "$PY" -m blockflow.bench.like_for_like --plan "$PLAN" --rows "$(join "${plain[@]}")" "${instances[@]}" "${load[@]}" \
+      "${flag[@]}" --out "$OUT/mps_$mps"
+  fi
+  if [ "${#heavy[@]}" -gt 0 ]; then
+    "$PY" -m blockflow.bench.like_for_like --plan "$PLAN" --rows "$(join "${heavy[@]}")" --instances "${HOST_INSTANCES:-4}" \
+      "${load[@]}" "${flag[@]}" --out "$OUT/mps_$mps"
+  fi
+  # One table of every row (each row's report names its instances).
+  "$PY" -m blockflow.bench.like_for_like --rows "$ROWS" --concurrency "$CONCURRENCY" --summary --out "$OUT/mps_$mps" > /dev/null
+done
 GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [ "$GPUS" -ge 2 ]; then
   CUDA_VISIBLE_DEVICES=0 "$PY" -m blockflow.bench.like_for_like --plan "$PLAN" --rows fp16_u8_host "${instances[@]}" \

@@ -313,3 +313,14 @@ def test_rows_run_at_c1_and_above_c32_only_are_checked_at_each_models_best(tmp_p
     assert "; bests 0.97×" in line and lfl.served_over_alone(res) == "of 10,000/s, best unsplit 6000/s = 60% (c256), split 5800/s = 58% (c256)"
     check = next(x for x in lfl.summary(tmp_path, lfl.ROWS[:1]).splitlines() if x.startswith("- "))
     assert "bests 0.967× (meets ≥ 0.95×)" in check and "c32" not in check and "not compared" not in check
+
+
+def test_a_table_of_rows_that_served_different_copies_of_a_plan_names_each(tmp_path: Path) -> None:
+    rows = lfl.ROWS[:2]
+    for i, row in enumerate(rows):
+        res = json.loads((RESULTS / row.name / "results.json").read_text())
+        res["meta"]["plan"] = f"out/{row.name}/plan.yaml" if i else "plans/p.yaml"
+        (tmp_path / row.name).mkdir()
+        (tmp_path / row.name / "results.json").write_text(json.dumps(res))
+    assert "Plans `out/fp16_cudashm/plan.yaml`, `plans/p.yaml`, task" in lfl.summary(tmp_path, rows)
+    assert "Plan `plans/p.yaml`, task" in lfl.summary(tmp_path, rows[:1])
