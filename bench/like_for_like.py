@@ -236,9 +236,12 @@ def summary(out: Path, rows: tuple[Row, ...] = DEFAULT_ROWS) -> str:
     client = client_phrase(sorted({int(m.get("client_threads", 0)) for m in metas}))
     beyond = any(_beyond_c32(res["concurrency"]) for _, res in done)
     bests = "; `bests`: each model's highest throughput over the concurrencies measured" if beyond else ""
-    plans = sorted({m["plan"] for m in metas})
+    by_plan: dict[str, list[str]] = {}
+    for row, res in done:
+        by_plan.setdefault(res["meta"]["plan"], []).append(row.name)
     # Rows may serve different copies of a plan (the speed command gives host-heavy rows more first-block instances).
-    where = f"Plan `{plans[0]}`" if len(plans) == 1 else "Plans " + ", ".join(f"`{p}`" for p in plans)
+    where = (f"Plan `{metas[0]['plan']}`" if len(by_plan) == 1 else
+             "Plans " + ", ".join(f"`{plan}` ({', '.join(names)})" for plan, names in by_plan.items()))
     lines += [f"{where}, task `{done[0][1]['task']}` = {' → '.join(done[0][1]['path'])}; {metas[0]['device']}; "
               f"commit {', '.join(commits)}; rows started {started_span(metas)}; MPS {'on' if metas[0].get('mps') else 'off'}; "
               f"{client}"

@@ -1,6 +1,6 @@
 """Where one request's time goes, block by block: host timestamps and GPU times, one request at a time.
 
-    python -m blockflow.bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300] [--precision fp16]
+    python -m blockflow.bench.timeline --plan plans/bench_r50.yaml --out bench/results/h100 [--requests 300] [--precision fp16] [--mps]
 
 Starts one server with ``BLOCKFLOW_TRACE_DIR`` set (see backend/trace.py), sends sequential
 batch-1 requests to every model of the plan's first task (the monolithic references and each

@@ -322,5 +322,5 @@ def test_a_table_of_rows_that_served_different_copies_of_a_plan_names_each(tmp_p
         res["meta"]["plan"] = f"out/{row.name}/plan.yaml" if i else "plans/p.yaml"
         (tmp_path / row.name).mkdir()
         (tmp_path / row.name / "results.json").write_text(json.dumps(res))
-    assert "Plans `out/fp16_cudashm/plan.yaml`, `plans/p.yaml`, task" in lfl.summary(tmp_path, rows)
+    assert "Plans `plans/p.yaml` (fp16_host), `out/fp16_cudashm/plan.yaml` (fp16_cudashm), task" in lfl.summary(tmp_path, rows)
     assert "Plan `plans/p.yaml`, task" in lfl.summary(tmp_path, rows[:1])

@@ -65,6 +65,15 @@ def test_a_result_records_the_behaviour_switches_set(tmp_path: Path, monkeypatch
     assert "; `BLOCKFLOW_TMQ_EARLY=0`; " in (tmp_path / "timeline.md").read_text()
 
 
+@pytest.mark.parametrize(("mps", "said"), [(None, "MPS off"), (False, "MPS off"), (True, "MPS on")])
+def test_the_report_says_whether_the_server_ran_under_mps(tmp_path: Path, mps: bool | None, said: str) -> None:
+    res = json.loads((RESULTS / "1_0" / "timeline.json").read_text())  # traces before --mps record none: off
+    if mps is not None:
+        res["mps"] = mps
+    write_report(res, tmp_path / "timeline.md")
+    assert f"; {said}; " in (tmp_path / "timeline.md").read_text()
+
+
 def test_traced_turns_put_each_turn_s_steps_side_by_side(tmp_path: Path) -> None:
     for name in ("1_0", "2_1"):  # two turns of this setting that finished; the third never did
         (tmp_path / name).mkdir()
