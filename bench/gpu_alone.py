@@ -89,22 +89,7 @@ def measure(plan_path: Path, task_name: str | None = None, precision: str | None
     runner = BlockRunner(spec, torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if cuda and not runner.use_graphs:
         return None, "CUDA graphs are switched off in this environment (BLOCKFLOW_DISABLE_CUDA_GRAPHS=1)"
-    batch_ms: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    for b in sorted(sizes):
-        if skipped:
-            skipped[str(b)] = "a smaller batch did not fit"
-            continue
-        try:
-            batch_ms[str(b)] = _time_batch(runner, b, REPLAYS.get(b, OTHER_REPLAYS), cuda)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # an allocation during capture fails the capture too
-            if not isinstance(exc, torch.cuda.OutOfMemoryError) and "out of memory" not in str(exc):
-                raise
-            skipped[str(b)] = f"out of GPU memory ({str(exc).splitlines()[0]})"
-        finally:
-            runner._graphs.clear()  # one batch size's graph at a time: each size gets the whole GPU's memory
-            if cuda:
-                torch.cuda.empty_cache()
+    batch_ms, skipped = batch_times(runner, sizes, cuda)
     if not batch_ms:
         return None, f"no batch size fitted: {skipped}"
     out: dict[str, Any] = {
@@ -129,6 +114,30 @@ def measure(plan_path: Path, task_name: str | None = None, precision: str | None
     return out, None
 
 
+def batch_times(runner: BlockRunner, sizes: tuple[int, ...], cuda: bool) -> tuple[dict[str, float], dict[str, str]]:
+    """The median ms of one batch of each size (:func:`time_batch`), and the sizes left out and why: a
+    size whose graph does not fit the GPU's memory, and every larger one."""
+    import torch
+
+    batch_ms: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for b in sorted(sizes):
+        if skipped:
+            skipped[str(b)] = "a smaller batch did not fit"
+            continue
+        try:
+            batch_ms[str(b)] = time_batch(runner, b, REPLAYS.get(b, OTHER_REPLAYS), cuda)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # an allocation during capture fails the capture too
+            if not isinstance(exc, torch.cuda.OutOfMemoryError) and "out of memory" not in str(exc):
+                raise
+            skipped[str(b)] = f"out of GPU memory ({str(exc).splitlines()[0]})"
+        finally:
+            runner._graphs.clear()  # one batch size's graph at a time: each size gets the whole GPU's memory
+            if cuda:
+                torch.cuda.empty_cache()
+    return batch_ms, skipped
+
+
 def _time_decode(chw: list[int] | tuple[int, ...], device: Any, batch: int, cuda: bool) -> float:
     """The median ms of decoding ``batch`` of the sample JPEGs (cycled) to the network's size on ``device``,
     one file per request as a served call takes them, the host waiting for the device's part."""
@@ -150,7 +159,7 @@ def _time_decode(chw: list[int] | tuple[int, ...], device: Any, batch: int, cuda
     return _median_ms(step, OTHER_REPLAYS, cuda=False)
 
 
-def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> float:
+def time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> float:
     """The median ms of one batch of ``batch`` images: a replay of the runner's CUDA graph of that
     batch (captured as its warm-up captures it: the fp32 image converted to the block's precision and
     layout, the network, the logits in fp32; a detector's eager node after it), or an eager run on the CPU."""
