@@ -115,7 +115,7 @@ def measure(plan_path: Path, task_name: str | None = None, precision: str | None
 
 
 def batch_times(runner: BlockRunner, sizes: tuple[int, ...], cuda: bool) -> tuple[dict[str, float], dict[str, str]]:
-    """The median ms of one batch of each size (:func:`time_batch`), and the sizes left out and why: a
+    """The median ms of one batch of each size (:func:`_time_batch`), and the sizes left out and why: a
     size whose graph does not fit the GPU's memory, and every larger one."""
     import torch
 
@@ -126,7 +126,7 @@ def batch_times(runner: BlockRunner, sizes: tuple[int, ...], cuda: bool) -> tupl
             skipped[str(b)] = "a smaller batch did not fit"
             continue
         try:
-            batch_ms[str(b)] = time_batch(runner, b, REPLAYS.get(b, OTHER_REPLAYS), cuda)
+            batch_ms[str(b)] = _time_batch(runner, b, REPLAYS.get(b, OTHER_REPLAYS), cuda)
         except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # an allocation during capture fails the capture too
             if not isinstance(exc, torch.cuda.OutOfMemoryError) and "out of memory" not in str(exc):
                 raise
@@ -159,7 +159,7 @@ def _time_decode(chw: list[int] | tuple[int, ...], device: Any, batch: int, cuda
     return _median_ms(step, OTHER_REPLAYS, cuda=False)
 
 
-def time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> float:
+def _time_batch(runner: BlockRunner, batch: int, replays: int, cuda: bool) -> float:
     """The median ms of one batch of ``batch`` images: a replay of the runner's CUDA graph of that
     batch (captured as its warm-up captures it: the fp32 image converted to the block's precision and
     layout, the network, the logits in fp32; a detector's eager node after it), or an eager run on the CPU."""

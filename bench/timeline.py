@@ -190,6 +190,7 @@ def main() -> None:
     ap.add_argument("--mps", nargs="?", const="on", default="off", choices=("on", "off"),
                     help="block processes as clients of a private MPS daemon (as blockflow serve --mps); --mps alone is on")
     args = ap.parse_args()
+    mps = args.mps == "on"
     args.out.mkdir(parents=True, exist_ok=True)
     plan = load_plan(args.plan)
     if args.precision is not None:
@@ -201,7 +202,7 @@ def main() -> None:
     trace = Path(tempfile.mkdtemp(prefix="bench-trace-"))
     runs: dict[str, Any] = {}
     # Every block process traces its calls.
-    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)}, warm_cores_ms=args.warm_cores_ms, mps=args.mps == "on")
+    opts = ServerOptions.on_free_ports([repo], env={TRACE_ENV: str(trace)}, warm_cores_ms=args.warm_cores_ms, mps=mps)
     with TritonServer(opts) as server:
         for label, m in models.items():
             before = model_stats(server.http_url)
@@ -211,7 +212,7 @@ def main() -> None:
     traces = read_traces(trace)  # complete once the server has unloaded its models (finalize flushes)
     res: dict[str, Any] = {"device": device_name(), "plan": str(args.plan), "task": task.name, "requests": args.requests,
                            "precision": plan.task_precision(task),
-                           "warm_cores_ms": args.warm_cores_ms, "mps": args.mps == "on", "switches": switches(), "commit": commit(), "models": {}}
+                           "warm_cores_ms": args.warm_cores_ms, "mps": mps, "switches": switches(), "commit": commit(), "models": {}}
     for label, m in models.items():
         stages = m["blocks"] or [m["model"]]
         a = anatomy(runs[label]["times"], stages, traces)

@@ -46,7 +46,7 @@ for mps in off on; do
       "${load[@]}" "${flag[@]}" --out "$OUT/mps_$mps"
   fi
   # One table of every row (each row's report names its instances).
-  "$PY" -m blockflow.bench.like_for_like --rows "$ROWS" --concurrency "$CONCURRENCY" --summary --out "$OUT/mps_$mps" > /dev/null
+  "$PY" -m blockflow.bench.like_for_like --rows "$ROWS" --summary --out "$OUT/mps_$mps" > /dev/null
 done
 GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [ "$GPUS" -ge 2 ]; then

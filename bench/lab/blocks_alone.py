@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ def measure(plan_path: Path, task_name: str | None, precision: str | None, sizes
 
     from blockflow.backend.runtime import BlockRunner
     from blockflow.bench.plans import in_precision
+    from blockflow.core.spec import ModelSpec
     from blockflow.ensemble_gen.generator import block_spec, reference_spec
     from blockflow.plan import load_plan
 
@@ -50,19 +53,20 @@ def measure(plan_path: Path, task_name: str | None, precision: str | None, sizes
     whole, _ = reference_spec(plan, task, graph=True)
     out: dict[str, Any] = {"task": task.name, "path": list(task.path), "precision": plan.task_precision(task),
                            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "cuda_graph": cuda,
-                           "sizes": list(sizes), "blocks": {}, "skipped": {}}
-    for label, spec in [*specs.items(), ("whole", whole)]:
+                           "sizes": list(sizes), "skipped": {}}
+
+    def timed(label: str, spec: ModelSpec) -> dict[str, float]:
         runner = BlockRunner(spec.model_copy(update=largest), where)
         ms, skipped = batch_times(runner, sizes, cuda)
         del runner
         if cuda:
             torch.cuda.empty_cache()
-        if label == "whole":
-            out["whole"] = ms
-        else:
-            out["blocks"][label] = ms
         if skipped:
             out["skipped"][label] = skipped
+        return ms
+
+    out["blocks"] = {name: timed(name, spec) for name, spec in specs.items()}
+    out["whole"] = timed("the whole network", whole)  # a label no block's name can clash with
     measured = [str(b) for b in sizes if all(str(b) in m for m in [*out["blocks"].values(), out["whole"]])]
     out["sum"] = {b: sum(m[b] for m in out["blocks"].values()) for b in measured}
     out["sum_over_whole"] = {b: out["sum"][b] / out["whole"][b] for b in measured}
@@ -105,9 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if not sizes or min(sizes) < 1:
         ap.error("--sizes takes batch sizes of 1 or more")
     res = measure(args.plan, args.task, args.precision, sizes, args.device)
-    command = "python -m blockflow.bench.lab.blocks_alone " + " ".join(
-        f"{k} {v}" for k, v in (("--plan", args.plan), ("--task", args.task), ("--precision", args.precision),
-                                ("--sizes", args.sizes), ("--device", args.device)) if v is not None)
+    command = "python -m blockflow.bench.lab.blocks_alone " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "blocks_alone.json").write_text(json.dumps(res, indent=1))
     (args.out / "blocks_alone.md").write_text(report(res, command))
