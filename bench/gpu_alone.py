@@ -37,6 +37,7 @@ REPLAYS = {1: 100}  # timed replays per batch size; OTHER_REPLAYS for the others
 OTHER_REPLAYS = 30
 WARM_S = 0.5  # replays before the timed ones, long enough for the GPU's clocks to rise
 CHILD_TIMEOUT_S = 900.0
+GRAPHS_OFF = "CUDA graphs are switched off in this environment (BLOCKFLOW_DISABLE_CUDA_GRAPHS=1)"  # nothing to time
 
 
 def _median_ms(step: Callable[[], object], replays: int, cuda: bool) -> float:
@@ -88,7 +89,7 @@ def measure(plan_path: Path, task_name: str | None = None, precision: str | None
     spec = spec.model_copy(update={"precision": precision or spec.precision, "max_batch_size": max(sizes)})
     runner = BlockRunner(spec, torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if cuda and not runner.use_graphs:
-        return None, "CUDA graphs are switched off in this environment (BLOCKFLOW_DISABLE_CUDA_GRAPHS=1)"
+        return None, GRAPHS_OFF
     batch_ms, skipped = batch_times(runner, sizes, cuda)
     if not batch_ms:
         return None, f"no batch size fitted: {skipped}"

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from blockflow.bench.gpu_alone import batch_times
+from blockflow.bench.gpu_alone import GRAPHS_OFF, batch_times
 
 
 def measure(plan_path: Path, task_name: str | None, precision: str | None, sizes: tuple[int, ...],
@@ -57,6 +57,8 @@ def measure(plan_path: Path, task_name: str | None, precision: str | None, sizes
 
     def timed(label: str, spec: ModelSpec) -> dict[str, float]:
         runner = BlockRunner(spec.model_copy(update=largest), where)
+        if cuda and not runner.use_graphs:  # a block's time alone is its graph's
+            raise SystemExit(GRAPHS_OFF)
         ms, skipped = batch_times(runner, sizes, cuda)
         del runner
         if cuda:
